@@ -1,0 +1,290 @@
+"""Codecs for the changed elements of one tensor (layouts: docs/FORMAT.md).
+
+A change set is (positions, new bit patterns) with positions the sorted, unique row-major flat
+indices of the changed elements. Every codec runs in four steps, so that the device work and the
+host work can be placed where they belong (trainer: detect on the GPU, compress on a background
+thread; server: decompress before the pause, finish on a side stream):
+
+    prepare (device)  -> Sections (host arrays) -> pack (host)   -> file tensors + JSON meta
+    unpack  (host)    -> Sections (host arrays) -> finish (device) -> Changes
+
+`raw`     int32 (int64 when the tensor has 2^31 elements or more) positions + absolute values: the
+          TRL baseline, 6 B per changed bf16 element. Does not depend on the base's values.
+`compact` gap-coded positions (uint16, byte-planed, escapes for gaps >= 65535) + the difference of
+          the bit patterns new - old mod 2^bits (int8, escapes for |d| > 127), zstd-compressed in
+          independent frames of at most FRAME_ELEMS elements. Its values need the base's values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import zstandard
+
+from .errors import CodecError, PositionError
+
+FRAME_ELEMS = 1 << 22
+ZSTD_LEVEL = 3
+_GAP_ESCAPE = 0xFFFF
+_DIFF_ESCAPE = -128
+
+_INT_DTYPE = {2: torch.int16, 4: torch.int32}
+_NP_INT = {2: np.int16, 4: np.int32}
+
+
+@dataclass
+class Changes:
+    """Decoded changes of one tensor, on one device. New values come from `new_bits(old)`."""
+
+    positions: torch.Tensor  # int64, sorted, unique
+    values: torch.Tensor | None = None  # absolute bit patterns (int16/int32), codecs without a base
+    diffs: torch.Tensor | None = None  # new - old mod 2^bits, as int64
+
+    @property
+    def needs_base(self) -> bool:
+        return self.values is None
+
+    def new_bits(self, old_bits: torch.Tensor | None) -> torch.Tensor:
+        """New bit patterns (same integer dtype as `old_bits`) for the changed positions."""
+        if self.values is not None:
+            return self.values
+        if old_bits is None:
+            raise CodecError("this codec's values are relative to the base; pass the base values")
+        width = old_bits.element_size() * 8
+        new = (old_bits.to(torch.int64) + self.diffs) & ((1 << width) - 1)
+        new = torch.where(new >= (1 << (width - 1)), new - (1 << width), new)
+        return new.to(old_bits.dtype)
+
+
+@dataclass
+class Sections:
+    """Host-side intermediate form of a codec: named numpy arrays plus small metadata."""
+
+    arrays: dict[str, np.ndarray] = field(default_factory=dict)
+    meta: dict = field(default_factory=dict)
+
+
+def int_view(t: torch.Tensor) -> torch.Tensor:
+    if t.is_floating_point():
+        if t.element_size() not in _INT_DTYPE:
+            raise CodecError(f"unsupported element type {t.dtype}")
+        return t.view(_INT_DTYPE[t.element_size()])
+    return t
+
+
+def _host(t: torch.Tensor) -> np.ndarray:
+    return t.detach().to("cpu").numpy()
+
+
+def _err(exc_type, msg, ctx):
+    return exc_type(msg, version=ctx.get("version"), tensor=ctx.get("tensor"))
+
+
+def position_dtype(numel: int) -> torch.dtype:
+    return torch.int32 if numel <= np.iinfo(np.int32).max else torch.int64
+
+
+class RawCodec:
+    name = "raw"
+    needs_base = False
+
+    def prepare(self, positions, new_bits, old_bits, numel) -> Sections:
+        return Sections(
+            {
+                "idx": _host(positions.to(position_dtype(numel))),
+                "val": _host(int_view(new_bits)),
+            }
+        )
+
+    def pack(self, sections: Sections, dtype: torch.dtype):
+        val = torch.from_numpy(sections.arrays["val"]).view(dtype)
+        return {"idx": torch.from_numpy(sections.arrays["idx"]), "val": val}, {}
+
+    def unpack(self, tensors, meta, *, numel, nnz, dtype, ctx) -> Sections:
+        idx, val = tensors.get("idx"), tensors.get("val")
+        if idx is None or val is None:
+            raise _err(CodecError, "raw payload lacks 'idx' or 'val'", ctx)
+        if idx.dtype not in (torch.int32, torch.int64) or val.dtype != dtype:
+            raise _err(CodecError, f"raw payload dtypes {idx.dtype}/{val.dtype}, expected int/{dtype}", ctx)
+        if idx.ndim != 1 or val.ndim != 1 or idx.numel() != nnz or val.numel() != nnz:
+            raise _err(CodecError, f"raw payload holds {idx.numel()}/{val.numel()} entries, header says {nnz}", ctx)
+        return Sections({"idx": idx.numpy(), "val": int_view(val).numpy()})
+
+    def finish(self, sections: Sections, *, numel, device, ctx) -> Changes:
+        pos = torch.from_numpy(sections.arrays["idx"]).to(device, non_blocking=True).to(torch.int64)
+        check_positions(pos, numel, ctx)
+        vals = torch.from_numpy(sections.arrays["val"]).to(device, non_blocking=True)
+        return Changes(positions=pos, values=vals)
+
+
+class CompactCodec:
+    name = "compact"
+    needs_base = True
+
+    def __init__(self, level: int = ZSTD_LEVEL, frame_elems: int = FRAME_ELEMS):
+        self.level = level
+        self.frame_elems = frame_elems
+
+    # -- trainer side ------------------------------------------------------------------------
+    def prepare(self, positions, new_bits, old_bits, numel) -> Sections:
+        """Device work: gaps and bit differences, escapes split off. Returns host arrays."""
+        pos = positions.to(torch.int64)
+        n = pos.numel()
+        width = int_view(new_bits).element_size() * 8
+        prev = torch.empty_like(pos)
+        if n:
+            prev[0] = -1
+            prev[1:] = pos[:-1]
+        # Frames restart the gap chain so that each decodes alone: a frame's first gap is
+        # relative to the frame's `start` (the position after the previous frame's last element).
+        starts = [0]
+        for f in range(self.frame_elems, n, self.frame_elems):
+            starts.append(int(pos[f - 1].item()) + 1)
+            prev[f] = starts[-1] - 1
+        gaps = pos - prev - 1
+        g16 = torch.clamp(gaps, max=_GAP_ESCAPE).to(torch.int32)
+        diffs = (int_view(new_bits).to(torch.int64) - int_view(old_bits).to(torch.int64)) & ((1 << width) - 1)
+        diffs = torch.where(diffs >= (1 << (width - 1)), diffs - (1 << width), diffs)
+        small = (diffs >= -127) & (diffs <= 127)
+        d8 = torch.where(small, diffs, torch.full_like(diffs, _DIFF_ESCAPE)).to(torch.int8)
+        return Sections(
+            {
+                "gaps16": _host(g16).astype(np.uint16),
+                "gap_esc": _host(gaps[gaps >= _GAP_ESCAPE]),
+                "gap_esc_at": _host((gaps >= _GAP_ESCAPE).nonzero().reshape(-1)),
+                "d8": _host(d8),
+                "diff_esc": _host(diffs[~small].to(_INT_DTYPE[width // 8])),
+                "diff_esc_at": _host((~small).nonzero().reshape(-1)),
+            },
+            {"starts": starts, "width": width},
+        )
+
+    def pack(self, sections: Sections, dtype: torch.dtype):
+        """Host work: split into frames, byte-plane the gaps, zstd each frame."""
+        a = sections.arrays
+        n = a["gaps16"].size
+        cctx = zstandard.ZstdCompressor(level=self.level)
+        blobs, frames = [], []
+        for i, start in enumerate(sections.meta["starts"]):
+            lo, hi = i * self.frame_elems, min(n, (i + 1) * self.frame_elems)
+            g = a["gaps16"][lo:hi]
+            ge = a["gap_esc"][(a["gap_esc_at"] >= lo) & (a["gap_esc_at"] < hi)]
+            de = a["diff_esc"][(a["diff_esc_at"] >= lo) & (a["diff_esc_at"] < hi)]
+            planes = g.view(np.uint8).reshape(-1, 2).T  # [low bytes | high bytes]
+            raw = b"".join(
+                [planes.tobytes(), a["d8"][lo:hi].tobytes(), ge.astype("<i8").tobytes(), de.tobytes()]
+            )
+            blob = cctx.compress(raw)
+            blobs.append(blob)
+            frames.append([len(blob), hi - lo, start, int(ge.size), int(de.size)])
+        data = np.frombuffer(b"".join(blobs), dtype=np.uint8).copy()
+        return {"blob": torch.from_numpy(data)}, {"frames": frames}
+
+    # -- server side -------------------------------------------------------------------------
+    def unpack(self, tensors, meta, *, numel, nnz, dtype, ctx) -> Sections:
+        """Host work: decompress and validate each frame. Returns concatenated fixed-width arrays."""
+        blob = tensors.get("blob")
+        frames = meta.get("frames")
+        if blob is None or blob.dtype != torch.uint8 or not isinstance(frames, list):
+            raise _err(CodecError, "compact payload lacks its 'blob' tensor or frame table", ctx)
+        width = torch.empty((), dtype=dtype).element_size()
+        try:
+            sizes = [int(f[0]) for f in frames]
+            counts = [int(f[1]) for f in frames]
+        except (TypeError, ValueError, IndexError) as exc:
+            raise _err(CodecError, f"malformed frame table: {exc}", ctx) from None
+        if sum(sizes) != blob.numel() or sum(counts) != nnz:
+            raise _err(
+                CodecError,
+                f"frame table covers {sum(sizes)} B / {sum(counts)} elements, payload has "
+                f"{blob.numel()} B / header nnz {nnz}",
+                ctx,
+            )
+        raw = memoryview(blob.numpy())
+        dctx = zstandard.ZstdDecompressor()
+        gaps = np.empty(nnz, dtype=np.int64)
+        diffs = np.empty(nnz, dtype=np.int64)
+        offset, at, last = 0, 0, -1
+        for size, n, start, n_ge, n_de in frames:
+            want = 3 * n + 8 * n_ge + width * n_de
+            try:
+                buf = dctx.decompress(raw[offset : offset + size], max_output_size=want)
+            except zstandard.ZstdError as exc:
+                raise _err(CodecError, f"zstd frame at byte {offset} is corrupt: {exc}", ctx) from None
+            if len(buf) != want:
+                raise _err(CodecError, f"zstd frame at byte {offset} holds {len(buf)} B, expected {want}", ctx)
+            if start <= last:
+                raise _err(PositionError, f"frame starts at {start}, not after position {last}", ctx)
+            planes = np.frombuffer(buf, dtype=np.uint8, count=2 * n).reshape(2, n)
+            g = planes[0].astype(np.int64) | (planes[1].astype(np.int64) << 8)
+            d = np.frombuffer(buf, dtype=np.int8, count=n, offset=2 * n).astype(np.int64)
+            ge = np.frombuffer(buf, dtype="<i8", count=n_ge, offset=3 * n)
+            de = np.frombuffer(buf, dtype=_NP_INT[width], count=n_de, offset=3 * n + 8 * n_ge)
+            esc = g == _GAP_ESCAPE
+            if int(esc.sum()) != n_ge or (n_ge and int(ge.min()) < _GAP_ESCAPE):
+                raise _err(CodecError, "gap escapes do not match their escape table", ctx)
+            g[esc] = ge
+            desc = d == _DIFF_ESCAPE
+            if int(desc.sum()) != n_de:
+                raise _err(CodecError, "value escapes do not match their escape table", ctx)
+            d[desc] = de
+            if n:
+                frame_last = start - 1 + int(g.sum()) + n
+                # One prefix sum runs over all frames: fold this frame's start into its first gap.
+                g[0] += start - (last + 1)
+                last = frame_last
+            gaps[at : at + n] = g
+            diffs[at : at + n] = d
+            at += n
+            offset += size
+        if nnz and last >= numel:
+            raise _err(PositionError, f"position {last} out of range for {numel} elements", ctx)
+        return Sections({"gaps": gaps, "diffs": diffs}, {"width": width})
+
+    def finish(self, sections: Sections, *, numel, device, ctx) -> Changes:
+        """Device work: positions from the gap chain (gap g means g unchanged elements skipped)."""
+        gaps = torch.from_numpy(sections.arrays["gaps"]).to(device, non_blocking=True)
+        diffs = torch.from_numpy(sections.arrays["diffs"]).to(device, non_blocking=True)
+        positions = torch.cumsum(gaps + 1, 0) - 1
+        check_positions(positions, numel, ctx)
+        return Changes(positions=positions, diffs=diffs)
+
+
+def check_positions(pos: torch.Tensor, numel: int, ctx: dict) -> None:
+    """Sorted, unique, within [0, numel). Raises PositionError naming the first offender."""
+    if pos.numel() == 0:
+        return
+    if int(pos.min()) < 0 or int(pos.max()) >= numel:
+        bad = int(pos[(pos < 0) | (pos >= numel)][0])
+        raise _err(PositionError, f"position {bad} out of range for {numel} elements", ctx)
+    if pos.numel() > 1:
+        step = pos[1:] - pos[:-1]
+        if bool((step <= 0).any()):
+            i = int((step <= 0).nonzero()[0])
+            kind = "duplicated" if int(step[i]) == 0 else "unsorted"
+            raise _err(PositionError, f"positions {kind} at entry {i + 1} ({int(pos[i])}, {int(pos[i + 1])})", ctx)
+
+
+CODECS = {"raw": RawCodec(), "compact": CompactCodec()}
+
+
+def get_codec(name: str, ctx: dict | None = None):
+    try:
+        return CODECS[name]
+    except KeyError:
+        raise _err(CodecError, f"unknown codec {name!r} (known: {', '.join(CODECS)})", ctx or {}) from None
+
+
+def encode(codec: str, positions, new_bits, old_bits, numel: int, dtype: torch.dtype):
+    """One-shot encode: returns (file tensors by suffix, JSON meta)."""
+    c = get_codec(codec)
+    return c.pack(c.prepare(positions, new_bits, old_bits, numel), dtype)
+
+
+def decode(codec: str, tensors, meta, *, numel: int, nnz: int, dtype, device="cpu", ctx=None) -> Changes:
+    """One-shot decode of one tensor's payload into Changes on `device`."""
+    ctx = ctx or {}
+    c = get_codec(codec, ctx)
+    return c.finish(c.unpack(tensors, meta, numel=numel, nnz=nnz, dtype=dtype, ctx=ctx), numel=numel, device=device, ctx=ctx)

@@ -1,0 +1,83 @@
+"""Exceptions. Every message names the version (and tensor, where there is one).
+
+The HTTP layer maps them to status codes through `http_status`; nothing else should need to
+know which is which.
+"""
+
+from __future__ import annotations
+
+
+class DeltaError(Exception):
+    """Base class of every error vllm-delta raises on purpose."""
+
+    http_status = 500
+
+    def __init__(self, message: str, *, version: int | None = None, tensor: str | None = None):
+        where = []
+        if version is not None:
+            where.append(f"version {version}")
+        if tensor is not None:
+            where.append(f"tensor {tensor!r}")
+        super().__init__(f"{message} ({', '.join(where)})" if where else message)
+        self.version = version
+        self.tensor = tensor
+
+
+class VersionNotFoundError(DeltaError):
+    """The store holds no committed version with that number."""
+
+    http_status = 404
+
+
+class VersionExistsError(DeltaError):
+    """A version number is written once; publishing it again is refused."""
+
+    http_status = 409
+
+
+class NotSuccessorError(DeltaError):
+    """The delta's base is not what the reader holds (version or base checksum differ)."""
+
+    http_status = 409
+
+
+class MissingBaseError(DeltaError):
+    """A delta's base (or an anchor below it) is not in the store."""
+
+    http_status = 404
+
+
+class IntegrityError(DeltaError):
+    """The bytes can't be trusted: corrupt, truncated, inconsistent or failing a checksum."""
+
+    http_status = 422
+
+
+class FormatError(IntegrityError):
+    """Not a readable vllm-delta version file (truncated, corrupt header, unknown format version)."""
+
+
+class CodecError(IntegrityError):
+    """Unknown codec, or a payload the codec cannot decode."""
+
+
+class ShapeMismatchError(IntegrityError):
+    """A tensor's shape or dtype differs from what the file or the base says."""
+
+
+class PositionError(IntegrityError):
+    """Positions out of range, unsorted or duplicated."""
+
+
+class ChecksumMismatchError(IntegrityError):
+    """Reconstructed weights do not match the checksum the publisher recorded."""
+
+
+class UnsupportedModelError(DeltaError):
+    """The target model can't take in-place updates (quantized parameters, unknown tensors...)."""
+
+    http_status = 422
+
+
+def http_status(exc: BaseException) -> int:
+    return getattr(exc, "http_status", 500) if isinstance(exc, DeltaError) else 500
