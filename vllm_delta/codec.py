@@ -173,9 +173,7 @@ class CompactCodec:
             ge = a["gap_esc"][(a["gap_esc_at"] >= lo) & (a["gap_esc_at"] < hi)]
             de = a["diff_esc"][(a["diff_esc_at"] >= lo) & (a["diff_esc_at"] < hi)]
             planes = g.view(np.uint8).reshape(-1, 2).T  # [low bytes | high bytes]
-            raw = b"".join(
-                [planes.tobytes(), a["d8"][lo:hi].tobytes(), ge.astype("<i8").tobytes(), de.tobytes()]
-            )
+            raw = b"".join([planes.tobytes(), a["d8"][lo:hi].tobytes(), ge.astype("<i8").tobytes(), de.tobytes()])
             blob = cctx.compress(raw)
             blobs.append(blob)
             frames.append([len(blob), hi - lo, start, int(ge.size), int(de.size)])
@@ -287,4 +285,6 @@ def decode(codec: str, tensors, meta, *, numel: int, nnz: int, dtype, device="cp
     """One-shot decode of one tensor's payload into Changes on `device`."""
     ctx = ctx or {}
     c = get_codec(codec, ctx)
-    return c.finish(c.unpack(tensors, meta, numel=numel, nnz=nnz, dtype=dtype, ctx=ctx), numel=numel, device=device, ctx=ctx)
+    return c.finish(
+        c.unpack(tensors, meta, numel=numel, nnz=nnz, dtype=dtype, ctx=ctx), numel=numel, device=device, ctx=ctx
+    )

@@ -77,8 +77,10 @@ class VersionHeader:
             raw = json.loads(text)
             fv = raw.get("format_version")
             if fv != FORMAT_VERSION:
-                raise FormatError(f"unknown format version {fv!r} in {where or 'header'} (this reader knows {FORMAT_VERSION})",
-                                  version=raw.get("version"))
+                raise FormatError(
+                    f"unknown format version {fv!r} in {where or 'header'} (this reader knows {FORMAT_VERSION})",
+                    version=raw.get("version"),
+                )
             tensors = {name: TensorEntry(**entry) for name, entry in raw.pop("tensors").items()}
             header = cls(tensors=tensors, **raw)
         except FormatError:
@@ -132,8 +134,7 @@ class VersionFile:
             meta = self._f.metadata() or {}
             keys = list(self._f.keys())
         except (SafetensorError, OSError, ValueError) as exc:
-            raise FormatError(f"not a readable safetensors file {self.path}: {exc}",
-                              version=expect_version) from None
+            raise FormatError(f"not a readable safetensors file {self.path}: {exc}", version=expect_version) from None
         if meta.get("format") != FORMAT_NAME or "header" not in meta:
             raise FormatError(f"{self.path} is not a vllm-delta version file", version=expect_version)
         self._keys = set(keys)
@@ -143,8 +144,9 @@ class VersionFile:
                 self._parts.setdefault(k.split(SEP, 1)[0], []).append(k)
         self.header = VersionHeader.from_json(meta["header"], where=self.path)
         if expect_version is not None and self.header.version != expect_version:
-            raise FormatError(f"file holds version {self.header.version}, expected {expect_version}",
-                              version=expect_version)
+            raise FormatError(
+                f"file holds version {self.header.version}, expected {expect_version}", version=expect_version
+            )
         self._check_payload()
 
     def _check_payload(self) -> None:
@@ -156,8 +158,9 @@ class VersionFile:
                 sl = self._f.get_slice(name)
                 shape, dtype = list(sl.get_shape()), sl.get_dtype()
                 if shape != entry.shape or dtype != entry.dtype:
-                    raise ShapeMismatchError(f"stored {dtype}{shape}, header says {entry.dtype}{entry.shape}",
-                                             version=h.version, tensor=name)
+                    raise ShapeMismatchError(
+                        f"stored {dtype}{shape}, header says {entry.dtype}{entry.shape}", version=h.version, tensor=name
+                    )
 
     @property
     def version(self) -> int:

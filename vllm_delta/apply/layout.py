@@ -70,7 +70,7 @@ class Layout:
 
     def translate(self, name: str, positions: torch.Tensor):
         """HF flat positions -> [(segment, mask over positions, target flat offsets of the masked)]."""
-        rows_total, cols = hf_2d(self.hf_shapes[name])
+        _, cols = hf_2d(self.hf_shapes[name])
         r = torch.div(positions, cols, rounding_mode="floor")
         c = positions - r * cols
         out = []

@@ -18,13 +18,19 @@ from ..checksum import bit_view
 
 @dataclass
 class ScatterPlan:
-    targets: list[torch.Tensor]  # flat integer views of the live tensors (same storage)
+    targets: list[torch.Tensor | None]  # flat integer views of the live tensors (None: unused here)
     bounds: list[tuple[int, int, int]]  # (target index, start, end) into offsets/values
     offsets: torch.Tensor  # int64 target-local flat element offsets, grouped by target
+    order: torch.Tensor | None = None  # permutation that grouped the caller's elements (None: kept)
 
     @property
     def nnz(self) -> int:
         return int(self.offsets.numel())
+
+    @property
+    def dtype(self) -> torch.dtype:
+        used = [t for t in self.targets if t is not None]
+        return used[0].dtype if used else torch.int16
 
 
 def flat_bits(t: torch.Tensor) -> torch.Tensor:
@@ -35,29 +41,37 @@ def flat_bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def build_plan(targets: list[torch.Tensor], target_ids: torch.Tensor, offsets: torch.Tensor) -> ScatterPlan:
-    """Group (target id, offset) pairs by target. Offsets within a target keep their order."""
-    flats = [flat_bits(t) for t in targets]
-    device = flats[0].device if flats else torch.device("cpu")
+    """Group (target id, offset) pairs by target; all referenced targets share one element width.
+
+    Elements are stably reordered by target id; `plan.order` says how (apply it to the values).
+    """
+    device = offsets.device
     ids = target_ids.to(device=device, dtype=torch.int64)
-    offs = offsets.to(device=device, dtype=torch.int64)
+    offs = offsets.to(dtype=torch.int64)
+    order = None
     if ids.numel() and bool((ids[1:] < ids[:-1]).any()):
         order = torch.sort(ids, stable=True).indices
         ids, offs = ids[order], offs[order]
-    counts = torch.bincount(ids, minlength=len(flats)).tolist() if ids.numel() else [0] * len(flats)
+    counts = torch.bincount(ids, minlength=len(targets)).tolist() if ids.numel() else [0] * len(targets)
+    flats: list[torch.Tensor | None] = [None] * len(targets)
     bounds, start = [], 0
     for i, n in enumerate(counts):
         if n:
-            if int(offs[start : start + n].max()) >= flats[i].numel() or int(offs[start : start + n].min()) < 0:
+            flats[i] = flat_bits(targets[i])
+            seg = offs[start : start + n]
+            if int(seg.max()) >= flats[i].numel() or int(seg.min()) < 0:
                 raise IndexError(f"scatter offset out of range for target {i} ({flats[i].numel()} elements)")
             bounds.append((i, start, start + n))
         start += n
-    return ScatterPlan(flats, bounds, offs)
+    widths = {flats[i].element_size() for i, _, _ in bounds}
+    if len(widths) > 1:
+        raise ValueError("one scatter plan covers targets of one element width")
+    return ScatterPlan(flats, bounds, offs, order)
 
 
 def gather(plan: ScatterPlan) -> torch.Tensor:
     """Current bit patterns at the plan's places, in plan order."""
-    dtype = plan.targets[0].dtype if plan.targets else torch.int16
-    out = torch.empty(plan.nnz, dtype=dtype, device=plan.offsets.device)
+    out = torch.empty(plan.nnz, dtype=plan.dtype, device=plan.offsets.device)
     for i, s, e in plan.bounds:
         out[s:e] = plan.targets[i][plan.offsets[s:e]]
     return out

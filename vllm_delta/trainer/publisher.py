@@ -1,0 +1,272 @@
+"""Publisher: turns each training step's weights into one store version, off the training thread.
+
+    with Publisher("file:///data/run1", anchor_every=20, codec="compact") as pub:
+        info = pub.publish(model, version=step)   # returns before the upload ends
+        ...
+    # leaving the block flushes: waits for the uploads and raises the first upload error
+
+`publish` runs change detection and the device part of encoding (gaps, bit differences) on the
+parameters' device, then hands host arrays to a background thread that compresses, writes the
+safetensors file and uploads it. The queue is bounded, so a slow store slows `publish` down
+instead of filling memory. An upload error is raised by the next `publish` or `flush`; the chain
+is then broken, so the following version is published as an anchor.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import tempfile
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+
+from .. import codec as codecs
+from ..checksum import MASK64, combine, positional_sum, tensor_sum, to_hex
+from ..errors import DeltaError
+from ..format import DTYPE_NAMES, TensorEntry, VersionHeader, payload_key, write
+from ..store import DeltaStore, VersionRecord
+from .detect import Snapshot, named_tensors
+
+log = logging.getLogger(__name__)
+
+
+class PublishError(DeltaError):
+    """A background upload failed; the message names the version."""
+
+
+@dataclass
+class PublishInfo:
+    version: int
+    kind: str  # "anchor" | "delta"
+    base: int | None
+    nnz: int  # changed elements (all elements for an anchor)
+    numel: int
+    checksum: str  # whole-model checksum of the published image (what a server will report)
+    detect_ms: float
+    uploaded: Future = field(repr=False)  # -> VersionRecord once the version is visible
+
+    @property
+    def density(self) -> float:
+        return self.nnz / self.numel if self.numel else 0.0
+
+
+@dataclass
+class _Job:
+    header: VersionHeader
+    sections: dict  # name -> codec Sections (deltas) or host tensor (anchors)
+    future: Future
+
+
+class Publisher:
+    def __init__(
+        self,
+        uri: str | DeltaStore,
+        *,
+        anchor_every: int = 20,
+        codec: str = "compact",
+        dtype: torch.dtype = torch.bfloat16,
+        snapshot_device: str | torch.device | None = None,
+        pin_snapshot: bool = False,
+        queue_size: int = 2,
+        keep_anchors: int | None = None,
+        storage_options: dict | None = None,
+    ):
+        if anchor_every < 1:
+            raise ValueError("anchor_every must be >= 1")
+        if dtype not in DTYPE_NAMES:
+            raise ValueError(f"publishable dtypes: {list(DTYPE_NAMES)}")
+        self.store = uri if isinstance(uri, DeltaStore) else DeltaStore(uri, storage_options=storage_options)
+        self.codec = codecs.get_codec(codec)
+        self.anchor_every = anchor_every
+        self.dtype = dtype
+        self.keep_anchors = keep_anchors
+        self.snapshot = Snapshot(device=snapshot_device, pin=pin_snapshot)
+        self._sums: dict[str, int] = {}  # per-tensor positional sums of the snapshot
+        self._shapes: dict[str, tuple[int, ...]] = {}
+        self._last: int | None = self.store.latest()
+        self._last_anchor: int | None = None
+        self._needs_anchor = True  # nothing to diff against until the first anchor
+        self._assets_done = False
+        self._checksum_of_last: str | None = None
+        self._error: BaseException | None = None
+        self._broken_at: int | None = None
+        self._queue: queue.Queue[_Job | None] = queue.Queue(maxsize=max(1, queue_size))
+        self._tmpdir = tempfile.mkdtemp(prefix="vllm-delta-pub-")
+        self._thread = threading.Thread(target=self._upload_loop, name="vllm-delta-upload", daemon=True)
+        self._thread.start()
+        self._closed = False
+
+    # -- public API --------------------------------------------------------------------------
+    @torch.no_grad()
+    def publish(self, model_or_tensors, version: int | None = None) -> PublishInfo:
+        """Detect changes against the last published image and queue the version for upload."""
+        self._raise_pending()
+        if self._closed:
+            raise RuntimeError("Publisher is closed")
+        version = self._next_version(version)
+        t0 = time.perf_counter()
+        tensors = named_tensors(model_or_tensors)
+        if not tensors:
+            raise ValueError("nothing to publish")
+        self._maybe_store_assets(model_or_tensors)
+        names = [n for n, _ in tensors]
+        anchor = (
+            self._needs_anchor
+            or self._last_anchor is None
+            or version - self._last_anchor >= self.anchor_every
+            or set(names) != set(self._shapes)
+        )
+        entries, sections, nnz = {}, {}, 0
+        for name, t in tensors:
+            image = t.detach().to(self.dtype)
+            if anchor:
+                self.snapshot.reset(name, image)
+                self._sums[name] = tensor_sum(image)
+                self._shapes[name] = tuple(image.shape)
+                sections[name] = image.to("cpu").contiguous()
+                n = image.numel()
+            else:
+                if tuple(image.shape) != self._shapes[name]:
+                    raise ValueError(f"tensor {name!r} changed shape {self._shapes[name]} -> {tuple(image.shape)}")
+                pos, new, old = self.snapshot.changes(name, image)
+                n = pos.numel()
+                if n:
+                    self._sums[name] = (
+                        self._sums[name] + positional_sum(new, pos) - positional_sum(old, pos)
+                    ) & MASK64
+                    sections[name] = self.codec.prepare(pos, new, old, image.numel())
+                    self.snapshot.update(name, pos, new)
+            nnz += n
+            entries[name] = TensorEntry(
+                shape=list(image.shape), dtype=DTYPE_NAMES[self.dtype], checksum=to_hex(self._sums[name]), nnz=n
+            )
+        base_checksum = self._checksum_of_last
+        header = VersionHeader(
+            version=version,
+            kind="anchor" if anchor else "delta",
+            tensors=entries,
+            checksum=to_hex(combine(self._sums.items())),
+            base=None if anchor else self._last,
+            base_checksum=None if anchor else base_checksum,
+            codec=None if anchor else self.codec.name,
+            created=time.time(),
+        )
+        self._checksum_of_last = header.checksum
+        future: Future = Future()
+        self._queue.put(_Job(header, sections, future))  # blocks when the uploader is behind
+        if anchor:
+            self._last_anchor = version
+        self._needs_anchor = False
+        self._last = version
+        return PublishInfo(
+            version=version,
+            kind=header.kind,
+            base=header.base,
+            nnz=nnz,
+            numel=header.numel,
+            checksum=header.checksum,
+            detect_ms=(time.perf_counter() - t0) * 1e3,
+            uploaded=future,
+        )
+
+    def flush(self) -> None:
+        """Wait until every queued version is visible in the store; raise the first upload error."""
+        self._queue.join()
+        self._raise_pending()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        try:
+            self.flush()
+        finally:
+            self._closed = True
+            self._queue.put(None)
+            self._thread.join(timeout=60)
+
+    def __enter__(self) -> Publisher:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:  # don't mask the caller's exception with an upload error
+            try:
+                self.close()
+            except Exception as upload_exc:  # noqa: BLE001
+                log.error("publisher closed with an upload error: %s", upload_exc)
+
+    # -- internals ---------------------------------------------------------------------------
+    def _next_version(self, version: int | None) -> int:
+        if version is None:
+            return 0 if self._last is None else self._last + 1
+        version = int(version)
+        if version < 0 or (self._last is not None and version <= self._last):
+            raise ValueError(f"version {version} is not after the last published version {self._last}")
+        return version
+
+    def _raise_pending(self) -> None:
+        if self._error is not None:
+            exc, self._error = self._error, None
+            self._needs_anchor = True  # the chain is broken: start a new one
+            raise PublishError(f"upload failed: {exc}", version=self._broken_at) from exc
+
+    def _maybe_store_assets(self, source) -> None:
+        if self._assets_done:
+            return
+        self._assets_done = True
+        config = getattr(source, "config", None)
+        if config is not None and hasattr(config, "to_dict"):
+            try:
+                self.store.put_asset("config.json", json.dumps(config.to_dict(), indent=2, default=str).encode())
+            except Exception as exc:  # noqa: BLE001 - assets are a convenience, never fatal
+                log.warning("could not store config.json: %s", exc)
+
+    def _upload_loop(self) -> None:
+        while True:
+            job = self._queue.get()
+            try:
+                if job is None:
+                    return
+                if self._error is not None or (
+                    self._broken_at is not None and job.header.kind == "delta" and job.header.base >= self._broken_at
+                ):
+                    # Its base never became visible: drop it, the next publish starts a new chain.
+                    job.future.set_exception(PublishError("base version failed to upload", version=job.header.version))
+                    continue
+                record = self._upload(job)
+                self._broken_at = None
+                job.future.set_result(record)
+            except BaseException as exc:  # noqa: BLE001 - handed to the training thread
+                log.error("upload of version %s failed: %s", job.header.version, exc)
+                self._error, self._broken_at = exc, job.header.version
+                job.future.set_exception(exc)
+            finally:
+                self._queue.task_done()
+
+    def _upload(self, job: _Job) -> VersionRecord:
+        header, payload = job.header, {}
+        for name, sec in job.sections.items():
+            if header.kind == "anchor":
+                payload[name] = sec
+            else:
+                parts, meta = self.codec.pack(sec, self.dtype)
+                header.tensors[name].enc = meta
+                payload.update({payload_key(name, part): t for part, t in parts.items()})
+        fd, path = tempfile.mkstemp(suffix=".safetensors", dir=self._tmpdir)
+        os.close(fd)
+        try:
+            write(path, header, payload)
+            record = self.store.publish(header, path, move=True)
+        finally:
+            if os.path.exists(path):
+                os.unlink(path)
+        if self.keep_anchors and header.kind == "anchor":
+            self.store.retain(self.keep_anchors)
+        return record
