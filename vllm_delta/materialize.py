@@ -29,8 +29,9 @@ def check_anchor(vf: VersionFile, tensors: dict[str, torch.Tensor]) -> None:
     for name, entry in vf.header.tensors.items():
         got = to_hex(tensor_sum(tensors[name]))
         if got != entry.checksum:
-            raise ChecksumMismatchError(f"anchor tensor has checksum {got}, header says {entry.checksum}",
-                                        version=vf.version, tensor=name)
+            raise ChecksumMismatchError(
+                f"anchor tensor has checksum {got}, header says {entry.checksum}", version=vf.version, tensor=name
+            )
 
 
 def check_successor(vf: VersionFile, held_version: int, held_checksum: str) -> None:
@@ -38,8 +39,10 @@ def check_successor(vf: VersionFile, held_version: int, held_checksum: str) -> N
     if h.base != held_version:
         raise NotSuccessorError(f"delta applies to version {h.base}, not {held_version}", version=h.version)
     if h.base_checksum != held_checksum:
-        raise NotSuccessorError(f"delta's base checksum {h.base_checksum} differs from version {held_version}'s "
-                                f"{held_checksum}", version=h.version)
+        raise NotSuccessorError(
+            f"delta's base checksum {h.base_checksum} differs from version {held_version}'s {held_checksum}",
+            version=h.version,
+        )
 
 
 def replay(store: DeltaStore, version: int | str = "latest", *, progress: bool = False) -> tuple[int, dict]:

@@ -1,5 +1,5 @@
 """Trainer side: exact change detection against the last published image, and the Publisher."""
 
-from .publisher import PublishError, Publisher, PublishInfo
+from .publisher import Publisher, PublishError, PublishInfo
 
 __all__ = ["Publisher", "PublishInfo", "PublishError"]

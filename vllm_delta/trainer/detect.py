@@ -52,8 +52,12 @@ class Snapshot:
         if name in self.bits and self.bits[name].numel() == flat.numel() and self.bits[name].device == home:
             self.bits[name].copy_(flat)
             return
-        buf = torch.empty(flat.numel(), dtype=flat.dtype, device=home,
-                          pin_memory=self.pin and home.type == "cpu" and torch.cuda.is_available())
+        buf = torch.empty(
+            flat.numel(),
+            dtype=flat.dtype,
+            device=home,
+            pin_memory=self.pin and home.type == "cpu" and torch.cuda.is_available(),
+        )
         buf.copy_(flat)
         self.bits[name] = buf
 

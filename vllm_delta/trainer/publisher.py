@@ -137,9 +137,7 @@ class Publisher:
                 pos, new, old = self.snapshot.changes(name, image)
                 n = pos.numel()
                 if n:
-                    self._sums[name] = (
-                        self._sums[name] + positional_sum(new, pos) - positional_sum(old, pos)
-                    ) & MASK64
+                    self._sums[name] = (self._sums[name] + positional_sum(new, pos) - positional_sum(old, pos)) & MASK64
                     sections[name] = self.codec.prepare(pos, new, old, image.numel())
                     self.snapshot.update(name, pos, new)
             nnz += n

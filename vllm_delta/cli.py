@@ -1,0 +1,113 @@
+"""`vllm-delta` command line: inspect a store, materialize a version as an HF directory."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict
+
+from .errors import DeltaError
+
+
+def _store(args):
+    from .store import DeltaStore
+
+    options = json.loads(args.storage_options) if args.storage_options else None
+    return DeltaStore(args.uri, storage_options=options)
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return str(n)
+
+
+def cmd_inspect(args) -> int:
+    store = _store(args)
+    versions = [store.resolve(args.version)] if args.version is not None else store.versions()
+    rows = []
+    for v in versions:
+        r = store.record(v)
+        row = asdict(r)
+        row["density"] = r.density
+        row["bytes_per_changed"] = r.bytes / r.nnz if r.nnz else None
+        rows.append(row)
+    if args.json:
+        print(json.dumps(rows if args.version is None else rows[0], indent=2))
+        return 0
+    if not rows:
+        print(f"{store.uri}: no versions")
+        return 0
+    print(
+        f"{'version':>8} {'kind':6} {'base':>6} {'codec':8} {'nnz':>12} {'density':>9} {'bytes':>10} "
+        f"{'B/chg':>6}  checksum"
+    )
+    for r in rows:
+        bpc = f"{r['bytes_per_changed']:.2f}" if r["kind"] == "delta" and r["nnz"] else "-"
+        print(
+            f"{r['version']:>8} {r['kind']:6} {r['base'] if r['base'] is not None else '-':>6} "
+            f"{r['codec'] or '-':8} {r['nnz']:>12} {r['density']:>9.4%} {_human(r['bytes']):>10} {bpc:>6}  "
+            f"{r['checksum']}"
+        )
+    return 0
+
+
+def cmd_materialize(args) -> int:
+    from .materialize import materialize
+
+    out = materialize(_store(args), args.version, args.out, progress=not args.quiet)
+    print(out)
+    return 0
+
+
+def cmd_retain(args) -> int:
+    deleted = _store(args).retain(args.keep_anchors)
+    print(f"deleted {len(deleted)} version(s): {deleted}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="vllm-delta", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def add(name, func, help_):
+        sp = sub.add_parser(name, help=help_)
+        sp.add_argument("uri", help="store: a path, file://, s3://bucket/prefix or hf://buckets/ns/bucket/prefix")
+        sp.add_argument("--storage-options", help="fsspec storage options as JSON (e.g. S3 endpoint, keys)")
+        sp.set_defaults(func=func)
+        return sp
+
+    sp = add("inspect", cmd_inspect, "list versions: kind, base, nnz, density, bytes, checksum")
+    sp.add_argument("--version", help="one version (a number or 'latest')")
+    sp.add_argument("--json", action="store_true", help="machine-readable output")
+
+    sp = add("materialize", cmd_materialize, "write a version as an HF-loadable safetensors directory")
+    sp.add_argument("--version", default="latest", help="a number or 'latest' (default)")
+    sp.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
+    sp.add_argument("--quiet", action="store_true", help="no progress bar")
+
+    sp = add("retain", cmd_retain, "delete all but the newest K anchors and the deltas that need them")
+    sp.add_argument("--keep-anchors", type=int, required=True)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if getattr(args, "version", None) not in (None, "latest"):
+        try:
+            args.version = int(args.version)
+        except ValueError:
+            print(f"vllm-delta: --version must be a number or 'latest', not {args.version!r}", file=sys.stderr)
+            return 2
+    try:
+        return args.func(args)
+    except (DeltaError, FileExistsError) as exc:
+        print(f"vllm-delta: error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
