@@ -46,6 +46,11 @@ TMP_PREFIX = ".tmp-"  # never a committed name: readers skip it, retain removes 
 LEFTOVER_AGE_S = 3600.0  # a publish older than this is dead, not slow
 MAX_VERSION = 10**10 - 1  # ten digits keep names sorted as numbers
 
+# Files moved in from mkstemp are 0600; committed files get the mode a plain create would give them.
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)
+_FILE_MODE = 0o666 & ~_UMASK
+
 _RECORD_NAME = re.compile(r"^(\d{10})\.json$")
 _DATA_NAME = re.compile(r"^(\d{10})\.(anchor|delta)\.([0-9a-f]{16})\.safetensors$")
 
@@ -340,8 +345,7 @@ class DeltaStore:
         if not self._exists(self._record_path(rec.version)):
             with self._lock:
                 self._records.pop(rec.version, None)
-            return VersionNotFoundError(f"version {rec.version} was removed from store {self.uri}",
-                                        version=rec.version)
+            return VersionNotFoundError(f"version {rec.version} was removed from store {self.uri}", version=rec.version)
         return IntegrityError(f"record names data file {rec.file}, which is missing", version=rec.version)
 
     def _download_dir(self) -> str:
@@ -365,16 +369,26 @@ class DeltaStore:
         with VersionFile(local_path, expect_version=v) as vf:
             stored = vf.header
         if (stored.kind, stored.base, stored.checksum, stored.base_checksum) != (
-            header.kind, header.base, header.checksum, header.base_checksum
+            header.kind,
+            header.base,
+            header.checksum,
+            header.base_checksum,
         ):
             raise IntegrityError(f"{local_path} does not hold the version its header describes", version=v)
         if self._exists(self._record_path(v)):
             raise VersionExistsError(f"version {v} already exists in store {self.uri}", version=v)
         token = secrets.token_hex(8)
         rec = VersionRecord(
-            version=v, kind=header.kind, base=header.base, codec=header.codec,
-            file=f"{DATA_DIR}/{data_name(v, header.kind, token)}", bytes=os.path.getsize(local_path),
-            nnz=header.nnz, numel=header.numel, checksum=header.checksum, base_checksum=header.base_checksum,
+            version=v,
+            kind=header.kind,
+            base=header.base,
+            codec=header.codec,
+            file=f"{DATA_DIR}/{data_name(v, header.kind, token)}",
+            bytes=os.path.getsize(local_path),
+            nnz=header.nnz,
+            numel=header.numel,
+            checksum=header.checksum,
+            base_checksum=header.base_checksum,
             created=header.created or time.time(),
         )
         if self.is_local:
@@ -395,6 +409,7 @@ class DeltaStore:
             _fsync(src)
             try:
                 os.replace(src, data)
+                os.chmod(data, _FILE_MODE)
                 moved = True
             except OSError as exc:
                 if exc.errno != errno.EXDEV:  # another filesystem: copy below
@@ -429,13 +444,15 @@ class DeltaStore:
             # link() never replaces an existing name: of two racing publishers, one wins.
             os.link(tmp, final)
         except FileExistsError:
-            raise VersionExistsError(f"version {rec.version} already exists in store {self.uri}",
-                                     version=rec.version) from None
+            raise VersionExistsError(
+                f"version {rec.version} already exists in store {self.uri}", version=rec.version
+            ) from None
         except OSError:  # no hard links on this filesystem: check, then rename
             if os.path.exists(final):
                 os.remove(tmp)
-                raise VersionExistsError(f"version {rec.version} already exists in store {self.uri}",
-                                         version=rec.version) from None
+                raise VersionExistsError(
+                    f"version {rec.version} already exists in store {self.uri}", version=rec.version
+                ) from None
             os.replace(tmp, final)
         finally:
             if os.path.exists(tmp):
@@ -453,8 +470,7 @@ class DeltaStore:
             raise IntegrityError(f"store kept {size} of {rec.bytes} bytes of {rec.file}", version=rec.version)
         if self._exists(self._record_path(rec.version)):  # lost a race with another publisher
             self.fs.rm_file(data)
-            raise VersionExistsError(f"version {rec.version} already exists in store {self.uri}",
-                                     version=rec.version)
+            raise VersionExistsError(f"version {rec.version} already exists in store {self.uri}", version=rec.version)
         self.fs.pipe_file(self._record_path(rec.version), rec.to_json().encode())
         if move:
             os.remove(src)

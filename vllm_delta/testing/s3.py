@@ -109,9 +109,21 @@ class S3Server:
             self.port = free_port()
             log = tempfile.TemporaryFile()
             proc = subprocess.Popen(
-                [rclone, "serve", "s3", self.root, "--addr", f"127.0.0.1:{self.port}",
-                 "--auth-key", f"{self.access_key},{self.secret_key}", "--config", config],
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                [
+                    rclone,
+                    "serve",
+                    "s3",
+                    self.root,
+                    "--addr",
+                    f"127.0.0.1:{self.port}",
+                    "--auth-key",
+                    f"{self.access_key},{self.secret_key}",
+                    "--config",
+                    config,
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
             )
             if self._wait_ready(proc):
                 self._proc = proc

