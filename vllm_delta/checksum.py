@@ -40,6 +40,8 @@ def bit_view(t: torch.Tensor) -> torch.Tensor:
 def unsigned_bits(t: torch.Tensor) -> torch.Tensor:
     """Bit patterns of a 16/32-bit float (or its integer bit view) as non-negative int64."""
     size = t.element_size()
+    if size not in _UNSIGNED_MASK:
+        raise TypeError(f"checksum covers 16- and 32-bit floating point tensors, not {t.dtype}")
     ints = t if not t.is_floating_point() else bit_view(t)
     return ints.to(torch.int64) & _UNSIGNED_MASK[size]
 

@@ -165,7 +165,7 @@ class CompactCodec:
         """Host work: split into frames, byte-plane the gaps, zstd each frame."""
         a = sections.arrays
         n = a["gaps16"].size
-        cctx = zstandard.ZstdCompressor(level=self.level)
+        cctx = zstandard.ZstdCompressor(level=self.level, write_checksum=True)
         blobs, frames = [], []
         for i, start in enumerate(sections.meta["starts"]):
             lo, hi = i * self.frame_elems, min(n, (i + 1) * self.frame_elems)
