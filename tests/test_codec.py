@@ -43,8 +43,7 @@ def change_sets(draw):
         mask = torch.rand(numel, generator=g) < draw(st.floats(0.001, 0.9))
     # mostly tiny moves, some sign flips and arbitrary bit patterns (escapes)
     step = torch.randint(-3, 4, (numel,), generator=g)
-    wild = torch.randint(-(2 ** (8 * old.element_size() - 1)), 2 ** (8 * old.element_size() - 1), (numel,),
-                         generator=g)
+    wild = torch.randint(-(2 ** (8 * old.element_size() - 1)), 2 ** (8 * old.element_size() - 1), (numel,), generator=g)
     use_wild = torch.rand(numel, generator=g) < 0.1
     new_b = bits(old).to(torch.int64) + torch.where(use_wild, wild, step)
     width = 8 * old.element_size()
@@ -132,6 +131,28 @@ def test_compact_rejects_corruption():
         c.unpack({"blob": blob[:-3]}, meta, numel=1000, nnz=3, dtype=torch.bfloat16, ctx={})
     with pytest.raises(CodecError):
         c.unpack(tensors, meta, numel=1000, nnz=4, dtype=torch.bfloat16, ctx={})
+    with pytest.raises(CodecError):  # an escape table the frame does not hold
+        frames = [[f[0], f[1], f[2], f[3], 1] for f in meta["frames"]]
+        codec.decode("compact", tensors, {"frames": frames}, numel=1000, nnz=3, dtype=torch.bfloat16)
+    # escape codes without escape entries (and the reverse) are caught after decompression
+    for gaps, d8, gap_esc, diff_esc in [
+        ([0xFFFF], [1], [], []),
+        ([1], [1], [70000], []),
+        ([1], [-128], [], []),
+        ([1], [1], [], [500]),
+    ]:
+        sections = codec.Sections(
+            {
+                "gaps16": np.array(gaps, np.uint16),
+                "d8": np.array(d8, np.int8),
+                "gap_esc": np.array(gap_esc, np.int64),
+                "diff_esc": np.array(diff_esc, np.int16),
+                "frame_n": np.array([1]),
+                "frame_start": np.array([0]),
+            }
+        )
+        with pytest.raises(CodecError, match="escape"):
+            c.finish(sections, numel=10**6, device="cpu", ctx={})
     with pytest.raises(CodecError):
         c.unpack({}, meta, numel=1000, nnz=3, dtype=torch.bfloat16, ctx={})
 
@@ -139,7 +160,21 @@ def test_compact_rejects_corruption():
 def test_compact_rejects_out_of_range_with_names():
     c, tensors, meta = _compact_payload()
     with pytest.raises(PositionError, match=r"out of range.*version 9, tensor 'w'"):
-        c.unpack(tensors, meta, numel=400, nnz=3, dtype=torch.bfloat16, ctx={"version": 9, "tensor": "w"})
+        codec.decode(
+            "compact", tensors, meta, numel=400, nnz=3, dtype=torch.bfloat16, ctx={"version": 9, "tensor": "w"}
+        )
+    # a frame table whose second frame starts inside the first: positions would go backwards
+    two = codec.CompactCodec(frame_elems=2)
+    pos = torch.tensor([3, 10, 12])
+    tensors, meta = two.pack(two.prepare(pos, pos.to(torch.int16), pos.to(torch.int16) - 1, 100), torch.bfloat16)
+    assert codec.decode("compact", tensors, meta, numel=100, nnz=3, dtype=torch.bfloat16).positions.tolist() == [
+        3,
+        10,
+        12,
+    ]
+    meta["frames"][1][2] = 2
+    with pytest.raises(PositionError, match="unsorted"):
+        codec.decode("compact", tensors, meta, numel=100, nnz=3, dtype=torch.bfloat16)
 
 
 @pytest.mark.parametrize(

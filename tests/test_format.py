@@ -66,8 +66,11 @@ def test_not_a_version_file(tmp_path):
 
 def _with_header(tmp_path, header_json: str):
     p = str(tmp_path / "h.safetensors")
-    save_file({"w": torch.zeros(2, dtype=torch.bfloat16)}, p,
-              metadata={"format": FORMAT_NAME, "format_version": "1", "header": header_json})
+    save_file(
+        {"w": torch.zeros(2, dtype=torch.bfloat16)},
+        p,
+        metadata={"format": FORMAT_NAME, "format_version": "1", "header": header_json},
+    )
     return p
 
 
@@ -83,8 +86,11 @@ def test_corrupt_header(tmp_path):
     with pytest.raises(FormatError, match="malformed"):
         VersionFile(_with_header(tmp_path, '{"format_version": 1, "version": 1'))
     with pytest.raises(FormatError):
-        VersionFile(_with_header(tmp_path, '{"format_version": 1, "version": 1, "kind": "patch", "tensors": {},'
-                                           ' "checksum": "0"}'))
+        VersionFile(
+            _with_header(
+                tmp_path, '{"format_version": 1, "version": 1, "kind": "patch", "tensors": {}, "checksum": "0"}'
+            )
+        )
 
 
 def test_delta_header_needs_base_and_codec():

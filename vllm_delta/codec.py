@@ -182,70 +182,90 @@ class CompactCodec:
 
     # -- server side -------------------------------------------------------------------------
     def unpack(self, tensors, meta, *, numel, nnz, dtype, ctx) -> Sections:
-        """Host work: decompress and validate each frame. Returns concatenated fixed-width arrays."""
+        """Host work: decompress each frame into compact fixed-width arrays (3 B per element plus
+        escapes), ready for one host-to-device copy. Value checks happen in `finish`."""
         blob = tensors.get("blob")
         frames = meta.get("frames")
         if blob is None or blob.dtype != torch.uint8 or not isinstance(frames, list):
             raise _err(CodecError, "compact payload lacks its 'blob' tensor or frame table", ctx)
         width = torch.empty((), dtype=dtype).element_size()
         try:
-            sizes = [int(f[0]) for f in frames]
-            counts = [int(f[1]) for f in frames]
-        except (TypeError, ValueError, IndexError) as exc:
+            table = np.array([[int(x) for x in f] for f in frames], dtype=np.int64).reshape(-1, 5)
+        except (TypeError, ValueError) as exc:
             raise _err(CodecError, f"malformed frame table: {exc}", ctx) from None
-        if sum(sizes) != blob.numel() or sum(counts) != nnz:
+        sizes, counts, n_ge, n_de = table[:, 0], table[:, 1], table[:, 3], table[:, 4]
+        if (table < 0).any() or int(sizes.sum()) != blob.numel() or int(counts.sum()) != nnz:
             raise _err(
                 CodecError,
-                f"frame table covers {sum(sizes)} B / {sum(counts)} elements, payload has "
+                f"frame table covers {int(sizes.sum())} B / {int(counts.sum())} elements, payload has "
                 f"{blob.numel()} B / header nnz {nnz}",
                 ctx,
             )
+        gaps16 = np.empty(nnz, dtype=np.uint16)
+        d8 = np.empty(nnz, dtype=np.int8)
+        gap_esc = np.empty(int(n_ge.sum()), dtype=np.int64)
+        diff_esc = np.empty(int(n_de.sum()), dtype=_NP_INT[width])
         raw = memoryview(blob.numpy())
         dctx = zstandard.ZstdDecompressor()
-        gaps = np.empty(nnz, dtype=np.int64)
-        diffs = np.empty(nnz, dtype=np.int64)
-        offset, at, last = 0, 0, -1
-        for size, n, start, n_ge, n_de in frames:
-            want = 3 * n + 8 * n_ge + width * n_de
+        offset = at = at_ge = at_de = 0
+        for size, n, _start, k, m in table.tolist():
+            want = 3 * n + 8 * k + width * m
             try:
                 buf = dctx.decompress(raw[offset : offset + size], max_output_size=want)
             except zstandard.ZstdError as exc:
                 raise _err(CodecError, f"zstd frame at byte {offset} is corrupt: {exc}", ctx) from None
             if len(buf) != want:
                 raise _err(CodecError, f"zstd frame at byte {offset} holds {len(buf)} B, expected {want}", ctx)
-            if start <= last:
-                raise _err(PositionError, f"frame starts at {start}, not after position {last}", ctx)
             planes = np.frombuffer(buf, dtype=np.uint8, count=2 * n).reshape(2, n)
-            g = planes[0].astype(np.int64) | (planes[1].astype(np.int64) << 8)
-            d = np.frombuffer(buf, dtype=np.int8, count=n, offset=2 * n).astype(np.int64)
-            ge = np.frombuffer(buf, dtype="<i8", count=n_ge, offset=3 * n)
-            de = np.frombuffer(buf, dtype=_NP_INT[width], count=n_de, offset=3 * n + 8 * n_ge)
-            esc = g == _GAP_ESCAPE
-            if int(esc.sum()) != n_ge or (n_ge and int(ge.min()) < _GAP_ESCAPE):
-                raise _err(CodecError, "gap escapes do not match their escape table", ctx)
-            g[esc] = ge
-            desc = d == _DIFF_ESCAPE
-            if int(desc.sum()) != n_de:
-                raise _err(CodecError, "value escapes do not match their escape table", ctx)
-            d[desc] = de
-            if n:
-                frame_last = start - 1 + int(g.sum()) + n
-                # One prefix sum runs over all frames: fold this frame's start into its first gap.
-                g[0] += start - (last + 1)
-                last = frame_last
-            gaps[at : at + n] = g
-            diffs[at : at + n] = d
-            at += n
-            offset += size
-        if nnz and last >= numel:
-            raise _err(PositionError, f"position {last} out of range for {numel} elements", ctx)
-        return Sections({"gaps": gaps, "diffs": diffs}, {"width": width})
+            as_bytes = gaps16[at : at + n].view(np.uint8).reshape(n, 2)
+            as_bytes[:, 0] = planes[0]  # little-endian uint16: low byte first
+            as_bytes[:, 1] = planes[1]
+            d8[at : at + n] = np.frombuffer(buf, dtype=np.int8, count=n, offset=2 * n)
+            gap_esc[at_ge : at_ge + k] = np.frombuffer(buf, dtype="<i8", count=k, offset=3 * n)
+            diff_esc[at_de : at_de + m] = np.frombuffer(buf, dtype=_NP_INT[width], count=m, offset=3 * n + 8 * k)
+            offset, at, at_ge, at_de = offset + size, at + n, at_ge + k, at_de + m
+        return Sections(
+            {
+                "gaps16": gaps16,
+                "d8": d8,
+                "gap_esc": gap_esc,
+                "diff_esc": diff_esc,
+                "frame_n": counts.copy(),
+                "frame_start": table[:, 2].copy(),
+            },
+            {"width": width},
+        )
 
     def finish(self, sections: Sections, *, numel, device, ctx) -> Changes:
-        """Device work: positions from the gap chain (gap g means g unchanged elements skipped)."""
-        gaps = torch.from_numpy(sections.arrays["gaps"]).to(device, non_blocking=True)
-        diffs = torch.from_numpy(sections.arrays["diffs"]).to(device, non_blocking=True)
+        """Device work: widen, patch escapes, positions from the gap chain, validate."""
+        a = sections.arrays
+        dev = torch.device(device)
+
+        def put(name):
+            return torch.from_numpy(a[name]).to(dev, non_blocking=True)
+
+        gaps = put("gaps16").view(torch.int16).to(torch.int64) & 0xFFFF
+        esc = gaps == _GAP_ESCAPE
+        gap_esc = put("gap_esc")
+        if int(esc.sum()) != gap_esc.numel():
+            raise _err(CodecError, "gap escapes do not match their escape table", ctx)
+        gaps[esc] = gap_esc
+        diffs = put("d8").to(torch.int64)
+        desc = diffs == _DIFF_ESCAPE
+        diff_esc = put("diff_esc")
+        if int(desc.sum()) != diff_esc.numel():
+            raise _err(CodecError, "value escapes do not match their escape table", ctx)
+        diffs[desc] = diff_esc.to(torch.int64)
         positions = torch.cumsum(gaps + 1, 0) - 1
+        counts = torch.from_numpy(a["frame_n"])
+        if counts.numel() > 1 or (counts.numel() == 1 and int(a["frame_start"][0]) != 0):
+            # Each frame's chain starts at its own `start`: shift the frame by the difference.
+            first = torch.cumsum(counts, 0) - counts
+            before = torch.full((counts.numel(),), -1, dtype=torch.int64)
+            inner = first > 0
+            before[inner] = positions[first[inner].to(dev) - 1].cpu()
+            shift = torch.from_numpy(a["frame_start"]) - (before + 1)
+            positions += torch.repeat_interleave(shift, counts).to(dev, non_blocking=True)
         check_positions(positions, numel, ctx)
         return Changes(positions=positions, diffs=diffs)
 
