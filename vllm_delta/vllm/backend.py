@@ -1,0 +1,124 @@
+"""vLLM's native weight-transfer API, backed by the store: `--weight-transfer-config '{"backend": "delta"}'`.
+
+    init_weight_transfer_engine {"init_info": {}}            (optional {"store": URI} if the server
+                                                               was not started with --load-format delta)
+    start_weight_update                                       (no-op: updates are in place)
+    update_weights {"update_info": {"version": N | "latest", "allow_reanchor": false}}
+    finish_weight_update                                      (no-op)
+
+`update_weights` runs on every rank at once: each stages its share, the ranks exchange checksum
+partials and verify them against the version header before anyone writes, then all commit; if a
+rank fails, every rank rolls back. Pausing generation around it is the caller's business, as for
+every native backend (vLLM's /pause and /resume, or `LLM` being synchronous).
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+
+from ..apply.engine import verify_partials
+from ..errors import DeltaError
+from . import dist
+from .options import StoreSpec, server_store
+from .plan import plan_update
+from .worker import REPLICA_ATTR, open_store
+
+
+@dataclass
+class DeltaInitInfo(WeightTransferInitInfo):
+    store: str | None = None
+    storage_options: dict = field(default_factory=dict)
+
+
+@dataclass
+class DeltaUpdateInfo(WeightTransferUpdateInfo):
+    version: int | str = "latest"
+    allow_reanchor: bool = False
+
+
+class DeltaWeightTransferEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateInfo]):
+    init_info_cls = DeltaInitInfo
+    update_info_cls = DeltaUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, config, vllm_config, device, model):
+        super().__init__(config, vllm_config, device, model)
+        load = vllm_config.load_config
+        self.spec: StoreSpec | None = server_store(load.load_format, load.model_loader_extra_config)
+
+    def init_transfer_engine(self, init_info: DeltaInitInfo) -> None:
+        if init_info.store:
+            self.spec = StoreSpec(init_info.store, dict(init_info.storage_options or {}))
+
+    def start_weight_update(self) -> None:
+        pass
+
+    def finish_weight_update(self) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        pass
+
+    def _replica(self):
+        from .replica import DeltaReplica
+
+        replica = getattr(self.model, REPLICA_ATTR, None)
+        if replica is None:
+            replica = DeltaReplica(self.model)
+            setattr(self.model, REPLICA_ATTR, replica)
+        return replica
+
+    def receive_weights(self, update_info: DeltaUpdateInfo) -> None:
+        if self.spec is None:
+            raise ValueError("no store: start with --load-format delta or pass init_info {'store': URI}")
+        store = open_store(self.spec.to_dict())
+        replica = self._replica()
+        plan = plan_update(
+            store, replica.served.version, replica.served.checksum, update_info.version, update_info.allow_reanchor
+        )
+        if not plan.versions:
+            return
+        if not replica.prepared:
+            replica.prepare({n: tuple(e.shape) for n, e in store.open(plan.target).header.tensors.items()})
+        files = [store.open(v) for v in plan.versions]
+        ticket = uuid.uuid4().hex
+        # Stage everywhere, then agree: every rank raises the same error if any rank failed.
+        error = None
+        try:
+            summary = replica.stage(ticket, files)
+        except DeltaError as exc:
+            error, summary = exc, None
+        summaries = dist.all_gather_object(None if summary is None else summary["partials"])
+        try:
+            if error is not None:
+                raise error
+            if any(s is None for s in summaries):
+                raise RuntimeError("staging failed on another rank")
+            current = replica.served.sums if replica.served.version is not None else replica_live(replica)
+            verify_partials(current, [{n: int(v, 16) for n, v in s.items()} for s in summaries], files[-1].header)
+            ok = True
+            try:
+                replica.commit(ticket)
+            except Exception as exc:  # noqa: BLE001 - reported to every rank, then re-raised
+                ok, error = False, exc
+            if not all(dist.all_gather_object(ok)):
+                replica.rollback(ticket)
+                raise error or RuntimeError("the update failed on another rank; every rank rolled back")
+        finally:
+            replica.release(ticket)
+
+
+def replica_live(replica) -> dict[str, int]:
+    """Per-tensor live sums over all ranks (for a server whose version is unknown)."""
+    total: dict[str, int] = {}
+    for part in dist.all_gather_object(replica.live_sums()):
+        for name, s in part.items():
+            total[name] = (total.get(name, 0) + s) & ((1 << 64) - 1)
+    return total

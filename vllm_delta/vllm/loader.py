@@ -1,0 +1,89 @@
+"""Load format "delta": start a server at a store version (anchor + replayed deltas).
+
+    --load-format delta --model-loader-extra-config '{"delta_store": URI, "delta_version": "latest"}'
+
+`--model` still names the directory with config.json and the tokenizer. The weights come from the
+store: every tensor of the version is rebuilt on the host (the anchor's values with the chain's
+deltas applied), checked against its header checksum and fed to the model's own `load_weights`,
+exactly as vLLM's default loader feeds checkpoint shards. After vLLM's post-processing the worker
+probes the layout (probe.py), checks it against vLLM's sparse path, and computes the live checksum
+of the loaded parameters over all ranks: a server whose live weights don't match the version's
+header refuses to start.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+import torch
+from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+
+from ..errors import ChecksumMismatchError
+from .options import LoaderOptions, split_extra_config
+from .replica import DeltaReplica, Served
+from .weights import iter_version, open_chain, replay_tensor
+from .worker import REPLICA_ATTR
+
+log = logging.getLogger(__name__)
+
+
+class DeltaModelLoader(DefaultModelLoader):
+    def __init__(self, load_config):
+        ours, rest = split_extra_config(load_config.model_loader_extra_config)
+        self.options = LoaderOptions.from_extra_config(ours)
+        # The base class sees a safetensors load with only the keys it knows.
+        super().__init__(dataclasses.replace(load_config, load_format="safetensors", model_loader_extra_config=rest))
+        self._store = None
+        self._files = None
+
+    @property
+    def store(self):
+        if self._store is None:
+            self._store = self.options.store.open()
+        return self._store
+
+    def _chain(self):
+        if self._files is None:
+            version = self.store.resolve(self.options.version)
+            self._files = open_chain(self.store, version)
+            log.info("vllm-delta: loading version %d from %s (%d files)", version, self.store.uri, len(self._files))
+        return self._files
+
+    def download_model(self, model_config) -> None:
+        self._chain()  # downloads remote version files into the cache
+
+    def get_all_weights(self, model_config, model):
+        yield from iter_version(self._chain())
+
+    def load_model(self, vllm_config, model_config, prefix: str = "") -> torch.nn.Module:
+        model = super().load_model(vllm_config, model_config, prefix=prefix)
+        files = self._chain()
+        header = files[-1].header
+        t0 = time.perf_counter()
+        replica = DeltaReplica(model)
+        fallback = replica.prepare(
+            {n: tuple(e.shape) for n, e in header.tensors.items()},
+            validate=self.options.validate,
+            force_fallback=self.options.fallback,
+        )
+        assert replica.fallback is not None
+        for name in fallback:
+            replica.fallback.set_shadow(name, replay_tensor(files, name))
+        replica.served = Served.from_header(header)
+        live = replica.live_checksum_all_ranks()
+        if live != header.checksum:
+            raise ChecksumMismatchError(
+                f"the loaded parameters have checksum {live}, the version's header records {header.checksum}",
+                version=header.version,
+            )
+        setattr(model, REPLICA_ATTR, replica)
+        log.info(
+            "vllm-delta: serving version %d, live checksum %s verified (%.0f ms)",
+            header.version,
+            live,
+            (time.perf_counter() - t0) * 1e3,
+        )
+        self._files = None  # release the memory maps
+        return model

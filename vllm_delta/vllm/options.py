@@ -1,0 +1,97 @@
+"""Where the server's store is and how to read it: fixed when the server starts, never sent by clients.
+
+Taken from `--model-loader-extra-config` when the load format is "delta", else from the
+environment (`VLLM_DELTA_STORE`, `VLLM_DELTA_STORAGE_OPTIONS` as JSON), so that a server started
+from a plain checkpoint can still take store versions.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+LOADER_KEYS = (
+    "delta_store",  # URI of the store (path, file://, s3://, hf://buckets/...)
+    "delta_version",  # "latest" (default) or a version number
+    "delta_storage_options",  # fsspec storage options (dict)
+    "delta_cache_dir",  # where remote version files are downloaded
+    "delta_validate",  # check the probed layout against vLLM's sparse path on start-up (default true)
+    "delta_fallback",  # HF names forced through vLLM's sparse path (diagnostics, tests)
+)
+
+
+def default_cache_dir() -> str:
+    # Shared by the API process and the workers of one host: the API process downloads a version
+    # once, before staging, and the workers find it there.
+    return os.environ.get("VLLM_DELTA_CACHE_DIR") or os.path.join(tempfile.gettempdir(), "vllm-delta-cache")
+
+
+@dataclass
+class StoreSpec:
+    uri: str
+    storage_options: dict = field(default_factory=dict)
+    cache_dir: str = field(default_factory=default_cache_dir)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> StoreSpec:
+        return cls(d["uri"], dict(d.get("storage_options") or {}), d.get("cache_dir") or default_cache_dir())
+
+    def open(self):
+        from ..store import DeltaStore
+
+        return DeltaStore(self.uri, storage_options=self.storage_options, cache_dir=self.cache_dir)
+
+
+@dataclass
+class LoaderOptions:
+    store: StoreSpec
+    version: int | str = "latest"
+    validate: bool = True
+    fallback: tuple[str, ...] = ()
+
+    @classmethod
+    def from_extra_config(cls, extra: dict[str, Any]) -> LoaderOptions:
+        if not extra.get("delta_store"):
+            raise ValueError("--load-format delta needs --model-loader-extra-config '{\"delta_store\": URI}'")
+        version = extra.get("delta_version", "latest")
+        if not (version == "latest" or (isinstance(version, int) and version >= 0) or str(version).isdigit()):
+            raise ValueError(f'delta_version must be "latest" or a version number, not {version!r}')
+        spec = StoreSpec(
+            str(extra["delta_store"]),
+            dict(extra.get("delta_storage_options") or {}),
+            extra.get("delta_cache_dir") or default_cache_dir(),
+        )
+        fallback = extra.get("delta_fallback") or ()
+        return cls(
+            spec,
+            int(version) if str(version).isdigit() else "latest",
+            bool(extra.get("delta_validate", True)),
+            tuple(fallback),
+        )
+
+
+def split_extra_config(extra: dict[str, Any] | None) -> tuple[dict, dict]:
+    """(our keys, the rest): vLLM's default loader rejects keys it does not know."""
+    extra = dict(extra or {})
+    ours = {k: extra.pop(k) for k in LOADER_KEYS if k in extra}
+    return ours, extra
+
+
+def server_store(load_format: str | None, extra: dict | str | None) -> StoreSpec | None:
+    """The store a server was started with (see the module docstring); None if it has none."""
+    if isinstance(extra, str):
+        extra = json.loads(extra) if extra.strip() else {}
+    ours, _ = split_extra_config(extra if isinstance(extra, dict) else {})
+    if load_format == "delta" and ours.get("delta_store"):
+        return LoaderOptions.from_extra_config(ours).store
+    uri = os.environ.get("VLLM_DELTA_STORE")
+    if not uri:
+        return None
+    opts = json.loads(os.environ.get("VLLM_DELTA_STORAGE_OPTIONS") or "{}")
+    return StoreSpec(uri, opts, default_cache_dir())
