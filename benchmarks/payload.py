@@ -54,13 +54,14 @@ def measure_step(prev: dict, cur: dict, levels: list[int]) -> dict:
             row[f"compact{lv}"] += tensors["blob"].numel()
             if lv == codec.ZSTD_LEVEL:
                 t0 = time.perf_counter()
-                changes = codec.decode("compact", tensors, meta, numel=new.numel(), nnz=pos.numel(),
-                                       dtype=torch.bfloat16)
+                changes = codec.decode(
+                    "compact", tensors, meta, numel=new.numel(), nnz=pos.numel(), dtype=torch.bfloat16
+                )
                 got = changes.new_bits(old[pos])
                 row["dec_s"] += time.perf_counter() - t0
                 assert torch.equal(changes.positions, pos) and torch.equal(got, new[pos]), name
         # one-ULP share, as in notes/gpu_probe.md
-        d = (new[pos].to(torch.int64) - old[pos].to(torch.int64))
+        d = new[pos].to(torch.int64) - old[pos].to(torch.int64)
         row["ulp1"] = row.get("ulp1", 0) + int((d.abs() == 1).sum())
     return row
 
@@ -75,14 +76,24 @@ def main() -> None:
     ap.add_argument("--png", default="benchmarks/payload.png")
     args = ap.parse_args()
 
-    spec = TinyModelSpec(arch="qwen3", hidden_size=args.hidden, intermediate_size=3 * args.hidden,
-                         num_layers=args.layers, num_heads=8, num_kv_heads=4, head_dim=64, vocab_size=args.vocab)
+    spec = TinyModelSpec(
+        arch="qwen3",
+        hidden_size=args.hidden,
+        intermediate_size=3 * args.hidden,
+        num_layers=args.layers,
+        num_heads=8,
+        num_kv_heads=4,
+        head_dim=64,
+        vocab_size=args.vocab,
+    )
     model = build_master_model(spec, seed=0)
     params = sum(p.numel() for p in model.parameters())
     levels = [1, 3, 9]
-    print(f"# payload benchmark: {platform.node()} ({platform.processor() or platform.machine()}), torch "
-          f"{torch.__version__}, model qwen3 hidden={args.hidden} layers={args.layers} vocab={args.vocab} "
-          f"params={params / 1e6:.1f}M, AdamW lr={args.lr}, fp32 master weights")
+    print(
+        f"# payload benchmark: {platform.node()} ({platform.processor() or platform.machine()}), torch "
+        f"{torch.__version__}, model qwen3 hidden={args.hidden} layers={args.layers} vocab={args.vocab} "
+        f"params={params / 1e6:.1f}M, AdamW lr={args.lr}, fp32 master weights"
+    )
     prev = bf16_image(model)
     rows = []
     for step in train_steps(model, args.steps, lr=args.lr):
@@ -92,20 +103,28 @@ def main() -> None:
         rows.append(row)
         prev = cur
 
-    hdr = (f"{'step':>4} {'density':>8} {'1-ULP':>6} {'raw':>6} {'trl':>6} " + " ".join(f"{'zstd' + str(lv):>7}" for lv in levels)
-           + f" {'enc MB/s':>9} {'dec MB/s':>9}   (bytes per changed element; throughput in changed elems x2B/s)")
+    hdr = (
+        f"{'step':>4} {'density':>8} {'1-ULP':>6} {'raw':>6} {'trl':>6} "
+        + " ".join(f"{'zstd' + str(lv):>7}" for lv in levels)
+        + f" {'enc MB/s':>9} {'dec MB/s':>9}   (bytes per changed element; throughput in changed elems x2B/s)"
+    )
     print(hdr)
     for r in rows:
         n = r["nnz"]
         enc = 2 * n / r[f"enc{codec.ZSTD_LEVEL}_s"] / 1e6
         dec = 2 * n / r["dec_s"] / 1e6
-        print(f"{r['step']:>4} {n / r['numel']:>8.2%} {r['ulp1'] / n:>6.1%} {r['raw'] / n:>6.2f} {r['trl'] / n:>6.2f} "
-              + " ".join(f"{r[f'compact{lv}'] / n:>7.3f}" for lv in levels) + f" {enc:>9.0f} {dec:>9.0f}")
+        print(
+            f"{r['step']:>4} {n / r['numel']:>8.2%} {r['ulp1'] / n:>6.1%} {r['raw'] / n:>6.2f} {r['trl'] / n:>6.2f} "
+            + " ".join(f"{r[f'compact{lv}'] / n:>7.3f}" for lv in levels)
+            + f" {enc:>9.0f} {dec:>9.0f}"
+        )
     n = sum(r["nnz"] for r in rows)
     worst = max(r[f"compact{codec.ZSTD_LEVEL}"] / r["nnz"] for r in rows)
-    print(f"all  raw {sum(r['raw'] for r in rows) / n:.2f}  trl {sum(r['trl'] for r in rows) / n:.2f}  "
-          f"compact(level {codec.ZSTD_LEVEL}) {sum(r[f'compact{codec.ZSTD_LEVEL}'] for r in rows) / n:.3f} "
-          f"B/changed elem (worst step {worst:.3f}; target <= 1.5)")
+    print(
+        f"all  raw {sum(r['raw'] for r in rows) / n:.2f}  trl {sum(r['trl'] for r in rows) / n:.2f}  "
+        f"compact(level {codec.ZSTD_LEVEL}) {sum(r[f'compact{codec.ZSTD_LEVEL}'] for r in rows) / n:.3f} "
+        f"B/changed elem (worst step {worst:.3f}; target <= 1.5)"
+    )
 
     try:
         import matplotlib
@@ -115,8 +134,11 @@ def main() -> None:
 
         steps = [r["step"] for r in rows]
         fig, ax = plt.subplots(figsize=(6, 3.5))
-        for key, label in [("raw", "raw (int32 + bf16)"), ("trl", "TRL gap_delta"),
-                           (f"compact{codec.ZSTD_LEVEL}", "compact (ours)")]:
+        for key, label in [
+            ("raw", "raw (int32 + bf16)"),
+            ("trl", "TRL gap_delta"),
+            (f"compact{codec.ZSTD_LEVEL}", "compact (ours)"),
+        ]:
             ax.plot(steps, [r[key] / r["nnz"] for r in rows], marker="o", label=label)
         ax.axhline(1.5, ls="--", c="gray", lw=1, label="target 1.5 B")
         ax.set_xlabel("RL step")

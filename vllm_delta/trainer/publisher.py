@@ -129,7 +129,10 @@ class Publisher:
                 self.snapshot.reset(name, image)
                 self._sums[name] = tensor_sum(image)
                 self._shapes[name] = tuple(image.shape)
-                sections[name] = image.to("cpu").contiguous()
+                host = image.to("cpu").contiguous()
+                if host.data_ptr() == t.data_ptr():  # bf16 params on CPU: `to` copied nothing
+                    host = host.clone()
+                sections[name] = host
                 n = image.numel()
             else:
                 if tuple(image.shape) != self._shapes[name]:
