@@ -86,7 +86,7 @@ def _copy_store_with(root, tmp_path, version, mutate):
         header = vf.header
         if rec.version == version:
             payload = {}
-            for name, entry in header.tensors.items():
+            for name in header.tensors:
                 if header.kind == "anchor":
                     payload[name] = vf.dense(name).clone()
                 else:
