@@ -73,7 +73,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--lr", type=float, default=1e-6)
-    ap.add_argument("--png", default="benchmarks/payload.png")
+    ap.add_argument("--png", default="benchmarks/results/payload.png")
     args = ap.parse_args()
 
     spec = TinyModelSpec(
