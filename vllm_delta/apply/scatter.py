@@ -1,36 +1,105 @@
 """In-place scatter of bit patterns into many target tensors: the only work inside the pause.
 
-`build_plan` (before the pause) groups the changed elements by target; `scatter_` writes them
-in place; `gather` reads the current values at the same places (the rollback buffer). Targets are
-written through their own storage, never rebound (CUDA graphs hold their addresses).
+`build_plan` / `build_fused_plan` (before the pause) say where each changed element goes; `scatter_`
+writes bits there in place; `gather` reads the current bits at the same places (the rollback buffer).
+Targets are written through their own storage, never rebound (CUDA graphs hold their addresses).
 
-This module holds the torch path (CPU, and the reference for the GPU kernels).
+Two plan forms:
+
+* grouped (`build_plan`): elements grouped by target, int64 target-local offsets. Executed by the
+  torch path (one `index_copy_` per target): CPU, and the reference for the kernels.
+* fused (`build_fused_plan`): one kernel launch for all targets of one element width. An element's
+  address is its element offset from one *base* tensor (the target at the lowest address; every
+  target of a device lives in one flat address space, so `base + offset` reaches any of them).
+  Slots come in blocks of `block`; a block never straddles two targets. Each block has an int64
+  base; each slot an int32 offset relative to it (int64 when a block spans 2^31 elements or more),
+  -1 in padding slots. 6 bytes per changed bf16 element are read inside the pause, addresses are
+  int64-safe for any target size, and any position order is correct.
+
+Backends for fused plans: "triton" (the `_*_kernel` functions below), "cuda" (csrc/, built on
+demand, see `_cuda.py`) and "torch" (per-target `index_copy_`, for checking). `default_backend`
+picks one per device; VLLM_DELTA_SCATTER_BACKEND overrides it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 
 import torch
 
 from ..checksum import bit_view
 
+try:  # Triton is optional: CPU installs work without it (the torch path).
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised where Triton is absent
+    triton = None
+    tl = None
+
+BLOCK = 1024  # slots per fused-plan block (a power of two)
+_INT32_MAX = (1 << 31) - 1
+_PAD = -1
+
+# Fastest first, as measured by benchmarks/apply_gpu.py (docs/PERFORMANCE.md, "GPU apply").
+GPU_BACKENDS = ("cuda", "triton")
+# Triton launch configuration of the fused kernels: plan blocks per program, warps per program.
+TRITON_ROWS = 2
+TRITON_WARPS = 8
+
 
 @dataclass
 class ScatterPlan:
     targets: list[torch.Tensor | None]  # flat integer views of the live tensors (None: unused here)
-    bounds: list[tuple[int, int, int]]  # (target index, start, end) into offsets/values
-    offsets: torch.Tensor  # int64 target-local flat element offsets, grouped by target
-    order: torch.Tensor | None = None  # permutation that grouped the caller's elements (None: kept)
+    bounds: list[tuple[int, int, int]]  # (target index, start, end): grouped: into offsets; fused: slots
+    offsets: torch.Tensor | None  # grouped: int64 target-local element offsets; fused: None
+    order: torch.Tensor | None = None  # grouped: permutation that grouped the caller's elements (None: kept)
+    # -- fused form --------------------------------------------------------------------------
+    base: torch.Tensor | None = None  # flat integer view of the target at the lowest address
+    block: int = 0
+    block_base: torch.Tensor | None = None  # int64 per block: element offset from `base`
+    rel: torch.Tensor | None = None  # int32/int64 per slot, relative to its block's base; -1: padding
+    slots: torch.Tensor | None = None  # int64: the slot of each caller element
+    target_base: list[int] = field(default_factory=list)  # element offset of each target from `base`
+    count: int = 0  # fused: caller elements
+
+    @property
+    def fused(self) -> bool:
+        return self.rel is not None
 
     @property
     def nnz(self) -> int:
-        return int(self.offsets.numel())
+        return self.count if self.fused else int(self.offsets.numel())
+
+    @property
+    def size(self) -> int:
+        """Length of the bit arrays `scatter_` takes and `gather` returns (slots, padding included)."""
+        return int(self.rel.numel()) if self.fused else int(self.offsets.numel())
 
     @property
     def dtype(self) -> torch.dtype:
+        if self.base is not None:
+            return self.base.dtype
         used = [t for t in self.targets if t is not None]
         return used[0].dtype if used else torch.int16
+
+    @property
+    def device(self) -> torch.device:
+        return (self.rel if self.fused else self.offsets).device
+
+    @property
+    def nbytes(self) -> int:
+        if self.fused:
+            return self.rel.numel() * self.rel.element_size() + self.block_base.numel() * 8
+        return self.offsets.numel() * 8
+
+    def arrange(self, values: torch.Tensor, fill: int = 0) -> torch.Tensor:
+        """Caller-ordered per-element values -> plan order (what `scatter_` takes)."""
+        if not self.fused:
+            return values[self.order] if self.order is not None else values
+        out = torch.full((self.size,), fill, dtype=values.dtype, device=values.device)
+        out[self.slots] = values
+        return out
 
 
 def flat_bits(t: torch.Tensor) -> torch.Tensor:
@@ -69,15 +138,303 @@ def build_plan(targets: list[torch.Tensor], target_ids: torch.Tensor, offsets: t
     return ScatterPlan(flats, bounds, offs, order)
 
 
-def gather(plan: ScatterPlan) -> torch.Tensor:
-    """Current bit patterns at the plan's places, in plan order."""
-    out = torch.empty(plan.nnz, dtype=plan.dtype, device=plan.offsets.device)
-    for i, s, e in plan.bounds:
-        out[s:e] = plan.targets[i][plan.offsets[s:e]]
+def address_base(flats: list[torch.Tensor]) -> tuple[int, list[int]]:
+    """(index of the lowest-addressed tensor, each tensor's element offset from it). One width, one device."""
+    if not flats:
+        return -1, []
+    width = flats[0].element_size()
+    if any(f.element_size() != width for f in flats):
+        raise ValueError("one fused plan covers targets of one element width")
+    if len({f.device for f in flats}) > 1:
+        raise ValueError("one fused plan covers targets on one device")
+    ptrs = [f.data_ptr() for f in flats]
+    b = min(range(len(ptrs)), key=ptrs.__getitem__)
+    deltas = [p - ptrs[b] for p in ptrs]
+    if any(d % width for d in deltas):
+        raise ValueError("targets are not aligned to their element width")
+    return b, [d // width for d in deltas]
+
+
+def build_fused_plan(
+    targets: list[torch.Tensor],
+    target_ids: torch.Tensor,
+    offsets: torch.Tensor,
+    *,
+    block: int = BLOCK,
+    base_index: int | None = None,
+    rel_dtype: torch.dtype | None = None,
+    check: bool = True,
+) -> ScatterPlan:
+    """A fused plan over (target id, target-local offset) pairs, in the caller's order.
+
+    Runs of equal target ids become runs of blocks (padded to `block` slots). `base_index` names the
+    tensor whose address is the base (default: the lowest-addressed referenced target; pass one for
+    plans that are concatenated later). `rel_dtype` forces int32 or int64 offsets (default: int32
+    where it fits). Values go into plan order with `plan.arrange`.
+    """
+    if block <= 0 or block & (block - 1):
+        raise ValueError("block must be a power of two")
+    device = offsets.device
+    ids = target_ids.to(device=device, dtype=torch.int64).reshape(-1)
+    offs = offsets.to(device=device, dtype=torch.int64).reshape(-1)
+    n = offs.numel()
+    flats_all = [flat_bits(t) for t in targets]
+    if n:
+        runs_at = torch.ones(n, dtype=torch.bool, device=device)
+        runs_at[1:] = ids[1:] != ids[:-1]
+        starts = runs_at.nonzero().reshape(-1)
+        run_ids = ids[starts]
+        host = torch.cat([starts, run_ids]).tolist()
+        starts_h, ids_h = host[: len(host) // 2], host[len(host) // 2 :]
+    else:
+        starts, starts_h, ids_h = offs.new_zeros(0), [], []
+    used = sorted(set(ids_h))
+    if used and (used[0] < 0 or used[-1] >= len(targets)):
+        raise IndexError(f"target id out of range for {len(targets)} targets")
+    if base_index is None:
+        base_index = min(used, key=lambda i: flats_all[i].data_ptr()) if used else 0
+    base = flats_all[base_index] if flats_all else None
+    tbase = [0] * len(targets)
+    if used:
+        _, deltas = address_base([base] + [flats_all[i] for i in used])
+        for i, d in zip(used, deltas[1:]):
+            tbase[i] = d - deltas[0]
+    if check and n:
+        numel = torch.tensor([f.numel() for f in flats_all], dtype=torch.int64, device=device)
+        if bool(((offs < 0) | (offs >= numel[ids])).any()):
+            bad = int(ids[(offs < 0) | (offs >= numel[ids])][0])
+            raise IndexError(f"scatter offset out of range for target {bad} ({flats_all[bad].numel()} elements)")
+    lengths_h = [e - s for s, e in zip(starts_h, starts_h[1:] + [n])]
+    padded_h = [-(-m // block) * block for m in lengths_h]
+    pad_starts_h, at = [], 0
+    for m in padded_h:
+        pad_starts_h.append(at)
+        at += m
+    n_slots = at
+    bounds = [(t, s, s + m) for t, s, m in zip(ids_h, pad_starts_h, padded_h)]
+    if n:
+        shift = torch.tensor([p - s for p, s in zip(pad_starts_h, starts_h)], dtype=torch.int64, device=device)
+        lengths = torch.tensor(lengths_h, dtype=torch.int64, device=device)
+        slots = torch.arange(n, dtype=torch.int64, device=device) + torch.repeat_interleave(
+            shift, lengths, output_size=n
+        )
+        tb = torch.tensor(tbase, dtype=torch.int64, device=device)
+        addr = torch.full((n_slots,), torch.iinfo(torch.int64).max, dtype=torch.int64, device=device)
+        addr[slots] = tb[ids] + offs
+        block_base = addr.view(-1, block).amin(dim=1)
+        rel = addr - torch.repeat_interleave(block_base, block, output_size=n_slots)
+        del addr
+        rel[slots.new_ones(n_slots, dtype=torch.bool).index_fill_(0, slots, False)] = _PAD
+    else:
+        slots = offs.new_zeros(0)
+        block_base = offs.new_zeros(0)
+        rel = torch.zeros(0, dtype=torch.int32, device=device)
+    if rel_dtype is None:
+        rel_dtype = torch.int32 if (not n or int(rel.max()) <= _INT32_MAX) else torch.int64
+    elif rel_dtype == torch.int32 and n and int(rel.max()) > _INT32_MAX:
+        raise ValueError("a block spans 2^31 elements or more: use int64 offsets")
+    rel = rel.to(rel_dtype)
+    used_set = set(used)
+    flats: list[torch.Tensor | None] = [f if i in used_set else None for i, f in enumerate(flats_all)]
+    return ScatterPlan(
+        targets=flats,
+        bounds=bounds,
+        offsets=None,
+        base=base,
+        block=block,
+        block_base=block_base,
+        rel=rel,
+        slots=slots,
+        target_base=tbase,
+        count=n,
+    )
+
+
+def cat_plans(plans: list[ScatterPlan]) -> ScatterPlan:
+    """One fused plan from several over the same targets and base (e.g. built chunk by chunk)."""
+    plans = [p for p in plans if p.size]
+    if not plans:
+        raise ValueError("nothing to concatenate")
+    if len(plans) == 1:
+        return plans[0]
+    first = plans[0]
+    if any(p.block != first.block or p.base.data_ptr() != first.base.data_ptr() for p in plans):
+        raise ValueError("fused plans differ in block size or base")
+    wide = any(p.rel.dtype == torch.int64 for p in plans)
+    rel = torch.cat([p.rel.to(torch.int64) if wide else p.rel for p in plans])
+    block_base = torch.cat([p.block_base for p in plans])
+    bounds, slots, at = [], [], 0
+    targets = list(first.targets)
+    for p in plans:
+        bounds += [(t, s + at, e + at) for t, s, e in p.bounds]
+        slots.append(p.slots + at)
+        at += p.size
+        targets = [a if a is not None else b for a, b in zip(targets, p.targets)]
+    tbase = [max(vals) for vals in zip(*(p.target_base for p in plans))]
+    return ScatterPlan(
+        targets=targets,
+        bounds=bounds,
+        offsets=None,
+        base=first.base,
+        block=first.block,
+        block_base=block_base,
+        rel=rel,
+        slots=torch.cat(slots),
+        target_base=tbase,
+        count=sum(p.count for p in plans),
+    )
+
+
+# -- backends --------------------------------------------------------------------------------------
+def available_backends(device: torch.device | str) -> list[str]:
+    """Backends that can run fused plans on `device` ("torch" always)."""
+    device = torch.device(device)
+    out = []
+    if device.type == "cuda":
+        from . import _cuda
+
+        if _cuda.available():
+            out.append("cuda")
+        if triton is not None:
+            out.append("triton")
+        out = [b for b in GPU_BACKENDS if b in out]
+    elif triton is not None and os.environ.get("TRITON_INTERPRET") == "1":
+        out.append("triton")
+    return out + ["torch"]
+
+
+def default_backend(device: torch.device | str) -> str:
+    """VLLM_DELTA_SCATTER_BACKEND if set, else the fastest available for the device (torch on CPU)."""
+    forced = os.environ.get("VLLM_DELTA_SCATTER_BACKEND")
+    if forced:
+        if forced not in ("torch", "triton", "cuda"):
+            raise ValueError(f"VLLM_DELTA_SCATTER_BACKEND={forced!r}: use torch, triton or cuda")
+        return forced
+    device = torch.device(device)
+    if device.type != "cuda":
+        return "torch"
+    return available_backends(device)[0]
+
+
+def _resolve(backend: str | None, device: torch.device) -> str:
+    return backend or default_backend(device)
+
+
+# -- Triton kernels --------------------------------------------------------------------------------
+if triton is not None:
+
+    @triton.jit
+    def _scatter_blocks_kernel(base_ptr, block_base_ptr, rel_ptr, src_ptr, n_blocks, BLOCK: tl.constexpr,
+                               ROWS: tl.constexpr):
+        rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        live = rows < n_blocks
+        bb = tl.load(block_base_ptr + rows, mask=live, other=0)
+        slot = rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+        m = live[:, None]
+        rel = tl.load(rel_ptr + slot, mask=m, other=-1)
+        val = tl.load(src_ptr + slot, mask=m, other=0)
+        tl.store(base_ptr + (bb[:, None] + rel.to(tl.int64)), val, mask=rel >= 0)
+
+    @triton.jit
+    def _gather_blocks_kernel(base_ptr, block_base_ptr, rel_ptr, out_ptr, n_blocks, BLOCK: tl.constexpr,
+                              ROWS: tl.constexpr):
+        rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        live = rows < n_blocks
+        bb = tl.load(block_base_ptr + rows, mask=live, other=0)
+        slot = rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+        m = live[:, None]
+        rel = tl.load(rel_ptr + slot, mask=m, other=-1)
+        ok = rel >= 0
+        val = tl.load(base_ptr + (bb[:, None] + rel.to(tl.int64)), mask=ok, other=0)
+        tl.store(out_ptr + slot, val, mask=m)
+
+    @triton.jit
+    def _gather_addr_kernel(base_ptr, addr_ptr, out_ptr, n, BLOCK: tl.constexpr):
+        i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        m = i < n
+        addr = tl.load(addr_ptr + i, mask=m, other=0)
+        tl.store(out_ptr + i, tl.load(base_ptr + addr, mask=m, other=0), mask=m)
+
+
+def _triton_blocks(kernel, plan: ScatterPlan, bits: torch.Tensor, rows: int, warps: int) -> None:
+    n_blocks = plan.block_base.numel()
+    if n_blocks:
+        kernel[(triton.cdiv(n_blocks, rows),)](
+            plan.base, plan.block_base, plan.rel, bits, n_blocks, BLOCK=plan.block, ROWS=rows, num_warps=warps
+        )
+
+
+# -- torch path for fused plans (CPU, and the reference for the kernels) ---------------------------
+def _fused_runs(plan: ScatterPlan):
+    """(target flat view, slot range, valid mask, target-local offsets of the valid slots)."""
+    for t, s, e in plan.bounds:
+        rel = plan.rel[s:e].to(torch.int64)
+        bb = torch.repeat_interleave(plan.block_base[s // plan.block : e // plan.block], plan.block)
+        ok = rel >= 0
+        yield plan.targets[t], s, e, ok, (bb + rel)[ok] - plan.target_base[t]
+
+
+# -- public entry points ---------------------------------------------------------------------------
+def gather(plan: ScatterPlan, backend: str | None = None) -> torch.Tensor:
+    """Current bit patterns at the plan's places, in plan order (padding slots: 0)."""
+    out = torch.zeros(plan.size, dtype=plan.dtype, device=plan.device)
+    if not plan.fused:
+        for i, s, e in plan.bounds:
+            out[s:e] = plan.targets[i][plan.offsets[s:e]]
+        return out
+    be = _resolve(backend, plan.device)
+    if be == "triton":
+        _triton_blocks(_gather_blocks_kernel, plan, out, TRITON_ROWS, TRITON_WARPS)
+    elif be == "cuda":
+        from . import _cuda
+
+        _cuda.gather_blocks(plan, out)
+    elif be == "torch":
+        for flat, s, e, ok, local in _fused_runs(plan):
+            piece = out[s:e]
+            piece[ok] = flat[local]
+    else:
+        raise ValueError(f"unknown scatter backend {be!r}")
     return out
 
 
-def scatter_(plan: ScatterPlan, bits: torch.Tensor) -> None:
+def scatter_(plan: ScatterPlan, bits: torch.Tensor, backend: str | None = None) -> None:
     """Write `bits` (plan order) into the targets, in place."""
-    for i, s, e in plan.bounds:
-        plan.targets[i].index_copy_(0, plan.offsets[s:e], bits[s:e].to(plan.targets[i].dtype))
+    if not plan.fused:
+        for i, s, e in plan.bounds:
+            plan.targets[i].index_copy_(0, plan.offsets[s:e], bits[s:e].to(plan.targets[i].dtype))
+        return
+    if bits.numel() != plan.size or bits.dtype != plan.dtype or bits.device != plan.device:
+        raise ValueError(f"bits must be {plan.size} {plan.dtype} on {plan.device}, plan order")
+    be = _resolve(backend, plan.device)
+    if be == "triton":
+        _triton_blocks(_scatter_blocks_kernel, plan, bits, TRITON_ROWS, TRITON_WARPS)
+    elif be == "cuda":
+        from . import _cuda
+
+        _cuda.scatter_blocks(plan, bits)
+    elif be == "torch":
+        for flat, s, e, ok, local in _fused_runs(plan):
+            flat.index_copy_(0, local, bits[s:e][ok])
+    else:
+        raise ValueError(f"unknown scatter backend {be!r}")
+
+
+def gather_at(base: torch.Tensor, addresses: torch.Tensor, backend: str | None = None) -> torch.Tensor:
+    """Bits at int64 element offsets from `base`'s address (any target of the same device and width).
+
+    Kernel backends only: the torch path can't address outside one tensor."""
+    out = torch.empty(addresses.numel(), dtype=base.dtype, device=addresses.device)
+    n = addresses.numel()
+    if not n:
+        return out
+    be = _resolve(backend, addresses.device)
+    if be == "triton":
+        _gather_addr_kernel[(triton.cdiv(n, 1024),)](base, addresses, out, n, BLOCK=1024, num_warps=4)
+    elif be == "cuda":
+        from . import _cuda
+
+        _cuda.gather_addr(base, addresses, out)
+    else:
+        raise ValueError(f"gather_at needs a kernel backend, not {be!r}")
+    return out

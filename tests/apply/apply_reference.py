@@ -1,0 +1,303 @@
+"""Torch references and fixtures shared by tests/apply and benchmarks/apply_gpu.py (one copy, no drift).
+
+* `reference_apply`: writes changes given in Hugging Face coordinates through `Layout.translate`,
+  one `index_copy_` per segment: the meaning of an update, independent of the engine's code.
+* `nanmask_apply`: the algorithm of vLLM's sparse patch path (`load_checkpoint_weight_patches`):
+  validation flags, a NaN-filled full tensor per touched parameter, `index_copy_`, then, in the
+  model loader's copy into each runtime view, `where(isnan(src), dst, src)` and `copy_`.
+* `index_copy_apply`: one `index_copy_` per local target from pre-staged local offsets.
+* Qwen3-shaped parameter sets with vLLM's fused layouts (qkv_proj, gate_up_proj), realistic
+  changes (uniform positions, ~89% of diffs one ULP), and version files written with the real codecs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from vllm_delta import codec as codecs
+from vllm_delta.apply.layout import Layout, Segment, hf_2d
+from vllm_delta.checksum import bit_view, combine, positional_sum, tensor_sum, to_hex
+from vllm_delta.format import DTYPE_NAMES, TensorEntry, VersionHeader, payload_key, write
+
+# -- model shapes -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Qwen3Spec:
+    name: str
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    tied: bool
+
+
+QWEN3 = {
+    "qwen3-0.6b": Qwen3Spec("qwen3-0.6b", 1024, 28, 16, 8, 128, 3072, 151936, True),
+    "qwen3-8b": Qwen3Spec("qwen3-8b", 4096, 36, 32, 8, 128, 12288, 151936, False),
+    "qwen3-32b": Qwen3Spec("qwen3-32b", 5120, 64, 64, 8, 128, 25600, 151936, False),
+    # tiny, same structure (tests, --smoke)
+    "qwen3-tiny": Qwen3Spec("qwen3-tiny", 64, 2, 4, 2, 16, 96, 300, True),
+}
+
+
+def qwen3_layout(spec: Qwen3Spec) -> tuple[dict[str, tuple[int, ...]], Layout]:
+    """(vLLM target shapes in allocation order, Layout: HF tensors -> fused vLLM targets)."""
+    h, hd, i_, v = spec.hidden, spec.head_dim, spec.intermediate, spec.vocab
+    nq, nkv = spec.heads * hd, spec.kv_heads * hd
+    targets: dict[str, tuple[int, ...]] = {}
+    hf: dict[str, tuple[int, ...]] = {}
+    segs: dict[str, list[Segment]] = {}
+
+    def target(name, shape):
+        targets[name] = shape
+        return len(targets) - 1
+
+    def whole(hf_name, shape, t):
+        hf[hf_name] = shape
+        rows, cols = hf_2d(shape)
+        segs[hf_name] = [Segment(t, 0, rows, 0, cols, 0, cols)]
+
+    whole("model.embed_tokens.weight", (v, h), target("model.embed_tokens.weight", (v, h)))
+    for layer in range(spec.layers):
+        pre = f"model.layers.{layer}."
+        qkv = target(pre + "self_attn.qkv_proj.weight", (nq + 2 * nkv, h))
+        for name, rows, row_off in (("q_proj", nq, 0), ("k_proj", nkv, nq), ("v_proj", nkv, nq + nkv)):
+            hf[pre + f"self_attn.{name}.weight"] = (rows, h)
+            segs[pre + f"self_attn.{name}.weight"] = [Segment(qkv, 0, rows, 0, h, row_off * h, h)]
+        whole(pre + "self_attn.o_proj.weight", (h, nq), target(pre + "self_attn.o_proj.weight", (h, nq)))
+        whole(pre + "self_attn.q_norm.weight", (hd,), target(pre + "self_attn.q_norm.weight", (hd,)))
+        whole(pre + "self_attn.k_norm.weight", (hd,), target(pre + "self_attn.k_norm.weight", (hd,)))
+        gu = target(pre + "mlp.gate_up_proj.weight", (2 * i_, h))
+        for name, row_off in (("gate_proj", 0), ("up_proj", i_)):
+            hf[pre + f"mlp.{name}.weight"] = (i_, h)
+            segs[pre + f"mlp.{name}.weight"] = [Segment(gu, 0, i_, 0, h, row_off * h, h)]
+        whole(pre + "mlp.down_proj.weight", (h, i_), target(pre + "mlp.down_proj.weight", (h, i_)))
+        whole(pre + "input_layernorm.weight", (h,), target(pre + "input_layernorm.weight", (h,)))
+        whole(pre + "post_attention_layernorm.weight", (h,), target(pre + "post_attention_layernorm.weight", (h,)))
+    whole("model.norm.weight", (h,), target("model.norm.weight", (h,)))
+    if not spec.tied:
+        whole("lm_head.weight", (v, h), target("lm_head.weight", (v, h)))
+    return targets, Layout(targets=list(targets), hf_shapes=hf, segments=segs)
+
+
+def hf_view(layout: Layout, targets: list[torch.Tensor], name: str) -> torch.Tensor:
+    """An HF tensor's values gathered from the targets (first segment holding each element)."""
+    rows, cols = hf_2d(layout.hf_shapes[name])
+    out = None
+    for seg in layout.segments[name]:
+        flat = targets[seg.target].reshape(-1)
+        if out is None:
+            out = torch.zeros(rows, cols, dtype=flat.dtype, device=flat.device)
+        box = flat.as_strided((seg.rows, seg.cols), (seg.dst_row_stride, seg.dst_col_stride), seg.dst_offset)
+        out[seg.row0 : seg.row0 + seg.rows, seg.col0 : seg.col0 + seg.cols] = box
+    return out.reshape(layout.hf_shapes[name])
+
+
+# -- changes ----------------------------------------------------------------------------------------
+
+
+def random_positions(numel: int, density: float, gen: torch.Generator, device) -> torch.Tensor:
+    """Sorted unique positions, each element changed independently with probability `density`."""
+    out, step = [], 1 << 26
+    for s in range(0, numel, step):
+        n = min(step, numel - s)
+        u = torch.rand(n, generator=gen, device=device)
+        out.append(torch.nonzero(u < density).reshape(-1) + s)
+    return torch.cat(out) if out else torch.zeros(0, dtype=torch.int64, device=device)
+
+
+def realistic_diffs(n: int, gen: torch.Generator, device, width: int = 2) -> torch.Tensor:
+    """Bit differences like AdamW bf16 flips: ~89% ±1 ULP, ~10% ±2..±8, ~1% ±9..±400 (some escape
+    the int8 code), a few sign flips. int64."""
+    u = torch.rand(n, generator=gen, device=device)
+    sign = torch.where(torch.rand(n, generator=gen, device=device) < 0.5, -1, 1).to(torch.int64)
+    mag = torch.ones(n, dtype=torch.int64, device=device)
+    mid = (u >= 0.89) & (u < 0.99)
+    mag[mid] = torch.randint(2, 9, (int(mid.sum()),), generator=gen, device=device)
+    big = u >= 0.99
+    mag[big] = torch.randint(9, 400, (int(big.sum()),), generator=gen, device=device)
+    d = sign * mag
+    flip = torch.rand(n, generator=gen, device=device) < 5e-4
+    d[flip] = 1 << (8 * width - 1)  # the sign bit: x -> -x
+    return d
+
+
+def apply_diffs(old: torch.Tensor, diffs: torch.Tensor) -> torch.Tensor:
+    """(old + diffs) mod 2^bits, as old's integer dtype."""
+    width = old.element_size() * 8
+    new = (old.to(torch.int64) + diffs) & ((1 << width) - 1)
+    return torch.where(new >= (1 << (width - 1)), new - (1 << width), new).to(old.dtype)
+
+
+def random_changes(hf_tensors: dict[str, torch.Tensor], density: float, seed: int = 0, device=None) -> dict:
+    """{name: (positions, new bits, old bits)} for HF tensors (floating point; bits are int views)."""
+    out = {}
+    for i, (name, t) in enumerate(hf_tensors.items()):
+        dev = device or t.device
+        gen = torch.Generator(device=dev).manual_seed(seed * 7919 + i)
+        flat = bit_view(t).reshape(-1)
+        pos = random_positions(flat.numel(), density, gen, dev)
+        old = flat[pos.to(flat.device)].to(dev)
+        new = apply_diffs(old, realistic_diffs(pos.numel(), gen, dev, t.element_size()))
+        out[name] = (pos, new, old)
+    return out
+
+
+# -- references -------------------------------------------------------------------------------------
+
+
+def reference_apply(targets: list[torch.Tensor], layout: Layout, changes: dict) -> None:
+    """Write {HF name: (positions, new bits, ...)} into the targets through `Layout.translate`."""
+    for name, (pos, new, *_) in changes.items():
+        for seg, mask, dst in layout.translate(name, pos):
+            flat = bit_view(targets[seg.target]).reshape(-1)
+            flat.index_copy_(0, dst, new[mask].to(flat.dtype))
+
+
+def nanmask_apply(targets: list[torch.Tensor], layout: Layout, patches: dict, validate_unique: bool = True) -> None:
+    """vLLM's sparse checkpoint patch algorithm. patches: {HF name: (positions, new values (float))}."""
+    flags = []
+    for name, (pos, vals) in patches.items():
+        numel = hf_2d(layout.hf_shapes[name])[0] * hf_2d(layout.hf_shapes[name])[1]
+        flags.append(torch.isnan(vals).any())
+        if pos.numel():
+            flags.append(torch.logical_or(pos < 0, pos >= numel).any())
+            if validate_unique:
+                s = torch.sort(pos).values
+                flags.append((s[1:] == s[:-1]).any())
+    if flags and bool(torch.stack(flags).any().item()):
+        raise ValueError("sparse checkpoint patches contain NaN values, out-of-range indices, or duplicate indices")
+    for name, (pos, vals) in patches.items():
+        shape = layout.hf_shapes[name]
+        rows, cols = hf_2d(shape)
+        full = torch.full((rows * cols,), float("nan"), dtype=vals.dtype, device=vals.device)
+        if vals.numel():
+            full.index_copy_(0, pos.to(torch.long), vals)
+        src = full.view(rows, cols)
+        for seg in layout.segments.get(name, ()):
+            t = targets[seg.target]
+            dst = t.reshape(-1).as_strided(
+                (seg.rows, seg.cols), (seg.dst_row_stride, seg.dst_col_stride), t.storage_offset() + seg.dst_offset
+            )
+            box = src[seg.row0 : seg.row0 + seg.rows, seg.col0 : seg.col0 + seg.cols]
+            cast = box.to(dtype=dst.dtype, device=dst.device)
+            dst.copy_(torch.where(torch.isnan(cast), dst, cast))
+
+
+def local_changes(layout: Layout, changes: dict) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """{target: (local offsets, new bits)} of HF changes (the pre-staged input of `index_copy_apply`)."""
+    per: dict[int, tuple[list, list]] = {}
+    for name, (pos, new, *_) in changes.items():
+        for seg, mask, dst in layout.translate(name, pos):
+            offs, bits = per.setdefault(seg.target, ([], []))
+            offs.append(dst)
+            bits.append(new[mask])
+    return {t: (torch.cat(o), torch.cat(b)) for t, (o, b) in per.items()}
+
+
+def index_copy_apply(targets: list[torch.Tensor], per_target: dict) -> None:
+    for t, (offs, bits) in per_target.items():
+        flat = bit_view(targets[t]).reshape(-1)
+        flat.index_copy_(0, offs, bits)
+
+
+# -- version files ----------------------------------------------------------------------------------
+
+
+def write_delta(
+    path: str,
+    *,
+    version: int,
+    base: int,
+    codec: str,
+    shapes: dict[str, tuple[int, ...]],
+    changes: dict,
+    dtype: torch.dtype | dict[str, torch.dtype] = torch.bfloat16,
+    sums: dict[str, int] | None = None,
+    frame_elems: int | None = None,
+    pool=None,
+) -> VersionHeader:
+    """A delta version file from {name: (positions, new bits, old bits)}. `sums`: per-tensor checksums
+    at this version (None: zeros, for benchmarks that don't verify)."""
+    if codec == "compact" and frame_elems:
+        c = codecs.CompactCodec(frame_elems=frame_elems)
+    else:
+        c = codecs.get_codec(codec)
+
+    dtypes = dtype if isinstance(dtype, dict) else dict.fromkeys(shapes, dtype)
+
+    def one(name):
+        pos, new, old = changes[name]
+        numel = hf_2d(shapes[name])[0] * hf_2d(shapes[name])[1]
+        return name, c.pack(c.prepare(pos, new, old, numel), dtypes[name])
+
+    names = [n for n in shapes if n in changes and changes[n][0].numel()]
+    packed = dict(pool.map(one, names) if pool is not None else map(one, names))
+    entries, payload = {}, {}
+    for name, shape in shapes.items():
+        nnz = int(changes[name][0].numel()) if name in changes else 0
+        parts, meta = packed.get(name, ({}, {}))
+        entries[name] = TensorEntry(
+            shape=list(shape),
+            dtype=DTYPE_NAMES[dtypes[name]],
+            checksum=to_hex((sums or {}).get(name, 0)),
+            nnz=nnz,
+            enc=meta,
+        )
+        payload.update({payload_key(name, part): t for part, t in parts.items()})
+    header = VersionHeader(
+        version=version,
+        kind="delta",
+        tensors=entries,
+        checksum=to_hex(combine((sums or {}).items())),
+        base=base,
+        base_checksum="0" * 16,
+        codec=codec,
+    )
+    write(path, header, payload)
+    return header
+
+
+def write_anchor(path: str, version: int, tensors: dict[str, torch.Tensor]) -> VersionHeader:
+    sums = {n: tensor_sum(t) for n, t in tensors.items()}
+    header = VersionHeader(
+        version=version,
+        kind="anchor",
+        tensors={
+            n: TensorEntry(shape=list(t.shape), dtype=DTYPE_NAMES[t.dtype], checksum=to_hex(sums[n]), nnz=t.numel())
+            for n, t in tensors.items()
+        },
+        checksum=to_hex(combine(sums.items())),
+    )
+    write(path, header, {n: t.contiguous().cpu() for n, t in tensors.items()})
+    return header
+
+
+def hf_sums(tensors: dict[str, torch.Tensor]) -> dict[str, int]:
+    return {n: tensor_sum(t) for n, t in tensors.items()}
+
+
+__all__ = [
+    "QWEN3",
+    "Qwen3Spec",
+    "apply_diffs",
+    "hf_sums",
+    "hf_view",
+    "index_copy_apply",
+    "local_changes",
+    "nanmask_apply",
+    "positional_sum",
+    "qwen3_layout",
+    "random_changes",
+    "random_positions",
+    "realistic_diffs",
+    "reference_apply",
+    "write_anchor",
+    "write_delta",
+]

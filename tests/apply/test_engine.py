@@ -1,0 +1,301 @@
+"""ApplyEngine end to end: real version files -> stage -> verify -> commit -> rollback, bit-exact against
+the torch reference (`reference_apply`), for every layout kind, codec and backend."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from apply_reference import (
+    QWEN3,
+    apply_diffs,
+    hf_sums,
+    hf_view,
+    qwen3_layout,
+    random_changes,
+    reference_apply,
+    write_anchor,
+    write_delta,
+)
+from conftest import cases, need
+
+from vllm_delta.apply import engine as engine_mod
+from vllm_delta.apply import scatter as scatter_ops
+from vllm_delta.apply.engine import ApplyEngine, verify_partials
+from vllm_delta.apply.layout import Layout, Segment, hf_2d
+from vllm_delta.checksum import MASK64, bit_view
+from vllm_delta.errors import ChecksumMismatchError, NotSuccessorError
+from vllm_delta.format import VersionFile
+
+# -- scenarios: (targets {name: (shape, dtype)}, Layout, HF dtypes, every element owned once?) -------
+
+
+def _identity():
+    shapes = {"a": (37, 53), "b": (100,), "c": (20, 30), "d": (3, 4, 5)}
+    dtypes = {"a": torch.bfloat16, "b": torch.bfloat16, "c": torch.float32, "d": torch.bfloat16}
+    layout = Layout.identity(shapes)
+    return {n: (s, dtypes[n]) for n, s in shapes.items()}, layout, dtypes, True
+
+
+def _qwen3():
+    targets, layout = qwen3_layout(QWEN3["qwen3-tiny"])
+    return {n: (s, torch.bfloat16) for n, s in targets.items()}, layout, dict.fromkeys(layout.hf_shapes,
+                                                                                        torch.bfloat16), True
+
+
+def _shards():
+    """Column box, row shard, transposed (strided) target, fused rows, tied copies, a replica."""
+    targets = {
+        "w_cols": ((40, 32), torch.bfloat16),  # HF w (40, 64), columns [16, 48)
+        "v_rows": ((25, 8), torch.bfloat16),  # HF v (50, 8), rows [10, 35)
+        "t_T": ((16, 24), torch.bfloat16),  # HF t (24, 16), stored transposed
+        "qk": ((12, 8), torch.bfloat16),  # HF q (8, 8) + k (4, 8), fused rows
+        "emb": ((30, 8), torch.bfloat16),  # HF emb (30, 8), tied: emb and head
+        "head": ((30, 8), torch.bfloat16),
+        "n": ((8,), torch.float32),  # HF n (8,), replicated: not the owner here
+    }
+    hf = {"w": (40, 64), "v": (50, 8), "t": (24, 16), "q": (8, 8), "k": (4, 8), "emb": (30, 8), "n": (8,)}
+    segs = {
+        "w": [Segment(0, 0, 40, 16, 32, 0, 32)],
+        "v": [Segment(1, 10, 25, 0, 8, 0, 8)],
+        "t": [Segment(2, 0, 24, 0, 16, 0, 1, 24)],
+        "q": [Segment(3, 0, 8, 0, 8, 0, 8)],
+        "k": [Segment(3, 0, 4, 0, 8, 64, 8)],
+        "emb": [Segment(4, 0, 30, 0, 8, 0, 8), Segment(5, 0, 30, 0, 8, 0, 8, owner=False)],
+        "n": [Segment(6, 0, 8, 0, 1, 0, 1, owner=False)],
+    }
+    dtypes = dict.fromkeys(hf, torch.bfloat16)
+    dtypes["n"] = torch.float32
+    return targets, Layout(targets=list(targets), hf_shapes=hf, segments=segs), dtypes, False
+
+
+SCENARIOS = {"identity": _identity, "qwen3": _qwen3, "shards": _shards}
+
+
+class World:
+    """HF weights of versions 0, 1, 2... and the local targets holding version 0."""
+
+    def __init__(self, scenario: str, device: str, seed: int = 0):
+        tspecs, self.layout, self.dtypes, self.owned = SCENARIOS[scenario]()
+        gen = torch.Generator().manual_seed(seed)
+        self.device = device
+        # local targets: random background, then the HF values written through every segment
+        self.targets = [
+            (torch.randn(shape, generator=gen) * 0.02).to(dtype).to(device) for shape, dtype in tspecs.values()
+        ]
+        self.hf = [{n: (torch.randn(s, generator=gen) * 0.02).to(self.dtypes[n]).to(device)
+                    for n, s in self.layout.hf_shapes.items()}]
+        full = {}
+        for n, t in self.hf[0].items():
+            bits = bit_view(t).reshape(-1)
+            full[n] = (torch.arange(bits.numel(), device=device), bits)
+        reference_apply(self.targets, self.layout, full)
+        self.changes = [None]
+
+    def step(self, density=0.08, seed=1):
+        prev = self.hf[-1]
+        ch = random_changes(prev, density, seed=seed)
+        new = {}
+        for n, t in prev.items():
+            bits = bit_view(t.clone()).reshape(-1)
+            pos, nb, _ = ch[n]
+            bits[pos] = nb
+            new[n] = bits.view(t.dtype).reshape(t.shape)
+        self.hf.append(new)
+        self.changes.append(ch)
+        return ch
+
+    def engine(self, backend, **kw):
+        return ApplyEngine(dict(zip(self.layout.targets, self.targets)), self.layout, self.device, backend=backend,
+                           **kw)
+
+    def bits(self):
+        return [bit_view(t).clone() for t in self.targets]
+
+    def expected(self, *changes):
+        out = [t.clone() for t in self.targets]
+        for ch in changes:
+            reference_apply(out, self.layout, ch)
+        return [bit_view(t) for t in out]
+
+    def write(self, path, version, codec, frame_elems=None):
+        return write_delta(str(path), version=version, base=version - 1, codec=codec, shapes=self.layout.hf_shapes,
+                           changes=self.changes[version], dtype=self.dtypes, sums=hf_sums(self.hf[version]),
+                           frame_elems=frame_elems)
+
+
+def _equal(a, b):
+    return all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def _sums_move(engine, before, partials):
+    after = engine.live_sums()
+    for name in after:
+        assert (before[name] + partials.get(name, 0)) & MASK64 == after[name], name
+
+
+@pytest.mark.parametrize("device,backend", cases())
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+@pytest.mark.parametrize("codec", ["compact", "raw"])
+def test_stage_commit_rollback(tmp_path, device, backend, scenario, codec):
+    need(device, backend)
+    w = World(scenario, device)
+    ch = w.step()
+    header = w.write(tmp_path / "v1.safetensors", 1, codec, frame_elems=37)
+    eng = w.engine(backend, block=32, chunk_elems=200)
+    before, sums0 = w.bits(), eng.live_sums()
+    staged = eng.stage([VersionFile(tmp_path / "v1.safetensors")])
+    assert _equal(w.bits(), before), "staging wrote to the targets"
+    assert staged.backend == backend and staged.nnz > 0 and staged.bytes > 0
+    assert {"read", "decode", "translate", "gather", "plan", "total"} <= set(staged.timings)
+    if w.owned:
+        verify_partials(sums0, [staged.partials], header)
+    ms = eng.commit(staged)
+    assert ms >= 0 and staged.committed
+    assert _equal(w.bits(), w.expected(ch))
+    _sums_move(eng, sums0, staged.partials)
+    eng.rollback(staged)
+    assert _equal(w.bits(), before)
+    assert eng.live_sums() == sums0
+    # the same staged update can be committed again after its rollback
+    eng.commit(staged)
+    assert _equal(w.bits(), w.expected(ch))
+
+
+@pytest.mark.parametrize("device,backend", cases())
+def test_checksum_mismatch_detected(tmp_path, device, backend):
+    need(device, backend)
+    w = World("identity", device)
+    w.step()
+    header = w.write(tmp_path / "v1.safetensors", 1, "compact")
+    eng = w.engine(backend)
+    sums0 = eng.live_sums()
+    staged = eng.stage([VersionFile(tmp_path / "v1.safetensors")])
+    sums0["a"] += 1
+    with pytest.raises(ChecksumMismatchError):
+        verify_partials(sums0, [staged.partials], header)
+
+
+@pytest.mark.parametrize("device,backend", cases())
+@pytest.mark.parametrize("scenario", ["qwen3", "shards"])
+def test_chain_in_one_update(tmp_path, device, backend, scenario):
+    """Several deltas (mixed codecs) staged together == applied one after the other."""
+    need(device, backend)
+    w = World(scenario, device)
+    files = []
+    for v, codec in ((1, "compact"), (2, "raw"), (3, "compact")):
+        w.step(density=0.2, seed=v)
+        w.write(tmp_path / f"v{v}.safetensors", v, codec, frame_elems=29)
+        files.append(VersionFile(tmp_path / f"v{v}.safetensors"))
+    eng = w.engine(backend, block=16, chunk_elems=150)
+    before, sums0 = w.bits(), eng.live_sums()
+    staged = eng.stage(files)
+    assert staged.versions == [1, 2, 3]
+    if w.owned:
+        verify_partials(sums0, [staged.partials], files[-1].header)
+    eng.commit(staged)
+    assert _equal(w.bits(), w.expected(w.changes[1], w.changes[2], w.changes[3]))
+    _sums_move(eng, sums0, staged.partials)
+    eng.rollback(staged)
+    assert _equal(w.bits(), before)
+
+
+@pytest.mark.parametrize("device,backend", cases())
+def test_anchor_then_delta(tmp_path, device, backend):
+    need(device, backend)
+    w = World("qwen3", device)
+    w.step(seed=1)
+    w.step(seed=2)
+    write_anchor(str(tmp_path / "a2.safetensors"), 2, {n: t.cpu() for n, t in w.hf[2].items()})
+    w.step(seed=3)
+    w.write(tmp_path / "v3.safetensors", 3, "compact")
+    eng = w.engine(backend, block=16)
+    files = [VersionFile(tmp_path / "a2.safetensors"), VersionFile(tmp_path / "v3.safetensors")]
+    sums0 = eng.live_sums()
+    staged = eng.stage(files)
+    verify_partials(sums0, [staged.partials], files[-1].header)
+    eng.commit(staged)
+    for name in w.layout.hf_shapes:
+        assert torch.equal(bit_view(hf_view(w.layout, w.targets, name)), bit_view(w.hf[3][name])), name
+
+
+@pytest.mark.parametrize("device,backend", cases())
+@pytest.mark.parametrize("fail_at", [1, 2])
+def test_failure_mid_commit_restores_everything(tmp_path, device, backend, fail_at, monkeypatch):
+    """bf16 + fp32 targets: two plans. The scatter of plan `fail_at` writes, then raises."""
+    need(device, backend)
+    w = World("identity", device)
+    w.step(density=0.3)
+    w.write(tmp_path / "v1.safetensors", 1, "compact")
+    eng = w.engine(backend, block=16)
+    staged = eng.stage([VersionFile(tmp_path / "v1.safetensors")])
+    assert len(staged.plans) == 2
+    before = w.bits()
+    real, calls = scatter_ops.scatter_, []
+
+    def flaky(plan, bits, backend=None):
+        calls.append(plan)
+        real(plan, bits, backend)
+        if len(calls) == fail_at:
+            raise RuntimeError("injected")
+
+    monkeypatch.setattr(engine_mod.scatter_ops, "scatter_", flaky)
+    with pytest.raises(RuntimeError, match="injected"):
+        eng.commit(staged)
+    assert not staged.committed
+    assert _equal(w.bits(), before)
+    monkeypatch.setattr(engine_mod.scatter_ops, "scatter_", real)
+    eng.commit(staged)
+    assert _equal(w.bits(), w.expected(w.changes[1]))
+
+
+@pytest.mark.parametrize("device,backend", cases())
+def test_stale_stage_refused(tmp_path, device, backend):
+    need(device, backend)
+    w = World("identity", device)
+    w.step(seed=1)
+    w.write(tmp_path / "v1.safetensors", 1, "compact")
+    eng = w.engine(backend)
+    a = eng.stage([VersionFile(tmp_path / "v1.safetensors")])
+    b = eng.stage([VersionFile(tmp_path / "v1.safetensors")])
+    eng.commit(a)
+    with pytest.raises(NotSuccessorError):
+        eng.commit(b)
+    eng.rollback(a)
+    eng.commit(b)  # staged against the state that is live again
+    assert _equal(w.bits(), w.expected(w.changes[1]))
+    eng.rollback(a)  # not committed: nothing to do
+    eng.rollback(b)
+
+
+def test_cpu_default_backend_is_torch_grouped():
+    w = World("identity", "cpu")
+    eng = ApplyEngine(dict(zip(w.layout.targets, w.targets)), w.layout, "cpu")
+    assert eng.backend == "torch" and not eng.fused
+
+
+@pytest.mark.gpu
+def test_gpu_default_backend_and_side_stream(tmp_path):
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    w = World("qwen3", "cuda")
+    w.step()
+    w.write(tmp_path / "v1.safetensors", 1, "compact")
+    eng = ApplyEngine(dict(zip(w.layout.targets, w.targets)), w.layout)
+    assert eng.backend == scatter_ops.available_backends("cuda")[0] and eng.fused
+    staged = eng.stage([VersionFile(tmp_path / "v1.safetensors")])
+    assert staged.memory["device_held_bytes"] == staged.bytes
+    eng.commit(staged)
+    assert _equal(w.bits(), w.expected(w.changes[1]))
+
+
+def test_hf_view_roundtrip():
+    w = World("shards", "cpu")
+    for name in ("w", "t", "q", "k"):
+        r, c = hf_2d(w.layout.hf_shapes[name])
+        seg = w.layout.segments[name][0]
+        got = hf_view(w.layout, w.targets, name).reshape(r, c)
+        want = w.hf[0][name].reshape(r, c)
+        sl = (slice(seg.row0, seg.row0 + seg.rows), slice(seg.col0, seg.col0 + seg.cols))
+        assert torch.equal(bit_view(got[sl]), bit_view(want[sl])), name
+    assert torch.equal(apply_diffs(torch.tensor([32767], dtype=torch.int16), torch.tensor([1])),
+                       torch.tensor([-32768], dtype=torch.int16))
