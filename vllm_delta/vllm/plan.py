@@ -1,18 +1,22 @@
 """Which versions an update applies, given what the server serves: the successor rule.
 
-A request for version T from a server at S applies the deltas after S on T's chain, in order, in
-one pause. If T's chain does not pass through S (T is older, or on another anchor line), or S is
-unknown (a server not started with --load-format delta), the update would have to re-anchor:
-replay T's whole chain, anchor included, over the live weights. That is refused with 409 unless
-the request says `"allow_reanchor": true`, because it silently discards whatever S was. A delta
-whose recorded base checksum differs from S's checksum is refused with 409 whatever the flag.
+A server at S asked for T (T > S):
+- T's chain passes through S: the deltas after S, in order, in one pause. The first delta's
+  recorded base checksum must equal S's checksum, else 409 (the store was rewritten under the
+  server: same version numbers, other weights).
+- T's chain starts at an anchor after S (the publisher anchors every N versions): T's chain,
+  anchor included, is staged against the live weights; only the elements that differ are written,
+  so the pause stays sparse. Allowed when the store's record of S still has S's checksum (same
+  run), else 409.
+Anything else needs `"allow_reanchor": true` (409 without it): T older than S (a deliberate
+rollback of the policy), or S unknown (a server not started with --load-format delta).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..errors import NotSuccessorError
+from ..errors import NotSuccessorError, VersionNotFoundError
 from ..store import DeltaStore
 
 
@@ -20,7 +24,7 @@ from ..store import DeltaStore
 class UpdatePlan:
     target: int
     versions: list[int]  # to stage, in order ([] if the server already serves the target)
-    reanchor: bool
+    reanchor: bool  # the plan starts at an anchor: staged against the live weights
     nnz: int = 0  # changed elements the applied versions record (anchors: all elements)
     bytes: int = 0  # size of the applied version files
 
@@ -34,31 +38,48 @@ def plan_update(
 ) -> UpdatePlan:
     target = store.resolve(requested)
     if served_version == target:
+        store.record(target)
         return UpdatePlan(target, [], False)
     records = store.plan(served_version, target)
     first = records[0]
-    successor = served_version is not None and first.kind == "delta" and first.base == served_version
-    if successor and first.base_checksum and served_checksum and first.base_checksum != served_checksum:
-        raise NotSuccessorError(
-            f"delta {first.version} expects base checksum {first.base_checksum}, the served version "
-            f"{served_version} has {served_checksum}",
-            version=first.version,
-        )
-    if not successor and not allow_reanchor:
+    through_served = served_version is not None and first.kind == "delta" and first.base == served_version
+    if through_served:
+        if first.base_checksum and served_checksum and first.base_checksum != served_checksum:
+            raise NotSuccessorError(
+                f"delta {first.version} expects base checksum {first.base_checksum}, the served version "
+                f"{served_version} has {served_checksum} (was the store rewritten?)",
+                version=first.version,
+            )
+    elif not allow_reanchor:
         if served_version is None:
             why = "the served version is unknown (the server was not started with --load-format delta)"
         elif target < served_version:
             why = f"it is older than the served version {served_version}"
         else:
-            why = f"its chain does not pass through the served version {served_version}"
-        raise NotSuccessorError(
-            f'version {target} is not a successor: {why}; send "allow_reanchor": true to replay its whole chain',
-            version=target,
-        )
+            why = _same_run(store, served_version, served_checksum)
+        if why:
+            raise NotSuccessorError(
+                f'version {target} is not a successor: {why}; send "allow_reanchor": true to replay its whole chain',
+                version=target,
+            )
     return UpdatePlan(
         target,
         [r.version for r in records],
-        not successor,
+        not through_served,
         nnz=sum(r.nnz for r in records),
         bytes=sum(r.bytes for r in records),
     )
+
+
+def _same_run(store: DeltaStore, served_version: int, served_checksum: str | None) -> str | None:
+    """Why a newer anchor line is not this server's run, or None if it is."""
+    try:
+        rec = store.record(served_version)
+    except VersionNotFoundError:
+        return None  # retention removed the served version: a newer anchor is the only way forward
+    if served_checksum and rec.checksum != served_checksum:
+        return (
+            f"the store's version {served_version} has checksum {rec.checksum}, the server's {served_checksum} "
+            "(was the store rewritten?)"
+        )
+    return None

@@ -60,6 +60,7 @@ class Prefetched:
     method: str
     summaries: list[dict]
     stage_ms: float
+    from_prefetch: bool = False  # staged by an earlier /v1/delta/stage
 
 
 class DeltaService:
@@ -78,8 +79,8 @@ class DeltaService:
         return self._store
 
     # -- RPC helpers ----------------------------------------------------------------------------
-    async def _rpc(self, method: str, check: bool = True, **kwargs) -> list[dict]:
-        results = await self.engine.collective_rpc(method, timeout=RPC_TIMEOUT_S, kwargs=kwargs)
+    async def _rpc(self, _name: str, check: bool = True, **kwargs) -> list[dict]:
+        results = await self.engine.collective_rpc(_name, timeout=RPC_TIMEOUT_S, kwargs=kwargs)
         if check:
             for rank, r in enumerate(results):
                 if isinstance(r, dict) and "error" in r:
@@ -110,6 +111,7 @@ class DeltaService:
         p = self.prefetched
         if p is not None and p.served == served["version"] and p.plan.versions == plan.versions and p.method == method:
             self.prefetched = None
+            p.from_prefetch = True
             return p
         await self._drop_prefetched()
         t0 = time.perf_counter()
@@ -198,6 +200,7 @@ class DeltaService:
                 method,
             )
             out["reanchored"] = staged.plan.reanchor
+            out["prefetched"] = staged.from_prefetch
             out["elements_written"] = sum(s["nnz"] for s in staged.summaries)
             out["staged_bytes"] = sum(s["bytes"] for s in staged.summaries)
             out["timings"] = staged.summaries[0].get("timings", {})

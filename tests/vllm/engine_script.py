@@ -1,0 +1,129 @@
+"""In-process vLLM engines for the tests (run in a subprocess by conftest.run_engine_script).
+
+Tasks (JSON argument):
+  fresh     an engine started with --load-format delta at each version: greedy outputs, live checksum
+  fallback  tensors forced through vLLM's sparse path: updates, rollback, the "vllm" commit method
+  refuse    an engine whose store is corrupt must refuse to start
+Prints one line "VLLM_DELTA_RESULT <json>".
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import sys
+import time
+
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine runs in this process: fast start
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+MAX_TOKENS = 16
+
+
+def make_llm(model: str, store: str, version, **extra):
+    from vllm import LLM
+
+    return LLM(
+        model=model,
+        load_format="delta",
+        model_loader_extra_config={"delta_store": store, "delta_version": version, **extra},
+        enforce_eager=True,
+        max_model_len=256,
+        gpu_memory_utilization=0.1,
+        dtype="bfloat16",
+        seed=0,
+    )
+
+
+def greedy(llm, prompts) -> list[str]:
+    from vllm import SamplingParams
+
+    outs = llm.generate(list(prompts), SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0), use_tqdm=False)
+    return [o.outputs[0].text for o in outs]
+
+
+def live_checksum(llm) -> str:
+    from vllm_delta.checksum import combine, to_hex
+
+    total: dict[str, int] = {}
+    for part in llm.collective_rpc("delta_live_sums"):
+        assert "error" not in part, part
+        for name, s in part["sums"].items():
+            total[name] = (total.get(name, 0) + int(s, 16)) & ((1 << 64) - 1)
+    return to_hex(combine(total.items()))
+
+
+def segments_of(llm) -> dict:
+    """The probed layout of a few tensors: (target parameter, row0, rows, dst_offset) per segment."""
+
+    def read(worker):
+        replica = worker.get_model()._vllm_delta_replica
+        layout = replica.probe.layout
+        out = {}
+        for name, segs in layout.segments.items():
+            if ".layers.0." in name or "embed" in name or "lm_head" in name:
+                out[name] = [[layout.targets[s.target], s.row0, s.rows, s.dst_offset, s.owner] for s in segs]
+        return {"segments": out, "fallback": sorted(replica.probe.fallback)}
+
+    return llm.collective_rpc(read)[0]
+
+
+def stage_commit(llm, store: dict, ticket: str, versions: list[int], method: str = "delta") -> dict:
+    r = llm.collective_rpc(
+        "delta_stage_start", kwargs=dict(ticket=ticket, store=store, versions=versions, method=method)
+    )
+    assert "error" not in r[0], r
+    deadline = time.monotonic() + 120
+    while True:
+        p = llm.collective_rpc("delta_stage_poll", kwargs=dict(ticket=ticket))[0]
+        if "error" in p:
+            return p
+        if p["done"]:
+            break
+        assert time.monotonic() < deadline, "staging did not finish"
+        time.sleep(0.01)
+    return llm.collective_rpc("delta_commit", kwargs=dict(ticket=ticket, method=method))[0]
+
+
+def task_fresh(args: dict) -> dict:
+    out = {}
+    for v in args["versions"]:
+        llm = make_llm(args["model"], args["store"], v)
+        out[str(v)] = {"outputs": greedy(llm, args["prompts"]), "checksum": live_checksum(llm), **segments_of(llm)}
+        del llm
+        gc.collect()
+    return out
+
+
+def task_fallback(args: dict) -> dict:
+    """Start at args.start with args.fallback forced through vLLM's sparse path, then apply updates."""
+    llm = make_llm(args["model"], args["store"], args["start"], delta_fallback=args["fallback"])
+    store = {"uri": args["store"], "storage_options": {}, "cache_dir": args["cache_dir"]}
+    res = {"start": live_checksum(llm), "layout": segments_of(llm), "steps": []}
+    for i, (versions, method) in enumerate(args["updates"]):
+        commit = stage_commit(llm, store, f"t{i}", versions, method)
+        step = {"versions": versions, "method": method, "commit": commit, "checksum": live_checksum(llm)}
+        if i == len(args["updates"]) - 1:
+            # Undo the last update as a failing peer rank would make us do.
+            step["rollback"] = llm.collective_rpc("delta_rollback", kwargs=dict(ticket=f"t{i}"))[0]
+            step["after_rollback"] = live_checksum(llm)
+            step["status"] = llm.collective_rpc("delta_status")[0]
+        llm.collective_rpc("delta_release", kwargs=dict(ticket=f"t{i}"))
+        res["steps"].append(step)
+    res["outputs"] = greedy(llm, args["prompts"])
+    return res
+
+
+def task_refuse(args: dict) -> dict:
+    try:
+        make_llm(args["model"], args["store"], args["version"])
+    except Exception as exc:  # noqa: BLE001 - the point: what did start-up raise?
+        return {"started": False, "error": f"{type(exc).__name__}: {exc}"}
+    return {"started": True}
+
+
+if __name__ == "__main__":
+    request = json.loads(sys.argv[1])
+    result = {"fresh": task_fresh, "fallback": task_fallback, "refuse": task_refuse}[request["task"]](request)
+    print("VLLM_DELTA_RESULT " + json.dumps(result), flush=True)

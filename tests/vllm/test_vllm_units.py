@@ -1,0 +1,200 @@
+"""The plugin's pieces that need no running engine: successor rule, probe arithmetic, request parsing,
+loader options, the CPU plain-weight switch, plugin registration."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm_delta.apply.layout import Segment
+from vllm_delta.errors import NotSuccessorError, UnsupportedModelError, VersionNotFoundError
+from vllm_delta.store import DeltaStore
+from vllm_delta.vllm.options import LoaderOptions, server_store, split_extra_config
+from vllm_delta.vllm.plan import plan_update
+from vllm_delta.vllm.probe import CopyRecord, ProbeResult, finalize_layout, record_to_segment
+from vllm_delta.vllm.service import BadRequest, _parse
+
+pytestmark = pytest.mark.vllm
+
+
+# -- successor rule ------------------------------------------------------------------------------
+def test_plan_follows_the_chain(llama_run):
+    store = DeltaStore(llama_run.store)
+    c = llama_run.checksums
+    assert llama_run.kinds == {0: "anchor", 1: "delta", 2: "delta", 3: "delta", 4: "anchor", 5: "delta", 6: "delta"}
+    p = plan_update(store, 1, c[1], 3)
+    assert (p.versions, p.reanchor) == ([2, 3], False)
+    assert p.nnz == llama_run.nnz[2] + llama_run.nnz[3] and p.bytes > 0
+    # A newer anchor line of the same run: staged against the live weights, allowed.
+    p = plan_update(store, 2, c[2], 5)
+    assert (p.versions, p.reanchor) == ([4, 5], True)
+    assert plan_update(store, 6, c[6], "latest").versions == []
+    assert plan_update(store, 5, c[5], 6).versions == [6]
+
+
+def test_plan_refuses_what_is_not_a_successor(llama_run):
+    store = DeltaStore(llama_run.store)
+    c = llama_run.checksums
+    with pytest.raises(NotSuccessorError, match="older"):
+        plan_update(store, 3, c[3], 1)
+    assert plan_update(store, 3, c[3], 1, allow_reanchor=True).versions == [0, 1]
+    with pytest.raises(NotSuccessorError, match="unknown"):
+        plan_update(store, None, None, 2)
+    assert plan_update(store, None, None, 2, allow_reanchor=True).versions == [0, 1, 2]
+    with pytest.raises(NotSuccessorError, match="base checksum"):
+        plan_update(store, 1, "0123456789abcdef", 2)
+    with pytest.raises(NotSuccessorError, match="rewritten"):
+        plan_update(store, 2, "0123456789abcdef", 5)
+    with pytest.raises(VersionNotFoundError):
+        plan_update(store, 1, c[1], 99)
+    assert NotSuccessorError("x").http_status == 409
+
+
+# -- probe arithmetic ----------------------------------------------------------------------------
+def _meta_view(shape, narrow_dim=None, start=0, length=None):
+    t = torch.empty(shape, dtype=torch.bfloat16, device="meta")
+    return t if narrow_dim is None else t.narrow(narrow_dim, start, length)
+
+
+def test_record_to_segment_fused_and_sharded():
+    qkv = torch.zeros(256, 128, dtype=torch.bfloat16)  # q 128 rows, k 64, v 64
+    # v_proj (64, 128) lands at rows 192..255 of qkv_proj.
+    dst = qkv.narrow(0, 192, 64)
+    seg = record_to_segment((64, 128), CopyRecord(dst, (64, 128), (128, 1), 0), 0, qkv, torch.bfloat16)
+    assert seg == Segment(0, 0, 64, 0, 128, 192 * 128, 128, 1)
+    # Row-parallel shard: columns 64..127 of an HF (128, 128) weight into a local (128, 64) param.
+    local = torch.zeros(128, 64, dtype=torch.bfloat16)
+    src = _meta_view((128, 128), 1, 64, 64)
+    seg = record_to_segment((128, 128), CopyRecord(local, tuple(src.shape), src.stride(), src.storage_offset()), 3,
+                            local, torch.bfloat16)  # fmt: skip
+    assert seg == Segment(3, 0, 128, 64, 64, 0, 64, 1)
+    # Vocab shard: rows 256..499 of a (500, 128) embedding into the first rows of a padded (256, 128) shard.
+    emb = torch.zeros(256, 128, dtype=torch.bfloat16)
+    src = _meta_view((500, 128), 0, 256, 244)
+    seg = record_to_segment((500, 128), CopyRecord(emb[:244], (244, 128), src.stride(), src.storage_offset()), 1,
+                            emb, torch.bfloat16)  # fmt: skip
+    assert seg == Segment(1, 256, 244, 0, 128, 0, 128, 1)
+    # A 1-D norm weight.
+    norm = torch.zeros(128, dtype=torch.bfloat16)
+    seg = record_to_segment((128,), CopyRecord(norm, (128,), (1,), 0), 2, norm, torch.bfloat16)
+    assert (seg.row0, seg.rows, seg.cols) == (0, 128, 1)
+
+
+def test_record_to_segment_refuses_what_is_not_a_box_copy():
+    p = torch.zeros(64, 128, dtype=torch.bfloat16)
+    assert "shapes" in record_to_segment((64, 128), CopyRecord(p, (128, 64), (64, 1), 0), 0, p, torch.bfloat16)
+    transposed = _meta_view((128, 64)).t()
+    why = record_to_segment((128, 64), CopyRecord(p, (64, 128), transposed.stride(), 0), 0, p, torch.bfloat16)
+    assert "strides" in why
+    f32 = torch.zeros(64, 128)
+    assert "dtype" in record_to_segment((64, 128), CopyRecord(f32, (64, 128), (128, 1), 0), 0, f32, torch.bfloat16)
+
+
+def _result(segments: dict[str, list[Segment]], shapes, fallback=None) -> ProbeResult:
+    from vllm_delta.apply.layout import Layout
+
+    return ProbeResult(Layout(["p0", "p1"], shapes, segments), {}, dict(fallback or {}))
+
+
+def test_finalize_layout_owners_and_coverage():
+    shapes = {"w": (8, 4), "norm": (4,)}
+    rank0 = _result({"w": [Segment(0, 0, 4, 0, 4, 0, 4)], "norm": [Segment(1, 0, 4, 0, 1, 0, 1)]}, shapes)
+    rank1 = _result({"w": [Segment(0, 4, 4, 0, 4, 0, 4)], "norm": [Segment(1, 0, 4, 0, 1, 0, 1)]}, shapes)
+    boxes = [({"w": [(0, 4, 0, 4)], "norm": [(0, 4, 0, 1)]}, []), ({"w": [(4, 4, 0, 4)], "norm": [(0, 4, 0, 1)]}, [])]
+    f0, f1 = finalize_layout(rank0, 0, boxes), finalize_layout(rank1, 1, boxes)
+    assert [s.owner for s in f0.layout.segments["norm"]] == [True]
+    assert [s.owner for s in f1.layout.segments["norm"]] == [False]  # a replica counts once
+    assert [s.owner for s in f1.layout.segments["w"]] == [True]  # a shard is its own
+    # A tensor that falls back on one rank falls back everywhere.
+    boxes_fb = [(boxes[0][0], ["norm"]), (boxes[1][0], [])]
+    assert "norm" in finalize_layout(rank1, 1, boxes_fb).fallback
+    assert "norm" not in finalize_layout(rank1, 1, boxes_fb).layout.segments
+    # Half a tensor held nowhere: refused, naming the tensor.
+    with pytest.raises(UnsupportedModelError, match="16 of its 32"):
+        finalize_layout(rank0, 0, [boxes[0], ({"norm": [(0, 4, 0, 1)]}, [])])
+    # A box partly overlapping a lower rank's: refused.
+    with pytest.raises(UnsupportedModelError, match="partly overlaps"):
+        finalize_layout(rank1, 1, [boxes[0], ({"w": [(2, 6, 0, 4)], "norm": [(0, 4, 0, 1)]}, [])])
+
+
+# -- requests and options ------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "body, match",
+    [
+        ([1], "JSON object"),
+        ({}, "required"),
+        ({"version": -1}, "non-negative"),
+        ({"version": "next"}, "non-negative"),
+        ({"version": True}, "non-negative"),
+        ({"version": 1, "mode": "pause"}, "mode"),
+        ({"version": 1, "path": "/etc"}, "unknown fields"),
+        ({"version": 1, "allow_reanchor": "yes"}, "allow_reanchor"),
+        ({"version": 1, "method": "nccl"}, "method"),
+        ({"version": 1, "fault": "commit@0"}, "test hook"),
+    ],
+)
+def test_bad_requests(body, match, monkeypatch):
+    monkeypatch.delenv("VLLM_DELTA_TEST_FAULTS", raising=False)
+    with pytest.raises(BadRequest, match=match):
+        _parse(body, update=True)
+    assert BadRequest("x").http_status == 400
+
+
+def test_good_request_defaults():
+    assert _parse({"version": "latest"}, update=True) == ("latest", False, "keep", "delta", None)
+    assert _parse({"version": 3, "mode": "abort", "allow_reanchor": True}, update=True)[:3] == (3, True, "abort")
+    with pytest.raises(BadRequest, match="unknown fields"):
+        _parse({"version": 3, "mode": "abort"}, update=False)  # staging takes no mode
+
+
+def test_loader_options(monkeypatch):
+    ours, rest = split_extra_config({"delta_store": "/s", "delta_version": 3, "num_threads": 2})
+    assert rest == {"num_threads": 2}
+    opts = LoaderOptions.from_extra_config(ours)
+    assert (opts.store.uri, opts.version, opts.validate) == ("/s", 3, True)
+    with pytest.raises(ValueError, match="delta_store"):
+        LoaderOptions.from_extra_config({"delta_version": 1})
+    with pytest.raises(ValueError, match="delta_version"):
+        LoaderOptions.from_extra_config({"delta_store": "/s", "delta_version": "newest"})
+    assert server_store("delta", '{"delta_store": "s3://b/run"}').uri == "s3://b/run"
+    monkeypatch.delenv("VLLM_DELTA_STORE", raising=False)
+    assert server_store("auto", {}) is None
+    monkeypatch.setenv("VLLM_DELTA_STORE", "/data/run")
+    assert server_store("auto", {}).uri == "/data/run"
+
+
+# -- vLLM registration ---------------------------------------------------------------------------
+def test_plugin_registers_everything_once():
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+    from vllm.model_executor import model_loader
+    from vllm.v1.worker.gpu_worker import Worker
+
+    from vllm_delta.vllm import plugin
+    from vllm_delta.vllm.loader import DeltaModelLoader
+
+    plugin.register()
+    plugin._done = False  # a second process-level call must be harmless too (vLLM calls it repeatedly)
+    plugin.register()
+    assert model_loader._LOAD_FORMAT_TO_MODEL_LOADER["delta"] is DeltaModelLoader
+    assert WeightTransferEngineFactory._registry["delta"]().__name__ == "DeltaWeightTransferEngine"
+    for name in ("delta_status", "delta_stage_start", "delta_commit", "delta_rollback"):
+        assert callable(getattr(Worker, name))
+
+
+def test_cpu_linears_keep_their_weight():
+    from vllm.model_executor.layers import utils
+
+    from vllm_delta.vllm.cpu import keep_plain_cpu_linears
+
+    keep_plain_cpu_linears()
+    layer = torch.nn.Linear(128, 64, bias=False).to(torch.bfloat16)
+    before = layer.weight
+    utils.dispatch_cpu_unquantized_gemm(layer, remove_weight=True)
+    assert layer.weight is before and layer.weight.shape == (64, 128)
+    assert layer.cpu_linear is torch.nn.functional.linear
+    # The layer computes with its live weight: an in-place write changes its output.
+    x = torch.randn(2, 128, dtype=torch.bfloat16)
+    y0 = layer.cpu_linear(x, layer.weight, None)
+    with torch.no_grad():
+        layer.weight[0, 0] += 1.0
+    assert not torch.equal(y0, layer.cpu_linear(x, layer.weight, None))

