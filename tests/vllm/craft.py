@@ -1,0 +1,80 @@
+"""Hand-made versions for the error tests: valid deltas, and deltas broken in one precise way."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import torch
+
+from vllm_delta.checksum import MASK64, combine, positional_sum, tensor_sum, to_hex
+from vllm_delta.codec import encode, int_view
+from vllm_delta.format import DTYPE_NAMES, TensorEntry, VersionHeader, payload_key, write
+from vllm_delta.materialize import replay
+from vllm_delta.store import DeltaStore
+
+
+def publish_delta(
+    store_path: str,
+    base: int,
+    version: int,
+    *,
+    tensor: str,
+    positions: list[int],
+    codec: str = "compact",
+    wrong_checksum: bool = False,
+) -> dict:
+    """A delta on `base` moving `positions` of `tensor` one ULP up. `wrong_checksum` records a per-tensor
+    checksum that does not match the payload (a publisher bug or tampering). Returns its record as a dict."""
+    store = DeltaStore(store_path)
+    _, tensors = replay(store, base, progress=False)
+    base_checksum = store.record(base).checksum
+    sums = {n: tensor_sum(t) for n, t in tensors.items()}
+    old_img = tensors[tensor]
+    flat_old = int_view(old_img).reshape(-1)
+    pos = torch.tensor(sorted(positions), dtype=torch.int64)
+    numel = flat_old.numel()
+    in_range = pos[pos < numel]
+    old = flat_old[in_range]
+    new = (old.to(torch.int32) + 1).to(torch.int16)
+    if in_range.numel() != pos.numel():  # out-of-range positions: only the raw codec can even write them
+        old = torch.cat([old, torch.zeros(pos.numel() - in_range.numel(), dtype=torch.int16)])
+        new = torch.cat([new, torch.ones(pos.numel() - in_range.numel(), dtype=torch.int16)])
+    parts, meta = encode(codec, pos, new, old, numel, old_img.dtype)
+    sums[tensor] = (sums[tensor] + positional_sum(new[: in_range.numel()], in_range)
+                    - positional_sum(old[: in_range.numel()], in_range)) & MASK64  # fmt: skip
+    if wrong_checksum:
+        sums[tensor] = (sums[tensor] + 12345) & MASK64
+    entries = {
+        n: TensorEntry(list(t.shape), DTYPE_NAMES[t.dtype], to_hex(sums[n]), nnz=pos.numel() if n == tensor else 0,
+                       enc=meta if n == tensor else {})
+        for n, t in tensors.items()
+    }  # fmt: skip
+    header = VersionHeader(
+        version=version,
+        kind="delta",
+        tensors=entries,
+        checksum=to_hex(combine(sums.items())),
+        base=base,
+        base_checksum=base_checksum,
+        codec=codec,
+    )
+    fd, path = tempfile.mkstemp(suffix=".safetensors")
+    os.close(fd)
+    write(path, header, {payload_key(tensor, k): v for k, v in parts.items()})
+    rec = store.publish(header, path, move=True)
+    return {"version": rec.version, "file": os.path.join(store_path, rec.file), "checksum": rec.checksum}
+
+
+def truncate(path: str, keep: int = 100) -> None:
+    with open(path, "r+b") as f:
+        f.truncate(keep)
+
+
+def flip_tail_bytes(path: str, n: int = 8) -> None:
+    """Damage the end of the file (the last tensor's payload) without changing its size."""
+    with open(path, "r+b") as f:
+        f.seek(-n, os.SEEK_END)
+        data = f.read(n)
+        f.seek(-n, os.SEEK_END)
+        f.write(bytes(b ^ 0xFF for b in data))
