@@ -18,37 +18,61 @@ class History:
 
     Deterministic in (shapes, seed, density), so a separate process rebuilds the same weights."""
 
+    CHECKPOINT_EVERY = 16  # keeps memory flat over hundreds of versions of larger tensors
+    RECENT = 4
+
     def __init__(self, shapes: dict[str, tuple[int, ...]] | None = None, *, seed: int = 0, density: float = 0.05):
         self.shapes = shapes or {"layer.weight": (64, 48), "layer.bias": (48,)}
         self.seed = seed
         self.density = density
         gen = torch.Generator().manual_seed(seed)
-        self._states = [{n: torch.randn(s, generator=gen).to(torch.bfloat16) for n, s in self.shapes.items()}]
+        self._sums: dict[int, tuple[str, dict[str, str]]] = {}
+        self._states = {0: {n: torch.randn(s, generator=gen).to(torch.bfloat16) for n, s in self.shapes.items()}}
+
+    def _step(self, state: dict[str, torch.Tensor], version: int) -> dict[str, torch.Tensor]:
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + version)
+        new = {}
+        for name, t in state.items():
+            bits = int_view(t.clone()).reshape(-1)
+            k = max(1, int(bits.numel() * self.density))
+            pos = torch.randperm(bits.numel(), generator=gen)[:k]
+            step = torch.randint(1, 4, (k,), generator=gen, dtype=torch.int16)
+            bits[pos] += step  # a few ULPs up: stays a finite bf16 for these magnitudes
+            new[name] = bits.view(torch.bfloat16).reshape(t.shape)
+        return new
 
     def weights(self, version: int) -> dict[str, torch.Tensor]:
-        while len(self._states) <= version:
-            v = len(self._states)
-            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + v)
-            new = {}
-            for name, t in self._states[-1].items():
-                bits = int_view(t.clone()).reshape(-1)
-                k = max(1, int(bits.numel() * self.density))
-                pos = torch.randperm(bits.numel(), generator=gen)[:k]
-                step = torch.randint(1, 4, (k,), generator=gen, dtype=torch.int16)
-                bits[pos] += step  # a few ULPs up: stays a finite bf16 for these magnitudes
-                new[name] = bits.view(torch.bfloat16).reshape(t.shape)
-            self._states.append(new)
-        return self._states[version]
+        if version in self._states:
+            return self._states[version]
+        v = max(k for k in self._states if k <= version)
+        state = self._states[v]
+        while v < version:
+            v += 1
+            state = self._step(state, v)
+            if v % self.CHECKPOINT_EVERY == 0:
+                self._states[v] = state
+        self._states[version] = state
+        recent = sorted(k for k in self._states if k % self.CHECKPOINT_EVERY)
+        for k in recent[: -self.RECENT]:
+            del self._states[k]
+        return state
+
+    def sums(self, version: int) -> tuple[str, dict[str, str]]:
+        """(whole-model checksum, per-tensor checksums) of a version, computed once."""
+        if version not in self._sums:
+            w = self.weights(version)
+            self._sums[version] = (checksum(w), {n: to_hex(tensor_sum(t)) for n, t in w.items()})
+        return self._sums[version]
 
     def write_anchor(self, path: str, version: int) -> VersionHeader:
         w = self.weights(version)
+        whole, per_tensor = self.sums(version)
         header = VersionHeader(
             version=version,
             kind="anchor",
-            checksum=checksum(w),
+            checksum=whole,
             tensors={
-                n: TensorEntry(list(t.shape), DTYPE_NAMES[t.dtype], to_hex(tensor_sum(t)), nnz=t.numel())
-                for n, t in w.items()
+                n: TensorEntry(list(t.shape), DTYPE_NAMES[t.dtype], per_tensor[n], nnz=t.numel()) for n, t in w.items()
             },
         )
         write(path, header, w)
@@ -60,7 +84,7 @@ class History:
         for name, t in new.items():
             old_bits, new_bits = int_view(old[name]).reshape(-1), int_view(t).reshape(-1)
             positions = (old_bits != new_bits).nonzero().reshape(-1)
-            entry = TensorEntry(list(t.shape), DTYPE_NAMES[t.dtype], to_hex(tensor_sum(t)), nnz=positions.numel())
+            entry = TensorEntry(list(t.shape), DTYPE_NAMES[t.dtype], self.sums(version)[1][name], nnz=positions.numel())
             if positions.numel():
                 parts, entry.enc = encode(
                     codec, positions, new_bits[positions], old_bits[positions], t.numel(), t.dtype
@@ -72,8 +96,8 @@ class History:
             kind="delta",
             base=base,
             codec=codec,
-            checksum=checksum(new),
-            base_checksum=checksum(old),
+            checksum=self.sums(version)[0],
+            base_checksum=self.sums(base)[0],
             tensors=entries,
         )
         write(path, header, payload)

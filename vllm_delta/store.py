@@ -468,12 +468,20 @@ class DeltaStore:
         if size != rec.bytes:
             self.fs.rm_file(data)
             raise IntegrityError(f"store kept {size} of {rec.bytes} bytes of {rec.file}", version=rec.version)
-        if self._exists(self._record_path(rec.version)):  # lost a race with another publisher
+        try:
+            self._commit_remote_record(rec)
+        except VersionExistsError:
             self.fs.rm_file(data)
-            raise VersionExistsError(f"version {rec.version} already exists in store {self.uri}", version=rec.version)
-        self.fs.pipe_file(self._record_path(rec.version), rec.to_json().encode())
+            raise
         if move:
             os.remove(src)
+
+    def _commit_remote_record(self, rec: VersionRecord) -> None:
+        # Object stores have no no-clobber rename here: check, then one small PUT. Two publishers of
+        # one version can still race inside this window; the design has one publisher per store.
+        if self._exists(self._record_path(rec.version)):
+            raise VersionExistsError(f"version {rec.version} already exists in store {self.uri}", version=rec.version)
+        self.fs.pipe_file(self._record_path(rec.version), rec.to_json().encode())
 
     # -- retention ---------------------------------------------------------------------------
     def retain(self, keep_anchors: int) -> list[int]:
