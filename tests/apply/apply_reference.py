@@ -14,12 +14,38 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import pytest
 import torch
 
 from vllm_delta import codec as codecs
+from vllm_delta.apply import scatter as scatter_ops
 from vllm_delta.apply.layout import Layout, Segment, hf_2d
 from vllm_delta.checksum import bit_view, combine, positional_sum, tensor_sum, to_hex
 from vllm_delta.format import DTYPE_NAMES, TensorEntry, VersionHeader, payload_key, write
+
+# -- test parametrization -------------------------------------------------------------------------
+
+
+def cases():
+    """(device, backend) pairs: CPU ones that can run here, GPU ones marked `gpu`."""
+    out = [pytest.param("cpu", b, id=f"cpu-{b}") for b in scatter_ops.available_backends("cpu")]
+    out += [pytest.param("cuda", b, id=f"cuda-{b}", marks=pytest.mark.gpu) for b in ("cuda", "triton", "torch")]
+    return out
+
+
+def need(device: str, backend: str) -> None:
+    """Skip (or, for a failed CUDA build on a GPU machine, fail) when the pair can't run here."""
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            pytest.skip("no CUDA device")
+        if backend == "cuda":
+            from vllm_delta.apply import _cuda
+
+            if not _cuda.available():
+                pytest.fail(f"CUDA fused scatter did not build: {_cuda.error()}")
+        if backend == "triton" and scatter_ops.triton is None:
+            pytest.skip("no Triton")
+
 
 # -- model shapes -----------------------------------------------------------------------------------
 
@@ -285,6 +311,8 @@ def hf_sums(tensors: dict[str, torch.Tensor]) -> dict[str, int]:
 
 __all__ = [
     "QWEN3",
+    "cases",
+    "need",
     "Qwen3Spec",
     "apply_diffs",
     "hf_sums",

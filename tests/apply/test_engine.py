@@ -8,15 +8,16 @@ import torch
 from apply_reference import (
     QWEN3,
     apply_diffs,
+    cases,
     hf_sums,
     hf_view,
+    need,
     qwen3_layout,
     random_changes,
     reference_apply,
     write_anchor,
     write_delta,
 )
-from conftest import cases, need
 
 from vllm_delta.apply import engine as engine_mod
 from vllm_delta.apply import scatter as scatter_ops

@@ -384,7 +384,10 @@ class ApplyEngine:
         term = (p + 1).mul_(_K_SIGNED).mul_(delta)
         if not everything:
             term.masked_fill_(~owned, 0)
-        self._acc.index_add_(0, t_idx, term)
+        # per-tensor sums: elements of a tensor are consecutive, so prefix sums at run ends (no atomics)
+        uniq, counts = torch.unique_consecutive(t_idx, return_counts=True)
+        ends = torch.cumsum(term, 0)[torch.cumsum(counts, 0) - 1]
+        self._acc.index_add_(0, uniq, torch.cat([ends[:1], ends[1:] - ends[:-1]]))
         del term, delta
         t0 = self._span(timings, "partials", t0)
         # Plan: every segment holding an element gets it; rollback bits read through that segment.

@@ -323,7 +323,8 @@ def _resolve(backend: str | None, device: torch.device) -> str:
 # -- Triton kernels --------------------------------------------------------------------------------
 if triton is not None:
 
-    @triton.jit
+    # n_blocks / n are not specialized on: the warm-up launch (one block) compiles what commit runs.
+    @triton.jit(do_not_specialize=["n_blocks"])
     def _scatter_blocks_kernel(base_ptr, block_base_ptr, rel_ptr, src_ptr, n_blocks, BLOCK: tl.constexpr,
                                ROWS: tl.constexpr):
         rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
@@ -335,7 +336,7 @@ if triton is not None:
         val = tl.load(src_ptr + slot, mask=m, other=0)
         tl.store(base_ptr + (bb[:, None] + rel.to(tl.int64)), val, mask=rel >= 0)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["n_blocks"])
     def _gather_blocks_kernel(base_ptr, block_base_ptr, rel_ptr, out_ptr, n_blocks, BLOCK: tl.constexpr,
                               ROWS: tl.constexpr):
         rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
@@ -348,7 +349,7 @@ if triton is not None:
         val = tl.load(base_ptr + (bb[:, None] + rel.to(tl.int64)), mask=ok, other=0)
         tl.store(out_ptr + slot, val, mask=m)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["n"])
     def _gather_addr_kernel(base_ptr, addr_ptr, out_ptr, n, BLOCK: tl.constexpr):
         i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         m = i < n

@@ -1,0 +1,523 @@
+#!/usr/bin/env python
+"""GPU apply benchmark (issue 4): the pause of an in-place delta update, against vLLM's sparse path.
+
+For Qwen3-0.6B/8B/32B-shaped parameter sets with vLLM's fused layouts (qkv_proj, gate_up_proj) and
+realistic changes (uniform positions at the density, ~89% of diffs one ULP), in one run on one card:
+
+  pause       ApplyEngine.commit wall time (fused scatter launch + stream sync), default backend
+  triton/cuda the fused scatter kernel alone (CUDA events), each backend, same plan
+  index_copy  one index_copy_ per local target, offsets and values already on the device
+  nanmask     vLLM's load_checkpoint_weight_patches algorithm (NaN-filled full tensor per touched
+              parameter, index_copy_, where + copy_ into the runtime view), inputs on the device
+  dense       a dense copy of every parameter (what a full weight reload writes at least)
+  floor       (6 B payload + 64 B per changed element) / copy bandwidth measured in this run
+              (the probe's definition: a 32 B sector read + write per changed element);
+              'sector floor' counts touched 32 B sectors instead of changed elements
+  stage       ApplyEngine.stage from a local compact version file (page cache warm), by phase
+
+Every method is checked bit-exact (GPU: checksums of the whole model + the written values; CPU
+smoke: whole tensors against the torch reference). `--smoke` runs tiny shapes on CPU (the Triton
+kernels under TRITON_INTERPRET=1) and exits nonzero on any mismatch; CI runs it.
+
+    python benchmarks/apply_gpu.py --out DIR            # GPU: table, DIR/apply_gpu.{log,json,png}
+    TRITON_INTERPRET=1 python benchmarks/apply_gpu.py --smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tests", "apply"))
+
+import torch  # noqa: E402
+from apply_reference import (  # noqa: E402
+    QWEN3,
+    Qwen3Spec,
+    index_copy_apply,
+    local_changes,
+    nanmask_apply,
+    qwen3_layout,
+    random_changes,
+    reference_apply,
+    write_delta,
+)
+
+from vllm_delta.apply import scatter as S  # noqa: E402
+from vllm_delta.apply.engine import ApplyEngine  # noqa: E402
+from vllm_delta.checksum import MASK64, bit_view  # noqa: E402
+from vllm_delta.format import VersionFile  # noqa: E402
+
+LOG: list[str] = []
+FAILURES: list[str] = []
+
+
+def log(msg: str = "") -> None:
+    print(msg, flush=True)
+    LOG.append(msg)
+
+
+def check(ok: bool, what: str) -> None:
+    if not ok:
+        FAILURES.append(what)
+        log(f"  MISMATCH: {what}")
+
+
+def sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_events(fns, reps: int, device) -> float:
+    """Median ms of fns[i % len(fns)]() over reps (CUDA events on GPU, wall clock on CPU)."""
+    fns[0]()
+    sync(device)
+    out = []
+    for r in range(reps):
+        fn = fns[r % len(fns)]
+        if device.type == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            out.append(a.elapsed_time(b))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            out.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(out)
+
+
+def time_wall(fn, reps: int, device) -> float:
+    fn()
+    sync(device)
+    out = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        out.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(out)
+
+
+def copy_bandwidth(device, nbytes: int) -> float:
+    """Device-to-device copy, bytes read + written per second."""
+    a = torch.empty(nbytes // 2, dtype=torch.int16, device=device).random_()
+    b = torch.empty_like(a)
+    ms = time_events([lambda a=a, b=b: b.copy_(a)], 10, device)
+    return 2 * nbytes / (ms * 1e-3)
+
+
+def dense_copy_ms(targets, reps, device) -> float:
+    scratch = torch.empty(max(t.numel() for t in targets), dtype=torch.bfloat16, device=device)
+
+    def copy_all():
+        for t in targets:
+            scratch[: t.numel()].copy_(t.view(-1))
+
+    return time_events([copy_all], reps, device)
+
+
+def build_model(spec: Qwen3Spec, device, seed=0):
+    tshapes, layout = qwen3_layout(spec)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    targets = []
+    for shape in tshapes.values():
+        targets.append(torch.randn(shape, generator=gen, device=device, dtype=torch.bfloat16).mul_(0.02))
+    # HF tensors as views of the targets (every Qwen3 segment is a contiguous row box)
+    hf = {}
+    for name, segs in layout.segments.items():
+        seg = segs[0]
+        n = seg.rows * seg.cols
+        hf[name] = targets[seg.target].view(-1)[seg.dst_offset : seg.dst_offset + n].view(layout.hf_shapes[name])
+    return layout, targets, hf
+
+
+def bits_of(targets):
+    return [bit_view(t).clone() for t in targets]
+
+
+def same(a, b):
+    return all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def plan_values_ok(staged, want_new: bool) -> bool:
+    """The bits at every staged address are the staged new (or old) bits."""
+    for plan, new, old in zip(staged.plans, staged.new_bits, staged.old_bits):
+        got = S.gather(plan, staged.backend if plan.fused else None)
+        want = new if want_new else old
+        if plan.fused:
+            ok = plan.rel >= 0
+            if not torch.equal(got[ok], want[ok]):
+                return False
+        elif not torch.equal(got, want):
+            return False
+    return True
+
+
+def touched_sectors(staged) -> int:
+    """Distinct 32-byte sectors the plans write."""
+    total = 0
+    for plan in staged.plans:
+        if not plan.fused:
+            continue
+        addr = torch.repeat_interleave(plan.block_base, plan.block) + plan.rel.to(torch.int64)
+        addr = addr[plan.rel >= 0]
+        byte = plan.base.data_ptr() + addr * plan.base.element_size()
+        total += int(torch.unique(byte // 32).numel())
+    return total
+
+
+def run_config(spec, layout, targets, hf, engine, density, args, device, tmpdir, sums0, pool, bw):
+    row = {"model": spec.name, "density": density}
+    t0 = time.perf_counter()
+    changes = random_changes(hf, density, seed=int(density * 1e6))
+    nnz = sum(int(c[0].numel()) for c in changes.values())
+    row["nnz"] = nnz
+    path = os.path.join(tmpdir, f"{spec.name}-{density}.safetensors")
+    write_delta(path, version=1, base=0, codec="compact", shapes=layout.hf_shapes, changes=changes, pool=pool)
+    row["file_bytes"] = os.path.getsize(path)
+    log(f"  {spec.name} d={density:.3%}: nnz={nnz / 1e6:.2f}M file={row['file_bytes'] / 1e6:.1f}MB "
+        f"({row['file_bytes'] / max(nnz, 1):.2f} B/elem), generated in {time.perf_counter() - t0:.1f}s")
+
+    # (e) staging from the local file
+    vf = VersionFile(path)
+    stagings, staged = [], None
+    for _ in range(args.stage_reps):
+        staged = None
+        sync(device)
+        staged = engine.stage([vf])
+        stagings.append(dict(staged.timings))
+    row["stage_first_ms"] = stagings[0]["total"]
+    steady = stagings[1:] or stagings
+    row["stage_ms"] = statistics.median(s["total"] for s in steady)
+    row["stage_phases"] = {k: statistics.median(s.get(k, 0.0) for s in steady) for k in steady[0]}
+    row["stage_memory"] = staged.memory
+    row["staged_nnz"] = staged.nnz
+    check(staged.nnz == nnz, f"{spec.name} {density}: staged {staged.nnz} elements, expected {nnz}")
+    ph = row["stage_phases"]
+    log("    stage {:.1f} ms (first {:.1f}): ".format(row["stage_ms"], row["stage_first_ms"])
+        + " ".join(f"{k}={v:.1f}" for k, v in ph.items() if k != "total")
+        + " | device peak {:.0f} MB held {:.0f} MB host {:.0f} MB".format(
+            staged.memory["device_peak_bytes"] / 1e6, staged.memory["device_held_bytes"] / 1e6,
+            staged.memory["host_bytes"] / 1e6))
+
+    # (a) the pause: engine.commit wall time, then rollback
+    before = bits_of(targets) if args.full_check else None
+    pauses = []
+    for _ in range(args.reps):
+        pauses.append(engine.commit(staged))
+        engine.rollback(staged)
+    row["pause_ms"] = statistics.median(pauses)
+    engine.commit(staged)
+    if args.full_check:
+        expect = [t.clone() for t in targets]
+        for t, b in zip(expect, before):
+            bit_view(t).copy_(b)
+        reference_apply(expect, layout, changes)
+        check(same(bits_of(targets), bits_of(expect)), f"{spec.name} {density}: commit != torch reference")
+    else:
+        check(plan_values_ok(staged, True), f"{spec.name} {density}: committed values")
+        sums1 = engine.live_sums()
+        moved = all((sums0[n] + staged.partials.get(n, 0)) & MASK64 == sums1[n] for n in sums1)
+        check(moved, f"{spec.name} {density}: whole-model checksum after commit")
+    engine.rollback(staged)
+    if args.full_check:
+        check(same(bits_of(targets), before), f"{spec.name} {density}: rollback")
+    else:
+        check(plan_values_ok(staged, False), f"{spec.name} {density}: rollback values")
+
+    # the fused kernel alone, each backend, same plan (alternating new/old bits, as commit/rollback)
+    for be in S.available_backends(device):
+        if be == "torch" and device.type == "cuda":
+            continue
+        if not staged.plans[0].fused:
+            continue
+        plan, new, old = staged.plans[0], staged.new_bits[0], staged.old_bits[0]
+        ms = time_events(
+            [lambda p=plan, b=new, be=be: S.scatter_(p, b, be), lambda p=plan, b=old, be=be: S.scatter_(p, b, be)],
+            args.reps * 2,
+            device,
+        )
+        row[f"kernel_{be}_ms"] = ms
+        S.scatter_(plan, new, be)
+        sync(device)
+        check(plan_values_ok(_as_backend(staged, be), True), f"{spec.name} {density}: {be} kernel values")
+        if args.full_check:
+            check(same(bits_of(targets), bits_of(expect)), f"{spec.name} {density}: {be} kernel != reference")
+        S.scatter_(plan, old, be)
+        sync(device)
+        if args.full_check:
+            check(same(bits_of(targets), before), f"{spec.name} {density}: {be} rollback")
+
+    # launch-configuration variants of each kernel (1% rows only); the defaults are the best seen
+    if density == 0.01 and device.type == "cuda" and staged.plans[0].fused:
+        row["variants"] = tune(staged, device, args)
+        log("    variants: " + " ".join(f"{k}={v:.3f}" for k, v in row["variants"].items()))
+
+    # (c) one index_copy_ per local target
+    per_target = local_changes(layout, changes)
+    row["index_copy_ms"] = time_events([lambda pt=per_target: index_copy_apply(targets, pt)], args.reps, device)
+    check(plan_values_ok(staged, True), f"{spec.name} {density}: index_copy values")
+    if args.full_check:
+        check(same(bits_of(targets), bits_of(expect)), f"{spec.name} {density}: index_copy != reference")
+    del per_target
+    engine.commit(staged), engine.rollback(staged)  # back to the base bits (commit checks the state)
+
+    # (b) vLLM's NaN-mask sparse patch path
+    patches = {n: (c[0], c[1].view(torch.bfloat16)) for n, c in changes.items() if c[0].numel()}
+    row["nanmask_ms"] = time_wall(lambda pa=patches: nanmask_apply(targets, layout, pa), args.nanmask_reps, device)
+    check(plan_values_ok(staged, True), f"{spec.name} {density}: nanmask values")
+    if args.full_check:
+        check(same(bits_of(targets), bits_of(expect)), f"{spec.name} {density}: nanmask != reference")
+    del patches
+    engine.commit(staged), engine.rollback(staged)
+    if args.full_check:
+        check(same(bits_of(targets), before), f"{spec.name} {density}: restored after baselines")
+
+    # floors
+    row["floor_ms"] = (6 + 64) * nnz / bw * 1e3
+    if device.type == "cuda":
+        sectors = touched_sectors(staged)
+        row["sectors"] = sectors
+        row["sector_floor_ms"] = (6 * nnz + 64 * sectors) / bw * 1e3
+    row["backend"] = engine.backend
+    del staged, changes
+    vf.close()
+    os.unlink(path)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
+def tune(staged, device, args) -> dict[str, float]:
+    from vllm_delta.apply import _cuda
+
+    plan, new, old = staged.plans[0], staged.new_bits[0], staged.old_bits[0]
+    out = {}
+    saved = (S.TRITON_ROWS, S.TRITON_WARPS, _cuda.VEC)
+    try:
+        for be in S.available_backends(device):
+            if be == "triton":
+                variants = [(r, w, saved[2]) for r, w in ((1, 4), (2, 4), (2, 8), (4, 8), (4, 16), (8, 16))]
+            elif be == "cuda":
+                variants = [(saved[0], saved[1], v) for v in (1, 4, 8)]
+            else:
+                continue
+            for rows, warps, vec in variants:
+                S.TRITON_ROWS, S.TRITON_WARPS, _cuda.VEC = rows, warps, vec
+                fns = [lambda be=be: S.scatter_(plan, new, be), lambda be=be: S.scatter_(plan, old, be)]
+                ms = time_events(fns, args.reps * 2, device)
+                S.scatter_(plan, new, be)
+                sync(device)
+                check(plan_values_ok(_as_backend(staged, be), True), f"variant {be} {rows}/{warps}/{vec}")
+                S.scatter_(plan, old, be)
+                key = f"{be}:rows{rows}w{warps}" if be == "triton" else f"{be}:vec{vec}"
+                out[key] = ms
+    finally:
+        S.TRITON_ROWS, S.TRITON_WARPS, _cuda.VEC = saved
+    return out
+
+
+def _as_backend(staged, be):
+    class _V:
+        pass
+
+    v = _V()
+    v.plans, v.new_bits, v.old_bits, v.backend = staged.plans, staged.new_bits, staged.old_bits, be
+    return v
+
+
+def fits(spec, density, device) -> tuple[bool, str]:
+    if device.type != "cuda":
+        return True, ""
+    _, layout = qwen3_layout(spec)
+    params = sum(s.rows * s.cols for segs in layout.segments.values() for s in segs)
+    nnz = params * density
+    # model + changes (pos 8, new/old 4) + staged plan/bits (8) + staging temps + baselines (offsets 8 + 2)
+    # + nanmask temporaries (~4 x the largest tensor)
+    largest = spec.vocab * spec.hidden
+    need = params * 2 + nnz * 40 + 8 * largest + (2 << 30)
+    free = torch.cuda.mem_get_info(device)[0]
+    return need < free, f"needs ~{need / 2**30:.0f} GiB, {free / 2**30:.0f} GiB free"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU, bit-exact checks only")
+    ap.add_argument("--models", default="qwen3-0.6b,qwen3-8b,qwen3-32b")
+    ap.add_argument("--densities", default="0.003,0.01,0.03")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--nanmask-reps", type=int, default=5)
+    ap.add_argument("--stage-reps", type=int, default=3)
+    ap.add_argument("--out", default=os.environ.get("OUT", ""))
+    args = ap.parse_args()
+    if args.smoke:
+        device = torch.device("cpu")
+        QWEN3["qwen3-smoke"] = Qwen3Spec("qwen3-smoke", 128, 2, 4, 2, 32, 256, 1000, False)
+        models = ["qwen3-tiny", "qwen3-smoke"]
+        densities = [0.003, 0.03, 0.2]
+        args.reps, args.nanmask_reps, args.stage_reps = 2, 1, 1
+        args.full_check = True
+    else:
+        if not torch.cuda.is_available():
+            print("no CUDA device: run with --smoke on CPU", file=sys.stderr)
+            return 2
+        device = torch.device("cuda", torch.cuda.current_device())
+        models = args.models.split(",")
+        densities = [float(d) for d in args.densities.split(",")]
+        args.full_check = False
+
+    card = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    import triton
+
+    log(f"# apply_gpu {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC} card={card} "
+        f"torch={torch.__version__} triton={triton.__version__}")
+    log(f"# command: {' '.join([os.path.basename(sys.executable)] + sys.argv)}"
+        + (f" TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')}" if args.smoke else ""))
+    log(f"# backends on {device.type}: {S.available_backends(device)}")
+    if device.type == "cuda":
+        from vllm_delta.apply import _cuda
+
+        if not _cuda.available():
+            log(f"# CUDA fused scatter build failed: {_cuda.error()}")
+    bw = copy_bandwidth(device, (4 << 30) if device.type == "cuda" else (64 << 20))
+    log(f"# copy bandwidth {bw / 1e9:.0f} GB/s (read + write)")
+    rows = []
+    pool = ThreadPoolExecutor(max(1, min(16, os.cpu_count() or 1)))
+    with tempfile.TemporaryDirectory(prefix="apply-gpu-") as tmpdir:
+        for name in models:
+            spec = QWEN3[name]
+            todo = []
+            for d in densities:
+                ok, why = fits(spec, d, device)
+                if ok:
+                    todo.append(d)
+                else:
+                    log(f"# skip {name} d={d:.3%}: {why}")
+                    rows.append({"model": name, "density": d, "skipped": why})
+            if not todo:
+                continue
+            t0 = time.perf_counter()
+            layout, targets, hf = build_model(spec, device)
+            params = sum(t.numel() for t in targets)
+            # (d) a dense copy of the whole model
+            dense_ms = dense_copy_ms(targets, max(3, args.reps // 4), device)
+            # GPU: the default backend's engine (the other kernel runs on its plans); CPU smoke: every backend
+            backends = [None] if device.type == "cuda" else S.available_backends(device)
+            for be in backends:
+                engine = ApplyEngine(dict(zip(layout.targets, targets)), layout, device, backend=be)
+                sums0 = engine.live_sums() if not args.full_check else None
+                log(f"## {name}: {params / 1e9:.3f}B params, {len(targets)} targets, {len(layout.hf_shapes)} HF "
+                    f"tensors, engine backend {engine.backend} (ready in {time.perf_counter() - t0:.1f}s)")
+                for d in todo:
+                    row = run_config(spec, layout, targets, hf, engine, d, args, device, tmpdir, sums0, pool, bw)
+                    row["dense_ms"] = dense_ms
+                    row["params"] = params
+                    rows.append(row)
+                del engine
+            del targets, hf
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    pool.shutdown()
+    report(rows, card, bw, args, device)
+    if FAILURES:
+        log(f"FAILED: {len(FAILURES)} mismatches")
+        for f in FAILURES:
+            log(f"  {f}")
+    else:
+        log("all methods bit-exact")
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "apply_gpu.log"), "w") as f:
+            f.write("\n".join(LOG) + "\n")
+        with open(os.path.join(args.out, "apply_gpu.json"), "w") as f:
+            json.dump({"card": card, "bandwidth": bw, "rows": rows}, f, indent=1, default=str)
+        plot(rows, card, os.path.join(args.out, "apply_gpu.png"))
+    return 1 if FAILURES else 0
+
+
+def report(rows, card, bw, args, device) -> None:
+    kernels = sorted({k for r in rows for k in r if k.startswith("kernel_")})
+    head = ["model", "dens", "nnz", "pause"] + [k[7:-3] for k in kernels] + [
+        "idx_copy", "nanmask", "dense", "floor", "xfloor", "vs_nan", "stage", "stage_mem"]
+    log("")
+    log(f"# {card}, copy bandwidth {bw / 1e9:.0f} GB/s; times in ms (pause = commit wall, kernels = events)")
+    log(" ".join(f"{h:>9}" for h in head))
+    for r in rows:
+        if "skipped" in r:
+            log(f"{r['model']:>9} {r['density']:>9.3%}   skipped: {r['skipped']}")
+            continue
+        model = r["model"].replace("qwen3-", "") + ("/t" if r["backend"] == "torch" else "")
+        cells = [model, f"{r['density']:.1%}", f"{r['nnz'] / 1e6:.1f}M", f"{r['pause_ms']:.3f}"]
+        cells += [f"{r.get(k, float('nan')):.3f}" for k in kernels]
+        cells += [f"{r['index_copy_ms']:.2f}", f"{r['nanmask_ms']:.2f}", f"{r['dense_ms']:.2f}",
+                  f"{r['floor_ms']:.3f}", f"{r['pause_ms'] / r['floor_ms']:.2f}x",
+                  f"{r['nanmask_ms'] / r['pause_ms']:.0f}x", f"{r['stage_ms']:.1f}",
+                  f"{r['stage_memory']['device_peak_bytes'] / 1e6:.0f}MB"]
+        log(" ".join(f"{c:>9}" for c in cells))
+    if device.type == "cuda":
+        log("targets (issue 4): 8b 1%: pause <= 2.0 ms, >= 15x nanmask, <= 1.5x floor, stage <= 150 ms; "
+            "0.6b 1%: pause <= 0.25 ms")
+        for r in rows:
+            if "skipped" in r or r["density"] != 0.01:
+                continue
+            if r["model"] == "qwen3-8b":
+                log(f"  8b 1%: pause {r['pause_ms']:.3f} ms [{_ok(r['pause_ms'] <= 2.0)}], "
+                    f"{r['nanmask_ms'] / r['pause_ms']:.1f}x nanmask [{_ok(r['nanmask_ms'] / r['pause_ms'] >= 15)}], "
+                    f"{r['pause_ms'] / r['floor_ms']:.2f}x floor [{_ok(r['pause_ms'] <= 1.5 * r['floor_ms'])}] "
+                    f"(sector floor {r.get('sector_floor_ms', float('nan')):.3f} ms), "
+                    f"stage {r['stage_ms']:.1f} ms [{_ok(r['stage_ms'] <= 150)}]")
+            if r["model"] == "qwen3-0.6b":
+                log(f"  0.6b 1%: pause {r['pause_ms']:.3f} ms [{_ok(r['pause_ms'] <= 0.25)}]")
+
+
+def _ok(b: bool) -> str:
+    return "met" if b else "MISSED"
+
+
+def plot(rows, card, path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("# matplotlib missing: no PNG")
+        return
+    rows = [r for r in rows if "skipped" not in r]
+    if not rows:
+        return
+    kernels = sorted({k for r in rows for k in r if k.startswith("kernel_")})
+    series = [("pause (ours)", "pause_ms")] + [(k[7:-3] + " kernel", k) for k in kernels] + [
+        ("index_copy_ per tensor", "index_copy_ms"), ("vLLM NaN-mask", "nanmask_ms"), ("dense copy", "dense_ms"),
+        ("floor", "floor_ms")]
+    fig, ax = plt.subplots(figsize=(max(8, 1.3 * len(rows)), 5))
+    width = 0.8 / len(series)
+    for i, (label, key) in enumerate(series):
+        xs = [j + i * width for j in range(len(rows))]
+        ax.bar(xs, [r.get(key, float("nan")) for r in rows], width, label=label)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(rows))])
+    ax.set_xticklabels([f"{r['model'].replace('qwen3-', '')}\n{r['density']:.1%}" for r in rows])
+    ax.set_yscale("log")
+    ax.set_ylabel("ms (log)")
+    ax.set_title(f"In-place sparse bf16 update, {card}")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    log(f"# wrote {path}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,146 @@
+"""The staging decoder against the codecs' own decode: same positions and diffs, same exceptions."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from apply_reference import apply_diffs, realistic_diffs
+
+from vllm_delta import codec as codecs
+from vllm_delta.apply.staging import Decoder, Item
+from vllm_delta.errors import CodecError, IntegrityError, PositionError
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def _device(device):
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    return torch.device(device)
+
+
+def _tensors(seed=0):
+    """(name, numel, positions, new bits, old bits): dense, sparse with gap escapes, one element,
+    diff escapes (sign flips), an fp32 tensor."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    specs = [("dense", 5000, 0.3), ("sparse", 400_000, 0.0002), ("single", 70_000, None), ("wide", 3000, 0.1)]
+    for name, numel, density in specs:
+        if density is None:
+            pos = torch.tensor([69_999])
+        else:
+            pos = torch.nonzero(torch.rand(numel, generator=gen) < density).reshape(-1)
+        dtype = torch.int32 if name == "wide" else torch.int16
+        old = torch.randint(-2000, 2000, (pos.numel(),), generator=gen).to(dtype)
+        diffs = realistic_diffs(pos.numel(), gen, "cpu", width=old.element_size())
+        diffs[::50] = 1 << (8 * old.element_size() - 1)  # plenty of value escapes
+        out.append((name, numel, pos, apply_diffs(old, diffs), old))
+    return out
+
+
+def _items(tensors, codec, frame_elems=64):
+    c = codecs.CompactCodec(frame_elems=frame_elems) if codec == "compact" else codecs.get_codec(codec)
+    items = []
+    for i, (name, numel, pos, new, old) in enumerate(tensors):
+        dtype = torch.float32 if new.dtype == torch.int32 else torch.bfloat16
+        parts, meta = c.pack(c.prepare(pos, new, old, numel), dtype)
+        items.append(Item(index=i, name=name, numel=numel, nnz=pos.numel(), enc=meta, parts=parts, dtype=dtype))
+    return items
+
+
+def _decode(items, codec, device, chunk_elems=100, threads=3):
+    dec = Decoder(device, chunk_elems=chunk_elems, threads=threads)
+    out = {}
+    for width in (2, 4):
+        group = [it for it in items if it.dtype.itemsize == width]
+        for ch in dec.decode(7, codec, group, width, {}):
+            for t in ch.t_idx.unique().tolist():
+                m = ch.t_idx == t
+                pos, vals = ch.p[m], (ch.diffs if ch.diffs is not None else ch.values)[m]
+                prev = out.get(t)
+                out[t] = (pos, vals) if prev is None else (torch.cat([prev[0], pos]), torch.cat([prev[1], vals]))
+    dec.close()
+    return out
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("codec", ["compact", "raw"])
+@pytest.mark.parametrize("chunk_elems", [1, 100, 1 << 20])
+def test_decoder_matches_codec_decode(device, codec, chunk_elems):
+    dev = _device(device)
+    tensors = _tensors()
+    items = _items(tensors, codec)
+    got = _decode(items, codec, dev, chunk_elems)
+    for it, (name, numel, pos, new, old) in zip(items, tensors):
+        ref = codecs.decode(codec, it.parts, it.enc, numel=numel, nnz=it.nnz, dtype=it.dtype)
+        p, vals = got[it.index]
+        assert torch.equal(p.cpu(), ref.positions), name
+        assert torch.equal(p.cpu(), pos), name
+        if codec == "compact":
+            assert torch.equal(apply_diffs(old, vals.cpu().to(torch.int64)), new), name
+        else:
+            assert torch.equal(vals.cpu(), new), name
+
+
+def _corrupt(items, what):
+    items = copy.deepcopy(items)
+    frames = items[0].enc["frames"]
+    if what == "count":
+        frames[0][1] += 1
+    elif what == "table":
+        frames[0] = [1, 2]
+    elif what == "size":
+        blob = items[0].parts["blob"]
+        a, b = frames[0][0], frames[1][0]
+        items[0].parts["blob"] = torch.cat([blob[a : a + b], blob[b : a + b], blob[a + b :]])
+        frames[0][0], frames[1][0] = b, a
+        frames[0][1], frames[1][1] = frames[1][1], frames[0][1]
+        frames[0][3:], frames[1][3:] = frames[1][3:], frames[0][3:]
+        frames[0][2], frames[1][2] = frames[1][2], frames[0][2]
+    elif what == "order":
+        frames[2][2] = frames[1][2]
+    elif what == "range":
+        items[0].numel = 10
+    elif what == "escapes":
+        frames[0][4] += 1
+    elif what == "missing":
+        items[0].parts = {}
+    return items
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "what,exc",
+    [
+        ("count", CodecError),
+        ("table", CodecError),
+        ("size", CodecError),
+        ("order", PositionError),
+        ("range", PositionError),
+        ("escapes", CodecError),
+        ("missing", CodecError),
+    ],
+)
+def test_corrupt_payloads_raise_like_the_codec(device, what, exc):
+    dev = _device(device)
+    items = _corrupt(_items(_tensors(), "compact", frame_elems=64), what)
+    it = items[0]
+    with pytest.raises(exc) as ref_err:
+        codecs.decode("compact", it.parts, it.enc, numel=it.numel, nnz=it.nnz, dtype=it.dtype,
+                      ctx={"version": 7, "tensor": it.name})
+    with pytest.raises(IntegrityError) as got:
+        _decode(items, "compact", dev)
+    assert type(got.value) is type(ref_err.value)
+    assert "version 7" in str(got.value) and it.name in str(got.value)
+
+
+def test_raw_positions_checked():
+    tensors = _tensors()
+    items = _items(tensors, "raw")
+    idx = items[1].parts["idx"].clone()
+    idx[3], idx[4] = idx[4].item(), idx[3].item()
+    items[1].parts = {"idx": idx, "val": items[1].parts["val"]}
+    with pytest.raises(PositionError, match="unsorted"):
+        _decode(items, "raw", torch.device("cpu"))
