@@ -430,6 +430,9 @@ def main() -> int:
             del targets, hf
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+            if len(models) > 1 and name != models[-1]:
+                report(rows, card, bw, args, device)  # so far (a later model may run out of time)
+                dump(rows, card, bw, args, plot_too=False)
     pool.shutdown()
     report(rows, card, bw, args, device)
     if FAILURES:
@@ -438,14 +441,20 @@ def main() -> int:
             log(f"  {f}")
     else:
         log("all methods bit-exact")
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "apply_gpu.log"), "w") as f:
-            f.write("\n".join(LOG) + "\n")
-        with open(os.path.join(args.out, "apply_gpu.json"), "w") as f:
-            json.dump({"card": card, "bandwidth": bw, "rows": rows}, f, indent=1, default=str)
-        plot(rows, card, os.path.join(args.out, "apply_gpu.png"))
+    dump(rows, card, bw, args)
     return 1 if FAILURES else 0
+
+
+def dump(rows, card, bw, args, plot_too=True) -> None:
+    if not args.out:
+        return
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "apply_gpu.log"), "w") as f:
+        f.write("\n".join(LOG) + "\n")
+    with open(os.path.join(args.out, "apply_gpu.json"), "w") as f:
+        json.dump({"card": card, "bandwidth": bw, "rows": rows}, f, indent=1, default=str)
+    if plot_too:
+        plot(rows, card, os.path.join(args.out, "apply_gpu.png"))
 
 
 def report(rows, card, bw, args, device) -> None:
