@@ -92,10 +92,11 @@ def build_config(spec: TinyModelSpec):
         dtype="bfloat16",
         rms_norm_eps=1e-6,
     )
+    # `architectures` tells vLLM it is a causal LM (without it a Qwen3 config resolves to an embedding model).
     if spec.arch == "llama":
-        return LlamaConfig(**common)
+        return LlamaConfig(architectures=["LlamaForCausalLM"], **common)
     if spec.arch == "qwen3":
-        return Qwen3Config(**common)
+        return Qwen3Config(architectures=["Qwen3ForCausalLM"], **common)
     raise ValueError(f"unknown arch {spec.arch!r} (llama, qwen3)")
 
 
