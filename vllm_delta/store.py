@@ -158,6 +158,7 @@ class DeltaStore:
         self.is_local = isinstance(self.fs, LocalFileSystem)
         self.root = self.root.rstrip("/") or self.root
         self._cache_dir = cache_dir
+        self._own_cache = False
         self._records: dict[int, VersionRecord] = {}
         self._warned: set[str] = set()
         self._lock = threading.Lock()
@@ -349,9 +350,12 @@ class DeltaStore:
         return IntegrityError(f"record names data file {rec.file}, which is missing", version=rec.version)
 
     def _download_dir(self) -> str:
-        if self._cache_dir is None:
-            self._cache_dir = tempfile.mkdtemp(prefix="vllm-delta-cache-")
-            weakref.finalize(self, shutil.rmtree, self._cache_dir, ignore_errors=True)
+        with self._lock:
+            if self._cache_dir is None:
+                self._cache_dir = tempfile.mkdtemp(prefix="vllm-delta-cache-")
+                self._own_cache = True
+                weakref.finalize(self, shutil.rmtree, self._cache_dir, ignore_errors=True)
+        if self._own_cache:
             folder = self._cache_dir
         else:
             # One folder per store, so that a cache_dir shared by several stores never mixes them.
