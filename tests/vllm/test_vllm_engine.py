@@ -1,0 +1,75 @@
+"""In-process vLLM engines (a subprocess per test): the probed layout, the load format at every version,
+tensors forced through vLLM's sparse path, and a start-up that must be refused."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from craft import flip_tail_bytes
+from vllm_helpers import private_store, run_engine_script
+
+from vllm_delta.store import DeltaStore
+from vllm_delta.testing.models import PROMPTS
+
+pytestmark = pytest.mark.vllm
+
+
+def test_load_format_delta_at_every_version(llama_fresh, llama_run):
+    for v in llama_run.versions:
+        got = llama_fresh[str(v)]
+        assert got["checksum"] == llama_run.checksums[v], f"version {v}: live weights differ from the trainer's"
+        assert got["fallback"] == []
+    assert llama_fresh["0"]["outputs"] != llama_fresh["6"]["outputs"]
+
+
+def test_probed_layout_of_a_gqa_llama(llama_fresh):
+    segs = llama_fresh["0"]["segments"]
+    qkv = "model.layers.0.self_attn.qkv_proj.weight"
+    # q: 2 heads x 64 rows, then k and v: 1 head x 64 rows each, 128 columns.
+    assert segs["model.layers.0.self_attn.q_proj.weight"] == [[qkv, 0, 128, 0, True]]
+    assert segs["model.layers.0.self_attn.k_proj.weight"] == [[qkv, 0, 64, 128 * 128, True]]
+    assert segs["model.layers.0.self_attn.v_proj.weight"] == [[qkv, 0, 64, 192 * 128, True]]
+    gate_up = "model.layers.0.mlp.gate_up_proj.weight"
+    assert segs["model.layers.0.mlp.up_proj.weight"] == [[gate_up, 0, 256, 256 * 128, True]]
+    # Vocab 500 padded to 512 rows: the HF rows land at the start.
+    assert segs["model.embed_tokens.weight"] == [["model.embed_tokens.weight", 0, 500, 0, True]]
+    assert segs["lm_head.weight"] == [["lm_head.weight", 0, 500, 0, True]]
+
+
+def test_tensors_through_vllms_sparse_path(llama_run, tmp_path):
+    """Forced fallbacks must give the same weights: updates, the vLLM commit method, then a rollback."""
+    forced = ["model.norm.weight", "model.layers.0.self_attn.k_proj.weight", "lm_head.weight"]
+    res = run_engine_script(
+        {
+            "task": "fallback",
+            "model": llama_run.model_dir,
+            "store": llama_run.store,
+            "start": 1,
+            "fallback": forced,
+            "cache_dir": str(tmp_path / "cache"),
+            "updates": [[[2], "delta"], [[3], "vllm"], [[4, 5], "delta"], [[6], "delta"]],
+            "prompts": list(PROMPTS),
+        }
+    )
+    assert res["start"] == llama_run.checksums[1]
+    assert sorted(res["layout"]["fallback"]) == sorted(forced)
+    assert "model.norm.weight" not in res["layout"]["segments"]
+    for step in res["steps"]:
+        assert "error" not in step["commit"], step
+        assert step["checksum"] == llama_run.checksums[step["versions"][-1]], step["versions"]
+    last = res["steps"][-1]
+    assert last["rollback"] == {"rolled_back": True}
+    assert last["after_rollback"] == llama_run.checksums[5]
+    assert last["status"]["version"] == 5
+
+
+def test_a_damaged_version_refuses_to_start(llama_run, tmp_path):
+    store = private_store(llama_run, str(tmp_path))
+    # Same size, damaged bytes at the end of the anchor's last tensor: the replayed tensor's
+    # checksum can't match its header, and the engine must not come up serving it.
+    rec = DeltaStore(store).record(4)
+    flip_tail_bytes(os.path.join(store, rec.file), n=64)
+    res = run_engine_script({"task": "refuse", "model": llama_run.model_dir, "store": store, "version": 5})
+    assert res["started"] is False
+    assert "ChecksumMismatchError" in res["error"] or "checksum" in res["error"], res["error"]
