@@ -26,8 +26,8 @@ import time
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from conftest import History  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the zygote runs this file as a script
+from test_store import History  # noqa: E402
 
 from vllm_delta.store import _DATA_NAME, TMP_PREFIX, DeltaStore  # noqa: E402
 

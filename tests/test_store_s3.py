@@ -11,12 +11,16 @@ import time
 import uuid
 
 import pytest
-from conftest import publish_history
-from test_store import StoreContract
+from test_store import History, StoreContract, publish_history
 
 from vllm_delta.errors import IntegrityError, VersionNotFoundError
 from vllm_delta.store import DeltaStore
 from vllm_delta.testing.s3 import S3Server, find_rclone
+
+
+@pytest.fixture
+def history() -> History:
+    return History()
 
 
 class TestS3Store(StoreContract):
