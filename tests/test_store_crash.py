@@ -36,6 +36,7 @@ HISTORY_SEED = 7
 ANCHOR_EVERY = 8
 MAX_VERSIONS_PER_ROUND = 400  # a bound; the kill comes long before
 COMMIT_DELAY_S = 0.05
+ERRORS = "publisher-errors.log"
 
 
 def make_slow_store(uri: str, options: dict) -> DeltaStore:
@@ -57,10 +58,10 @@ def make_slow_store(uri: str, options: dict) -> DeltaStore:
     return SlowCommitStore(uri, options)
 
 
-def publisher(store: DeltaStore, history: History, start: int, seed: int) -> None:
+def publisher(store: DeltaStore, history: History, start: int, seed: int, work_dir: str) -> None:
     """Publish versions start, start+1, ... until killed (or the bound)."""
     rng = random.Random(seed)
-    tmp = tempfile.mkdtemp(prefix="crash-publisher-")
+    tmp = tempfile.mkdtemp(prefix="publisher-", dir=work_dir)
     print(f"ready {os.getpid()} {start}", flush=True)
     for v in range(start, start + MAX_VERSIONS_PER_ROUND):
         path = os.path.join(tmp, f"{v}.safetensors")
@@ -72,7 +73,7 @@ def publisher(store: DeltaStore, history: History, start: int, seed: int) -> Non
 
 
 def zygote() -> None:
-    """Read `uri options_json start seed error_file` lines; fork a publisher for each. Ends when stdin closes.
+    """Read `uri options_json start seed work_dir` lines; fork a publisher for each. Ends when stdin closes.
 
     The history lives here, so each child starts with the weights of its base already computed."""
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children are reaped by the kernel
@@ -80,16 +81,16 @@ def zygote() -> None:
     torch.set_num_threads(1)
     history = History(SHAPES, seed=HISTORY_SEED)
     for line in sys.stdin:
-        uri, options, start, seed, error_file = line.rstrip("\n").split("\t")
+        uri, options, start, seed, work_dir = line.rstrip("\n").split("\t")
         start = int(start)
         history.sums(max(start - 1, 0))
         sys.stdout.flush()
         if os.fork() == 0:
             code = 0
             try:
-                publisher(make_slow_store(uri, json.loads(options)), history, start, int(seed))
+                publisher(make_slow_store(uri, json.loads(options)), history, start, int(seed), work_dir)
             except BaseException as exc:  # noqa: BLE001 - the test reads the error file
-                with open(error_file, "a") as f:
+                with open(os.path.join(work_dir, ERRORS), "a") as f:
                     f.write(f"publisher failed: {exc!r}\n")
                 code = 1
             finally:
@@ -167,7 +168,9 @@ def run_crash_rounds(uri: str, options: dict, *, rounds: int, seed: int, tmp_pat
     """Even rounds kill a publisher inside its commit window (data uploaded, record not yet written);
     odd rounds kill it at a random time. A reader thread checks versions as they appear throughout."""
     rng = random.Random(seed)
-    error_file = str(tmp_path / "publisher-errors.log")
+    work_dir = tmp_path / "publishers"
+    work_dir.mkdir()
+    error_file = str(work_dir / ERRORS)
     proc = subprocess.Popen(
         [sys.executable, os.path.abspath(__file__), "zygote"],
         stdin=subprocess.PIPE,
@@ -183,7 +186,7 @@ def run_crash_rounds(uri: str, options: dict, *, rounds: int, seed: int, tmp_pat
     try:
         reader.start()
         for r in range(rounds):
-            proc.stdin.write(f"{uri}\t{json.dumps(options)}\t{start}\t{seed * 1000 + r}\t{error_file}\n")
+            proc.stdin.write(f"{uri}\t{json.dumps(options)}\t{start}\t{seed * 1000 + r}\t{work_dir}\n")
             proc.stdin.flush()
             t0 = time.monotonic()
             pid = int(_read_line(proc.stdout, None, "ready")[1])

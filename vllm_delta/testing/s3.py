@@ -79,6 +79,7 @@ class S3Server:
         self.port: int | None = None
         self._proc: subprocess.Popen | None = None
         self._finalizer = None
+        self._work: str | None = None
 
     @property
     def endpoint_url(self) -> str:
@@ -101,8 +102,9 @@ class S3Server:
             return self
         os.makedirs(os.path.join(self.root, self.bucket), exist_ok=True)
         rclone = find_rclone()
-        # An empty config of our own: never read or touch the user's rclone.conf.
-        config = os.path.join(tempfile.mkdtemp(prefix="vllm-delta-rclone-"), "rclone.conf")
+        # A config and cache of our own: never read or touch the user's rclone.conf or ~/.cache.
+        self._work = tempfile.mkdtemp(prefix="vllm-delta-rclone-")
+        config = os.path.join(self._work, "rclone.conf")
         open(config, "w").close()
         last_error = ""
         for _attempt in range(3):  # the free port may be taken between probing and binding
@@ -120,6 +122,8 @@ class S3Server:
                     f"{self.access_key},{self.secret_key}",
                     "--config",
                     config,
+                    "--cache-dir",
+                    os.path.join(self._work, "cache"),
                 ],
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -132,15 +136,18 @@ class S3Server:
             log.seek(0)
             last_error = log.read()[-2000:].decode(errors="replace")
             _stop_process(proc, log)
+        shutil.rmtree(self._work, ignore_errors=True)
+        self._work = None
         raise RuntimeError(f"rclone serve s3 did not start: {last_error}")
 
     def _wait_ready(self, proc: subprocess.Popen) -> bool:
         deadline = time.monotonic() + self.startup_timeout
+        direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never via a proxy
         while time.monotonic() < deadline:
             if proc.poll() is not None:
                 return False
             try:
-                urllib.request.urlopen(self.endpoint_url + "/", timeout=1).close()
+                direct.open(self.endpoint_url + "/", timeout=1).close()
                 return True
             except urllib.error.HTTPError:
                 return True  # any HTTP answer (403 without credentials) means it serves
@@ -153,6 +160,9 @@ class S3Server:
             self._finalizer()
             self._finalizer = None
         self._proc = None
+        if self._work is not None:
+            shutil.rmtree(self._work, ignore_errors=True)
+            self._work = None
         if self._own_root:
             shutil.rmtree(self.root, ignore_errors=True)
 
