@@ -133,8 +133,13 @@ def build_model(spec: Qwen3Spec, device, seed=0):
     tshapes, layout = qwen3_layout(spec)
     gen = torch.Generator(device=device).manual_seed(seed)
     targets = []
+    bad = 0
     for shape in tshapes.values():
-        targets.append(torch.randn(shape, generator=gen, device=device, dtype=torch.bfloat16).mul_(0.02))
+        t = torch.randn(shape, generator=gen, device=device, dtype=torch.bfloat16).mul_(0.02)
+        bad += int((~torch.isfinite(t)).sum())
+        targets.append(torch.nan_to_num_(t, nan=0.0, posinf=1.0, neginf=-1.0))
+    if bad:
+        log(f"# {spec.name}: randn gave {bad} non-finite bf16 values (set finite)")
     # HF tensors as views of the targets (every Qwen3 segment is a contiguous row box)
     hf = {}
     for name, segs in layout.segments.items():
@@ -184,6 +189,7 @@ def run_config(spec, layout, targets, hf, engine, density, args, device, tmpdir,
     t0 = time.perf_counter()
     changes = random_changes(hf, density, seed=int(density * 1e6))
     nnz = sum(int(c[0].numel()) for c in changes.values())
+    fingerprint = _fingerprint(changes)
     row["nnz"] = nnz
     path = os.path.join(tmpdir, f"{spec.name}-{density}.safetensors")
     write_delta(path, version=1, base=0, codec="compact", shapes=layout.hf_shapes, changes=changes, pool=pool)
@@ -266,6 +272,10 @@ def run_config(spec, layout, targets, hf, engine, density, args, device, tmpdir,
         row["variants"] = tune(staged, device, args)
         log("    variants: " + " ".join(f"{k}={v:.3f}" for k, v in row["variants"].items()))
 
+    if not args.full_check and density == 0.01:  # stray writes anywhere in the model?
+        check(engine.live_sums() == sums0, f"{spec.name} {density}: whole-model checksum after kernels/variants")
+    check(_fingerprint(changes) == fingerprint, f"{spec.name} {density}: change set intact after kernels")
+
     # (c) one index_copy_ per local target
     per_target = local_changes(layout, changes)
     row["index_copy_ms"] = time_events([lambda pt=per_target: index_copy_apply(targets, pt)], args.reps, device)
@@ -276,8 +286,14 @@ def run_config(spec, layout, targets, hf, engine, density, args, device, tmpdir,
     engine.commit(staged), engine.rollback(staged)  # back to the base bits (commit checks the state)
 
     # (b) vLLM's NaN-mask sparse patch path
+    check(_fingerprint(changes) == fingerprint, f"{spec.name} {density}: change set intact after index_copy")
     patches = {n: (c[0], c[1].view(torch.bfloat16)) for n, c in changes.items() if c[0].numel()}
-    row["nanmask_ms"] = time_wall(lambda pa=patches: nanmask_apply(targets, layout, pa), args.nanmask_reps, device)
+    try:
+        row["nanmask_ms"] = time_wall(lambda pa=patches: nanmask_apply(targets, layout, pa), args.nanmask_reps,
+                                      device)
+    except ValueError as exc:
+        check(False, f"{spec.name} {density}: nanmask refused its input: {exc}")
+        row["nanmask_ms"] = float("nan")
     check(plan_values_ok(staged, True), f"{spec.name} {density}: nanmask values")
     if args.full_check:
         check(same(bits_of(targets), bits_of(expect)), f"{spec.name} {density}: nanmask != reference")
@@ -299,6 +315,12 @@ def run_config(spec, layout, targets, hf, engine, density, args, device, tmpdir,
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return row
+
+
+def _fingerprint(changes) -> tuple[int, int]:
+    pos = sum(int(c[0].sum()) for c in changes.values())
+    val = sum(int(c[1].to(torch.int64).sum()) for c in changes.values())
+    return pos, val
 
 
 def tune(staged, device, args) -> dict[str, float]:

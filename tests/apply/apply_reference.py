@@ -171,6 +171,9 @@ def random_changes(hf_tensors: dict[str, torch.Tensor], density: float, seed: in
         pos = random_positions(flat.numel(), density, gen, dev)
         old = flat[pos.to(flat.device)].to(dev)
         new = apply_diffs(old, realistic_diffs(pos.numel(), gen, dev, t.element_size()))
+        finite = torch.isfinite(new.view(t.dtype)) & torch.isfinite(old.view(t.dtype))
+        if not bool(finite.all()):  # trained weights are finite (and vLLM's NaN-mask path needs it)
+            pos, new, old = pos[finite], new[finite], old[finite]
         out[name] = (pos, new, old)
     return out
 
@@ -188,17 +191,22 @@ def reference_apply(targets: list[torch.Tensor], layout: Layout, changes: dict) 
 
 def nanmask_apply(targets: list[torch.Tensor], layout: Layout, patches: dict, validate_unique: bool = True) -> None:
     """vLLM's sparse checkpoint patch algorithm. patches: {HF name: (positions, new values (float))}."""
-    flags = []
+    flags, what = [], []
     for name, (pos, vals) in patches.items():
         numel = hf_2d(layout.hf_shapes[name])[0] * hf_2d(layout.hf_shapes[name])[1]
         flags.append(torch.isnan(vals).any())
+        what.append(f"NaN value in {name}")
         if pos.numel():
             flags.append(torch.logical_or(pos < 0, pos >= numel).any())
+            what.append(f"index out of range in {name}")
             if validate_unique:
                 s = torch.sort(pos).values
                 flags.append((s[1:] == s[:-1]).any())
+                what.append(f"duplicate index in {name}")
     if flags and bool(torch.stack(flags).any().item()):
-        raise ValueError("sparse checkpoint patches contain NaN values, out-of-range indices, or duplicate indices")
+        bad = [w for w, f in zip(what, torch.stack(flags).tolist()) if f]
+        raise ValueError(f"sparse checkpoint patches contain NaN values, out-of-range indices, or duplicate indices: "
+                         f"{bad[:3]} ({len(bad)} flags)")
     for name, (pos, vals) in patches.items():
         shape = layout.hf_shapes[name]
         rows, cols = hf_2d(shape)

@@ -157,11 +157,14 @@ class ApplyEngine:
         self._vstart = torch.tensor(self._vstart_h, dtype=torch.int64, device=self.device)
         self._cols = torch.tensor([hf_2d(layout.hf_shapes[n])[1] for n in self._names], dtype=torch.int64,
                                   device=self.device)
+        _check_layout(layout, self.flats)
         kmax = max([len(s) for s in layout.segments.values()] + [1])
         self._tables = [_SegTable(layout, self._names, k, self.device) for k in range(kmax)]
         # Fused addressing, per element width: the base tensor and every target's offset from it.
         self._base: dict[int, int] = {}
         self._tbase: dict[int, torch.Tensor] = {}
+        self._tbase_h: dict[int, list[int]] = {}
+        self._wflats: dict[int, list] = {}
         for width in {f.element_size() for f in self.flats}:
             ids = [i for i, f in enumerate(self.flats) if f.element_size() == width and f.device == self.device]
             if not ids:
@@ -171,7 +174,10 @@ class ApplyEngine:
             tb = [0] * len(self.flats)
             for i, d in zip(ids, deltas):
                 tb[i] = d
+            self._tbase_h[width] = tb
             self._tbase[width] = torch.tensor(tb, dtype=torch.int64, device=self.device)
+            keep = set(ids)
+            self._wflats[width] = [f if i in keep else None for i, f in enumerate(self.flats)]
         self._decoder = Decoder(self.device, chunk_elems, threads)
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._state = 0
@@ -255,7 +261,7 @@ class ApplyEngine:
                 for width, items in self._items(vf).items():
                     changed.update(it.index for it in items)
                     for chunk in self._decoder.decode(vf.version, vf.header.codec, items, width, timings):
-                        self._emit(outs, width, chunk.t_idx, chunk.p, chunk.tensors, chunk, timings)
+                        self._emit(outs, width, chunk.t_idx, chunk.p, chunk.runs, chunk, timings)
                         self._note_mem()
             else:
                 pending = self._stage_chain(files, timings, changed)
@@ -263,8 +269,9 @@ class ApplyEngine:
                     for s in range(0, P.numel(), self.chunk_elems):
                         p_glob, nb = P[s : s + self.chunk_elems], new[s : s + self.chunk_elems]
                         t_idx = torch.searchsorted(self._vstart, p_glob, right=True) - 1
-                        tensors = torch.unique(t_idx).tolist()
-                        self._emit(outs, width, t_idx, p_glob - self._vstart[t_idx], tensors, nb, timings)
+                        uniq, counts = torch.unique_consecutive(t_idx, return_counts=True)
+                        runs = list(zip(uniq.tolist(), counts.tolist()))
+                        self._emit(outs, width, t_idx, p_glob - self._vstart[t_idx], runs, nb, timings)
                         self._note_mem()
             t0 = time.perf_counter()
             self._finish(staged, outs)
@@ -345,11 +352,12 @@ class ApplyEngine:
                 out[m] = self.flats[t][local[m]]
         return out
 
-    def _emit(self, outs, width, t_idx, p, tensors, source, timings) -> None:
+    def _emit(self, outs, width, t_idx, p, runs, source, timings) -> None:
         """Translate one chunk, read the live bits, make the new bits, checksum partials, plan it.
 
         `source`: a decoded Chunk (new bits from its values or diffs) or a tensor of new bits."""
         t0 = time.perf_counter()
+        tensors = [t for t, m in runs if m]
         sels = self._translate(t_idx, p, tensors)
         t0 = self._span(timings, "translate", t0)
         n = p.numel()
@@ -385,9 +393,11 @@ class ApplyEngine:
         if not everything:
             term.masked_fill_(~owned, 0)
         # per-tensor sums: elements of a tensor are consecutive, so prefix sums at run ends (no atomics)
-        uniq, counts = torch.unique_consecutive(t_idx, return_counts=True)
-        ends = torch.cumsum(term, 0)[torch.cumsum(counts, 0) - 1]
-        self._acc.index_add_(0, uniq, torch.cat([ends[:1], ends[1:] - ends[:-1]]))
+        runs = [(t, m) for t, m in runs if m]
+        meta = torch.tensor([t for t, _ in runs] + list(itertools.accumulate(m for _, m in runs)), dtype=torch.int64)
+        meta = meta.to(p.device, non_blocking=True)
+        ends = torch.cumsum(term, 0)[meta[len(runs) :] - 1]
+        self._acc.index_add_(0, meta[: len(runs)], torch.cat([ends[:1], ends[1:] - ends[:-1]]))
         del term, delta
         t0 = self._span(timings, "partials", t0)
         # Plan: every segment holding an element gets it; rollback bits read through that segment.
@@ -403,8 +413,14 @@ class ApplyEngine:
                 tid, local, nb = s.tid[idx], s.local[idx], new[idx]
                 ob = live[idx] if k == 0 else self._gather(width, tid, local)
             if self.fused:
-                plan = scatter_ops.build_fused_plan(
-                    self.targets, tid, local, block=self.block, base_index=self._base[width]
+                plan = scatter_ops.fused_plan(
+                    self._wflats[width],
+                    self.flats[self._base[width]],
+                    self._tbase_h[width],
+                    self._tbase[width],
+                    tid,
+                    local,
+                    block=self.block,
                 )
                 out.plans.append(plan)
                 out.new.append(plan.arrange(nb))
@@ -587,6 +603,29 @@ class _nullctx:
 
     def __exit__(self, *exc):
         return False
+
+
+def _check_layout(layout: Layout, flats: list[torch.Tensor]) -> None:
+    """Every segment's box lies in its HF tensor and its strided region in its target (so that the
+    engine can skip per-element range checks)."""
+    for name, segs in layout.segments.items():
+        if name not in layout.hf_shapes:
+            raise UnsupportedModelError(f"layout has segments for {name!r} but no shape")
+        rows, cols = hf_2d(layout.hf_shapes[name])
+        for s in segs:
+            if not 0 <= s.target < len(flats):
+                raise UnsupportedModelError(f"segment of {name!r} names target {s.target} of {len(flats)}")
+            if s.row0 < 0 or s.col0 < 0 or s.row0 + s.rows > rows or s.col0 + s.cols > cols:
+                raise UnsupportedModelError(f"segment box of {name!r} exceeds its shape {(rows, cols)}")
+            if not s.rows or not s.cols:
+                continue
+            ext = [(s.rows - 1) * s.dst_row_stride, (s.cols - 1) * s.dst_col_stride]
+            lo = s.dst_offset + sum(min(0, e) for e in ext)
+            hi = s.dst_offset + sum(max(0, e) for e in ext)
+            if lo < 0 or hi >= flats[s.target].numel():
+                raise UnsupportedModelError(
+                    f"segment of {name!r} reaches outside its target ({flats[s.target].numel()} elements)"
+                )
 
 
 def _span(timings: dict, key: str, t0: float) -> float:

@@ -177,65 +177,84 @@ def build_fused_plan(
     device = offsets.device
     ids = target_ids.to(device=device, dtype=torch.int64).reshape(-1)
     offs = offsets.to(device=device, dtype=torch.int64).reshape(-1)
-    n = offs.numel()
-    flats_all = [flat_bits(t) for t in targets]
-    if n:
-        runs_at = torch.ones(n, dtype=torch.bool, device=device)
-        runs_at[1:] = ids[1:] != ids[:-1]
-        starts = runs_at.nonzero().reshape(-1)
-        run_ids = ids[starts]
-        host = torch.cat([starts, run_ids]).tolist()
-        starts_h, ids_h = host[: len(host) // 2], host[len(host) // 2 :]
-    else:
-        starts, starts_h, ids_h = offs.new_zeros(0), [], []
-    used = sorted(set(ids_h))
+    flats = [flat_bits(t) for t in targets]
+    used = sorted(set(torch.unique(ids).tolist())) if ids.numel() else []
     if used and (used[0] < 0 or used[-1] >= len(targets)):
         raise IndexError(f"target id out of range for {len(targets)} targets")
     if base_index is None:
-        base_index = min(used, key=lambda i: flats_all[i].data_ptr()) if used else 0
-    base = flats_all[base_index] if flats_all else None
+        base_index = min(used, key=lambda i: flats[i].data_ptr()) if used else 0
     tbase = [0] * len(targets)
     if used:
-        _, deltas = address_base([base] + [flats_all[i] for i in used])
+        _, deltas = address_base([flats[base_index]] + [flats[i] for i in used])
         for i, d in zip(used, deltas[1:]):
             tbase[i] = d - deltas[0]
-    if check and n:
-        numel = torch.tensor([f.numel() for f in flats_all], dtype=torch.int64, device=device)
-        if bool(((offs < 0) | (offs >= numel[ids])).any()):
-            bad = int(ids[(offs < 0) | (offs >= numel[ids])][0])
-            raise IndexError(f"scatter offset out of range for target {bad} ({flats_all[bad].numel()} elements)")
-    lengths_h = [e - s for s, e in zip(starts_h, starts_h[1:] + [n])]
-    padded_h = [-(-m // block) * block for m in lengths_h]
-    pad_starts_h, at = [], 0
-    for m in padded_h:
-        pad_starts_h.append(at)
-        at += m
-    n_slots = at
-    bounds = [(t, s, s + m) for t, s, m in zip(ids_h, pad_starts_h, padded_h)]
-    if n:
-        shift = torch.tensor([p - s for p, s in zip(pad_starts_h, starts_h)], dtype=torch.int64, device=device)
-        lengths = torch.tensor(lengths_h, dtype=torch.int64, device=device)
-        slots = torch.arange(n, dtype=torch.int64, device=device) + torch.repeat_interleave(
-            shift, lengths, output_size=n
-        )
-        tb = torch.tensor(tbase, dtype=torch.int64, device=device)
-        addr = torch.full((n_slots,), torch.iinfo(torch.int64).max, dtype=torch.int64, device=device)
-        addr[slots] = tb[ids] + offs
-        block_base = addr.view(-1, block).amin(dim=1)
-        rel = addr - torch.repeat_interleave(block_base, block, output_size=n_slots)
-        del addr
-        rel[slots.new_ones(n_slots, dtype=torch.bool).index_fill_(0, slots, False)] = _PAD
-    else:
-        slots = offs.new_zeros(0)
-        block_base = offs.new_zeros(0)
-        rel = torch.zeros(0, dtype=torch.int32, device=device)
-    if rel_dtype is None:
-        rel_dtype = torch.int32 if (not n or int(rel.max()) <= _INT32_MAX) else torch.int64
-    elif rel_dtype == torch.int32 and n and int(rel.max()) > _INT32_MAX:
-        raise ValueError("a block spans 2^31 elements or more: use int64 offsets")
-    rel = rel.to(rel_dtype)
+    if check and ids.numel():
+        numel = torch.tensor([f.numel() for f in flats], dtype=torch.int64, device=device)
+        bad = (offs < 0) | (offs >= numel[ids])
+        if bool(bad.any()):
+            t = int(ids[bad][0])
+            raise IndexError(f"scatter offset out of range for target {t} ({flats[t].numel()} elements)")
     used_set = set(used)
-    flats: list[torch.Tensor | None] = [f if i in used_set else None for i, f in enumerate(flats_all)]
+    return fused_plan(
+        [f if i in used_set else None for i, f in enumerate(flats)],
+        flats[base_index] if flats else None,
+        tbase,
+        torch.tensor(tbase, dtype=torch.int64, device=device),
+        ids,
+        offs,
+        block=block,
+        rel_dtype=rel_dtype,
+    )
+
+
+def fused_plan(
+    flats: list[torch.Tensor | None],
+    base: torch.Tensor | None,
+    tbase: list[int],
+    tbase_t: torch.Tensor,
+    ids: torch.Tensor,
+    offs: torch.Tensor,
+    *,
+    block: int = BLOCK,
+    rel_dtype: torch.dtype | None = None,
+) -> ScatterPlan:
+    """`build_fused_plan` without the argument checks, from precomputed tables (the engine's path):
+    flat views, the base view, each target's element offset from the base (list and device tensor),
+    int64 target ids and in-range int64 target-local offsets. Two host synchronizations."""
+    device = offs.device
+    n = offs.numel()
+    if not n:
+        return ScatterPlan(targets=flats, bounds=[], offsets=None, base=base, block=block,
+                           block_base=offs.new_zeros(0), rel=torch.zeros(0, dtype=torch.int32, device=device),
+                           slots=offs.new_zeros(0), target_base=tbase, count=0)
+    runs_at = torch.ones(n, dtype=torch.bool, device=device)
+    torch.ne(ids[1:], ids[:-1], out=runs_at[1:])
+    starts = runs_at.nonzero().reshape(-1)
+    host = torch.cat([starts, ids[starts]]).tolist()
+    k = len(host) // 2
+    starts_h, ids_h = host[:k], host[k:]
+    lengths_h = [e - s for s, e in zip(starts_h, starts_h[1:] + [n])]
+    pad_starts_h, at = [], 0
+    for m in lengths_h:
+        pad_starts_h.append(at)
+        at += -(-m // block) * block
+    n_slots = at
+    bounds = [(t, p, p + -(-m // block) * block) for t, p, m in zip(ids_h, pad_starts_h, lengths_h)]
+    small = torch.tensor([p - s for p, s in zip(pad_starts_h, starts_h)] + lengths_h, dtype=torch.int64)
+    small = small.to(device, non_blocking=True)
+    slots = torch.arange(n, dtype=torch.int64, device=device)
+    slots += torch.repeat_interleave(small[:k], small[k:], output_size=n)
+    addr = torch.full((n_slots,), torch.iinfo(torch.int64).max, dtype=torch.int64, device=device)
+    addr[slots] = tbase_t[ids] + offs
+    block_base = addr.view(-1, block).amin(dim=1)
+    pad = addr == torch.iinfo(torch.int64).max
+    rel = addr.view(-1, block).sub_(block_base[:, None]).view(-1)  # in place: addr becomes rel
+    rel.masked_fill_(pad, _PAD)
+    del pad
+    if rel_dtype is None:
+        rel_dtype = torch.int32 if int(rel.max()) <= _INT32_MAX else torch.int64
+    elif rel_dtype == torch.int32 and int(rel.max()) > _INT32_MAX:
+        raise ValueError("a block spans 2^31 elements or more: use int64 offsets")
     return ScatterPlan(
         targets=flats,
         bounds=bounds,
@@ -243,7 +262,7 @@ def build_fused_plan(
         base=base,
         block=block,
         block_base=block_base,
-        rel=rel,
+        rel=rel.to(rel_dtype),
         slots=slots,
         target_base=tbase,
         count=n,

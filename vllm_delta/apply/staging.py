@@ -59,7 +59,11 @@ class Chunk:
     p: torch.Tensor  # int64: row-major position in its tensor (sorted within a tensor)
     diffs: torch.Tensor | None  # int16/int32 (element width): new - old bits, mod 2^bits
     values: torch.Tensor | None  # int16/int32: absolute new bits
-    tensors: list[int]  # tensor indices present, in order
+    runs: list[tuple[int, int]]  # (tensor index, element count), in element order
+
+    @property
+    def tensors(self) -> list[int]:
+        return [t for t, n in self.runs if n]
 
     @property
     def n(self) -> int:
@@ -190,61 +194,58 @@ class Decoder:
                 de_all[da : da + n_de] = np.frombuffer(buf, dtype=_NP_INT[width], count=n_de, offset=3 * n + 8 * n_ge)
             return None
 
-        order = sorted(range(len(frames)), key=lambda i: -frames[i][3])
-        results = [None] * len(frames)
-        if len(frames) > 1 and self.n_threads > 1:
-            for i, res in zip(order, self.pool.map(work, [frames[i] for i in order])):
-                results[i] = res
-        else:
-            results = [work(fr) for fr in frames]
-        for fr, res in zip(frames, results):
-            if res is not None:
-                raise _err(res[0], res[1], version, items[fr[0]].name)
-        t0 = self._span(timings, "read", t0, sync=False)
-
+        # Decompression runs ahead on the pool (frames in order) while this thread copies each
+        # finished chunk to the device and decodes it there: host and device work overlap.
+        pooled = len(frames) > 1 and self.n_threads > 1
+        futures = [self.pool.submit(work, fr) for fr in frames] if pooled else None
         dev = self.device
-        nb = self.device.type == "cuda"
-        planes_d = planes_t.to(dev, non_blocking=nb)
-        ge_d = ge_t.to(dev, non_blocking=nb)
-        de_d = de_t.to(dev, non_blocking=nb)
-        t0 = self._span(timings, "h2d", t0)
+        nb = dev.type == "cuda"
+        last_seen: dict[int, int] = {}  # per tensor, the last position so far (frame order checks)
+        try:
+            i = 0
+            while i < len(frames):
+                j, size = i, 0
+                while j < len(frames) and (j == i or size + frames[j][3] <= self.chunk_elems):
+                    size += frames[j][3]
+                    j += 1
+                for f in range(i, j):
+                    res = futures[f].result() if pooled else work(frames[f])
+                    if res is not None:
+                        raise _err(res[0], res[1], version, items[frames[f][0]].name)
+                t0 = self._span(timings, "read", t0, sync=False)
+                frs = frames[i:j]
+                a, b = frs[0][7], frs[-1][7] + frs[-1][3]
+                lo = planes_t[a:b].to(dev, non_blocking=nb)
+                hi = planes_t[total + a : total + b].to(dev, non_blocking=nb)
+                d8 = planes_t[2 * total + a : 2 * total + b].to(dev, non_blocking=nb)
+                ge = ge_t[frs[0][8] : frs[-1][8] + frs[-1][5]].to(dev, non_blocking=nb)
+                de = de_t[frs[0][9] : frs[-1][9] + frs[-1][6]].to(dev, non_blocking=nb)
+                t0 = self._span(timings, "h2d", t0)
+                chunk = self._compact_chunk(version, items, frs, lo, hi, d8, ge, de, width, last_seen)
+                t0 = self._span(timings, "decode", t0)
+                if chunk is not None:
+                    yield chunk
+                t0 = time.perf_counter()
+                i = j
+        finally:
+            if futures:
+                for fut in futures:
+                    fut.cancel()
+            self._sync()  # the copies out of the pinned buffers are done before they are reused
 
-        # Chunks of whole frames; per tensor, the last position seen so far (frame order checks).
-        last_seen: dict[int, int] = {}
-        i = 0
-        while i < len(frames):
-            j, size = i, 0
-            while j < len(frames) and (j == i or size + frames[j][3] <= self.chunk_elems):
-                size += frames[j][3]
-                j += 1
-            chunk = self._compact_chunk(version, items, frames[i:j], planes_d, total, ge_d, de_d, width, last_seen)
-            t0 = self._span(timings, "decode", t0)
-            if chunk is not None:
-                yield chunk
-            t0 = time.perf_counter()
-            i = j
-        del planes_t, ge_t, de_t  # pinned blocks go back to torch's host cache once the copies are done
-
-    def _compact_chunk(self, version, items, frs, planes, total, ge_d, de_d, width, last_seen):
+    def _compact_chunk(self, version, items, frs, lo, hi, d8, ge, de, width, last_seen):
         dev = self.device
-        a = frs[0][7]
-        b = frs[-1][7] + frs[-1][3]
-        n = b - a
-        # Per frame, host-side: chunk-relative element start, count, start, escape counts.
-        fe = np.array([f[7] - a for f in frs], dtype=np.int64)
+        n = lo.numel()
+        # Per frame, host-side: chunk-relative element start, count.
+        fe = np.array([f[7] - frs[0][7] for f in frs], dtype=np.int64)
         fn = np.array([f[3] for f in frs], dtype=np.int64)
         if n == 0:
             for f in frs:
                 self._check_frame_order(version, items, f, None, last_seen)
             return None
-        g = planes[a:b].to(torch.int64) | (planes[total + a : total + b].to(torch.int64) << 8)
-        d = planes[2 * total + a : 2 * total + b].view(torch.int8).to(_INT[width])
-        ge_lo, ge_hi = frs[0][8], frs[-1][8] + frs[-1][5]
-        de_lo, de_hi = frs[0][9], frs[-1][9] + frs[-1][6]
-        for kind, codes, code, lo, hi, col in (
-            ("gap", g, _GAP_ESCAPE, ge_lo, ge_hi, 5),
-            ("value", d, _DIFF_ESCAPE, de_lo, de_hi, 6),
-        ):
+        g = lo.to(torch.int64).bitwise_or_(hi.to(torch.int64).bitwise_left_shift_(8))
+        d = d8.view(torch.int8).to(_INT[width])
+        for kind, codes, code, table, col in (("gap", g, _GAP_ESCAPE, ge, 5), ("value", d, _DIFF_ESCAPE, de, 6)):
             at = (codes == code).nonzero().reshape(-1)
             host_at = at.cpu().numpy()
             per_frame = np.bincount(np.searchsorted(fe, host_at, side="right") - 1, minlength=len(frs))
@@ -253,23 +254,31 @@ class Decoder:
                 name = items[frs[int(bad[0])][0]].name
                 raise _err(CodecError, f"{kind} escapes do not match their escape table", version, name)
             if at.numel():
-                codes[at] = (ge_d if kind == "gap" else de_d)[lo:hi].to(codes.dtype)
+                codes[at] = table.to(codes.dtype)
         c = torch.cumsum(g.add_(1), 0)
         del g
-        fe_d = torch.from_numpy(fe).to(dev)
+        small = torch.tensor(
+            np.concatenate([fe, fn, np.array([f[4] for f in frs], dtype=np.int64),
+                            np.array([items[f[0]].index for f in frs], dtype=np.int64)])
+        ).to(dev, non_blocking=dev.type == "cuda")
+        k = len(frs)
+        fe_d, fn_d, starts, tensor_of_frame = small[:k], small[k : 2 * k], small[2 * k : 3 * k], small[3 * k :]
         before = torch.where(fe_d > 0, c[(fe_d - 1).clamp_(min=0)], torch.zeros_like(fe_d))
-        starts = torch.tensor([f[4] for f in frs], dtype=torch.int64, device=dev)
-        fn_d = torch.from_numpy(fn).to(dev)
         p = c.add_(torch.repeat_interleave(starts - 1 - before, fn_d, output_size=n))
         nonempty = np.flatnonzero(fn)
         lasts = p[torch.from_numpy(fe[nonempty] + fn[nonempty] - 1).to(dev)].tolist()
         last_of = dict(zip(nonempty.tolist(), lasts))
-        for k, f in enumerate(frs):
-            self._check_frame_order(version, items, f, last_of.get(k), last_seen)
-        tensor_of_frame = torch.tensor([items[f[0]].index for f in frs], dtype=torch.int64, device=dev)
+        for i, f in enumerate(frs):
+            self._check_frame_order(version, items, f, last_of.get(i), last_seen)
         t_idx = torch.repeat_interleave(tensor_of_frame, fn_d, output_size=n)
-        present = list(dict.fromkeys(items[f[0]].index for f in frs if f[3]))
-        return Chunk(t_idx=t_idx, p=p, diffs=d, values=None, tensors=present)
+        runs: list[tuple[int, int]] = []
+        for f in frs:
+            t = items[f[0]].index
+            if runs and runs[-1][0] == t:
+                runs[-1] = (t, runs[-1][1] + f[3])
+            else:
+                runs.append((t, f[3]))
+        return Chunk(t_idx=t_idx, p=p, diffs=d, values=None, runs=runs)
 
     @staticmethod
     def _check_frame_order(version, items, f, last, last_seen):
@@ -325,7 +334,8 @@ class Decoder:
                     codecs.check_positions(pos_d[s:e], items[k].numel, {"version": version, "tensor": items[k].name})
                 raise _err(PositionError, "invalid positions", version, items[group[0]].name)  # pragma: no cover
             t0 = self._span(timings, "decode", t0)
-            yield Chunk(t_idx=t_idx, p=p, diffs=None, values=val_d[a:b], tensors=[items[k].index for k in group])
+            yield Chunk(t_idx=t_idx, p=p, diffs=None, values=val_d[a:b],
+                        runs=[(items[k].index, items[k].nnz) for k in group])
             t0 = time.perf_counter()
 
     # -- any other codec: its own unpack/finish, one tensor at a time ----------------------------
@@ -344,7 +354,7 @@ class Decoder:
             else:
                 vals, diffs = None, ch.diffs.to(torch.int64).to(_INT[width])
             self._span(timings, "decode", t0)
-            yield Chunk(t_idx=t_idx, p=pos, diffs=diffs, values=vals, tensors=[it.index])
+            yield Chunk(t_idx=t_idx, p=pos, diffs=diffs, values=vals, runs=[(it.index, int(pos.numel()))])
 
 
 def _groups(sizes: list[int], limit: int) -> list[list[int]]:
