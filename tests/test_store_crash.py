@@ -243,7 +243,7 @@ def test_crash_local(tmp_path):
 
 
 def test_crash_s3(s3_server, tmp_path):
-    stats = run_crash_rounds(s3_server.uri("crash"), s3_server.storage_options, rounds=6, seed=2, tmp_path=tmp_path)
+    stats = run_crash_rounds(s3_server.uri("crash"), s3_server.storage_options, rounds=4, seed=2, tmp_path=tmp_path)
     print(stats)
 
 
