@@ -222,3 +222,24 @@ def test_native_weight_transfer_backend(server, llama_run):
         assert server.post("/resume").status_code == 200
     assert_serving(server, llama_run, 5)
     assert server.completions(PROMPTS) == served_outputs[5]
+
+
+def test_pause_latency_benchmark_runs_against_this_server(server, llama_run, store):
+    """benchmarks/pause_latency.py's measurement, briefly: every kind of pause, the streamed text intact."""
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "pause_latency.py")
+    spec = importlib.util.spec_from_file_location("pause_latency", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    base = server.status()["version"]
+    publish_delta(store, base, 30, tensor="model.layers.1.mlp.up_proj.weight", positions=[5, 6, 7])
+    rec = publish_delta(store, 30, 31, tensor="model.layers.1.mlp.up_proj.weight", positions=[8])
+    result = bench.measure(server.base_url, llama_run.model_dir, [30, 31], api_key=API_KEY, settle=0.3)
+    kinds = [r["kind"] for r in result["rows"]]
+    assert kinds == ["delta", "vllm", "reset", "pause"], kinds
+    assert all(r["client_gap_ms"] > 0 for r in result["rows"])
+    assert result["rows"][0]["apply_ms"] is not None and result["steady_gaps_ms"]["n"] > 0
+    assert not result["stream_errors"]
+    assert server.status()["checksum"] == rec["checksum"]
