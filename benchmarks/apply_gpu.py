@@ -382,7 +382,7 @@ def main() -> int:
     ap.add_argument("--densities", default="0.003,0.01,0.03")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--nanmask-reps", type=int, default=5)
-    ap.add_argument("--stage-reps", type=int, default=3)
+    ap.add_argument("--stage-reps", type=int, default=4)
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
     args = ap.parse_args()
     if args.smoke:

@@ -113,6 +113,25 @@ __global__ void k_elem_gs(int16_t* buf, const int64_t* addr, const int16_t* val,
   for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += step) buf[addr[i]] = val[i];
 }
 
+// cache hints on the element store / stream loads: 0 default, 1 st.cs, 2 st.wt, 3 st.cg, 4 ld.cs + st default
+__global__ void k_elem_hint(int16_t* buf, const int64_t* addr, const int16_t* val, int64_t n, int hint) {
+  int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  int64_t a;
+  short v;
+  if (hint == 4) { a = __ldcs(addr + i); v = __ldcs(reinterpret_cast<const short*>(val) + i); }
+  else { a = addr[i]; v = val[i]; }
+  short* p = reinterpret_cast<short*>(buf) + a;
+  if (hint == 1) __stcs(p, v);
+  else if (hint == 2) __stwt(p, v);
+  else if (hint == 3) __stcg(p, v);
+  else *p = v;
+}
+
+void launch_hint(int64_t buf, int64_t a, int64_t v, int64_t n, int hint) {
+  k_elem_hint<<<(n + 1023) / 1024, 1024>>>((int16_t*)buf, (const int64_t*)a, (const int16_t*)v, n, hint);
+}
+
 void launch_gs(int64_t buf, int64_t a, int64_t v, int64_t n, int blocks, int threads) {
   k_elem_gs<<<blocks, threads>>>((int16_t*)buf, (const int64_t*)a, (const int16_t*)v, n);
 }
@@ -135,7 +154,8 @@ void launch(int which, int64_t buf, int64_t a, int64_t v, int64_t n, int threads
 """
 CPP = """void launch(int which, int64_t buf, int64_t a, int64_t v, int64_t n, int threads);
 void launch2(int64_t buf, int64_t sec, int64_t csr, int64_t lanes, int64_t v, int64_t m, int threads);
-void launch_gs(int64_t buf, int64_t a, int64_t v, int64_t n, int blocks, int threads);"""
+void launch_gs(int64_t buf, int64_t a, int64_t v, int64_t n, int blocks, int threads);
+void launch_hint(int64_t buf, int64_t a, int64_t v, int64_t n, int hint);"""
 
 
 def median_ms(fn, reps=10):
@@ -161,7 +181,7 @@ def main():
         "scatter_variants",
         CPP,
         cuda_sources=CUDA,
-        functions=["launch", "launch2", "launch_gs"],
+        functions=["launch", "launch2", "launch_gs", "launch_hint"],
         extra_cuda_cflags=["-O3"],
     )
     dev = torch.device("cuda")
@@ -233,6 +253,16 @@ def main():
         ok = ok and torch.equal(buf[addr], old)
         print(f"  sector2 threads={threads:5d} {ms:8.3f} ms  {ms / floor:5.2f}x floor  "
               f"{ms / sector_floor:5.2f}x sector floor  {'ok' if ok else 'WRONG'}")
+    for hint, label in ((0, "default"), (1, "st.cs"), (2, "st.wt"), (3, "st.cg"), (4, "ld.cs")):
+        flip = [0]
+
+        def run_h(hint=hint, flip=flip):
+            v = (new, old)[flip[0] % 2]
+            flip[0] += 1
+            ext.launch_hint(buf.data_ptr(), addr.data_ptr(), v.data_ptr(), n, hint)
+
+        ms = median_ms(run_h, 20)
+        print(f"  elem hint {label:8s} {ms:8.3f} ms  {ms / floor:5.2f}x floor")
     for blocks in (32, 64, 132, 264, 528, 1056, 4224):
         flip = [0]
 

@@ -102,6 +102,19 @@ class ScatterPlan:
         return out
 
 
+def segment_ids(counts: torch.Tensor, n: int) -> torch.Tensor:
+    """For segments of `counts` elements laid end to end (sum n): each element's segment index (int64).
+
+    `torch.repeat_interleave` runs one CUDA thread per segment, slow for a few long segments; this is
+    marks + prefix sum, parallel over elements."""
+    if n == 0:
+        return torch.zeros(0, dtype=torch.int64, device=counts.device)
+    marks = torch.zeros(n + 1, dtype=torch.int32, device=counts.device)
+    ends = torch.cumsum(counts.to(torch.int64), 0)
+    marks.index_add_(0, ends, torch.ones_like(ends, dtype=torch.int32))
+    return torch.cumsum(marks[:n], 0, dtype=torch.int64)
+
+
 def flat_bits(t: torch.Tensor) -> torch.Tensor:
     """A flat integer view of a live tensor's whole storage region (no copy, same address)."""
     if not t.is_contiguous():
@@ -243,7 +256,7 @@ def fused_plan(
     small = torch.tensor([p - s for p, s in zip(pad_starts_h, starts_h)] + lengths_h, dtype=torch.int64)
     small = small.to(device, non_blocking=True)
     slots = torch.arange(n, dtype=torch.int64, device=device)
-    slots += torch.repeat_interleave(small[:k], small[k:], output_size=n)
+    slots += small[:k][segment_ids(small[k:], n)]
     addr = torch.full((n_slots,), torch.iinfo(torch.int64).max, dtype=torch.int64, device=device)
     addr[slots] = tbase_t[ids] + offs
     block_base = addr.view(-1, block).amin(dim=1)

@@ -30,6 +30,7 @@ import zstandard
 
 from .. import codec as codecs
 from ..errors import CodecError, PositionError
+from .scatter import segment_ids
 
 CHUNK_ELEMS = 1 << 23  # changed elements decoded per device chunk (bounds temporary memory)
 _GAP_ESCAPE = 0xFFFF
@@ -264,13 +265,14 @@ class Decoder:
         k = len(frs)
         fe_d, fn_d, starts, tensor_of_frame = small[:k], small[k : 2 * k], small[2 * k : 3 * k], small[3 * k :]
         before = torch.where(fe_d > 0, c[(fe_d - 1).clamp_(min=0)], torch.zeros_like(fe_d))
-        p = c.add_(torch.repeat_interleave(starts - 1 - before, fn_d, output_size=n))
+        seg = segment_ids(fn_d, n)  # frame of each element
+        p = c.add_((starts - 1 - before)[seg])
         nonempty = np.flatnonzero(fn)
         lasts = p[torch.from_numpy(fe[nonempty] + fn[nonempty] - 1).to(dev)].tolist()
         last_of = dict(zip(nonempty.tolist(), lasts))
         for i, f in enumerate(frs):
             self._check_frame_order(version, items, f, last_of.get(i), last_seen)
-        t_idx = torch.repeat_interleave(tensor_of_frame, fn_d, output_size=n)
+        t_idx = tensor_of_frame[seg]
         runs: list[tuple[int, int]] = []
         for f in frs:
             t = items[f[0]].index
@@ -323,9 +325,10 @@ class Decoder:
             p = pos_d[a:b]
             idx = torch.tensor([items[k].index for k in group], dtype=torch.int64, device=self.device)
             cnt = torch.tensor([items[k].nnz for k in group], dtype=torch.int64, device=self.device)
-            t_idx = torch.repeat_interleave(idx, cnt, output_size=b - a)
+            seg = segment_ids(cnt, b - a)
+            t_idx = idx[seg]
             numel = torch.tensor([items[k].numel for k in group], dtype=torch.int64, device=self.device)
-            bad = (p < 0) | (p >= torch.repeat_interleave(numel, cnt, output_size=b - a))
+            bad = (p < 0) | (p >= numel[seg])
             if b - a > 1:
                 bad[1:] |= (p[1:] <= p[:-1]) & (t_idx[1:] == t_idx[:-1])
             if bool(bad.any()):
