@@ -570,11 +570,8 @@ class ApplyEngine:
         return (time.perf_counter() - t0) * 1e3
 
     def rollback(self, staged: StagedUpdate) -> None:
-        """Restore the bits a committed update replaced (no-op if it is not committed)."""
-        if not staged.committed:
-            return
-        if staged.state != self._state:
-            raise ValueError(f"roll back the updates committed after version {staged.version} first")
+        """Write back the bits the staged places held at staging time (whoever wrote them since: our
+        commit or another path over the same elements). Roll back later updates first."""
         for plan, bits in zip(staged.plans, staged.old_bits):
             scatter_ops.scatter_(plan, bits, staged.backend)
         self._sync()

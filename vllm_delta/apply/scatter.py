@@ -93,6 +93,18 @@ class ScatterPlan:
             return self.rel.numel() * self.rel.element_size() + self.block_base.numel() * 8
         return self.offsets.numel() * 8
 
+    def local_elements(self):
+        """Per run: (target index, target-local offsets, indices into the plan-ordered bit arrays).
+        The same view of both plan forms (grouped plans have one run per target)."""
+        for t, s, e in self.bounds:
+            if not self.fused:
+                yield t, self.offsets[s:e], torch.arange(s, e, device=self.offsets.device)
+                continue
+            rel = self.rel[s:e].to(torch.int64)
+            bb = torch.repeat_interleave(self.block_base[s // self.block : e // self.block], self.block)
+            ok = rel >= 0
+            yield t, (bb + rel)[ok] - self.target_base[t], ok.nonzero().reshape(-1) + s
+
     def arrange(self, values: torch.Tensor, fill: int = 0) -> torch.Tensor:
         """Caller-ordered per-element values -> plan order (what `scatter_` takes)."""
         if not self.fused:
@@ -399,12 +411,9 @@ def _triton_blocks(kernel, plan: ScatterPlan, bits: torch.Tensor, rows: int, war
 
 # -- torch path for fused plans (CPU, and the reference for the kernels) ---------------------------
 def _fused_runs(plan: ScatterPlan):
-    """(target flat view, slot range, valid mask, target-local offsets of the valid slots)."""
-    for t, s, e in plan.bounds:
-        rel = plan.rel[s:e].to(torch.int64)
-        bb = torch.repeat_interleave(plan.block_base[s // plan.block : e // plan.block], plan.block)
-        ok = rel >= 0
-        yield plan.targets[t], s, e, ok, (bb + rel)[ok] - plan.target_base[t]
+    """(target flat view, target-local offsets, slot indices) of each run of a fused plan."""
+    for t, local, slots in plan.local_elements():
+        yield plan.targets[t], local, slots
 
 
 # -- public entry points ---------------------------------------------------------------------------
@@ -423,9 +432,8 @@ def gather(plan: ScatterPlan, backend: str | None = None) -> torch.Tensor:
 
         _cuda.gather_blocks(plan, out)
     elif be == "torch":
-        for flat, s, e, ok, local in _fused_runs(plan):
-            piece = out[s:e]
-            piece[ok] = flat[local]
+        for flat, local, slots in _fused_runs(plan):
+            out[slots] = flat[local]
     else:
         raise ValueError(f"unknown scatter backend {be!r}")
     return out
@@ -447,8 +455,8 @@ def scatter_(plan: ScatterPlan, bits: torch.Tensor, backend: str | None = None) 
 
         _cuda.scatter_blocks(plan, bits)
     elif be == "torch":
-        for flat, s, e, ok, local in _fused_runs(plan):
-            flat.index_copy_(0, local, bits[s:e][ok])
+        for flat, local, slots in _fused_runs(plan):
+            flat.index_copy_(0, local, bits[slots])
     else:
         raise ValueError(f"unknown scatter backend {be!r}")
 
