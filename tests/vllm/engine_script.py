@@ -4,6 +4,8 @@ Tasks (JSON argument):
   fresh     an engine started with --load-format delta at each version: greedy outputs, live checksum
   fallback  tensors forced through vLLM's sparse path: updates, rollback, the "vllm" commit method
   refuse    an engine whose store is corrupt must refuse to start
+  plain     an engine loaded from a plain HF checkpoint (store from VLLM_DELTA_STORE): vLLM's native
+            weight-transfer API (LLM.update_weights) with the "delta" backend
 Prints one line "VLLM_DELTA_RESULT <json>".
 """
 
@@ -123,7 +125,44 @@ def task_refuse(args: dict) -> dict:
     return {"started": True}
 
 
+def task_plain(args: dict) -> dict:
+    import shutil
+
+    from vllm import LLM
+    from vllm.config import WeightTransferConfig
+
+    from vllm_delta.materialize import materialize
+    from vllm_delta.store import DeltaStore
+
+    ckpt = materialize(DeltaStore(args["store"]), args["start"], args["out"], progress=False)
+    for name in os.listdir(args["model"]):  # config and tokenizer as the run wrote them
+        shutil.copy(os.path.join(args["model"], name), ckpt)
+    os.environ["VLLM_DELTA_STORE"] = args["store"]
+    llm = LLM(model=ckpt, enforce_eager=True, max_model_len=256, gpu_memory_utilization=0.1, dtype="bfloat16",
+              seed=0, weight_transfer_config=WeightTransferConfig(backend="delta"))  # fmt: skip
+    res = {"status": llm.collective_rpc("delta_status")[0]}
+    llm.init_weight_transfer_engine({"init_info": {}})
+    steps = []
+    for update_info in args["updates"]:
+        llm.start_weight_update()
+        try:
+            llm.update_weights({"update_info": update_info})
+            llm.finish_weight_update()
+            error = None
+        except Exception as exc:  # noqa: BLE001 - the test asserts on refusals too (vLLM ends the session itself)
+            error = f"{type(exc).__name__}: {exc}"
+        st = llm.collective_rpc("delta_status")[0]
+        steps.append(
+            {"update_info": update_info, "error": error, "version": st["version"], "checksum": live_checksum(llm)}
+        )
+    res["steps"] = steps
+    res["outputs"] = greedy(llm, args["prompts"])
+    return res
+
+
 if __name__ == "__main__":
     request = json.loads(sys.argv[1])
-    result = {"fresh": task_fresh, "fallback": task_fallback, "refuse": task_refuse}[request["task"]](request)
+    result = {"fresh": task_fresh, "fallback": task_fallback, "refuse": task_refuse, "plain": task_plain}[
+        request["task"]
+    ](request)
     print("VLLM_DELTA_RESULT " + json.dumps(result), flush=True)

@@ -73,3 +73,28 @@ def test_a_damaged_version_refuses_to_start(llama_run, tmp_path):
     res = run_engine_script({"task": "refuse", "model": llama_run.model_dir, "store": store, "version": 5})
     assert res["started"] is False
     assert "ChecksumMismatchError" in res["error"] or "checksum" in res["error"], res["error"]
+
+
+def test_plain_checkpoint_server_and_native_backend(llama_run, llama_fresh, tmp_path):
+    """A server loaded from an ordinary HF checkpoint knows no version: the first update must say
+    allow_reanchor; then vLLM's own LLM.update_weights moves it along the store like any other."""
+    res = run_engine_script(
+        {
+            "task": "plain",
+            "model": llama_run.model_dir,
+            "store": llama_run.store,
+            "start": 2,
+            "out": str(tmp_path / "ckpt"),
+            "updates": [{"version": 3}, {"version": 3, "allow_reanchor": True}, {"version": 5}, {"version": 1}],
+            "prompts": list(PROMPTS),
+        }
+    )
+    assert res["status"]["version"] is None
+    refused, reanchored, forward, backwards = res["steps"]
+    assert "NotSuccessorError" in refused["error"] and refused["version"] is None
+    assert refused["checksum"] == llama_run.checksums[2]  # the checkpoint it was loaded from, untouched
+    assert reanchored["error"] is None and reanchored["version"] == 3
+    assert reanchored["checksum"] == llama_run.checksums[3]
+    assert forward["error"] is None and forward["checksum"] == llama_run.checksums[5]
+    assert "NotSuccessorError" in backwards["error"] and backwards["checksum"] == llama_run.checksums[5]
+    assert res["outputs"] == llama_fresh["5"]["outputs"]

@@ -80,13 +80,12 @@ class DeltaWeightTransferEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateI
             raise ValueError("no store: start with --load-format delta or pass init_info {'store': URI}")
         store = open_store(self.spec.to_dict())
         replica = self._replica()
-        plan = plan_update(
-            store, replica.served.version, replica.served.checksum, update_info.version, update_info.allow_reanchor
-        )
+        target = store.resolve(update_info.version)
+        if not replica.prepared:  # every rank gets here together: the probe's exchange is collective
+            replica.prepare({n: tuple(e.shape) for n, e in store.open(target).header.tensors.items()})
+        plan = plan_update(store, replica.served.version, replica.served.checksum, target, update_info.allow_reanchor)
         if not plan.versions:
             return
-        if not replica.prepared:
-            replica.prepare({n: tuple(e.shape) for n, e in store.open(plan.target).header.tensors.items()})
         files = [store.open(v) for v in plan.versions]
         ticket = uuid.uuid4().hex
         # Stage everywhere, then agree: every rank raises the same error if any rank failed.

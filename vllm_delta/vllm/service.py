@@ -144,8 +144,9 @@ class DeltaService:
     async def _verify(self, served: dict, plan: UpdatePlan, summaries: list[dict]) -> None:
         target = await self._in_thread(lambda: self.store.open(plan.target).header)
         if served["version"] is not None:
-            base = await self._in_thread(lambda: self.store.open(served["version"]).header)
-            current = {n: int(e.checksum, 16) for n, e in base.tensors.items()}
+            # The served version's sums as the workers hold them (the store may have retired it).
+            held = (await self._rpc("delta_served_sums"))[0]
+            current = {n: int(v, 16) for n, v in held["sums"].items()}
         else:
             current = await self._live_sums()
         partials = [{n: int(v, 16) for n, v in s["partials"].items()} for s in summaries]

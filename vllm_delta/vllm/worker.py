@@ -94,6 +94,13 @@ def delta_live_sums(self) -> dict:
 
 
 @_reports_errors
+def delta_served_sums(self) -> dict:
+    """Per-tensor sums the served version's header records (what staged partials are added to)."""
+    r = replica_of(self)
+    return {"version": r.served.version, "sums": {n: f"{s:016x}" for n, s in r.served.sums.items()}}
+
+
+@_reports_errors
 def delta_stage_start(self, ticket: str, store: dict, versions: list[int], method: str = "delta") -> dict:
     r = replica_of(self)
     st = open_store(store)
@@ -136,6 +143,7 @@ WORKER_METHODS = {
         delta_status,
         delta_prepare,
         delta_live_sums,
+        delta_served_sums,
         delta_stage_start,
         delta_stage_poll,
         delta_commit,
