@@ -12,12 +12,21 @@ tensors (written in place, never rebound) and a `Layout` (HF tensor -> local seg
 Several versions stage into one update (a chain: deltas in order, or an anchor and its deltas),
 so a reader several versions behind catches up in one pause.
 
+Backends (scatter.py): on CUDA the fused kernels, "cuda" (csrc/, built with torch's extension
+builder the first time an engine is created on a machine, ~30 s, then cached) when it builds, else
+"triton"; on CPU the torch path. `backend=` or VLLM_DELTA_SCATTER_BACKEND chooses. Kernels are
+compiled/loaded during `stage` (a no-op write of one block), never inside `commit`.
+
 Staging (everything but the write) runs on a side CUDA stream while the server keeps generating:
 read + zstd decode on a thread pool into pinned memory, one host-to-device copy, then on the
 device, chunk by chunk (bounded memory): positions from gaps, HF -> local translation (vectorized
 over all tensors), the live bits at the changed places (the rollback buffer), new bits from ULP
 differences, checksum partials, and the fused scatter plan. `commit` is then one kernel launch per
 element width (backends: scatter.py). On CPU the torch path does the same with grouped plans.
+Memory: `StagedUpdate.memory` (8 B per changed bf16 element held until commit/release, ~2x that at
+the peak of staging, 3 B per element of pinned host memory). A staged update records the engine
+state it was staged against; committing it after another commit or rollback raises
+NotSuccessorError (stage again).
 """
 
 from __future__ import annotations
@@ -141,7 +150,7 @@ class ApplyEngine:
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.backend = backend or scatter_ops.default_backend(self.device)
-        if self.backend not in scatter_ops.available_backends(self.device):
+        if not scatter_ops.backend_available(self.backend, self.device):
             raise ValueError(
                 f"scatter backend {self.backend!r} is not available on {self.device} "
                 f"(available: {scatter_ops.available_backends(self.device)})"

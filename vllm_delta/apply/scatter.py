@@ -347,6 +347,20 @@ def available_backends(device: torch.device | str) -> list[str]:
     return out + ["torch"]
 
 
+def backend_available(backend: str, device: torch.device | str) -> bool:
+    """Whether `backend` can run fused plans on `device` (builds the CUDA extension only if asked)."""
+    device = torch.device(device)
+    if backend == "torch":
+        return True
+    if backend == "triton":
+        return triton is not None and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
+    if backend == "cuda":
+        from . import _cuda
+
+        return device.type == "cuda" and _cuda.available()
+    return False
+
+
 def default_backend(device: torch.device | str) -> str:
     """VLLM_DELTA_SCATTER_BACKEND if set, else the fastest available for the device (torch on CPU)."""
     forced = os.environ.get("VLLM_DELTA_SCATTER_BACKEND")
