@@ -40,8 +40,10 @@ setup(
     long_description_content_type="text/markdown",
     license="Apache-2.0",
     python_requires=">=3.10",
-    packages=find_packages(include=["vllm_delta", "vllm_delta.*"]),
-    package_data={"vllm_delta": ["py.typed"]},
+    packages=[*find_packages(include=["vllm_delta", "vllm_delta.*"]), "vllm_delta._csrc"],
+    # The CUDA sources ship inside the package (built on demand on a CUDA machine, never at install).
+    package_dir={"vllm_delta._csrc": "csrc"},
+    package_data={"vllm_delta": ["py.typed"], "vllm_delta._csrc": ["*.cu", "*.cpp"]},
     install_requires=install_requires,
     extras_require=extras,
     entry_points={

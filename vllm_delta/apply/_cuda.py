@@ -26,7 +26,8 @@ VEC = 1  # slots per thread per step in the block kernels (1, 4 or 8): 1 measure
 
 def source_dir() -> Path | None:
     here = Path(__file__).resolve()
-    for d in (here.parent / "csrc", here.parents[2] / "csrc"):
+    # installed: vllm_delta/_csrc (setup.py maps the repository's csrc/ there); editable: ../../csrc
+    for d in (here.parents[1] / "_csrc", here.parents[2] / "csrc"):
         if (d / "fused_scatter.cu").is_file() and (d / "fused_scatter.cpp").is_file():
             return d
     return None
