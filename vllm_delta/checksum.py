@@ -46,12 +46,8 @@ def unsigned_bits(t: torch.Tensor) -> torch.Tensor:
     return ints.to(torch.int64) & _UNSIGNED_MASK[size]
 
 
-def positional_sum(bits: torch.Tensor, positions: torch.Tensor | int = 0) -> int:
-    """Σ w(p) * (bits + 1) mod 2^64 over the given elements.
-
-    `bits` is a float tensor or its integer bit view (flattened). `positions` gives each element's
-    flat index in the full tensor: a tensor of the same length, or an int offset of a contiguous run.
-    """
+def positional_sum_tensor(bits: torch.Tensor, positions: torch.Tensor | int = 0) -> torch.Tensor:
+    """`positional_sum` as a 0-d int64 tensor on the input's device (no host synchronization)."""
     flat = bits.reshape(-1)
     total = torch.zeros((), dtype=torch.int64, device=flat.device)
     for start in range(0, flat.numel(), _CHUNK):
@@ -63,7 +59,16 @@ def positional_sum(bits: torch.Tensor, positions: torch.Tensor | int = 0) -> int
         else:
             pos = positions.reshape(-1)[start : start + _CHUNK].to(torch.int64)
         total += ((pos + 1) * _K_SIGNED * chunk).sum()
-    return int(total.item()) & MASK64
+    return total
+
+
+def positional_sum(bits: torch.Tensor, positions: torch.Tensor | int = 0) -> int:
+    """Σ w(p) * (bits + 1) mod 2^64 over the given elements.
+
+    `bits` is a float tensor or its integer bit view (flattened). `positions` gives each element's
+    flat index in the full tensor: a tensor of the same length, or an int offset of a contiguous run.
+    """
+    return int(positional_sum_tensor(bits, positions).item()) & MASK64
 
 
 def name_key(name: str) -> int:

@@ -144,19 +144,24 @@ class CompactCodec:
             starts.append(int(pos[f - 1].item()) + 1)
             prev[f] = starts[-1] - 1
         gaps = pos - prev - 1
-        g16 = torch.clamp(gaps, max=_GAP_ESCAPE).to(torch.int32)
+        esc = gaps >= _GAP_ESCAPE
+        g16 = torch.clamp(gaps, max=_GAP_ESCAPE)
+        g16 = torch.where(g16 >= 1 << 15, g16 - (1 << 16), g16).to(torch.int16)  # uint16 bits
         diffs = (int_view(new_bits).to(torch.int64) - int_view(old_bits).to(torch.int64)) & ((1 << width) - 1)
         diffs = torch.where(diffs >= (1 << (width - 1)), diffs - (1 << width), diffs)
         small = (diffs >= -127) & (diffs <= 127)
         d8 = torch.where(small, diffs, torch.full_like(diffs, _DIFF_ESCAPE)).to(torch.int8)
+        # One device-to-host copy per tensor (the trainer publishes hundreds of tensors per step).
+        parts = [g16, d8, gaps[esc], diffs[~small].to(_INT_DTYPE[width // 8])]
+        host = torch.cat([p.reshape(-1).view(torch.uint8) for p in parts]).cpu().numpy()
+        gaps16 = host[: 2 * n].view(np.uint16)
+        k = int(np.count_nonzero(gaps16 == _GAP_ESCAPE))
         return Sections(
             {
-                "gaps16": _host(g16).astype(np.uint16),
-                "gap_esc": _host(gaps[gaps >= _GAP_ESCAPE]),
-                "gap_esc_at": _host((gaps >= _GAP_ESCAPE).nonzero().reshape(-1)),
-                "d8": _host(d8),
-                "diff_esc": _host(diffs[~small].to(_INT_DTYPE[width // 8])),
-                "diff_esc_at": _host((~small).nonzero().reshape(-1)),
+                "gaps16": gaps16,
+                "d8": host[2 * n : 3 * n].view(np.int8),
+                "gap_esc": host[3 * n : 3 * n + 8 * k].view(np.int64),
+                "diff_esc": host[3 * n + 8 * k :].view(_NP_INT[width // 8]),
             },
             {"starts": starts, "width": width},
         )
@@ -165,13 +170,15 @@ class CompactCodec:
         """Host work: split into frames, byte-plane the gaps, zstd each frame."""
         a = sections.arrays
         n = a["gaps16"].size
+        gap_esc_at = np.flatnonzero(a["gaps16"] == _GAP_ESCAPE)
+        diff_esc_at = np.flatnonzero(a["d8"] == _DIFF_ESCAPE)
         cctx = zstandard.ZstdCompressor(level=self.level, write_checksum=True)
         blobs, frames = [], []
         for i, start in enumerate(sections.meta["starts"]):
             lo, hi = i * self.frame_elems, min(n, (i + 1) * self.frame_elems)
             g = a["gaps16"][lo:hi]
-            ge = a["gap_esc"][(a["gap_esc_at"] >= lo) & (a["gap_esc_at"] < hi)]
-            de = a["diff_esc"][(a["diff_esc_at"] >= lo) & (a["diff_esc_at"] < hi)]
+            ge = a["gap_esc"][(gap_esc_at >= lo) & (gap_esc_at < hi)]
+            de = a["diff_esc"][(diff_esc_at >= lo) & (diff_esc_at < hi)]
             planes = g.view(np.uint8).reshape(-1, 2).T  # [low bytes | high bytes]
             raw = b"".join([planes.tobytes(), a["d8"][lo:hi].tobytes(), ge.astype("<i8").tobytes(), de.tobytes()])
             blob = cctx.compress(raw)
