@@ -27,11 +27,11 @@ from .errors import CodecError, PositionError
 
 FRAME_ELEMS = 1 << 22
 ZSTD_LEVEL = 3
-_GAP_ESCAPE = 0xFFFF
-_DIFF_ESCAPE = -128
+GAP_ESCAPE = 0xFFFF
+DIFF_ESCAPE = -128
 
-_INT_DTYPE = {2: torch.int16, 4: torch.int32}
-_NP_INT = {2: np.int16, 4: np.int32}
+INT_DTYPE = {2: torch.int16, 4: torch.int32}
+NP_INT = {2: np.int16, 4: np.int32}
 
 
 @dataclass
@@ -68,9 +68,9 @@ class Sections:
 
 def int_view(t: torch.Tensor) -> torch.Tensor:
     if t.is_floating_point():
-        if t.element_size() not in _INT_DTYPE:
+        if t.element_size() not in INT_DTYPE:
             raise CodecError(f"unsupported element type {t.dtype}")
-        return t.view(_INT_DTYPE[t.element_size()])
+        return t.view(INT_DTYPE[t.element_size()])
     return t
 
 
@@ -144,24 +144,24 @@ class CompactCodec:
             starts.append(int(pos[f - 1].item()) + 1)
             prev[f] = starts[-1] - 1
         gaps = pos - prev - 1
-        esc = gaps >= _GAP_ESCAPE
-        g16 = torch.clamp(gaps, max=_GAP_ESCAPE)
+        esc = gaps >= GAP_ESCAPE
+        g16 = torch.clamp(gaps, max=GAP_ESCAPE)
         g16 = torch.where(g16 >= 1 << 15, g16 - (1 << 16), g16).to(torch.int16)  # uint16 bits
         diffs = (int_view(new_bits).to(torch.int64) - int_view(old_bits).to(torch.int64)) & ((1 << width) - 1)
         diffs = torch.where(diffs >= (1 << (width - 1)), diffs - (1 << width), diffs)
         small = (diffs >= -127) & (diffs <= 127)
-        d8 = torch.where(small, diffs, torch.full_like(diffs, _DIFF_ESCAPE)).to(torch.int8)
+        d8 = torch.where(small, diffs, torch.full_like(diffs, DIFF_ESCAPE)).to(torch.int8)
         # One device-to-host copy per tensor (the trainer publishes hundreds of tensors per step).
-        parts = [g16, d8, gaps[esc], diffs[~small].to(_INT_DTYPE[width // 8])]
+        parts = [g16, d8, gaps[esc], diffs[~small].to(INT_DTYPE[width // 8])]
         host = torch.cat([p.reshape(-1).view(torch.uint8) for p in parts]).cpu().numpy()
         gaps16 = host[: 2 * n].view(np.uint16)
-        k = int(np.count_nonzero(gaps16 == _GAP_ESCAPE))
+        k = int(np.count_nonzero(gaps16 == GAP_ESCAPE))
         return Sections(
             {
                 "gaps16": gaps16,
                 "d8": host[2 * n : 3 * n].view(np.int8),
                 "gap_esc": host[3 * n : 3 * n + 8 * k].view(np.int64),
-                "diff_esc": host[3 * n + 8 * k :].view(_NP_INT[width // 8]),
+                "diff_esc": host[3 * n + 8 * k :].view(NP_INT[width // 8]),
             },
             {"starts": starts, "width": width},
         )
@@ -170,8 +170,8 @@ class CompactCodec:
         """Host work: split into frames, byte-plane the gaps, zstd each frame."""
         a = sections.arrays
         n = a["gaps16"].size
-        gap_esc_at = np.flatnonzero(a["gaps16"] == _GAP_ESCAPE)
-        diff_esc_at = np.flatnonzero(a["d8"] == _DIFF_ESCAPE)
+        gap_esc_at = np.flatnonzero(a["gaps16"] == GAP_ESCAPE)
+        diff_esc_at = np.flatnonzero(a["d8"] == DIFF_ESCAPE)
         cctx = zstandard.ZstdCompressor(level=self.level, write_checksum=True)
         blobs, frames = [], []
         for i, start in enumerate(sections.meta["starts"]):
@@ -211,7 +211,7 @@ class CompactCodec:
         gaps16 = np.empty(nnz, dtype=np.uint16)
         d8 = np.empty(nnz, dtype=np.int8)
         gap_esc = np.empty(int(n_ge.sum()), dtype=np.int64)
-        diff_esc = np.empty(int(n_de.sum()), dtype=_NP_INT[width])
+        diff_esc = np.empty(int(n_de.sum()), dtype=NP_INT[width])
         raw = memoryview(blob.numpy())
         dctx = zstandard.ZstdDecompressor()
         offset = at = at_ge = at_de = 0
@@ -229,7 +229,7 @@ class CompactCodec:
             as_bytes[:, 1] = planes[1]
             d8[at : at + n] = np.frombuffer(buf, dtype=np.int8, count=n, offset=2 * n)
             gap_esc[at_ge : at_ge + k] = np.frombuffer(buf, dtype="<i8", count=k, offset=3 * n)
-            diff_esc[at_de : at_de + m] = np.frombuffer(buf, dtype=_NP_INT[width], count=m, offset=3 * n + 8 * k)
+            diff_esc[at_de : at_de + m] = np.frombuffer(buf, dtype=NP_INT[width], count=m, offset=3 * n + 8 * k)
             offset, at, at_ge, at_de = offset + size, at + n, at_ge + k, at_de + m
         return Sections(
             {
@@ -252,13 +252,13 @@ class CompactCodec:
             return torch.from_numpy(a[name]).to(dev, non_blocking=True)
 
         gaps = put("gaps16").view(torch.int16).to(torch.int64) & 0xFFFF
-        esc = gaps == _GAP_ESCAPE
+        esc = gaps == GAP_ESCAPE
         gap_esc = put("gap_esc")
         if int(esc.sum()) != gap_esc.numel():
             raise _err(CodecError, "gap escapes do not match their escape table", ctx)
         gaps[esc] = gap_esc
         diffs = put("d8").to(torch.int64)
-        desc = diffs == _DIFF_ESCAPE
+        desc = diffs == DIFF_ESCAPE
         diff_esc = put("diff_esc")
         if int(desc.sum()) != diff_esc.numel():
             raise _err(CodecError, "value escapes do not match their escape table", ctx)

@@ -33,10 +33,8 @@ from ..errors import CodecError, PositionError
 from .scatter import segment_ids
 
 CHUNK_ELEMS = 1 << 23  # changed elements decoded per device chunk (bounds temporary memory)
-_GAP_ESCAPE = 0xFFFF
-_DIFF_ESCAPE = -128
-_INT = {2: torch.int16, 4: torch.int32}
-_NP_INT = {2: np.int16, 4: np.int32}
+_INT, _NP_INT = codecs.INT_DTYPE, codecs.NP_INT
+_GAP_ESCAPE, _DIFF_ESCAPE = codecs.GAP_ESCAPE, codecs.DIFF_ESCAPE
 
 
 @dataclass
