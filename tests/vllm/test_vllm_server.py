@@ -228,10 +228,12 @@ def test_pause_latency_benchmark_runs_against_this_server(server, llama_run, sto
     """benchmarks/pause_latency.py's measurement, briefly: every kind of pause, the streamed text intact."""
     import importlib.util
     import os
+    import sys
 
     path = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "pause_latency.py")
     spec = importlib.util.spec_from_file_location("pause_latency", path)
     bench = importlib.util.module_from_spec(spec)
+    sys.modules["pause_latency"] = bench  # its dataclasses look their module up
     spec.loader.exec_module(bench)
     base = server.status()["version"]
     publish_delta(store, base, 30, tensor="model.layers.1.mlp.up_proj.weight", positions=[5, 6, 7])
