@@ -198,3 +198,93 @@ def test_cpu_linears_keep_their_weight():
     with torch.no_grad():
         layer.weight[0, 0] += 1.0
     assert not torch.equal(y0, layer.cpu_linear(x, layer.weight, None))
+
+
+# -- the worker-side replica on a toy model (no engine, real vLLM sparse path) -------------------
+class ToyModel(torch.nn.Module):
+    """Loaders like vLLM's: q/k/v fused into one parameter, a plain copy, and one transposing loader."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = torch.nn.Parameter(torch.zeros(12, 4, dtype=torch.bfloat16), requires_grad=False)
+        self.norm = torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16), requires_grad=False)
+        self.wt = torch.nn.Parameter(torch.zeros(4, 6, dtype=torch.bfloat16), requires_grad=False)
+
+    def load_weights(self, weights):
+        loaded = set()
+        for name, w in weights:
+            if name in ("q", "k", "v"):
+                self.qkv.data.narrow(0, {"q": 0, "k": 4, "v": 8}[name], 4).copy_(w)
+                loaded.add("qkv")
+            elif name == "norm":
+                self.norm.data.copy_(w)
+                loaded.add("norm")
+            elif name == "wt":
+                self.wt.data.copy_(w.t())  # not a box copy: the probe must send it to the fallback
+                loaded.add("wt")
+        return loaded
+
+
+def _toy_versions(tmp_path):
+    from vllm_delta.checksum import checksum
+    from vllm_delta.trainer import Publisher
+
+    gen = torch.Generator().manual_seed(0)
+    shapes = {"q": (4, 4), "k": (4, 4), "v": (4, 4), "norm": (4,), "wt": (6, 4)}
+    w = {n: torch.randn(s, generator=gen) for n, s in shapes.items()}
+    images, store = [], str(tmp_path / "toy")
+    with Publisher(store, anchor_every=100) as pub:
+        for version in range(3):
+            pub.publish({n: t.to(torch.bfloat16) for n, t in w.items()}, version=version)
+            images.append({n: t.to(torch.bfloat16) for n, t in w.items()})
+            for t in w.values():
+                t += 0.05 * torch.randn(t.shape, generator=gen)
+    return DeltaStore(store), images, checksum
+
+
+def test_replica_on_a_toy_model(tmp_path):
+    from vllm_delta.vllm.replica import DeltaReplica, Served
+    from vllm_delta.vllm.weights import open_chain, replay_tensor
+
+    store, images, checksum = _toy_versions(tmp_path)
+    model = ToyModel()
+    files = open_chain(store, 0)
+    model.load_weights((n, replay_tensor(files, n)) for n in files[-1].header.tensors)
+    replica = DeltaReplica(model)
+    fallback = replica.prepare({n: tuple(e.shape) for n, e in files[-1].header.tensors.items()})
+    assert list(fallback) == ["wt"] and "strides" in fallback["wt"]
+    segs = replica.probe.layout.segments
+    assert [s.dst_offset for n in ("q", "k", "v") for s in segs[n]] == [0, 16, 32]
+    replica.fallback.set_shadow("wt", replay_tensor(files, "wt"))
+    replica.served = Served.from_header(files[-1].header)
+    assert f"{sum_all(replica):016x}" == checksum(images[0])
+    # Two versions in one update, staged then committed; the transposed tensor goes through vLLM's path.
+    summary = replica.stage("t", [store.open(1), store.open(2)])
+    assert summary["nnz"] > 0 and set(summary["partials"]) >= {"q", "wt"}
+    replica.commit("t")
+    assert f"{sum_all(replica):016x}" == checksum(images[2])
+    assert torch.equal(model.wt.data, images[2]["wt"].t())
+    assert torch.equal(model.qkv.data[4:8], images[2]["k"])
+    assert replica.served.version == 2
+    replica.rollback("t")
+    assert f"{sum_all(replica):016x}" == checksum(images[0]) and replica.served.version == 0
+    assert torch.equal(model.wt.data, images[0]["wt"].t())
+
+
+def sum_all(replica) -> int:
+    from vllm_delta.checksum import combine
+
+    return combine(replica.live_sums().items())
+
+
+def test_quantized_models_are_refused():
+    from vllm_delta.vllm.probe import check_supported
+
+    model = ToyModel()
+    model.quant_config = object()
+    with pytest.raises(UnsupportedModelError, match="quantized"):
+        check_supported(model)
+    int_model = torch.nn.Module()
+    int_model.w = torch.nn.Parameter(torch.zeros(4, dtype=torch.int8), requires_grad=False)
+    with pytest.raises(UnsupportedModelError, match="int8"):
+        check_supported(int_model)

@@ -21,12 +21,17 @@ def checkpoint_patches(replica: DeltaReplica, t: Ticket) -> list:
 
     engine = replica.engine
     assert engine is not None and t.staged is not None
-    # (target -> sorted offsets, their new bits) from the staged plans.
-    staged: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    # (target -> sorted offsets, their new bits) from the staged plans (either plan form).
+    parts: dict[int, tuple[list, list]] = {}
     for plan, bits in zip(t.staged.plans, t.staged.new_bits):
-        for i, s, e in plan.bounds:
-            offs, order = torch.sort(plan.offsets[s:e].cpu())
-            staged[i] = (offs, bits[s:e].cpu()[order])
+        for target, offs, idx in plan.local_elements():
+            o, b = parts.setdefault(target, ([], []))
+            o.append(offs.cpu())
+            b.append(bits[idx].cpu())
+    staged: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for target, (o, b) in parts.items():
+        offs, order = torch.sort(torch.cat(o))
+        staged[target] = (offs, torch.cat(b)[order])
     layout = engine.layout
     patches = []
     for name, segs in layout.segments.items():
