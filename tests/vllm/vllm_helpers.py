@@ -33,6 +33,7 @@ def private_store(run: PublishedRun, dest: str) -> str:
 def run_engine_script(args: dict, timeout: float = 600) -> dict:
     """Run tests/vllm/engine_script.py (in-process vLLM engines) in a subprocess; its JSON result."""
     env = dict(os.environ, VLLM_PLUGINS="vllm_delta,vllm_delta_api", VLLM_CPU_KVCACHE_SPACE="1")
+    env.pop("TRITON_INTERPRET", None)  # see VllmServer: vLLM must not take Triton for usable on CPU
     proc = subprocess.run(
         [sys.executable, os.path.join(HERE, "engine_script.py"), json.dumps(args)],
         capture_output=True,

