@@ -1,7 +1,9 @@
 """Replay a store's chain (anchor + deltas) into full tensors, checked against every checksum.
 
-Used by `vllm-delta materialize` to write an HF-loadable safetensors directory, and by anyone who
-needs the exact weights of a version without a server.
+One tensor at a time (`iter_version`): the host memory of a replay is one tensor beyond the
+memory-mapped version files. Used by the "delta" load format of the vLLM plugin, by
+`vllm-delta materialize` (an HF-loadable safetensors directory) and by anyone who needs the exact
+weights of a version without a server.
 """
 
 from __future__ import annotations
@@ -10,78 +12,105 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 
 import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from .apply.engine import ApplyEngine, verify_partials
-from .apply.layout import Layout
-from .checksum import tensor_sum, to_hex
-from .errors import ChecksumMismatchError, NotSuccessorError
+from . import codec as codecs
+from .checksum import combine, tensor_sum, to_hex
+from .errors import ChecksumMismatchError, FormatError, ShapeMismatchError
 from .format import VersionFile
 from .store import DeltaStore
 
 SHARD_BYTES = 5 << 30
 
 
-def check_anchor(vf: VersionFile, tensors: dict[str, torch.Tensor]) -> None:
-    for name, entry in vf.header.tensors.items():
-        got = to_hex(tensor_sum(tensors[name]))
-        if got != entry.checksum:
-            raise ChecksumMismatchError(
-                f"anchor tensor has checksum {got}, header says {entry.checksum}", version=vf.version, tensor=name
-            )
+def open_chain(store: DeltaStore, version: int) -> list[VersionFile]:
+    """The version files to replay for `version`, anchor first, each checked against its record."""
+    files = [store.open(rec.version) for rec in store.chain(version)]
+    if files[0].header.kind != "anchor":
+        raise FormatError("a chain must start with an anchor", version=files[0].version)
+    return files
 
 
-def check_successor(vf: VersionFile, held_version: int, held_checksum: str) -> None:
-    h = vf.header
-    if h.base != held_version:
-        raise NotSuccessorError(f"delta applies to version {h.base}, not {held_version}", version=h.version)
-    if h.base_checksum != held_checksum:
-        raise NotSuccessorError(
-            f"delta's base checksum {h.base_checksum} differs from version {held_version}'s {held_checksum}",
-            version=h.version,
+def replay_tensor(files: list[VersionFile], name: str) -> torch.Tensor:
+    """One tensor at the last file's version: the anchor's values with every delta applied in order."""
+    anchor = files[0]
+    entry = files[-1].header.tensors.get(name)
+    if entry is None or name not in anchor.header.tensors:
+        raise FormatError("tensor missing from the chain", version=files[-1].version, tensor=name)
+    out = anchor.dense(name).clone()
+    flat = codecs.int_view(out).reshape(-1)
+    for vf in files[1:]:
+        e = vf.header.tensors.get(name)
+        if e is None:
+            raise FormatError("delta does not list the tensor", version=vf.version, tensor=name)
+        if list(e.shape) != list(out.shape):
+            raise ShapeMismatchError(f"shape {e.shape} != {list(out.shape)}", version=vf.version, tensor=name)
+        if not e.nnz:
+            continue
+        ctx = {"version": vf.version, "tensor": name}
+        changes = codecs.decode(
+            vf.header.codec, vf.parts(name), e.enc, numel=e.numel, nnz=e.nnz, dtype=e.torch_dtype, ctx=ctx
+        )
+        flat[changes.positions] = changes.new_bits(flat[changes.positions])
+    got = to_hex(tensor_sum(out))
+    if got != entry.checksum:
+        raise ChecksumMismatchError(
+            f"replayed tensor has checksum {got}, the header records {entry.checksum}",
+            version=files[-1].version,
+            tensor=name,
+        )
+    return out
+
+
+def iter_version(files: list[VersionFile], names=None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) for every tensor of the last file's version (or only `names`)."""
+    for name in names if names is not None else files[-1].header.tensors:
+        yield name, replay_tensor(files, name)
+
+
+def _checked_stream(files: list[VersionFile], progress: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    """`iter_version`, with a progress bar, ending with the whole-model checksum check."""
+    header = files[-1].header
+    sums = []
+    bar = tqdm(total=len(header.tensors), desc=f"replay v{header.version}", unit="tensor", disable=not progress)
+    for name, t in iter_version(files):
+        sums.append((name, tensor_sum(t)))
+        bar.update(1)
+        yield name, t
+    bar.close()
+    got = to_hex(combine(sums))
+    if got != header.checksum:
+        raise ChecksumMismatchError(
+            f"replayed model has checksum {got}, the header records {header.checksum}", version=header.version
         )
 
 
 def replay(store: DeltaStore, version: int | str = "latest", *, progress: bool = False) -> tuple[int, dict]:
-    """(version, {HF name: tensor}) of `version`, bit-exact, every checksum verified on the way."""
+    """(version, {HF name: tensor}) of `version`, bit-exact, every tensor and the whole model checked."""
     target = store.resolve(version)
-    chain = store.chain(target)
-    bar = tqdm(chain, desc=f"replay v{target}", unit="version", disable=not progress)
-    anchor = store.open(chain[0].version)
-    tensors = {name: anchor.dense(name).clone() for name in anchor.header.tensors}
-    check_anchor(anchor, tensors)
-    held, sums = anchor.header, {n: int(e.checksum, 16) for n, e in anchor.header.tensors.items()}
-    engine = ApplyEngine(tensors, Layout.identity({n: tuple(t.shape) for n, t in tensors.items()}), device="cpu")
-    bar.update(1)
-    for rec in chain[1:]:
-        vf = store.open(rec.version)
-        check_successor(vf, held.version, held.checksum)
-        staged = engine.stage([vf])
-        verify_partials(sums, [staged.partials], vf.header)
-        engine.commit(staged)
-        held, sums = vf.header, {n: int(e.checksum, 16) for n, e in vf.header.tensors.items()}
-        bar.update(1)
-    bar.close()
-    return target, tensors
+    return target, dict(_checked_stream(open_chain(store, target), progress))
 
 
 def materialize(store: DeltaStore, version: int | str, out_dir: str, *, progress: bool = True) -> str:
     """Write version `version` as an HF safetensors directory (plus stored assets) at `out_dir`.
 
-    Everything is written to a temporary sibling directory first; `out_dir` appears only complete,
-    and a failure leaves it untouched."""
+    Tensors stream into shards of at most 5 GB, so memory stays at one shard. Everything is written
+    to a temporary sibling directory first; `out_dir` appears only complete and verified, and a
+    failure leaves it untouched."""
     out_dir = os.path.abspath(out_dir)
     if os.path.exists(out_dir) and os.listdir(out_dir):
         raise FileExistsError(f"{out_dir} exists and is not empty")
-    target, tensors = replay(store, version, progress=progress)
+    target = store.resolve(version)
+    files = open_chain(store, target)
     parent = os.path.dirname(out_dir)
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".materialize-", dir=parent)
     try:
-        _write_shards(tmp, tensors, {"format": "pt", "vllm_delta_version": str(target)})
+        _write_shards(tmp, files[-1].header, _checked_stream(files, progress), {"format": "pt"})
         for name in store.assets():
             with open(os.path.join(tmp, name), "wb") as f:
                 f.write(store.get_asset(name))
@@ -94,24 +123,31 @@ def materialize(store: DeltaStore, version: int | str, out_dir: str, *, progress
     return out_dir
 
 
-def _write_shards(directory: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name, t in tensors.items():
-        nbytes = t.numel() * t.element_size()
-        if shards[-1] and size + nbytes > SHARD_BYTES:
-            shards.append({})
-            size = 0
-        shards[-1][name] = t.contiguous()
-        size += nbytes
-    if len(shards) == 1:
-        save_file(shards[0], os.path.join(directory, "model.safetensors"), metadata=metadata)
-        return
-    weight_map = {}
-    for i, shard in enumerate(shards):
-        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, os.path.join(directory, fname), metadata=metadata)
-        weight_map.update(dict.fromkeys(shard, fname))
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
-        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+def _write_shards(directory: str, header, tensors: Iterator[tuple[str, torch.Tensor]], metadata: dict) -> None:
+    """Group tensors (in header order) into shards of at most SHARD_BYTES, written as they fill."""
+    sizes = {n: e.numel * e.torch_dtype.itemsize for n, e in header.tensors.items()}
+    groups: list[list[str]] = [[]]
+    filled = 0
+    for name, nbytes in sizes.items():
+        if groups[-1] and filled + nbytes > SHARD_BYTES:
+            groups.append([])
+            filled = 0
+        groups[-1].append(name)
+        filled += nbytes
+    fnames = (
+        ["model.safetensors"]
+        if len(groups) == 1
+        else [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+    )
+    shard_of = {name: i for i, group in enumerate(groups) for name in group}
+    shard: dict[str, torch.Tensor] = {}
+    for name, t in tensors:
+        shard[name] = t.contiguous()
+        i = shard_of[name]
+        if len(shard) == len(groups[i]):
+            save_file(shard, os.path.join(directory, fnames[i]), metadata=metadata)
+            shard = {}
+    if len(groups) > 1:
+        weight_map = {name: fnames[i] for name, i in shard_of.items()}
+        with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}, f, indent=2)

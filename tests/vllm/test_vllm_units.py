@@ -243,8 +243,8 @@ def _toy_versions(tmp_path):
 
 
 def test_replica_on_a_toy_model(tmp_path):
+    from vllm_delta.materialize import open_chain, replay_tensor
     from vllm_delta.vllm.replica import DeltaReplica, Served
-    from vllm_delta.vllm.weights import open_chain, replay_tensor
 
     store, images, checksum = _toy_versions(tmp_path)
     model = ToyModel()
