@@ -18,9 +18,9 @@ when the sector leaves L2. Strategies, on the same sorted random changes (int64 
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
+from apply_gpu import time_events  # same directory: benchmarks share one timer
 from torch.utils.cpp_extension import load_inline
 
 CUDA = r"""
@@ -159,17 +159,8 @@ void launch_hint(int64_t buf, int64_t a, int64_t v, int64_t n, int hint);"""
 
 
 def median_ms(fn, reps=10):
-    fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b))
-    return statistics.median(out)
+    """Median CUDA-event time of `fn`, the same timer as apply_gpu.py."""
+    return time_events([fn], reps, torch.device("cuda"))
 
 
 def main():
