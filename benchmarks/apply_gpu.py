@@ -55,7 +55,8 @@ from apply_reference import (  # noqa: E402
 
 from vllm_delta.apply import scatter as S  # noqa: E402
 from vllm_delta.apply.engine import ApplyEngine  # noqa: E402
-from vllm_delta.checksum import MASK64, bit_view  # noqa: E402
+from vllm_delta.bits import bit_view  # noqa: E402
+from vllm_delta.checksums import MASK64  # noqa: E402
 from vllm_delta.format import VersionFile  # noqa: E402
 
 LOG: list[str] = []
@@ -194,8 +195,10 @@ def run_config(spec, layout, targets, hf, engine, density, args, device, tmpdir,
     path = os.path.join(tmpdir, f"{spec.name}-{density}.safetensors")
     write_delta(path, version=1, base=0, codec="compact", shapes=layout.hf_shapes, changes=changes, pool=pool)
     row["file_bytes"] = os.path.getsize(path)
-    log(f"  {spec.name} d={density:.3%}: nnz={nnz / 1e6:.2f}M file={row['file_bytes'] / 1e6:.1f}MB "
-        f"({row['file_bytes'] / max(nnz, 1):.2f} B/elem), generated in {time.perf_counter() - t0:.1f}s")
+    log(
+        f"  {spec.name} d={density:.3%}: nnz={nnz / 1e6:.2f}M file={row['file_bytes'] / 1e6:.1f}MB "
+        f"({row['file_bytes'] / max(nnz, 1):.2f} B/elem), generated in {time.perf_counter() - t0:.1f}s"
+    )
 
     # (e) staging from the local file
     vf = VersionFile(path)
@@ -213,11 +216,15 @@ def run_config(spec, layout, targets, hf, engine, density, args, device, tmpdir,
     row["staged_nnz"] = staged.nnz
     check(staged.nnz == nnz, f"{spec.name} {density}: staged {staged.nnz} elements, expected {nnz}")
     ph = row["stage_phases"]
-    log("    stage {:.1f} ms (first {:.1f}): ".format(row["stage_ms"], row["stage_first_ms"])
+    log(
+        "    stage {:.1f} ms (first {:.1f}): ".format(row["stage_ms"], row["stage_first_ms"])
         + " ".join(f"{k}={v:.1f}" for k, v in ph.items() if k != "total")
         + " | device peak {:.0f} MB held {:.0f} MB host {:.0f} MB".format(
-            staged.memory["device_peak_bytes"] / 1e6, staged.memory["device_held_bytes"] / 1e6,
-            staged.memory["host_bytes"] / 1e6))
+            staged.memory["device_peak_bytes"] / 1e6,
+            staged.memory["device_held_bytes"] / 1e6,
+            staged.memory["host_bytes"] / 1e6,
+        )
+    )
 
     # (a) the pause: engine.commit wall time, then rollback
     before = bits_of(targets) if args.full_check else None
@@ -289,8 +296,7 @@ def run_config(spec, layout, targets, hf, engine, density, args, device, tmpdir,
     check(_fingerprint(changes) == fingerprint, f"{spec.name} {density}: change set intact after index_copy")
     patches = {n: (c[0], c[1].view(torch.bfloat16)) for n, c in changes.items() if c[0].numel()}
     try:
-        row["nanmask_ms"] = time_wall(lambda pa=patches: nanmask_apply(targets, layout, pa), args.nanmask_reps,
-                                      device)
+        row["nanmask_ms"] = time_wall(lambda pa=patches: nanmask_apply(targets, layout, pa), args.nanmask_reps, device)
     except ValueError as exc:
         check(False, f"{spec.name} {density}: nanmask refused its input: {exc}")
         row["nanmask_ms"] = float("nan")
@@ -404,10 +410,14 @@ def main() -> int:
     card = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     import triton
 
-    log(f"# apply_gpu {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC} card={card} "
-        f"torch={torch.__version__} triton={triton.__version__}")
-    log(f"# command: {' '.join([os.path.basename(sys.executable)] + sys.argv)}"
-        + (f" TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')}" if args.smoke else ""))
+    log(
+        f"# apply_gpu {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC} card={card} "
+        f"torch={torch.__version__} triton={triton.__version__}"
+    )
+    log(
+        f"# command: {' '.join([os.path.basename(sys.executable)] + sys.argv)}"
+        + (f" TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')}" if args.smoke else "")
+    )
     log(f"# backends on {device.type}: {S.available_backends(device)}")
     if device.type == "cuda":
         from vllm_delta.apply import _cuda
@@ -441,8 +451,10 @@ def main() -> int:
             for be in backends:
                 engine = ApplyEngine(dict(zip(layout.targets, targets)), layout, device, backend=be)
                 sums0 = engine.live_sums() if not args.full_check else None
-                log(f"## {name}: {params / 1e9:.3f}B params, {len(targets)} targets, {len(layout.hf_shapes)} HF "
-                    f"tensors, engine backend {engine.backend} (ready in {time.perf_counter() - t0:.1f}s)")
+                log(
+                    f"## {name}: {params / 1e9:.3f}B params, {len(targets)} targets, {len(layout.hf_shapes)} HF "
+                    f"tensors, engine backend {engine.backend} (ready in {time.perf_counter() - t0:.1f}s)"
+                )
                 for d in todo:
                     row = run_config(spec, layout, targets, hf, engine, d, args, device, tmpdir, sums0, pool, bw)
                     row["dense_ms"] = dense_ms
@@ -481,8 +493,11 @@ def dump(rows, card, bw, args, plot_too=True) -> None:
 
 def report(rows, card, bw, args, device) -> None:
     kernels = sorted({k for r in rows for k in r if k.startswith("kernel_")})
-    head = ["model", "dens", "nnz", "pause"] + [k[7:-3] for k in kernels] + [
-        "idx_copy", "nanmask", "dense", "floor", "xfloor", "vs_nan", "stage", "stage_mem"]
+    head = (
+        ["model", "dens", "nnz", "pause"]
+        + [k[7:-3] for k in kernels]
+        + ["idx_copy", "nanmask", "dense", "floor", "xfloor", "vs_nan", "stage", "stage_mem"]
+    )
     log("")
     log(f"# {card}, copy bandwidth {bw / 1e9:.0f} GB/s; times in ms (pause = commit wall, kernels = events)")
     log(" ".join(f"{h:>9}" for h in head))
@@ -493,23 +508,33 @@ def report(rows, card, bw, args, device) -> None:
         model = r["model"].replace("qwen3-", "") + ("/t" if r["backend"] == "torch" else "")
         cells = [model, f"{r['density']:.1%}", f"{r['nnz'] / 1e6:.1f}M", f"{r['pause_ms']:.3f}"]
         cells += [f"{r.get(k, float('nan')):.3f}" for k in kernels]
-        cells += [f"{r['index_copy_ms']:.2f}", f"{r['nanmask_ms']:.2f}", f"{r['dense_ms']:.2f}",
-                  f"{r['floor_ms']:.3f}", f"{r['pause_ms'] / r['floor_ms']:.2f}x",
-                  f"{r['nanmask_ms'] / r['pause_ms']:.0f}x", f"{r['stage_ms']:.1f}",
-                  f"{r['stage_memory']['device_peak_bytes'] / 1e6:.0f}MB"]
+        cells += [
+            f"{r['index_copy_ms']:.2f}",
+            f"{r['nanmask_ms']:.2f}",
+            f"{r['dense_ms']:.2f}",
+            f"{r['floor_ms']:.3f}",
+            f"{r['pause_ms'] / r['floor_ms']:.2f}x",
+            f"{r['nanmask_ms'] / r['pause_ms']:.0f}x",
+            f"{r['stage_ms']:.1f}",
+            f"{r['stage_memory']['device_peak_bytes'] / 1e6:.0f}MB",
+        ]
         log(" ".join(f"{c:>9}" for c in cells))
     if device.type == "cuda":
-        log("targets (issue 4): 8b 1%: pause <= 2.0 ms, >= 15x nanmask, <= 1.5x floor, stage <= 150 ms; "
-            "0.6b 1%: pause <= 0.25 ms")
+        log(
+            "targets (issue 4): 8b 1%: pause <= 2.0 ms, >= 15x nanmask, <= 1.5x floor, stage <= 150 ms; "
+            "0.6b 1%: pause <= 0.25 ms"
+        )
         for r in rows:
             if "skipped" in r or r["density"] != 0.01:
                 continue
             if r["model"] == "qwen3-8b":
-                log(f"  8b 1%: pause {r['pause_ms']:.3f} ms [{_ok(r['pause_ms'] <= 2.0)}], "
+                log(
+                    f"  8b 1%: pause {r['pause_ms']:.3f} ms [{_ok(r['pause_ms'] <= 2.0)}], "
                     f"{r['nanmask_ms'] / r['pause_ms']:.1f}x nanmask [{_ok(r['nanmask_ms'] / r['pause_ms'] >= 15)}], "
                     f"{r['pause_ms'] / r['floor_ms']:.2f}x floor [{_ok(r['pause_ms'] <= 1.5 * r['floor_ms'])}] "
                     f"(sector floor {r.get('sector_floor_ms', float('nan')):.3f} ms), "
-                    f"stage {r['stage_ms']:.1f} ms [{_ok(r['stage_ms'] <= 150)}]")
+                    f"stage {r['stage_ms']:.1f} ms [{_ok(r['stage_ms'] <= 150)}]"
+                )
             if r["model"] == "qwen3-0.6b":
                 log(f"  0.6b 1%: pause {r['pause_ms']:.3f} ms [{_ok(r['pause_ms'] <= 0.25)}]")
 
@@ -531,9 +556,16 @@ def plot(rows, card, path) -> None:
     if not rows:
         return
     kernels = sorted({k for r in rows for k in r if k.startswith("kernel_")})
-    series = [("pause (ours)", "pause_ms")] + [(k[7:-3] + " kernel", k) for k in kernels] + [
-        ("index_copy_ per tensor", "index_copy_ms"), ("vLLM NaN-mask", "nanmask_ms"), ("dense copy", "dense_ms"),
-        ("floor", "floor_ms")]
+    series = (
+        [("pause (ours)", "pause_ms")]
+        + [(k[7:-3] + " kernel", k) for k in kernels]
+        + [
+            ("index_copy_ per tensor", "index_copy_ms"),
+            ("vLLM NaN-mask", "nanmask_ms"),
+            ("dense copy", "dense_ms"),
+            ("floor", "floor_ms"),
+        ]
+    )
     fig, ax = plt.subplots(figsize=(max(8, 1.3 * len(rows)), 5))
     width = 0.8 / len(series)
     for i, (label, key) in enumerate(series):

@@ -55,8 +55,14 @@ class Stream:
     stop: threading.Event = field(default_factory=threading.Event)
 
     def run(self) -> None:
-        body = {"model": self.model, "prompt": "once upon a time", "max_tokens": 48, "temperature": 0.0,
-                "stream": True, "ignore_eos": True}  # fmt: skip
+        body = {
+            "model": self.model,
+            "prompt": "once upon a time",
+            "max_tokens": 48,
+            "temperature": 0.0,
+            "stream": True,
+            "ignore_eos": True,
+        }
         while not self.stop.is_set():
             try:
                 with requests.post(
@@ -132,8 +138,10 @@ def measure(base_url: str, model: str, versions: list[int], *, api_key: str | No
                     r2 = requests.post(base_url + "/resume", headers=headers, timeout=60)
                     t1 = time.perf_counter()
                     if r1.status_code != 200 or r2.status_code != 200:
-                        raise RuntimeError(f"/pause or /resume failed ({r1.status_code}, {r2.status_code}): "
-                                           "start the server with VLLM_SERVER_DEV_MODE=1")  # fmt: skip
+                        raise RuntimeError(
+                            f"/pause or /resume failed ({r1.status_code}, {r2.status_code}): "
+                            "start the server with VLLM_SERVER_DEV_MODE=1"
+                        )
                     samples.append(Sample(kind, None, t0, t1, {}))
                     continue
                 v = todo.pop(0)
@@ -176,10 +184,19 @@ def summarize(result: dict) -> list[dict]:
             vals = [r[key] for r in rows if r[key] is not None]
             return round(statistics.median(vals), 2) if vals else None
 
-        out.append({"kind": kind, "n": len(rows), "client_gap_ms": med("client_gap_ms"),
-                    "max_client_gap_ms": max(r["client_gap_ms"] for r in rows), "request_ms": med("request_ms"),
-                    "pause_ms": med("pause_ms"), "apply_ms": med("apply_ms"), "stage_ms": med("stage_ms"),
-                    "nnz": med("nnz")})  # fmt: skip
+        out.append(
+            {
+                "kind": kind,
+                "n": len(rows),
+                "client_gap_ms": med("client_gap_ms"),
+                "max_client_gap_ms": max(r["client_gap_ms"] for r in rows),
+                "request_ms": med("request_ms"),
+                "pause_ms": med("pause_ms"),
+                "apply_ms": med("apply_ms"),
+                "stage_ms": med("stage_ms"),
+                "nnz": med("nnz"),
+            }
+        )
     return out
 
 
@@ -221,8 +238,10 @@ def spawn_and_measure(size: str, repeats: int, workdir: str) -> dict:
     spec = TinyModelSpec(arch="llama", **SIZES[size])
     t0 = time.time()
     run = publish_run(os.path.join(workdir, "run"), spec, steps=2 * repeats, anchor_every=10**6, lr=1e-6, seed=3)
-    print(f"published {len(run.versions)} versions of a {size} model in {time.time() - t0:.0f} s; "
-          f"density {statistics.median(run.nnz[v] for v in run.versions[1:]) / run.nnz[0]:.2%}")  # fmt: skip
+    print(
+        f"published {len(run.versions)} versions of a {size} model in {time.time() - t0:.0f} s; "
+        f"density {statistics.median(run.nnz[v] for v in run.versions[1:]) / run.nnz[0]:.2%}"
+    )
     with VllmServer(run.model_dir, store=run.store, version=0, dev_mode=True, max_model_len=512) as srv:
         result = measure(srv.base_url, run.model_dir, run.versions[1:])
         status = srv.status()

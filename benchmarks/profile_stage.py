@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Where staging time goes: torch.profiler over ApplyEngine.stage of one Qwen3-shaped delta (GPU).
 
-    python benchmarks/profile_stage.py [--model qwen3-8b] [--density 0.01]
+python benchmarks/profile_stage.py [--model qwen3-8b] [--density 0.01]
 """
 
 from __future__ import annotations
@@ -37,8 +37,15 @@ def main():
     changes = random_changes(hf, args.density, seed=1)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "v1.safetensors")
-        write_delta(path, version=1, base=0, codec="compact", shapes=layout.hf_shapes, changes=changes,
-                    pool=ThreadPoolExecutor(16))
+        write_delta(
+            path,
+            version=1,
+            base=0,
+            codec="compact",
+            shapes=layout.hf_shapes,
+            changes=changes,
+            pool=ThreadPoolExecutor(16),
+        )
         del changes
         engine = ApplyEngine(dict(zip(layout.targets, targets)), layout, dev)
         vf = VersionFile(path)

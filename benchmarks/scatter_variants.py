@@ -198,9 +198,11 @@ def main():
     bw = 2 * n_el * 2 / (bw_ms * 1e-3)
     floor = (6 + 64) * n / bw * 1e3
     sector_floor = (6 * n + 64 * m) / bw * 1e3
-    print(f"{torch.cuda.get_device_name(dev)}: {n_el / 1e9:.2f}G elements, density {args.density:.2%}, "
-          f"{n / 1e6:.1f}M changes in {m / 1e6:.1f}M sectors; copy {bw / 1e9:.0f} GB/s; "
-          f"floor {floor:.3f} ms, sector floor {sector_floor:.3f} ms")
+    print(
+        f"{torch.cuda.get_device_name(dev)}: {n_el / 1e9:.2f}G elements, density {args.density:.2%}, "
+        f"{n / 1e6:.1f}M changes in {m / 1e6:.1f}M sectors; copy {bw / 1e9:.0f} GB/s; "
+        f"floor {floor:.3f} ms, sector floor {sector_floor:.3f} ms"
+    )
     for name, which, a, vals in (
         ("elem", 0, addr, (new, old)),
         ("touch", 1, addr, (new, old)),
@@ -223,8 +225,10 @@ def main():
             ok = torch.equal(buf[addr], new)
             ext.launch(which, buf.data_ptr(), a.data_ptr(), vals[1].data_ptr(), count, threads)
             ok = ok and torch.equal(buf[addr], old)
-            print(f"  {name:7s} threads={threads:5d} {ms:8.3f} ms  {ms / floor:5.2f}x floor  "
-                  f"{ms / sector_floor:5.2f}x sector floor  {'ok' if ok else 'WRONG'}")
+            print(
+                f"  {name:7s} threads={threads:5d} {ms:8.3f} ms  {ms / floor:5.2f}x floor  "
+                f"{ms / sector_floor:5.2f}x sector floor  {'ok' if ok else 'WRONG'}"
+            )
     counts = torch.unique_consecutive(addr >> 4, return_counts=True)[1]
     csr = torch.zeros(m + 1, dtype=torch.int32, device=dev)
     csr[1:] = torch.cumsum(counts, 0).to(torch.int32)
@@ -242,8 +246,10 @@ def main():
         ok = torch.equal(buf[addr], new)
         ext.launch2(buf.data_ptr(), sec.data_ptr(), csr.data_ptr(), lanes.data_ptr(), old.data_ptr(), m, threads)
         ok = ok and torch.equal(buf[addr], old)
-        print(f"  sector2 threads={threads:5d} {ms:8.3f} ms  {ms / floor:5.2f}x floor  "
-              f"{ms / sector_floor:5.2f}x sector floor  {'ok' if ok else 'WRONG'}")
+        print(
+            f"  sector2 threads={threads:5d} {ms:8.3f} ms  {ms / floor:5.2f}x floor  "
+            f"{ms / sector_floor:5.2f}x sector floor  {'ok' if ok else 'WRONG'}"
+        )
     for hint, label in ((0, "default"), (1, "st.cs"), (2, "st.wt"), (3, "st.cg"), (4, "ld.cs")):
         flip = [0]
 

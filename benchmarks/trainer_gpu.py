@@ -31,7 +31,8 @@ import torch  # noqa: E402
 from apply_reference import QWEN3, apply_diffs, qwen3_layout, random_positions, realistic_diffs  # noqa: E402
 
 from vllm_delta import codec as codecs  # noqa: E402
-from vllm_delta.checksum import MASK64, bit_view, positional_sum  # noqa: E402
+from vllm_delta.bits import bit_view  # noqa: E402
+from vllm_delta.checksums import MASK64, positional_sum  # noqa: E402
 from vllm_delta.trainer.detect import Snapshot  # noqa: E402
 
 LOG: list[str] = []
@@ -64,8 +65,10 @@ def main() -> int:
     else:
         dev = torch.device("cuda", torch.cuda.current_device())
         card = torch.cuda.get_device_name(dev)
-    log(f"# trainer_gpu {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC} card={card} "
-        f"torch={torch.__version__}")
+    log(
+        f"# trainer_gpu {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC} card={card} "
+        f"torch={torch.__version__}"
+    )
     log(f"# command: python {' '.join(sys.argv)}")
     _, layout = qwen3_layout(QWEN3[args.model])
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -93,8 +96,10 @@ def main() -> int:
     del a, b
     read_floor = params * 4 / bw * 1e3
     detect_floor = params * 6 / bw * 1e3
-    log(f"# {args.model}: {params / 1e9:.2f}B params, fp32 master {params * 4 / 1e9:.1f} GB; copy bandwidth "
-        f"{bw / 1e9:.0f} GB/s; floor: read master once {read_floor:.2f} ms, + snapshot {detect_floor:.2f} ms")
+    log(
+        f"# {args.model}: {params / 1e9:.2f}B params, fp32 master {params * 4 / 1e9:.1f} GB; copy bandwidth "
+        f"{bw / 1e9:.0f} GB/s; floor: read master once {read_floor:.2f} ms, + snapshot {detect_floor:.2f} ms"
+    )
     codec = codecs.get_codec("compact")
     pool = ThreadPoolExecutor(args.threads)
     rows = []
@@ -140,15 +145,21 @@ def main() -> int:
             return 1
         t["nnz"], t["bytes"] = nnz, nbytes
         rows.append(t)
-        log(f"  step {step}: nnz {nnz / 1e6:.1f}M, {nbytes / 1e6:.1f} MB ({nbytes / nnz:.2f} B/elem), "
-            + " ".join(f"{k}={v:.1f}ms" for k, v in t.items() if k.endswith(("publish", "thread", "threads"))))
+        log(
+            f"  step {step}: nnz {nnz / 1e6:.1f}M, {nbytes / 1e6:.1f} MB ({nbytes / nnz:.2f} B/elem), "
+            + " ".join(f"{k}={v:.1f}ms" for k, v in t.items() if k.endswith(("publish", "thread", "threads")))
+        )
     med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
     log("")
     log(f"# {card}: {args.model} step at {args.density:.1%} (median of {len(rows)} steps), ms")
-    log(f"{'publish(train thread)':>22} {'pack 1 thread':>14} {'pack ' + str(args.threads) + ' threads':>16} "
-        f"{'read-master floor':>18} {'x floor':>8} {'B/elem':>7}")
-    log(f"{med['publish']:>22.1f} {med['pack_1thread']:>14.1f} {med[f'pack_{args.threads}threads']:>16.1f} "
-        f"{read_floor:>18.2f} {med['publish'] / read_floor:>7.1f}x {med['bytes'] / med['nnz']:>7.2f}")
+    log(
+        f"{'publish(train thread)':>22} {'pack 1 thread':>14} {'pack ' + str(args.threads) + ' threads':>16} "
+        f"{'read-master floor':>18} {'x floor':>8} {'B/elem':>7}"
+    )
+    log(
+        f"{med['publish']:>22.1f} {med['pack_1thread']:>14.1f} {med[f'pack_{args.threads}threads']:>16.1f} "
+        f"{read_floor:>18.2f} {med['publish'] / read_floor:>7.1f}x {med['bytes'] / med['nnz']:>7.2f}"
+    )
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "trainer_gpu.log"), "w") as f:

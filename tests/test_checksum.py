@@ -6,8 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import vllm_delta
-from vllm_delta import checksum as checksum_mod
-from vllm_delta.checksum import combine, name_key, positional_sum, tensor_sum, to_hex
+from vllm_delta import checksums as checksum_mod
+from vllm_delta.checksums import combine, name_key, positional_sum, tensor_sum, to_hex
 
 K = 0x9E3779B97F4A7C15
 M = 1 << 64

@@ -5,7 +5,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from vllm_delta.checksum import tensor_sum, to_hex
+from vllm_delta.checksums import tensor_sum, to_hex
 from vllm_delta.errors import FormatError, ShapeMismatchError
 from vllm_delta.format import FORMAT_NAME, TensorEntry, VersionFile, VersionHeader, serialize, write
 

@@ -10,7 +10,7 @@ import vllm_delta
 from vllm_delta.cli import main as cli
 from vllm_delta.errors import ChecksumMismatchError, IntegrityError, MissingBaseError
 from vllm_delta.format import VersionFile, payload_key, write
-from vllm_delta.materialize import materialize
+from vllm_delta.reconstruct import materialize
 from vllm_delta.store import DeltaStore
 from vllm_delta.testing.models import TinyModelSpec
 from vllm_delta.testing.training import bf16_image, build_master_model, train_steps
@@ -149,7 +149,7 @@ def test_refuses_non_empty_destination(run, tmp_path):
 def test_large_versions_are_written_in_shards(run, tmp_path, monkeypatch):
     from safetensors.torch import load_file
 
-    import vllm_delta.materialize as m
+    import vllm_delta.reconstruct as m
 
     root, images, _ = run
     monkeypatch.setattr(m, "SHARD_BYTES", 200_000)

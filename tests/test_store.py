@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import vllm_delta.store as store_mod
-from vllm_delta.checksum import checksum, tensor_sum, to_hex
+from vllm_delta.checksums import checksum, tensor_sum, to_hex
 from vllm_delta.codec import decode, encode, int_view
 from vllm_delta.errors import (
     FormatError,

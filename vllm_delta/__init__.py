@@ -1,30 +1,41 @@
 """vllm-delta: publish sparse bf16 weight deltas, apply them in place inside vLLM.
 
-    from vllm_delta import Publisher, checksum, DeltaStore
+from vllm_delta import Publisher, checksum, DeltaStore
 """
 
 from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 __version__ = "0.1.0"
-__all__ = ["Publisher", "PublishInfo", "DeltaStore", "checksum", "materialize", "replay", "__version__"]
 
 # Lazy: vLLM imports this package in every process through the plugin entry point, and most of
-# those processes never publish anything.
+# those processes never publish anything. No public name is also a submodule's name, so importing
+# a submodule never shadows a function of the same name.
 _LAZY = {
-    "Publisher": ("vllm_delta.trainer.publisher", "Publisher"),
-    "PublishInfo": ("vllm_delta.trainer.publisher", "PublishInfo"),
-    "DeltaStore": ("vllm_delta.store", "DeltaStore"),
-    "checksum": ("vllm_delta.checksum", None),  # a callable module: checksum(named_tensors) -> str
-    "materialize": ("vllm_delta.materialize", "materialize"),
-    "replay": ("vllm_delta.materialize", "replay"),
+    # trainer side
+    "Publisher": "vllm_delta.trainer.publisher",
+    "PublishInfo": "vllm_delta.trainer.publisher",
+    "checksum": "vllm_delta.checksums",
+    # stores and readers
+    "DeltaStore": "vllm_delta.store",
+    "materialize": "vllm_delta.reconstruct",
+    "replay": "vllm_delta.reconstruct",
 }
 
+__all__ = ["Publisher", "PublishInfo", "checksum", "DeltaStore", "materialize", "replay", "__version__"]
 
-def __getattr__(name: str):
+if TYPE_CHECKING:
+    from .checksums import checksum
+    from .reconstruct import materialize, replay
+    from .store import DeltaStore
+    from .trainer.publisher import Publisher, PublishInfo
+
+
+def __getattr__(name: str) -> Any:
     if name in _LAZY:
-        import importlib
-
-        module, attr = _LAZY[name]
-        mod = importlib.import_module(module)
-        return mod if attr is None else getattr(mod, attr)
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value  # later lookups don't come back here
+        return value
     raise AttributeError(f"module 'vllm_delta' has no attribute {name!r}")

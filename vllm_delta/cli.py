@@ -56,7 +56,7 @@ def cmd_inspect(args) -> int:
 
 
 def cmd_materialize(args) -> int:
-    from .materialize import materialize
+    from .reconstruct import materialize
 
     out = materialize(_store(args), args.version, args.out, progress=not args.quiet)
     print(out)

@@ -17,21 +17,23 @@ thread; server: decompress before the pause, finish on a side stream):
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 import zstandard
 
-from .errors import CodecError, PositionError
+from .bits import INT_DTYPE, NP_INT, int_view, wrap_add, wrap_diff
+from .errors import CodecError, DeltaError, PositionError
 
 FRAME_ELEMS = 1 << 22
 ZSTD_LEVEL = 3
 GAP_ESCAPE = 0xFFFF
 DIFF_ESCAPE = -128
 
-INT_DTYPE = {2: torch.int16, 4: torch.int32}
-NP_INT = {2: np.int16, 4: np.int32}
+Ctx = dict  # {"version": int, "tensor": str}: where an error happened, for its message
 
 
 @dataclass
@@ -50,12 +52,9 @@ class Changes:
         """New bit patterns (same integer dtype as `old_bits`) for the changed positions."""
         if self.values is not None:
             return self.values
-        if old_bits is None:
+        if old_bits is None or self.diffs is None:
             raise CodecError("this codec's values are relative to the base; pass the base values")
-        width = old_bits.element_size() * 8
-        new = (old_bits.to(torch.int64) + self.diffs) & ((1 << width) - 1)
-        new = torch.where(new >= (1 << (width - 1)), new - (1 << width), new)
-        return new.to(old_bits.dtype)
+        return wrap_add(old_bits, self.diffs, old_bits.element_size())
 
 
 @dataclass
@@ -66,24 +65,173 @@ class Sections:
     meta: dict = field(default_factory=dict)
 
 
-def int_view(t: torch.Tensor) -> torch.Tensor:
-    if t.is_floating_point():
-        if t.element_size() not in INT_DTYPE:
-            raise CodecError(f"unsupported element type {t.dtype}")
-        return t.view(INT_DTYPE[t.element_size()])
-    return t
-
-
 def _host(t: torch.Tensor) -> np.ndarray:
     return t.detach().to("cpu").numpy()
 
 
-def _err(exc_type, msg, ctx):
+def _err(exc_type: type[DeltaError], msg: str, ctx: Ctx) -> DeltaError:
     return exc_type(msg, version=ctx.get("version"), tensor=ctx.get("tensor"))
 
 
 def position_dtype(numel: int) -> torch.dtype:
     return torch.int32 if numel <= np.iinfo(np.int32).max else torch.int64
+
+
+# -- the compact frame layer (shared by CompactCodec and the server's staging decoder) -------------
+
+
+class Frame(NamedTuple):
+    """One row of a compact payload's frame table (`enc["frames"]`, docs/FORMAT.md)."""
+
+    nbytes: int  # compressed size in the blob
+    count: int  # changed elements in the frame
+    start: int  # the position the frame's gap chain starts from
+    gap_escapes: int  # entries of its gap escape table
+    diff_escapes: int  # entries of its value escape table
+
+    def raw_size(self, width: int) -> int:
+        """Decompressed bytes: gap planes, diff codes, int64 gap escapes, value escapes."""
+        return 3 * self.count + 8 * self.gap_escapes + width * self.diff_escapes
+
+
+class FrameArrays(NamedTuple):
+    """One decompressed frame, as numpy views into its buffer."""
+
+    gap_lo: np.ndarray  # uint8: low bytes of the uint16 gaps
+    gap_hi: np.ndarray  # uint8: high bytes
+    d8: np.ndarray  # int8: bit differences, DIFF_ESCAPE where escaped
+    gap_esc: np.ndarray  # int64: gaps >= GAP_ESCAPE, in order
+    diff_esc: np.ndarray  # int16/int32: differences outside [-127, 127], in order
+
+
+def parse_frames(blob: torch.Tensor | None, meta: Any, nnz: int, ctx: Ctx) -> list[Frame]:
+    """The frame table of one tensor's compact payload, checked against the blob and the header's nnz."""
+    table = meta.get("frames") if isinstance(meta, dict) else None
+    if blob is None or blob.dtype != torch.uint8 or not isinstance(table, list):
+        raise _err(CodecError, "compact payload lacks its 'blob' tensor or frame table", ctx)
+    try:
+        frames = [Frame(*(int(x) for x in row)) for row in table]
+    except (TypeError, ValueError) as exc:
+        raise _err(CodecError, f"malformed frame table: {exc}", ctx) from None
+    size, count = sum(f.nbytes for f in frames), sum(f.count for f in frames)
+    if any(min(f) < 0 for f in frames) or size != blob.numel() or count != nnz:
+        raise _err(
+            CodecError,
+            f"frame table covers {size} B / {count} elements, payload has {blob.numel()} B / header nnz {nnz}",
+            ctx,
+        )
+    return frames
+
+
+def decompress_frame(
+    dctx: zstandard.ZstdDecompressor, blob: memoryview, offset: int, frame: Frame, width: int, numel: int, ctx: Ctx
+) -> FrameArrays:
+    """Decompress the frame at `offset` of `blob` and split it into its sections (checked sizes; gap
+    escapes within the tensor's `numel`)."""
+    want = frame.raw_size(width)
+    try:
+        buf = dctx.decompress(blob[offset : offset + frame.nbytes], max_output_size=want)
+    except zstandard.ZstdError as exc:
+        raise _err(CodecError, f"zstd frame at byte {offset} is corrupt: {exc}", ctx) from None
+    if len(buf) != want:
+        raise _err(CodecError, f"zstd frame at byte {offset} holds {len(buf)} B, expected {want}", ctx)
+    n, k = frame.count, frame.gap_escapes
+    raw = np.frombuffer(buf, dtype=np.uint8)
+    gap_esc = np.frombuffer(buf, dtype="<i8", count=k, offset=3 * n)
+    if k and (int(gap_esc.min()) < 0 or int(gap_esc.max()) >= numel):
+        raise _err(PositionError, f"gap escape out of range for {numel} elements", ctx)
+    return FrameArrays(
+        gap_lo=raw[:n],
+        gap_hi=raw[n : 2 * n],
+        d8=raw[2 * n : 3 * n].view(np.int8),
+        gap_esc=gap_esc,
+        diff_esc=np.frombuffer(buf, dtype=NP_INT[width], count=frame.diff_escapes, offset=3 * n + 8 * k),
+    )
+
+
+def patch_escapes(
+    codes: torch.Tensor, code: int, table: torch.Tensor, frame_first: np.ndarray, expected: Sequence[int]
+) -> int | None:
+    """Replace each `code` in `codes` by the next entry of `table` (in place).
+
+    `frame_first[f]` is frame f's first element, `expected[f]` its escape count. Returns the first
+    frame whose number of codes differs from its count (nothing replaced then), else None."""
+    at = (codes == code).nonzero().reshape(-1)
+    per_frame = np.bincount(np.searchsorted(frame_first, at.cpu().numpy(), side="right") - 1, minlength=len(expected))
+    bad = np.flatnonzero(per_frame != np.asarray(expected, dtype=np.int64))
+    if bad.size:
+        return int(bad[0])
+    if at.numel():
+        codes[at] = table.to(codes.dtype)
+    return None
+
+
+def decode_frames(
+    gaps: torch.Tensor,
+    diffs: torch.Tensor,
+    gap_esc: torch.Tensor,
+    diff_esc: torch.Tensor,
+    frames: Sequence[Frame],
+    ctx_of: Callable[[int], Ctx],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Device finish of consecutive frames: escapes patched, positions from the gap chains.
+
+    `gaps` int64 (the uint16 codes, consumed), `diffs` the int8 codes widened to the value width
+    (patched in place), escape tables on the same device. Within frame f, element i sits at
+    start_f + Σ_{j<=i}(gap_j + 1) - 1. Returns (positions int64, diffs, frame index of each element).
+    Errors name the frame's
+    tensor through `ctx_of(frame index)`."""
+    dev = gaps.device
+    counts = np.array([f.count for f in frames], dtype=np.int64)
+    first = np.cumsum(counts) - counts
+    escapes = (
+        ("gap", gaps, GAP_ESCAPE, gap_esc, [f.gap_escapes for f in frames]),
+        ("value", diffs, DIFF_ESCAPE, diff_esc, [f.diff_escapes for f in frames]),
+    )
+    for kind, codes, code, table, expected in escapes:
+        bad = patch_escapes(codes, code, table, first, expected)
+        if bad is not None:
+            raise _err(CodecError, f"{kind} escapes do not match their escape table", ctx_of(bad))
+    n = gaps.numel()
+    if n == 0:
+        return gaps, diffs, gaps.clone()
+    c = torch.cumsum(gaps.add_(1), 0)
+    small = torch.from_numpy(np.concatenate([first, counts, np.array([f.start for f in frames], dtype=np.int64)]))
+    small = small.to(dev, non_blocking=dev.type == "cuda")
+    k = len(frames)
+    first_d, counts_d, starts = small[:k], small[k : 2 * k], small[2 * k :]
+    before = torch.where(first_d > 0, c[(first_d - 1).clamp_(min=0)], torch.zeros_like(first_d))
+    frame_of = segment_ids(counts_d, n)
+    return c.add_((starts - 1 - before)[frame_of]), diffs, frame_of
+
+
+class FrameOrder:
+    """Positions of one tensor keep rising across its frames (and chunks) and stay below numel."""
+
+    def __init__(self) -> None:
+        self._last: dict[object, int] = {}
+
+    def check(self, key: object, frame: Frame, last: int | None, numel: int, ctx: Ctx) -> None:
+        prev = self._last.get(key, -1)
+        if frame.start <= prev:
+            raise _err(PositionError, f"positions unsorted: frame starts at {frame.start}, not after {prev}", ctx)
+        if last is not None:
+            if last >= numel:
+                raise _err(PositionError, f"position {last} out of range for {numel} elements", ctx)
+            self._last[key] = last
+
+
+def segment_ids(counts: torch.Tensor, n: int) -> torch.Tensor:
+    """For segments of `counts` elements laid end to end (sum n): each element's segment index (int64).
+
+    `torch.repeat_interleave` runs one CUDA thread per segment, slow for a few long segments; this is
+    marks + prefix sum, parallel over elements."""
+    if n == 0:
+        return torch.zeros(0, dtype=torch.int64, device=counts.device)
+    marks = torch.zeros(n + 1, dtype=torch.int32, device=counts.device)
+    ends = torch.cumsum(counts.to(torch.int64), 0)
+    marks.index_add_(0, ends, torch.ones_like(ends, dtype=torch.int32))
+    return torch.cumsum(marks[:n], 0, dtype=torch.int64)
 
 
 class RawCodec:
@@ -132,7 +280,7 @@ class CompactCodec:
         """Device work: gaps and bit differences, escapes split off. Returns host arrays."""
         pos = positions.to(torch.int64)
         n = pos.numel()
-        width = int_view(new_bits).element_size() * 8
+        width = int_view(new_bits).element_size()
         prev = torch.empty_like(pos)
         if n:
             prev[0] = -1
@@ -147,12 +295,11 @@ class CompactCodec:
         esc = gaps >= GAP_ESCAPE
         g16 = torch.clamp(gaps, max=GAP_ESCAPE)
         g16 = torch.where(g16 >= 1 << 15, g16 - (1 << 16), g16).to(torch.int16)  # uint16 bits
-        diffs = (int_view(new_bits).to(torch.int64) - int_view(old_bits).to(torch.int64)) & ((1 << width) - 1)
-        diffs = torch.where(diffs >= (1 << (width - 1)), diffs - (1 << width), diffs)
+        diffs = wrap_diff(int_view(new_bits), int_view(old_bits), width)
         small = (diffs >= -127) & (diffs <= 127)
         d8 = torch.where(small, diffs, torch.full_like(diffs, DIFF_ESCAPE)).to(torch.int8)
         # One device-to-host copy per tensor (the trainer publishes hundreds of tensors per step).
-        parts = [g16, d8, gaps[esc], diffs[~small].to(INT_DTYPE[width // 8])]
+        parts = [g16, d8, gaps[esc], diffs[~small].to(INT_DTYPE[width])]
         host = torch.cat([p.reshape(-1).view(torch.uint8) for p in parts]).cpu().numpy()
         gaps16 = host[: 2 * n].view(np.uint16)
         k = int(np.count_nonzero(gaps16 == GAP_ESCAPE))
@@ -161,9 +308,9 @@ class CompactCodec:
                 "gaps16": gaps16,
                 "d8": host[2 * n : 3 * n].view(np.int8),
                 "gap_esc": host[3 * n : 3 * n + 8 * k].view(np.int64),
-                "diff_esc": host[3 * n + 8 * k :].view(NP_INT[width // 8]),
+                "diff_esc": host[3 * n + 8 * k :].view(NP_INT[width]),
             },
-            {"starts": starts, "width": width},
+            {"starts": starts, "width": 8 * width},
         )
 
     def pack(self, sections: Sections, dtype: torch.dtype):
@@ -183,7 +330,7 @@ class CompactCodec:
             raw = b"".join([planes.tobytes(), a["d8"][lo:hi].tobytes(), ge.astype("<i8").tobytes(), de.tobytes()])
             blob = cctx.compress(raw)
             blobs.append(blob)
-            frames.append([len(blob), hi - lo, start, int(ge.size), int(de.size)])
+            frames.append(list(Frame(len(blob), hi - lo, start, int(ge.size), int(de.size))))
         data = np.frombuffer(b"".join(blobs), dtype=np.uint8).copy()
         return {"blob": torch.from_numpy(data)}, {"frames": frames}
 
@@ -192,53 +339,33 @@ class CompactCodec:
         """Host work: decompress each frame into compact fixed-width arrays (3 B per element plus
         escapes), ready for one host-to-device copy. Value checks happen in `finish`."""
         blob = tensors.get("blob")
-        frames = meta.get("frames")
-        if blob is None or blob.dtype != torch.uint8 or not isinstance(frames, list):
-            raise _err(CodecError, "compact payload lacks its 'blob' tensor or frame table", ctx)
+        frames = parse_frames(blob, meta, nnz, ctx)
         width = torch.empty((), dtype=dtype).element_size()
-        try:
-            table = np.array([[int(x) for x in f] for f in frames], dtype=np.int64).reshape(-1, 5)
-        except (TypeError, ValueError) as exc:
-            raise _err(CodecError, f"malformed frame table: {exc}", ctx) from None
-        sizes, counts, n_ge, n_de = table[:, 0], table[:, 1], table[:, 3], table[:, 4]
-        if (table < 0).any() or int(sizes.sum()) != blob.numel() or int(counts.sum()) != nnz:
-            raise _err(
-                CodecError,
-                f"frame table covers {int(sizes.sum())} B / {int(counts.sum())} elements, payload has "
-                f"{blob.numel()} B / header nnz {nnz}",
-                ctx,
-            )
         gaps16 = np.empty(nnz, dtype=np.uint16)
         d8 = np.empty(nnz, dtype=np.int8)
-        gap_esc = np.empty(int(n_ge.sum()), dtype=np.int64)
-        diff_esc = np.empty(int(n_de.sum()), dtype=NP_INT[width])
+        gap_esc = np.empty(sum(f.gap_escapes for f in frames), dtype=np.int64)
+        diff_esc = np.empty(sum(f.diff_escapes for f in frames), dtype=NP_INT[width])
         raw = memoryview(blob.numpy())
         dctx = zstandard.ZstdDecompressor()
         offset = at = at_ge = at_de = 0
-        for size, n, _start, k, m in table.tolist():
-            want = 3 * n + 8 * k + width * m
-            try:
-                buf = dctx.decompress(raw[offset : offset + size], max_output_size=want)
-            except zstandard.ZstdError as exc:
-                raise _err(CodecError, f"zstd frame at byte {offset} is corrupt: {exc}", ctx) from None
-            if len(buf) != want:
-                raise _err(CodecError, f"zstd frame at byte {offset} holds {len(buf)} B, expected {want}", ctx)
-            planes = np.frombuffer(buf, dtype=np.uint8, count=2 * n).reshape(2, n)
-            as_bytes = gaps16[at : at + n].view(np.uint8).reshape(n, 2)
-            as_bytes[:, 0] = planes[0]  # little-endian uint16: low byte first
-            as_bytes[:, 1] = planes[1]
-            d8[at : at + n] = np.frombuffer(buf, dtype=np.int8, count=n, offset=2 * n)
-            gap_esc[at_ge : at_ge + k] = np.frombuffer(buf, dtype="<i8", count=k, offset=3 * n)
-            diff_esc[at_de : at_de + m] = np.frombuffer(buf, dtype=NP_INT[width], count=m, offset=3 * n + 8 * k)
-            offset, at, at_ge, at_de = offset + size, at + n, at_ge + k, at_de + m
+        for f in frames:
+            fa = decompress_frame(dctx, raw, offset, f, width, numel, ctx)
+            as_bytes = gaps16[at : at + f.count].view(np.uint8).reshape(f.count, 2)
+            as_bytes[:, 0] = fa.gap_lo  # little-endian uint16: low byte first
+            as_bytes[:, 1] = fa.gap_hi
+            d8[at : at + f.count] = fa.d8
+            gap_esc[at_ge : at_ge + f.gap_escapes] = fa.gap_esc
+            diff_esc[at_de : at_de + f.diff_escapes] = fa.diff_esc
+            offset, at = offset + f.nbytes, at + f.count
+            at_ge, at_de = at_ge + f.gap_escapes, at_de + f.diff_escapes
         return Sections(
             {
                 "gaps16": gaps16,
                 "d8": d8,
                 "gap_esc": gap_esc,
                 "diff_esc": diff_esc,
-                "frame_n": counts.copy(),
-                "frame_start": table[:, 2].copy(),
+                "frame_n": np.array([f.count for f in frames], dtype=np.int64),
+                "frame_start": np.array([f.start for f in frames], dtype=np.int64),
             },
             {"width": width},
         )
@@ -251,29 +378,26 @@ class CompactCodec:
         def put(name):
             return torch.from_numpy(a[name]).to(dev, non_blocking=True)
 
-        gaps = put("gaps16").view(torch.int16).to(torch.int64) & 0xFFFF
-        esc = gaps == GAP_ESCAPE
-        gap_esc = put("gap_esc")
-        if int(esc.sum()) != gap_esc.numel():
+        # Sections keep the escape tables of all frames end to end: check the totals, then give
+        # each frame the escapes its own codes ask for (the tables are consumed in order).
+        counts = a["frame_n"].astype(np.int64)
+        first = np.cumsum(counts) - counts
+        gap_codes = a["gaps16"] == GAP_ESCAPE
+        diff_codes = a["d8"] == DIFF_ESCAPE
+        per = [(int(gap_codes[s : s + n].sum()), int(diff_codes[s : s + n].sum())) for s, n in zip(first, counts)]
+        if sum(g for g, _ in per) != a["gap_esc"].size:
             raise _err(CodecError, "gap escapes do not match their escape table", ctx)
-        gaps[esc] = gap_esc
-        diffs = put("d8").to(torch.int64)
-        desc = diffs == DIFF_ESCAPE
-        diff_esc = put("diff_esc")
-        if int(desc.sum()) != diff_esc.numel():
+        if sum(d for _, d in per) != a["diff_esc"].size:
             raise _err(CodecError, "value escapes do not match their escape table", ctx)
-        diffs[desc] = diff_esc.to(torch.int64)
-        positions = torch.cumsum(gaps + 1, 0) - 1
-        counts = torch.from_numpy(a["frame_n"])
-        if counts.numel() > 1 or (counts.numel() == 1 and int(a["frame_start"][0]) != 0):
-            # Each frame's chain starts at its own `start`: shift the frame by the difference.
-            first = torch.cumsum(counts, 0) - counts
-            before = torch.full((counts.numel(),), -1, dtype=torch.int64)
-            inner = first > 0
-            before[inner] = positions[first[inner].to(dev) - 1].cpu()
-            shift = torch.from_numpy(a["frame_start"]) - (before + 1)
-            positions += torch.repeat_interleave(shift, counts).to(dev, non_blocking=True)
-        check_positions(positions, numel, ctx)
+        frames = [Frame(0, int(n), int(s), g, d) for n, s, (g, d) in zip(counts, a["frame_start"], per)]
+        gaps = put("gaps16").view(torch.int16).to(torch.int64) & 0xFFFF
+        diffs = put("d8").to(torch.int64)
+        positions, diffs, _ = decode_frames(gaps, diffs, put("gap_esc"), put("diff_esc"), frames, lambda _: ctx)
+        order = FrameOrder()
+        lasts = positions[torch.from_numpy(first + counts - 1)[counts > 0].to(dev)].tolist()
+        nonempty = iter(lasts)
+        for f in frames:
+            order.check(0, f, next(nonempty) if f.count else None, numel, ctx)
         return Changes(positions=positions, diffs=diffs)
 
 

@@ -28,14 +28,20 @@ import torch
 
 import vllm_delta
 from vllm_delta import DeltaStore, Publisher
-from vllm_delta.materialize import replay
+from vllm_delta.reconstruct import replay
 from vllm_delta.testing.models import TinyModelSpec, save_tiny_model
 from vllm_delta.testing.training import bf16_image, build_master_model, train_steps
 
 SPEC = TinyModelSpec(
-    arch="qwen3", hidden_size=256, intermediate_size=768, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=64,
+    arch="qwen3",
+    hidden_size=256,
+    intermediate_size=768,
+    num_layers=4,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=64,
     vocab_size=2048,
-)  # fmt: skip
+)
 LR = 1e-6
 
 
@@ -52,8 +58,14 @@ class StreamingClient:
     def _run(self) -> None:
         import requests
 
-        body = {"model": self.model, "prompt": "once upon a time there was a", "max_tokens": 48,
-                "temperature": 0.0, "stream": True, "ignore_eos": True}  # fmt: skip
+        body = {
+            "model": self.model,
+            "prompt": "once upon a time there was a",
+            "max_tokens": 48,
+            "temperature": 0.0,
+            "stream": True,
+            "ignore_eos": True,
+        }
         while not self.stop.is_set():
             try:
                 with requests.post(self.base_url + "/v1/completions", json=body, stream=True, timeout=120) as r:
@@ -86,8 +98,10 @@ def run_system(root: str, steps: int, anchor_every: int) -> int:
     model_dir, store_dir = os.path.join(root, "model"), os.path.join(root, "store")
     save_tiny_model(model, model_dir, weights=False)
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"vllm-delta {vllm_delta.__version__} demo: qwen3-style model, {n_params / 1e6:.1f}M params, fp32 master "
-          f"weights, AdamW lr {LR:g}, store {store_dir}")  # fmt: skip
+    print(
+        f"vllm-delta {vllm_delta.__version__} demo: qwen3-style model, {n_params / 1e6:.1f}M params, fp32 master "
+        f"weights, AdamW lr {LR:g}, store {store_dir}"
+    )
     failures = 0
     with Publisher(store_dir, anchor_every=anchor_every, codec="compact") as pub:
         publish_step(pub, model, 0)
@@ -97,8 +111,10 @@ def run_system(root: str, steps: int, anchor_every: int) -> int:
             print(f"server up in {time.perf_counter() - t0:.0f} s at {srv.base_url} (log: {root}/server.log)")
             client = StreamingClient(srv.base_url, model_dir)
             client.thread.start()
-            print(f"\n{'version':>7} {'kind':6} {'density':>8} {'nnz':>9} {'bytes':>9} {'B/chg':>6} {'stage ms':>9} "
-                  f"{'pause ms':>9} {'apply ms':>9} {'client gap':>10}  live checksum = trainer's")  # fmt: skip
+            print(
+                f"\n{'version':>7} {'kind':6} {'density':>8} {'nnz':>9} {'bytes':>9} {'B/chg':>6} {'stage ms':>9} "
+                f"{'pause ms':>9} {'apply ms':>9} {'client gap':>10}  live checksum = trainer's"
+            )
             for step in train_steps(model, steps, lr=LR):
                 info, want = publish_step(pub, model, step)
                 t_req = time.perf_counter()
@@ -109,16 +125,20 @@ def run_system(root: str, steps: int, anchor_every: int) -> int:
                 failures += not ok
                 rec = DeltaStore(store_dir).record(step)
                 per = f"{rec.bytes / rec.nnz:.2f}" if rec.kind == "delta" and rec.nnz else "-"
-                print(f"{step:>7} {rec.kind:6} {rec.density:>8.2%} {rec.nnz:>9,} {rec.bytes:>9,} {per:>6} "
-                      f"{res['stage_ms']:>9.1f} {res['pause_ms']:>9.1f} {res['apply_ms']:>9.2f} {gap:>8.0f}ms  "
-                      f"{'yes' if ok else 'NO'} ({live})")  # fmt: skip
+                print(
+                    f"{step:>7} {rec.kind:6} {rec.density:>8.2%} {rec.nnz:>9,} {rec.bytes:>9,} {per:>6} "
+                    f"{res['stage_ms']:>9.1f} {res['pause_ms']:>9.1f} {res['apply_ms']:>9.2f} {gap:>8.0f}ms  "
+                    f"{'yes' if ok else 'NO'} ({live})"
+                )
             client.stop.set()
             client.thread.join(10)
             final_live = srv.status()["checksum"]
     trainer = vllm_delta.checksum(bf16_image(model))
     print(f"\nstreamed {len(client.arrivals)} chunks during the run, {len(client.errors)} client errors")
-    print(f"final: server live checksum {final_live}, trainer's bf16 weights {trainer}: "
-          f"{'EQUAL' if final_live == trainer else 'DIFFERENT'}")  # fmt: skip
+    print(
+        f"final: server live checksum {final_live}, trainer's bf16 weights {trainer}: "
+        f"{'EQUAL' if final_live == trainer else 'DIFFERENT'}"
+    )
     failures += final_live != trainer
     failures += bool(client.errors)
     failures += check_replay(store_dir, {steps: bf16_image(model)})
@@ -157,8 +177,10 @@ def run_trainer_only(root: str, steps: int, anchor_every: int) -> int:
     store = DeltaStore(root)
     for rec in store.records():
         per = f"{rec.bytes / rec.nnz:.2f} B/changed" if rec.kind == "delta" and rec.nnz else ""
-        print(f"version {rec.version}: {rec.kind}, density {rec.density:.2%}, {rec.nnz:,} elements, "
-              f"{rec.bytes:,} bytes {per}")  # fmt: skip
+        print(
+            f"version {rec.version}: {rec.kind}, density {rec.density:.2%}, {rec.nnz:,} elements, "
+            f"{rec.bytes:,} bytes {per}"
+        )
     failures = check_replay(root, images)
     print(f"\ntry: vllm-delta inspect {root}")
     return 1 if failures else 0

@@ -79,5 +79,26 @@ class UnsupportedModelError(DeltaError):
     http_status = 422
 
 
+class BadRequestError(DeltaError):
+    """A malformed request: not JSON, unknown or invalid fields."""
+
+    http_status = 400
+
+
+class PublishError(DeltaError):
+    """A background upload failed; the message names the version."""
+
+
+class WorkerError(DeltaError):
+    """An error a worker rank reported across the RPC boundary, with the HTTP status it maps to."""
+
+    def __init__(self, message: str, *, status: int = 500, rank: int | None = None, type_name: str = "Error"):
+        super().__init__(f"rank {rank}: {type_name}: {message}" if rank is not None else f"{type_name}: {message}")
+        self.http_status = status
+        self.rank = rank
+        self.type_name = type_name
+
+
 def http_status(exc: BaseException) -> int:
+    """The HTTP status an exception answers with: its class's for our errors, 500 for anything else."""
     return getattr(exc, "http_status", 500) if isinstance(exc, DeltaError) else 500

@@ -20,7 +20,8 @@ import torch
 from vllm_delta import codec as codecs
 from vllm_delta.apply import scatter as scatter_ops
 from vllm_delta.apply.layout import Layout, Segment, hf_2d
-from vllm_delta.checksum import bit_view, combine, positional_sum, tensor_sum, to_hex
+from vllm_delta.bits import bit_view
+from vllm_delta.checksums import combine, positional_sum, tensor_sum, to_hex
 from vllm_delta.format import DTYPE_NAMES, TensorEntry, VersionHeader, payload_key, write
 
 # -- test parametrization -------------------------------------------------------------------------
@@ -205,8 +206,10 @@ def nanmask_apply(targets: list[torch.Tensor], layout: Layout, patches: dict, va
                 what.append(f"duplicate index in {name}")
     if flags and bool(torch.stack(flags).any().item()):
         bad = [w for w, f in zip(what, torch.stack(flags).tolist()) if f]
-        raise ValueError(f"sparse checkpoint patches contain NaN values, out-of-range indices, or duplicate indices: "
-                         f"{bad[:3]} ({len(bad)} flags)")
+        raise ValueError(
+            f"sparse checkpoint patches contain NaN values, out-of-range indices, or duplicate indices: "
+            f"{bad[:3]} ({len(bad)} flags)"
+        )
     for name, (pos, vals) in patches.items():
         shape = layout.hf_shapes[name]
         rows, cols = hf_2d(shape)

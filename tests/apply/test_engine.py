@@ -21,9 +21,10 @@ from apply_reference import (
 
 from vllm_delta.apply import engine as engine_mod
 from vllm_delta.apply import scatter as scatter_ops
-from vllm_delta.apply.engine import ApplyEngine, verify_partials
+from vllm_delta.apply.engine import ApplyEngine
 from vllm_delta.apply.layout import Layout, Segment, hf_2d
-from vllm_delta.checksum import MASK64, bit_view
+from vllm_delta.bits import bit_view
+from vllm_delta.checksums import MASK64, verify_partials
 from vllm_delta.errors import ChecksumMismatchError, NotSuccessorError
 from vllm_delta.format import VersionFile
 
@@ -39,8 +40,12 @@ def _identity():
 
 def _qwen3():
     targets, layout = qwen3_layout(QWEN3["qwen3-tiny"])
-    return {n: (s, torch.bfloat16) for n, s in targets.items()}, layout, dict.fromkeys(layout.hf_shapes,
-                                                                                        torch.bfloat16), True
+    return (
+        {n: (s, torch.bfloat16) for n, s in targets.items()},
+        layout,
+        dict.fromkeys(layout.hf_shapes, torch.bfloat16),
+        True,
+    )
 
 
 def _shards():
@@ -83,8 +88,12 @@ class World:
         self.targets = [
             (torch.randn(shape, generator=gen) * 0.02).to(dtype).to(device) for shape, dtype in tspecs.values()
         ]
-        self.hf = [{n: (torch.randn(s, generator=gen) * 0.02).to(self.dtypes[n]).to(device)
-                    for n, s in self.layout.hf_shapes.items()}]
+        self.hf = [
+            {
+                n: (torch.randn(s, generator=gen) * 0.02).to(self.dtypes[n]).to(device)
+                for n, s in self.layout.hf_shapes.items()
+            }
+        ]
         full = {}
         for n, t in self.hf[0].items():
             bits = bit_view(t).reshape(-1)
@@ -106,8 +115,9 @@ class World:
         return ch
 
     def engine(self, backend, **kw):
-        return ApplyEngine(dict(zip(self.layout.targets, self.targets)), self.layout, self.device, backend=backend,
-                           **kw)
+        return ApplyEngine(
+            dict(zip(self.layout.targets, self.targets)), self.layout, self.device, backend=backend, **kw
+        )
 
     def bits(self):
         return [bit_view(t).clone() for t in self.targets]
@@ -119,9 +129,17 @@ class World:
         return [bit_view(t) for t in out]
 
     def write(self, path, version, codec, frame_elems=None):
-        return write_delta(str(path), version=version, base=version - 1, codec=codec, shapes=self.layout.hf_shapes,
-                           changes=self.changes[version], dtype=self.dtypes, sums=hf_sums(self.hf[version]),
-                           frame_elems=frame_elems)
+        return write_delta(
+            str(path),
+            version=version,
+            base=version - 1,
+            codec=codec,
+            shapes=self.layout.hf_shapes,
+            changes=self.changes[version],
+            dtype=self.dtypes,
+            sums=hf_sums(self.hf[version]),
+            frame_elems=frame_elems,
+        )
 
 
 def _equal(a, b):
@@ -323,5 +341,7 @@ def test_hf_view_roundtrip():
         want = w.hf[0][name].reshape(r, c)
         sl = (slice(seg.row0, seg.row0 + seg.rows), slice(seg.col0, seg.col0 + seg.cols))
         assert torch.equal(bit_view(got[sl]), bit_view(want[sl])), name
-    assert torch.equal(apply_diffs(torch.tensor([32767], dtype=torch.int16), torch.tensor([1])),
-                       torch.tensor([-32768], dtype=torch.int16))
+    assert torch.equal(
+        apply_diffs(torch.tensor([32767], dtype=torch.int16), torch.tensor([1])),
+        torch.tensor([-32768], dtype=torch.int16),
+    )

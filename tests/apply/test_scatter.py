@@ -23,8 +23,12 @@ def _pairs(sizes, k, seed, device, interleave=False):
         ids.append(torch.full((m,), t, dtype=torch.int64))
         offs.append(torch.randperm(n, generator=gen)[:m])
     ids, offs = torch.cat(ids), torch.cat(offs)
-    perm = torch.randperm(ids.numel(), generator=gen) if not interleave else torch.argsort(
-        torch.cat([torch.arange(x.numel()) for x in torch.split(ids, [min(k, n) for n in sizes])]), stable=True
+    perm = (
+        torch.randperm(ids.numel(), generator=gen)
+        if not interleave
+        else torch.argsort(
+            torch.cat([torch.arange(x.numel()) for x in torch.split(ids, [min(k, n) for n in sizes])]), stable=True
+        )
     )
     return ids[perm].to(device), offs[perm].to(device)
 
@@ -44,7 +48,7 @@ def test_fused_scatter_gather_match_reference(device, backend, block, interleave
     got = [t.clone() for t in ref]
     ids, offs = _pairs(sizes, 300, seed=block, device=device, interleave=interleave)
     gen = torch.Generator().manual_seed(1)
-    new = torch.randint(-(2 ** 15), 2 ** 15, (ids.numel(),), generator=gen).to(S.flat_bits(ref[0]).dtype).to(device)
+    new = torch.randint(-(2**15), 2**15, (ids.numel(),), generator=gen).to(S.flat_bits(ref[0]).dtype).to(device)
 
     want_old = torch.empty_like(new)
     for t in range(len(sizes)):
@@ -118,8 +122,9 @@ def test_out_of_range_and_bad_args():
     with pytest.raises(ValueError):
         S.scatter_(plan, torch.zeros(3, dtype=torch.int16), "torch")
     with pytest.raises(ValueError):
-        S.build_fused_plan([torch.zeros(4), torch.zeros(4, dtype=torch.bfloat16)], torch.tensor([0, 1]),
-                           torch.tensor([0, 0]))
+        S.build_fused_plan(
+            [torch.zeros(4), torch.zeros(4, dtype=torch.bfloat16)], torch.tensor([0, 1]), torch.tensor([0, 0])
+        )
     empty = S.build_fused_plan(t, torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64))
     assert empty.size == 0 and empty.nnz == 0
     S.scatter_(empty, torch.zeros(0, dtype=torch.int16), "torch")

@@ -128,8 +128,15 @@ def test_corrupt_payloads_raise_like_the_codec(device, what, exc):
     items = _corrupt(_items(_tensors(), "compact", frame_elems=64), what)
     it = items[0]
     with pytest.raises(exc) as ref_err:
-        codecs.decode("compact", it.parts, it.enc, numel=it.numel, nnz=it.nnz, dtype=it.dtype,
-                      ctx={"version": 7, "tensor": it.name})
+        codecs.decode(
+            "compact",
+            it.parts,
+            it.enc,
+            numel=it.numel,
+            nnz=it.nnz,
+            dtype=it.dtype,
+            ctx={"version": 7, "tensor": it.name},
+        )
     with pytest.raises(IntegrityError) as got:
         _decode(items, "compact", dev)
     assert type(got.value) is type(ref_err.value)

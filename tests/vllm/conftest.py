@@ -27,6 +27,11 @@ def qwen_run(tmp_path_factory) -> PublishedRun:
 def llama_fresh(llama_run) -> dict:
     """Fresh in-process engines started with --load-format delta at every version: outputs, checksums."""
     return run_engine_script(
-        {"task": "fresh", "model": llama_run.model_dir, "store": llama_run.store, "versions": llama_run.versions,
-         "prompts": list(PROMPTS)}
-    )  # fmt: skip
+        {
+            "task": "fresh",
+            "model": llama_run.model_dir,
+            "store": llama_run.store,
+            "versions": llama_run.versions,
+            "prompts": list(PROMPTS),
+        }
+    )

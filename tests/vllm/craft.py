@@ -7,10 +7,10 @@ import tempfile
 
 import torch
 
-from vllm_delta.checksum import MASK64, combine, positional_sum, tensor_sum, to_hex
+from vllm_delta.checksums import MASK64, combine, positional_sum, tensor_sum, to_hex
 from vllm_delta.codec import encode, int_view
 from vllm_delta.format import DTYPE_NAMES, TensorEntry, VersionHeader, payload_key, write
-from vllm_delta.materialize import replay
+from vllm_delta.reconstruct import replay
 from vllm_delta.store import DeltaStore
 
 
@@ -41,15 +41,23 @@ def publish_delta(
         old = torch.cat([old, torch.zeros(pos.numel() - in_range.numel(), dtype=torch.int16)])
         new = torch.cat([new, torch.ones(pos.numel() - in_range.numel(), dtype=torch.int16)])
     parts, meta = encode(codec, pos, new, old, numel, old_img.dtype)
-    sums[tensor] = (sums[tensor] + positional_sum(new[: in_range.numel()], in_range)
-                    - positional_sum(old[: in_range.numel()], in_range)) & MASK64  # fmt: skip
+    sums[tensor] = (
+        sums[tensor]
+        + positional_sum(new[: in_range.numel()], in_range)
+        - positional_sum(old[: in_range.numel()], in_range)
+    ) & MASK64
     if wrong_checksum:
         sums[tensor] = (sums[tensor] + 12345) & MASK64
     entries = {
-        n: TensorEntry(list(t.shape), DTYPE_NAMES[t.dtype], to_hex(sums[n]), nnz=pos.numel() if n == tensor else 0,
-                       enc=meta if n == tensor else {})
+        n: TensorEntry(
+            list(t.shape),
+            DTYPE_NAMES[t.dtype],
+            to_hex(sums[n]),
+            nnz=pos.numel() if n == tensor else 0,
+            enc=meta if n == tensor else {},
+        )
         for n, t in tensors.items()
-    }  # fmt: skip
+    }
     header = VersionHeader(
         version=version,
         kind="delta",

@@ -46,7 +46,7 @@ def greedy(llm, prompts) -> list[str]:
 
 
 def live_checksum(llm) -> str:
-    from vllm_delta.checksum import combine, to_hex
+    from vllm_delta.checksums import combine, to_hex
 
     total: dict[str, int] = {}
     for part in llm.collective_rpc("delta_live_sums"):
@@ -131,15 +131,22 @@ def task_plain(args: dict) -> dict:
     from vllm import LLM
     from vllm.config import WeightTransferConfig
 
-    from vllm_delta.materialize import materialize
+    from vllm_delta.reconstruct import materialize
     from vllm_delta.store import DeltaStore
 
     ckpt = materialize(DeltaStore(args["store"]), args["start"], args["out"], progress=False)
     for name in os.listdir(args["model"]):  # config and tokenizer as the run wrote them
         shutil.copy(os.path.join(args["model"], name), ckpt)
     os.environ["VLLM_DELTA_STORE"] = args["store"]
-    llm = LLM(model=ckpt, enforce_eager=True, max_model_len=256, gpu_memory_utilization=0.1, dtype="bfloat16",
-              seed=0, weight_transfer_config=WeightTransferConfig(backend="delta"))  # fmt: skip
+    llm = LLM(
+        model=ckpt,
+        enforce_eager=True,
+        max_model_len=256,
+        gpu_memory_utilization=0.1,
+        dtype="bfloat16",
+        seed=0,
+        weight_transfer_config=WeightTransferConfig(backend="delta"),
+    )
     res = {"status": llm.collective_rpc("delta_status")[0]}
     llm.init_weight_transfer_engine({"init_info": {}})
     steps = []

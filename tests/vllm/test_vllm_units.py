@@ -65,14 +65,16 @@ def test_record_to_segment_fused_and_sharded():
     # Row-parallel shard: columns 64..127 of an HF (128, 128) weight into a local (128, 64) param.
     local = torch.zeros(128, 64, dtype=torch.bfloat16)
     src = _meta_view((128, 128), 1, 64, 64)
-    seg = record_to_segment((128, 128), CopyRecord(local, tuple(src.shape), src.stride(), src.storage_offset()), 3,
-                            local, torch.bfloat16)  # fmt: skip
+    seg = record_to_segment(
+        (128, 128), CopyRecord(local, tuple(src.shape), src.stride(), src.storage_offset()), 3, local, torch.bfloat16
+    )
     assert seg == Segment(3, 0, 128, 64, 64, 0, 64, 1)
     # Vocab shard: rows 256..499 of a (500, 128) embedding into the first rows of a padded (256, 128) shard.
     emb = torch.zeros(256, 128, dtype=torch.bfloat16)
     src = _meta_view((500, 128), 0, 256, 244)
-    seg = record_to_segment((500, 128), CopyRecord(emb[:244], (244, 128), src.stride(), src.storage_offset()), 1,
-                            emb, torch.bfloat16)  # fmt: skip
+    seg = record_to_segment(
+        (500, 128), CopyRecord(emb[:244], (244, 128), src.stride(), src.storage_offset()), 1, emb, torch.bfloat16
+    )
     assert seg == Segment(1, 256, 244, 0, 128, 0, 128, 1)
     # A 1-D norm weight.
     norm = torch.zeros(128, dtype=torch.bfloat16)
@@ -226,7 +228,7 @@ class ToyModel(torch.nn.Module):
 
 
 def _toy_versions(tmp_path):
-    from vllm_delta.checksum import checksum
+    from vllm_delta.checksums import checksum
     from vllm_delta.trainer import Publisher
 
     gen = torch.Generator().manual_seed(0)
@@ -243,7 +245,7 @@ def _toy_versions(tmp_path):
 
 
 def test_replica_on_a_toy_model(tmp_path):
-    from vllm_delta.materialize import open_chain, replay_tensor
+    from vllm_delta.reconstruct import open_chain, replay_tensor
     from vllm_delta.vllm.replica import DeltaReplica, Served
 
     store, images, checksum = _toy_versions(tmp_path)
@@ -272,7 +274,7 @@ def test_replica_on_a_toy_model(tmp_path):
 
 
 def sum_all(replica) -> int:
-    from vllm_delta.checksum import combine
+    from vllm_delta.checksums import combine
 
     return combine(replica.live_sums().items())
 

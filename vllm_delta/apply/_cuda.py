@@ -125,5 +125,6 @@ def gather_addr(base: torch.Tensor, addresses: torch.Tensor, out: torch.Tensor) 
     if ext is None:
         raise RuntimeError(f"CUDA fused scatter unavailable: {_ERROR}")
     addr = addresses.to(torch.int64).contiguous()
-    ext.gather_addr(base.data_ptr(), addr.data_ptr(), out.data_ptr(), addr.numel(), out.element_size(),
-                    _stream(out.device))
+    ext.gather_addr(
+        base.data_ptr(), addr.data_ptr(), out.data_ptr(), addr.numel(), out.element_size(), _stream(out.device)
+    )

@@ -5,7 +5,7 @@ tensors (written in place, never rebound) and a `Layout` (HF tensor -> local seg
 
     staged = engine.stage([vfile, ...])   # decode, translate, gather old values, new values,
                                           # per-tensor checksum partials; nothing is written
-    verify_partials(sums, [staged.partials, ...], header)   # all ranks together; raises on mismatch
+    checksums.verify_partials(sums, [staged.partials, ...], header)   # all ranks; raises on mismatch
     engine.commit(staged)                 # the pause: one fused scatter per element width
     engine.rollback(staged)               # restore the previous bits exactly
 
@@ -17,7 +17,13 @@ builder the first time an engine is created on a machine, ~30 s, then cached) wh
 "triton"; on CPU the torch path. `backend=` or VLLM_DELTA_SCATTER_BACKEND chooses. Kernels are
 compiled/loaded during `stage` (a no-op write of one block), never inside `commit`.
 
-Staging (everything but the write) runs on a side CUDA stream while the server keeps generating:
+The engine orchestrates; the pieces live beside it: `layout.DeviceLayout` (HF positions -> local
+targets, vectorized), `staging.Decoder` (file -> changes on the device), `chain.merge_chain`
+(several versions -> one set of final bits), `scatter` (plans and kernels), and the checksum
+arithmetic in `vllm_delta.checksums`.
+
+Staging (everything but the write) runs on the engine's one side CUDA stream while the server keeps
+generating (callers must not wrap it in a stream of their own):
 read + zstd decode on a thread pool into pinned memory, one host-to-device copy, then on the
 device, chunk by chunk (bounded memory): positions from gaps, HF -> local translation (vectorized
 over all tensors), the live bits at the changed places (the rollback buffer), new bits from ULP
@@ -32,22 +38,22 @@ NotSuccessorError (stage again).
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from dataclasses import dataclass, field
 
 import torch
 
 from .. import codec as codecs
-from ..checksum import MASK64, positional_sum
-from ..errors import ChecksumMismatchError, NotSuccessorError, ShapeMismatchError, UnsupportedModelError
-from ..format import VersionFile, VersionHeader
+from ..bits import INT_DTYPE, wrap_add
+from ..checksums import MASK64, partial_terms, positional_sum
+from ..errors import NotSuccessorError, ShapeMismatchError, UnsupportedModelError
+from ..format import TensorEntry, VersionFile, VersionHeader
 from . import scatter as scatter_ops
-from .layout import Layout, hf_2d
-from .staging import CHUNK_ELEMS, Chunk, Decoder, Item
+from .chain import merge_chain
+from .layout import DeviceLayout, Layout, Segment, Selection
+from .staging import CHUNK_ELEMS, Chunk, Decoder, changed_items
 
-_K_SIGNED = 0x9E3779B97F4A7C15 - (1 << 64)  # checksum weight constant (docs/FORMAT.md), as an int64
-_UMASK = {2: 0xFFFF, 4: 0xFFFFFFFF}
-_INT = {2: torch.int16, 4: torch.int32}
 _STATE = itertools.count(1)
 
 
@@ -73,54 +79,36 @@ class StagedUpdate:
         return self.versions[-1]
 
 
-class _SegTable:
-    """Segment k of every HF tensor, as device arrays indexed by tensor (layout order)."""
-
-    FIELDS = ("target", "row0", "rows", "col0", "ccols", "dst", "drs", "dcs", "plo", "phi", "shift")
-
-    def __init__(self, layout: Layout, names: list[str], k: int, device):
-        rows = []
-        self.valid_h, self.full_h, self.rowbox_h, self.owner_h = [], [], [], []
-        for name in names:
-            segs = layout.segments.get(name, ())
-            r, cols = hf_2d(layout.hf_shapes[name])
-            if k < len(segs):
-                s = segs[k]
-                rowbox = s.col0 == 0 and s.cols == cols and s.dst_col_stride == 1 and s.dst_row_stride == cols
-                full = rowbox and s.row0 == 0 and s.rows == r
-                rows.append([s.target, s.row0, s.rows, s.col0, s.cols, s.dst_offset, s.dst_row_stride,
-                             s.dst_col_stride, s.row0 * cols, (s.row0 + s.rows) * cols, s.dst_offset - s.row0 * cols])
-                self.valid_h.append(True)
-                self.full_h.append(full)
-                self.rowbox_h.append(rowbox)
-                self.owner_h.append(bool(s.owner))
-            else:
-                rows.append([0] * len(self.FIELDS))
-                self.valid_h += [False]
-                self.full_h += [False]
-                self.rowbox_h += [False]
-                self.owner_h += [False]
-        t = torch.tensor(rows, dtype=torch.int64).reshape(len(names), len(self.FIELDS)).T.contiguous().to(device)
-        for i, f in enumerate(self.FIELDS):
-            setattr(self, f, t[i])
-        self.valid = torch.tensor(self.valid_h, dtype=torch.bool, device=device)
-        self.owner = torch.tensor(self.owner_h, dtype=torch.bool, device=device)
-
-
-@dataclass
-class _Sel:
-    mask: torch.Tensor | None  # elements in this segment (None: all)
-    tid: torch.Tensor  # int64 target index per element
-    local: torch.Tensor  # int64 target-local offset per element
-    owner: torch.Tensor | bool
-
-
-class _Out:
+class _Outputs:
     """Staged output of one element width, accumulated chunk by chunk."""
 
-    def __init__(self):
-        self.plans, self.new, self.old = [], [], []
-        self.ids, self.offs = [], []
+    def __init__(self) -> None:
+        self.plans: list[scatter_ops.ScatterPlan] = []
+        self.new: list[torch.Tensor] = []
+        self.old: list[torch.Tensor] = []
+        self.targets: list[torch.Tensor] = []  # grouped plans: target index per element
+        self.offsets: list[torch.Tensor] = []  # grouped plans: target offset per element
+
+
+class _Run:
+    """The state of one `stage` call: checksum partials, outputs by width, timings, peak memory."""
+
+    def __init__(self, engine: ApplyEngine, staged: StagedUpdate):
+        self.engine = engine
+        self.staged = staged
+        self.timings = staged.timings
+        self.sums = torch.zeros(len(engine.dlayout.names), dtype=torch.int64, device=engine.device)
+        self.outs: dict[int, _Outputs] = {}
+        self.changed: set[int] = set()  # indices of the HF tensors the update touches
+        self.mem0 = engine._mem()
+        self.peak = self.mem0
+
+    def note_mem(self) -> None:
+        self.peak = max(self.peak, self.engine._mem())
+
+    def span(self, key: str, t0: float) -> float:
+        self.engine._sync_stream()
+        return _span(self.timings, key, t0)
 
 
 class ApplyEngine:
@@ -158,37 +146,18 @@ class ApplyEngine:
         self.fused = self.backend != "torch"
         self.block = block
         self.chunk_elems = chunk_elems
-        # HF tensors in layout order; virtual offsets give every element one global id (chains).
-        self._names = list(layout.hf_shapes)
-        self._index = {n: i for i, n in enumerate(self._names)}
-        numels = [hf_2d(layout.hf_shapes[n])[0] * hf_2d(layout.hf_shapes[n])[1] for n in self._names]
-        self._vstart_h = [0] + list(itertools.accumulate(numels))[:-1]
-        self._vstart = torch.tensor(self._vstart_h, dtype=torch.int64, device=self.device)
-        self._cols = torch.tensor([hf_2d(layout.hf_shapes[n])[1] for n in self._names], dtype=torch.int64,
-                                  device=self.device)
-        _check_layout(layout, self.flats)
-        kmax = max([len(s) for s in layout.segments.values()] + [1])
-        self._tables = [_SegTable(layout, self._names, k, self.device) for k in range(kmax)]
-        # Fused addressing, per element width: the base tensor and every target's offset from it.
-        self._base: dict[int, int] = {}
-        self._tbase: dict[int, torch.Tensor] = {}
-        self._tbase_h: dict[int, list[int]] = {}
-        self._wflats: dict[int, list] = {}
+        layout.check([f.numel() for f in self.flats])
+        self.dlayout = DeviceLayout(layout, self.device)
+        self._addressing: dict[int, scatter_ops.FusedAddressing] = {}
         for width in {f.element_size() for f in self.flats}:
-            ids = [i for i, f in enumerate(self.flats) if f.element_size() == width and f.device == self.device]
-            if not ids:
-                continue
-            b, deltas = scatter_ops.address_base([self.flats[i] for i in ids])
-            self._base[width] = ids[b]
-            tb = [0] * len(self.flats)
-            for i, d in zip(ids, deltas):
-                tb[i] = d
-            self._tbase_h[width] = tb
-            self._tbase[width] = torch.tensor(tb, dtype=torch.int64, device=self.device)
-            keep = set(ids)
-            self._wflats[width] = [f if i in keep else None for i, f in enumerate(self.flats)]
+            addressing = scatter_ops.FusedAddressing.of(self.flats, width, self.device)
+            if addressing is not None:
+                self._addressing[width] = addressing
         self._decoder = Decoder(self.device, chunk_elems, threads)
+        # The one side stream of staging (decode, translation, plans): ordered against the commit
+        # by the synchronization at the end of `stage`.
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._stage_lock = threading.Lock()  # one staging at a time: the decoder's buffers are shared
         self._state = 0
         self._warm: set = set()
 
@@ -204,19 +173,19 @@ class ApplyEngine:
             out[name] = total & MASK64
         return out
 
-    def _segment_sum(self, name, seg) -> int:
-        _, cols = hf_2d(self.layout.hf_shapes[name])
+    def _segment_sum(self, name: str, seg: Segment) -> int:
         flat = self.flats[seg.target]
-        if seg.col0 == 0 and seg.cols == cols and seg.dst_col_stride == 1 and seg.dst_row_stride == cols:
-            n = seg.rows * cols  # a contiguous run of the target
+        if self.layout.is_row_run(name, seg):
+            cols = self.layout.hf_shapes[name][-1] if self.layout.hf_shapes[name] else 1
+            n = seg.rows * seg.cols
             return positional_sum(flat[seg.dst_offset : seg.dst_offset + n], seg.row0 * cols)
         total = 0
-        for pos, dst in _segment_blocks(self.layout, name, seg, flat.device):
+        for pos, dst in self.layout.segment_blocks(name, seg, flat.device):
             total += positional_sum(flat[dst], pos)
         return total & MASK64
 
     # -- staging ---------------------------------------------------------------------------
-    def _check_entry(self, header: VersionHeader, name: str, entry) -> None:
+    def _check_entry(self, header: VersionHeader, name: str, entry: TensorEntry) -> None:
         shape = self.layout.hf_shapes.get(name)
         if shape is None:
             raise UnsupportedModelError(
@@ -258,131 +227,96 @@ class ApplyEngine:
             backend=self.backend,
             base_state=self._state,
         )
-        timings = staged.timings
-        mem0 = self._mem()
-        self._mem_peak = mem0
-        self._acc = torch.zeros(len(self._names), dtype=torch.int64, device=self.device)
-        changed: set[int] = set()
-        outs: dict[int, _Out] = {}
-        with self._stream_ctx():
-            if len(files) == 1 and files[0].header.kind == "delta":
-                vf = files[0]
-                for width, items in self._items(vf).items():
-                    changed.update(it.index for it in items)
-                    for chunk in self._decoder.decode(vf.version, vf.header.codec, items, width, timings):
-                        self._emit(outs, width, chunk.t_idx, chunk.p, chunk.runs, chunk, timings)
-                        self._note_mem()
-            else:
-                pending = self._stage_chain(files, timings, changed)
-                for width, (P, new) in pending.items():
-                    for s in range(0, P.numel(), self.chunk_elems):
-                        p_glob, nb = P[s : s + self.chunk_elems], new[s : s + self.chunk_elems]
-                        t_idx = torch.searchsorted(self._vstart, p_glob, right=True) - 1
-                        uniq, counts = torch.unique_consecutive(t_idx, return_counts=True)
-                        runs = list(zip(uniq.tolist(), counts.tolist()))
-                        self._emit(outs, width, t_idx, p_glob - self._vstart[t_idx], runs, nb, timings)
-                        self._note_mem()
+        with self._stage_lock, self._stream_ctx():
+            run = _Run(self, staged)
+            self._stage_changes(run, files)
             t0 = time.perf_counter()
-            self._finish(staged, outs)
+            self._finish(run)
             self._sync_stream()
-            t0 = _span(timings, "plan", t0)
-            acc = self._acc.tolist()
-            staged.partials = {self._names[i]: acc[i] & MASK64 for i in sorted(changed)}
-            self._note_mem()
-        self._acc = None
+            _span(run.timings, "plan", t0)
+            sums = run.sums.tolist()
+            staged.partials = {self.dlayout.names[i]: sums[i] & MASK64 for i in sorted(run.changed)}
+            run.note_mem()
         staged.memory = {
-            "device_peak_bytes": max(0, self._mem_peak - mem0),
+            "device_peak_bytes": max(0, run.peak - run.mem0),
             "device_held_bytes": staged.bytes,
             "host_bytes": self._decoder.host_bytes,
         }
-        timings["total"] = (time.perf_counter() - t_start) * 1e3
+        staged.timings["total"] = (time.perf_counter() - t_start) * 1e3
         return staged
 
-    def _items(self, vf: VersionFile) -> dict[int, list[Item]]:
-        """Changed tensors this engine holds any of, by element width, in layout order."""
-        h = vf.header
-        by_width: dict[int, list[Item]] = {}
-        for name, entry in h.tensors.items():
-            if not entry.nnz or not self.layout.segments.get(name):
-                continue
-            item = Item(
-                index=self._index[name],
-                name=name,
-                numel=entry.numel,
-                nnz=entry.nnz,
-                enc=entry.enc,
-                parts=vf.parts(name),
-                dtype=entry.torch_dtype,
-            )
-            by_width.setdefault(entry.torch_dtype.itemsize, []).append(item)
-        for items in by_width.values():
-            items.sort(key=lambda it: it.index)
-        return by_width
+    def _stage_changes(self, run: _Run, files: list[VersionFile]) -> None:
+        """Decode (and for chains, merge) the versions' changes and emit them chunk by chunk."""
+        if len(files) == 1 and files[0].header.kind == "delta":
+            vf = files[0]
+            for width, items in changed_items(vf, self.dlayout).items():
+                run.changed.update(it.index for it in items)
+                for chunk in self._decoder.decode(vf.version, vf.header.codec, items, width, run.timings):
+                    self._emit(run, width, chunk.t_idx, chunk.p, chunk.runs, chunk)
+                    run.note_mem()
+            return
+        pending = merge_chain(
+            files, self.dlayout, self._decoder, self._live, self._read_target, run.timings, run.changed
+        )
+        for width, (ids, new) in pending.items():
+            for s in range(0, ids.numel(), self.chunk_elems):
+                t_idx, p, runs = self.dlayout.split_global(ids[s : s + self.chunk_elems])
+                self._emit(run, width, t_idx, p, runs, new[s : s + self.chunk_elems])
+                run.note_mem()
 
-    # -- translation: HF positions -> (target, local offset) per segment -------------------------
-    def _translate(self, t_idx: torch.Tensor, p: torch.Tensor, tensors: list[int]) -> list[_Sel]:
-        out = []
-        for tab in self._tables:
-            if not any(tab.valid_h[t] for t in tensors):
-                continue
-            tid = tab.target[t_idx]
-            owners = {tab.owner_h[t] for t in tensors if tab.valid_h[t]}
-            owner = owners.pop() if len(owners) == 1 else tab.owner[t_idx]
-            if all(tab.valid_h[t] and tab.full_h[t] for t in tensors):
-                out.append(_Sel(None, tid, p + tab.shift[t_idx], owner))
-            elif all(tab.valid_h[t] and tab.rowbox_h[t] for t in tensors):
-                mask = (p >= tab.plo[t_idx]) & (p < tab.phi[t_idx])
-                out.append(_Sel(mask, tid, p + tab.shift[t_idx], owner))
-            else:
-                cols = self._cols[t_idx]
-                r = torch.div(p, cols, rounding_mode="floor")
-                c = p - r * cols
-                row0, col0 = tab.row0[t_idx], tab.col0[t_idx]
-                mask = (
-                    tab.valid[t_idx]
-                    & (r >= row0)
-                    & (r < row0 + tab.rows[t_idx])
-                    & (c >= col0)
-                    & (c < col0 + tab.ccols[t_idx])
-                )
-                local = tab.dst[t_idx] + (r - row0) * tab.drs[t_idx] + (c - col0) * tab.dcs[t_idx]
-                out.append(_Sel(mask, tid, local.masked_fill_(~mask, 0), owner))
-        return out
-
+    # -- live bits -------------------------------------------------------------------------------
     def _gather(self, width: int, tid: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
         """Live bits at (target, local offset) pairs of one width."""
         if self.fused:
-            addr = self._tbase[width][tid] + local
-            return scatter_ops.gather_at(self.flats[self._base[width]], addr, self.backend)
-        out = torch.empty(local.numel(), dtype=_INT[width], device=local.device)
+            return self._addressing[width].gather(tid, local, self.backend)
+        out = torch.empty(local.numel(), dtype=INT_DTYPE[width], device=local.device)
         if local.numel():
             for t in torch.unique(tid).tolist():
                 m = tid == t
                 out[m] = self.flats[t][local[m]]
         return out
 
-    def _emit(self, outs, width, t_idx, p, runs, source, timings) -> None:
-        """Translate one chunk, read the live bits, make the new bits, checksum partials, plan it.
+    def _live(self, width: int, sels: list[Selection], n: int) -> torch.Tensor:
+        """Live bits of a chunk's elements, read through the first segment holding each (else 0)."""
+        live = torch.zeros(n, dtype=INT_DTYPE[width], device=self.device)
+        keep = torch.zeros(n, dtype=torch.bool, device=self.device)
+        for s in sels:
+            sel = (s.mask if s.mask is not None else torch.ones_like(keep)) & ~keep
+            idx = sel.nonzero().reshape(-1)
+            if idx.numel():
+                live[idx] = self._gather(width, s.target[idx], s.offset[idx])
+            keep |= sel
+        return live
 
-        `source`: a decoded Chunk (new bits from its values or diffs) or a tensor of new bits."""
+    def _read_target(self, target: int, offsets: torch.Tensor) -> torch.Tensor:
+        return self.flats[target][offsets]
+
+    # -- one chunk: translate, gather, new bits, partials, plan ----------------------------------
+    def _emit(self, run: _Run, width: int, t_idx, p, runs, source: Chunk | torch.Tensor) -> None:
+        """`source`: a decoded Chunk (new bits from its values or diffs) or a tensor of new bits."""
         t0 = time.perf_counter()
         tensors = [t for t, m in runs if m]
-        sels = self._translate(t_idx, p, tensors)
-        t0 = self._span(timings, "translate", t0)
-        n = p.numel()
-        # Live bits through the first segment holding each element (elements held nowhere: 0).
+        sels = self.dlayout.translate(t_idx, p, tensors)
+        t0 = run.span("translate", t0)
         if not sels:
             return
+        n = p.numel()
         if sels[0].mask is None:
-            live = self._gather(width, sels[0].tid, sels[0].local)
+            live = self._gather(width, sels[0].target, sels[0].offset)
         else:
             live = self._live(width, sels, n)
         if isinstance(source, Chunk):
-            new = source.values if source.values is not None else _add_wrap(live, source.diffs, width)
+            new = source.values if source.values is not None else wrap_add(live, source.diffs, width)
         else:
             new = source
-        t0 = self._span(timings, "gather", t0)
-        # Checksum partials over owned elements: Σ w(p) (bits(new) - bits(old)).
+        t0 = run.span("gather", t0)
+        self._add_partials(run, sels, runs, p, new, live)
+        t0 = run.span("partials", t0)
+        self._plan(run, width, sels, new, live)
+        run.span("plan", t0)
+
+    def _add_partials(self, run: _Run, sels: list[Selection], runs, p, new, live) -> None:
+        """Per HF tensor, Σ w(p)(new - old) over the elements this rank owns."""
         owned, everything = None, False
         for s in sels:
             if s.owner is False:
@@ -394,68 +328,56 @@ class ApplyEngine:
                 everything = True
                 break
             owned = m if owned is None else owned | m
-        if not everything and owned is None:
-            owned = torch.zeros(n, dtype=torch.bool, device=p.device)
-        umask = _UMASK[width]
-        delta = (new.to(torch.int64) & umask) - (live.to(torch.int64) & umask)
-        term = (p + 1).mul_(_K_SIGNED).mul_(delta)
+        term = partial_terms(p.clone(), new, live)
         if not everything:
-            term.masked_fill_(~owned, 0)
-        # per-tensor sums: elements of a tensor are consecutive, so prefix sums at run ends (no atomics)
+            term.masked_fill_(~owned if owned is not None else torch.ones_like(term, dtype=torch.bool), 0)
+        # Elements of a tensor are consecutive: per-tensor sums from prefix sums at run ends (no atomics).
         runs = [(t, m) for t, m in runs if m]
         meta = torch.tensor([t for t, _ in runs] + list(itertools.accumulate(m for _, m in runs)), dtype=torch.int64)
         meta = meta.to(p.device, non_blocking=True)
         ends = torch.cumsum(term, 0)[meta[len(runs) :] - 1]
-        self._acc.index_add_(0, meta[: len(runs)], torch.cat([ends[:1], ends[1:] - ends[:-1]]))
-        del term, delta
-        t0 = self._span(timings, "partials", t0)
-        # Plan: every segment holding an element gets it; rollback bits read through that segment.
-        out = outs.setdefault(width, _Out())
+        run.sums.index_add_(0, meta[: len(runs)], torch.cat([ends[:1], ends[1:] - ends[:-1]]))
+
+    def _plan(self, run: _Run, width: int, sels: list[Selection], new, live) -> None:
+        """Every segment holding an element gets it; rollback bits are read through that segment."""
+        out = run.outs.setdefault(width, _Outputs())
         for k, s in enumerate(sels):
             if s.mask is None:
-                tid, local, nb = s.tid, s.local, new
+                tid, local, nb = s.target, s.offset, new
                 ob = live if k == 0 else self._gather(width, tid, local)
             else:
                 idx = s.mask.nonzero().reshape(-1)
                 if not idx.numel():
                     continue
-                tid, local, nb = s.tid[idx], s.local[idx], new[idx]
+                tid, local, nb = s.target[idx], s.offset[idx], new[idx]
                 ob = live[idx] if k == 0 else self._gather(width, tid, local)
             if self.fused:
-                plan = scatter_ops.fused_plan(
-                    self._wflats[width],
-                    self.flats[self._base[width]],
-                    self._tbase_h[width],
-                    self._tbase[width],
-                    tid,
-                    local,
-                    block=self.block,
-                )
+                plan = self._addressing[width].plan(tid, local, block=self.block)
                 out.plans.append(plan)
                 out.new.append(plan.arrange(nb))
                 out.old.append(plan.arrange(ob))
             else:
-                out.ids.append(tid)
-                out.offs.append(local)
+                out.targets.append(tid)
+                out.offsets.append(local)
                 out.new.append(nb)
                 out.old.append(ob)
-        self._span(timings, "plan", t0)
 
-    def _finish(self, staged: StagedUpdate, outs: dict[int, _Out]) -> None:
-        for width in sorted(outs):
-            out = outs[width]
+    def _finish(self, run: _Run) -> None:
+        staged = run.staged
+        for width in sorted(run.outs):
+            out = run.outs[width]
             if self.fused:
                 if not out.plans:
                     continue
                 plan = scatter_ops.cat_plans(out.plans)
                 new, old = _cat(out.new), _cat(out.old)
-                out.plans = out.new = out.old = None
                 self._warmup(plan, old)
             else:
-                if not out.ids:
+                if not out.targets:
                     continue
-                plan = scatter_ops.build_plan(self.targets, _cat(out.ids), _cat(out.offs))
+                plan = scatter_ops.build_plan(self.targets, _cat(out.targets), _cat(out.offsets))
                 new, old = plan.arrange(_cat(out.new)), plan.arrange(_cat(out.old))
+            run.outs[width] = _Outputs()  # drop the chunk pieces before the next width
             staged.plans.append(plan)
             staged.new_bits.append(new)
             staged.old_bits.append(old)
@@ -482,74 +404,6 @@ class ApplyEngine:
         )
         scatter_ops.scatter_(first, old[: plan.block], self.backend)
         self._warm.add(key)
-
-    # -- chains: several versions (and anchors) in one update ------------------------------------
-    def _stage_chain(self, files, timings, changed) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-        """{width: (sorted global ids V[t] + p, final new bits)} over every version of the chain."""
-        pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        for vf in files:
-            if vf.header.kind == "anchor":
-                pending = self._anchor_changes(vf, changed)
-                continue
-            for width, items in self._items(vf).items():
-                changed.update(it.index for it in items)
-                ps, news = [], []
-                prev = pending.get(width)
-                for chunk in self._decoder.decode(vf.version, vf.header.codec, items, width, timings):
-                    P = self._vstart[chunk.t_idx] + chunk.p
-                    if chunk.values is not None:
-                        new = chunk.values
-                    else:
-                        sels = self._translate(chunk.t_idx, chunk.p, chunk.tensors)
-                        live = self._live(width, sels, chunk.p.numel())
-                        base = live
-                        if prev is not None and prev[0].numel():
-                            i = torch.searchsorted(prev[0], P).clamp_(max=prev[0].numel() - 1)
-                            hit = prev[0][i] == P
-                            base = torch.where(hit, prev[1][i], live)
-                        new = _add_wrap(base, chunk.diffs, width)
-                    ps.append(P)
-                    news.append(new)
-                if ps:
-                    pending[width] = _merge(prev, torch.cat(ps), torch.cat(news))
-        return pending
-
-    def _live(self, width, sels, n) -> torch.Tensor:
-        live = torch.zeros(n, dtype=_INT[width], device=self.device)
-        keep = torch.zeros(n, dtype=torch.bool, device=self.device)
-        for s in sels:
-            sel = (s.mask if s.mask is not None else torch.ones_like(keep)) & ~keep
-            idx = sel.nonzero().reshape(-1)
-            if idx.numel():
-                live[idx] = self._gather(width, s.tid[idx], s.local[idx])
-            keep |= sel
-        return live
-
-    def _anchor_changes(self, vf: VersionFile, changed) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-        """Elements whose anchor bits differ from the live bits, in global ids, by width."""
-        parts: dict[int, tuple[list, list]] = {}
-        for name in vf.header.tensors:
-            segs = self.layout.segments.get(name, ())
-            if not segs:
-                continue
-            t = self._index[name]
-            changed.add(t)
-            dense = codecs.int_view(vf.dense(name)).reshape(-1)
-            width = dense.element_size()
-            ps, vs = parts.setdefault(width, ([], []))
-            for seg in segs:
-                for pos, dst in _segment_blocks(self.layout, name, seg, self.device):
-                    live = self.flats[seg.target][dst]
-                    new = dense[pos.cpu()].to(self.device)
-                    diff = new != live
-                    if bool(diff.any()):
-                        ps.append(pos[diff] + self._vstart_h[t])
-                        vs.append(new[diff])
-        out = {}
-        for width, (ps, vs) in parts.items():
-            if ps:
-                out[width] = _merge(None, torch.cat(ps), torch.cat(vs))
-        return out
 
     # -- the pause -------------------------------------------------------------------------
     def commit(self, staged: StagedUpdate) -> float:
@@ -591,16 +445,12 @@ class ApplyEngine:
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
 
-    # -- bookkeeping -----------------------------------------------------------------------------
-    def _span(self, timings: dict, key: str, t0: float) -> float:
-        self._sync_stream()
-        return _span(timings, key, t0)
-
     def _mem(self) -> int:
         return torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
 
-    def _note_mem(self) -> None:
-        self._mem_peak = max(self._mem_peak, self._mem())
+    def close(self) -> None:
+        """Stop the staging thread pool (the engine stays usable: it restarts on the next stage)."""
+        self._decoder.close()
 
 
 class _nullctx:
@@ -611,29 +461,6 @@ class _nullctx:
         return False
 
 
-def _check_layout(layout: Layout, flats: list[torch.Tensor]) -> None:
-    """Every segment's box lies in its HF tensor and its strided region in its target (so that the
-    engine can skip per-element range checks)."""
-    for name, segs in layout.segments.items():
-        if name not in layout.hf_shapes:
-            raise UnsupportedModelError(f"layout has segments for {name!r} but no shape")
-        rows, cols = hf_2d(layout.hf_shapes[name])
-        for s in segs:
-            if not 0 <= s.target < len(flats):
-                raise UnsupportedModelError(f"segment of {name!r} names target {s.target} of {len(flats)}")
-            if s.row0 < 0 or s.col0 < 0 or s.row0 + s.rows > rows or s.col0 + s.cols > cols:
-                raise UnsupportedModelError(f"segment box of {name!r} exceeds its shape {(rows, cols)}")
-            if not s.rows or not s.cols:
-                continue
-            ext = [(s.rows - 1) * s.dst_row_stride, (s.cols - 1) * s.dst_col_stride]
-            lo = s.dst_offset + sum(min(0, e) for e in ext)
-            hi = s.dst_offset + sum(max(0, e) for e in ext)
-            if lo < 0 or hi >= flats[s.target].numel():
-                raise UnsupportedModelError(
-                    f"segment of {name!r} reaches outside its target ({flats[s.target].numel()} elements)"
-                )
-
-
 def _span(timings: dict, key: str, t0: float) -> float:
     t1 = time.perf_counter()
     timings[key] = timings.get(key, 0.0) + (t1 - t0) * 1e3
@@ -642,48 +469,3 @@ def _span(timings: dict, key: str, t0: float) -> float:
 
 def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts)
-
-
-def _add_wrap(bits: torch.Tensor, diffs: torch.Tensor, width: int) -> torch.Tensor:
-    """(bits + diffs) mod 2^(8·width), as the signed integer type of that width."""
-    wide = torch.int32 if width == 2 else torch.int64
-    return (bits.to(wide) + diffs.to(wide)).to(_INT[width])
-
-
-def _segment_blocks(layout: Layout, name: str, seg, device, block_elems: int = 1 << 22):
-    """(HF positions, target offsets) of a segment in row blocks, bounding temporary memory."""
-    _, cols = hf_2d(layout.hf_shapes[name])
-    block = max(1, block_elems // max(seg.cols, 1))
-    c = torch.arange(seg.cols, dtype=torch.int64, device=device)
-    for r0 in range(0, seg.rows, block):
-        r = torch.arange(r0, min(seg.rows, r0 + block), dtype=torch.int64, device=device).unsqueeze(1)
-        yield (
-            ((seg.row0 + r) * cols + seg.col0 + c).reshape(-1),
-            (seg.dst_offset + r * seg.dst_row_stride + c * seg.dst_col_stride).reshape(-1),
-        )
-
-
-def _merge(prev, pos, new):
-    """Union of pending changes (global ids, sorted); later values win."""
-    if prev is not None and prev[0].numel():
-        pos = torch.cat([prev[0], pos])
-        new = torch.cat([prev[1], new])
-    order = torch.sort(pos, stable=True).indices
-    pos, new = pos[order], new[order]
-    last = torch.ones_like(pos, dtype=torch.bool)
-    last[:-1] = pos[1:] != pos[:-1]
-    return pos[last], new[last]
-
-
-def verify_partials(current_sums: dict[str, int], partials: list[dict[str, int]], expected: VersionHeader) -> None:
-    """Check that current per-tensor sums plus every rank's staged partials give the header's sums."""
-    for name, entry in expected.tensors.items():
-        have = current_sums.get(name, 0)
-        for p in partials:
-            have += p.get(name, 0)
-        if (have & MASK64) != int(entry.checksum, 16):
-            raise ChecksumMismatchError(
-                f"staged result would have checksum {have & MASK64:016x}, the publisher recorded {entry.checksum}",
-                version=expected.version,
-                tensor=name,
-            )

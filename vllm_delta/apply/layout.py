@@ -14,9 +14,14 @@ element that counts in checksums (replicated tensors exist on every tensor-paral
 
 from __future__ import annotations
 
+import itertools
+import math
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
+
+from ..errors import UnsupportedModelError
 
 
 @dataclass(frozen=True)
@@ -88,3 +93,171 @@ class Layout:
         pos = ((seg.row0 + r) * cols + seg.col0 + c).reshape(-1)
         dst = (seg.dst_offset + r * seg.dst_row_stride + c * seg.dst_col_stride).reshape(-1)
         return pos, dst
+
+    def segment_blocks(self, name: str, seg: Segment, device=None, block_elems: int = 1 << 22):
+        """`segment_elements` in row blocks of about `block_elems`, bounding temporary memory."""
+        _, cols = hf_2d(self.hf_shapes[name])
+        block = max(1, block_elems // max(seg.cols, 1))
+        c = torch.arange(seg.cols, dtype=torch.int64, device=device)
+        for r0 in range(0, seg.rows, block):
+            r = torch.arange(r0, min(seg.rows, r0 + block), dtype=torch.int64, device=device).unsqueeze(1)
+            yield (
+                ((seg.row0 + r) * cols + seg.col0 + c).reshape(-1),
+                (seg.dst_offset + r * seg.dst_row_stride + c * seg.dst_col_stride).reshape(-1),
+            )
+
+    def is_row_run(self, name: str, seg: Segment) -> bool:
+        """Whole rows of the HF tensor, contiguous in the target: one flat run on both sides."""
+        _, cols = hf_2d(self.hf_shapes[name])
+        return seg.col0 == 0 and seg.cols == cols and seg.dst_col_stride == 1 and seg.dst_row_stride == cols
+
+    def check(self, target_numels: list[int]) -> None:
+        """Every segment's box lies in its HF tensor and its strided region in its target (so that
+        the apply engine can skip per-element range checks). Raises UnsupportedModelError."""
+        for name, segs in self.segments.items():
+            if name not in self.hf_shapes:
+                raise UnsupportedModelError(f"layout has segments for {name!r} but no shape")
+            rows, cols = hf_2d(self.hf_shapes[name])
+            for s in segs:
+                if not 0 <= s.target < len(target_numels):
+                    raise UnsupportedModelError(f"segment of {name!r} names target {s.target} of {len(target_numels)}")
+                if s.row0 < 0 or s.col0 < 0 or s.row0 + s.rows > rows or s.col0 + s.cols > cols:
+                    raise UnsupportedModelError(f"segment box of {name!r} exceeds its shape {(rows, cols)}")
+                if not s.rows or not s.cols:
+                    continue
+                ext = [(s.rows - 1) * s.dst_row_stride, (s.cols - 1) * s.dst_col_stride]
+                lo = s.dst_offset + sum(min(0, e) for e in ext)
+                hi = s.dst_offset + sum(max(0, e) for e in ext)
+                if lo < 0 or hi >= target_numels[s.target]:
+                    raise UnsupportedModelError(
+                        f"segment of {name!r} reaches outside its target ({target_numels[s.target]} elements)"
+                    )
+
+
+# -- the layout on a device: vectorized translation of many positions at once ----------------------
+
+
+class Selection(NamedTuple):
+    """The elements of a chunk that one segment slot holds, and where they go."""
+
+    mask: torch.Tensor | None  # bool per chunk element: held by this slot (None: all of them)
+    target: torch.Tensor  # int64 per element: target index
+    offset: torch.Tensor  # int64 per element: element offset in the target (0 where not held)
+    owner: torch.Tensor | bool  # counts in checksums: per element, or one value for the whole chunk
+
+
+class SegmentTable:
+    """Segment slot k of every HF tensor (layout order) as device arrays, plus host-side flags."""
+
+    def __init__(self, layout: Layout, names: list[str], k: int, device: torch.device):
+        columns: dict[str, list[int]] = {f: [] for f in _TABLE_FIELDS}
+        self.valid: list[bool] = []  # the tensor has a k-th segment
+        self.full: list[bool] = []  # ... which is the whole tensor as one flat run
+        self.row_run: list[bool] = []  # ... which is whole rows as one flat run
+        self.owner: list[bool] = []
+        for name in names:
+            segs = layout.segments.get(name, ())
+            rows, cols = hf_2d(layout.hf_shapes[name])
+            s = segs[k] if k < len(segs) else None
+            run = s is not None and layout.is_row_run(name, s)
+            self.valid.append(s is not None)
+            self.row_run.append(run)
+            self.full.append(run and s is not None and s.row0 == 0 and s.rows == rows)
+            self.owner.append(s is not None and s.owner)
+            if s is None:
+                s = Segment(0, 0, 0, 0, 0, 0, 0, 0)
+            values = {
+                "target": s.target,
+                "row0": s.row0,
+                "rows": s.rows,
+                "col0": s.col0,
+                "cols": s.cols,
+                "dst_offset": s.dst_offset,
+                "dst_row_stride": s.dst_row_stride,
+                "dst_col_stride": s.dst_col_stride,
+                # row runs: HF positions [pos_lo, pos_hi) go to target offset p + shift
+                "pos_lo": s.row0 * cols,
+                "pos_hi": (s.row0 + s.rows) * cols,
+                "shift": s.dst_offset - s.row0 * cols,
+            }
+            for f in _TABLE_FIELDS:
+                columns[f].append(values[f])
+        self.arrays = {
+            f: torch.tensor(v, dtype=torch.int64).to(device) for f, v in columns.items()
+        }  # name -> int64 per tensor
+        self.valid_t = torch.tensor(self.valid, dtype=torch.bool, device=device)
+        self.owner_t = torch.tensor(self.owner, dtype=torch.bool, device=device)
+
+
+_TABLE_FIELDS = (
+    "target",
+    "row0",
+    "rows",
+    "col0",
+    "cols",
+    "dst_offset",
+    "dst_row_stride",
+    "dst_col_stride",
+    "pos_lo",
+    "pos_hi",
+    "shift",
+)
+
+
+class DeviceLayout:
+    """A `Layout` on a device: HF tensors in layout order, and (tensor index, HF position) pairs
+    translated to (target, offset) for a whole chunk of elements at once.
+
+    Every element of every HF tensor also has one *global id*: its tensor's start in the
+    concatenation of all tensors (layout order) plus its position (chains merge by global id)."""
+
+    def __init__(self, layout: Layout, device: torch.device):
+        self.layout = layout
+        self.device = device
+        self.names = list(layout.hf_shapes)
+        self.index = {n: i for i, n in enumerate(self.names)}
+        numels = [math.prod(hf_2d(layout.hf_shapes[n])) for n in self.names]
+        self.starts = [0, *itertools.accumulate(numels)][:-1]
+        self.starts_t = torch.tensor(self.starts, dtype=torch.int64, device=device)
+        cols = [hf_2d(layout.hf_shapes[n])[1] for n in self.names]
+        self.cols_t = torch.tensor(cols, dtype=torch.int64, device=device)
+        slots = max([len(s) for s in layout.segments.values()] + [1])
+        self.tables = [SegmentTable(layout, self.names, k, device) for k in range(slots)]
+
+    def split_global(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, int]]]:
+        """Sorted global ids -> (tensor index, position, runs of (tensor index, count))."""
+        t_idx = torch.searchsorted(self.starts_t, ids, right=True) - 1
+        uniq, counts = torch.unique_consecutive(t_idx, return_counts=True)
+        return t_idx, ids - self.starts_t[t_idx], list(zip(uniq.tolist(), counts.tolist()))
+
+    def translate(self, t_idx: torch.Tensor, p: torch.Tensor, tensors: list[int]) -> list[Selection]:
+        """One Selection per segment slot that any of `tensors` (the chunk's tensor indices) uses."""
+        out = []
+        for tab in self.tables:
+            if not any(tab.valid[t] for t in tensors):
+                continue
+            a = tab.arrays
+            target = a["target"][t_idx]
+            owners = {tab.owner[t] for t in tensors if tab.valid[t]}
+            owner: torch.Tensor | bool = owners.pop() if len(owners) == 1 else tab.owner_t[t_idx]
+            if all(tab.valid[t] and tab.full[t] for t in tensors):
+                out.append(Selection(None, target, p + a["shift"][t_idx], owner))
+            elif all(tab.valid[t] and tab.row_run[t] for t in tensors):
+                mask = (p >= a["pos_lo"][t_idx]) & (p < a["pos_hi"][t_idx])
+                out.append(Selection(mask, target, p + a["shift"][t_idx], owner))
+            else:
+                cols = self.cols_t[t_idx]
+                r = torch.div(p, cols, rounding_mode="floor")
+                c = p - r * cols
+                row0, col0 = a["row0"][t_idx], a["col0"][t_idx]
+                mask = (
+                    tab.valid_t[t_idx]
+                    & (r >= row0)
+                    & (r < row0 + a["rows"][t_idx])
+                    & (c >= col0)
+                    & (c < col0 + a["cols"][t_idx])
+                )
+                offset = a["dst_offset"][t_idx] + (r - row0) * a["dst_row_stride"][t_idx]
+                offset += (c - col0) * a["dst_col_stride"][t_idx]
+                out.append(Selection(mask, target, offset.masked_fill_(~mask, 0), owner))
+        return out

@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..checksum import bit_view
+from ..bits import bit_view
+from ..codec import segment_ids
 
 try:  # Triton is optional: CPU installs work without it (the torch path).
     import triton
@@ -112,19 +113,6 @@ class ScatterPlan:
         out = torch.full((self.size,), fill, dtype=values.dtype, device=values.device)
         out[self.slots] = values
         return out
-
-
-def segment_ids(counts: torch.Tensor, n: int) -> torch.Tensor:
-    """For segments of `counts` elements laid end to end (sum n): each element's segment index (int64).
-
-    `torch.repeat_interleave` runs one CUDA thread per segment, slow for a few long segments; this is
-    marks + prefix sum, parallel over elements."""
-    if n == 0:
-        return torch.zeros(0, dtype=torch.int64, device=counts.device)
-    marks = torch.zeros(n + 1, dtype=torch.int32, device=counts.device)
-    ends = torch.cumsum(counts.to(torch.int64), 0)
-    marks.index_add_(0, ends, torch.ones_like(ends, dtype=torch.int32))
-    return torch.cumsum(marks[:n], 0, dtype=torch.int64)
 
 
 def flat_bits(t: torch.Tensor) -> torch.Tensor:
@@ -249,9 +237,18 @@ def fused_plan(
     device = offs.device
     n = offs.numel()
     if not n:
-        return ScatterPlan(targets=flats, bounds=[], offsets=None, base=base, block=block,
-                           block_base=offs.new_zeros(0), rel=torch.zeros(0, dtype=torch.int32, device=device),
-                           slots=offs.new_zeros(0), target_base=tbase, count=0)
+        return ScatterPlan(
+            targets=flats,
+            bounds=[],
+            offsets=None,
+            base=base,
+            block=block,
+            block_base=offs.new_zeros(0),
+            rel=torch.zeros(0, dtype=torch.int32, device=device),
+            slots=offs.new_zeros(0),
+            target_base=tbase,
+            count=0,
+        )
     runs_at = torch.ones(n, dtype=torch.bool, device=device)
     torch.ne(ids[1:], ids[:-1], out=runs_at[1:])
     starts = runs_at.nonzero().reshape(-1)
@@ -292,6 +289,42 @@ def fused_plan(
         target_base=tbase,
         count=n,
     )
+
+
+@dataclass
+class FusedAddressing:
+    """How fused plans of one element width address a device's targets: every target's element
+    offset from the lowest-addressed one (the base), as a host list and a device tensor."""
+
+    flats: list[torch.Tensor | None]  # flat views of the targets of this width (None: other widths)
+    base: torch.Tensor  # the flat view of the lowest-addressed target
+    offsets: list[int]  # element offset of each target from `base` (0 for targets of other widths)
+    offsets_t: torch.Tensor  # the same, on the device
+
+    @classmethod
+    def of(cls, flats: list[torch.Tensor], width: int, device: torch.device) -> FusedAddressing | None:
+        """The addressing of `flats`' targets of `width` bytes on `device` (None if there are none)."""
+        ids = [i for i, f in enumerate(flats) if f.element_size() == width and f.device == device]
+        if not ids:
+            return None
+        b, deltas = address_base([flats[i] for i in ids])
+        offsets = [0] * len(flats)
+        for i, d in zip(ids, deltas):
+            offsets[i] = d
+        keep = set(ids)
+        return cls(
+            flats=[f if i in keep else None for i, f in enumerate(flats)],
+            base=flats[ids[b]],
+            offsets=offsets,
+            offsets_t=torch.tensor(offsets, dtype=torch.int64, device=device),
+        )
+
+    def plan(self, target_ids: torch.Tensor, offsets: torch.Tensor, *, block: int = BLOCK) -> ScatterPlan:
+        return fused_plan(self.flats, self.base, self.offsets, self.offsets_t, target_ids, offsets, block=block)
+
+    def gather(self, target_ids: torch.Tensor, offsets: torch.Tensor, backend: str | None = None) -> torch.Tensor:
+        """Live bits at (target, offset) pairs."""
+        return gather_at(self.base, self.offsets_t[target_ids] + offsets, backend)
 
 
 def cat_plans(plans: list[ScatterPlan]) -> ScatterPlan:
@@ -380,11 +413,11 @@ def _resolve(backend: str | None, device: torch.device) -> str:
 
 # -- Triton kernels --------------------------------------------------------------------------------
 if triton is not None:
-
     # n_blocks / n are not specialized on: the warm-up launch (one block) compiles what commit runs.
     @triton.jit(do_not_specialize=["n_blocks"])
-    def _scatter_blocks_kernel(base_ptr, block_base_ptr, rel_ptr, src_ptr, n_blocks, BLOCK: tl.constexpr,
-                               ROWS: tl.constexpr):
+    def _scatter_blocks_kernel(
+        base_ptr, block_base_ptr, rel_ptr, src_ptr, n_blocks, BLOCK: tl.constexpr, ROWS: tl.constexpr
+    ):
         rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         live = rows < n_blocks
         bb = tl.load(block_base_ptr + rows, mask=live, other=0)
@@ -395,8 +428,9 @@ if triton is not None:
         tl.store(base_ptr + (bb[:, None] + rel.to(tl.int64)), val, mask=rel >= 0)
 
     @triton.jit(do_not_specialize=["n_blocks"])
-    def _gather_blocks_kernel(base_ptr, block_base_ptr, rel_ptr, out_ptr, n_blocks, BLOCK: tl.constexpr,
-                              ROWS: tl.constexpr):
+    def _gather_blocks_kernel(
+        base_ptr, block_base_ptr, rel_ptr, out_ptr, n_blocks, BLOCK: tl.constexpr, ROWS: tl.constexpr
+    ):
         rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         live = rows < n_blocks
         bb = tl.load(block_base_ptr + rows, mask=live, other=0)

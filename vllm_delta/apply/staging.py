@@ -23,18 +23,19 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
 import zstandard
 
 from .. import codec as codecs
-from ..errors import CodecError, PositionError
-from .scatter import segment_ids
+from ..bits import INT_DTYPE, int_view
+from ..errors import PositionError
+from ..format import VersionFile
+from .layout import DeviceLayout
 
 CHUNK_ELEMS = 1 << 23  # changed elements decoded per device chunk (bounds temporary memory)
-_INT, _NP_INT = codecs.INT_DTYPE, codecs.NP_INT
-_GAP_ESCAPE, _DIFF_ESCAPE = codecs.GAP_ESCAPE, codecs.DIFF_ESCAPE
 
 
 @dataclass
@@ -69,8 +70,19 @@ class Chunk:
         return int(self.p.numel())
 
 
-def _err(exc_type, msg, version, name):
-    return exc_type(msg, version=version, tensor=name)
+class _FrameJob(NamedTuple):
+    """One compact frame to decompress, and where its output goes in the version's host buffers."""
+
+    item: int  # index into the decoded items
+    offset: int  # byte offset of the frame in its item's blob
+    frame: codecs.Frame
+    elem: int  # first element in the planes
+    gap_at: int  # first entry in the gap escape buffer
+    diff_at: int  # first entry in the value escape buffer
+
+
+def _ctx(version: int, name: str) -> dict:
+    return {"version": version, "tensor": name}
 
 
 def _threads() -> int:
@@ -138,89 +150,67 @@ class Decoder:
     # -- compact ---------------------------------------------------------------------------------
     def _compact(self, version, items, width, timings):
         t0 = time.perf_counter()
-        frames = []  # [item#, offset in blob, bytes, n, start, n_ge, n_de, elem, ge_at, de_at]
+        jobs: list[_FrameJob] = []
         blobs = []
         elem = ge_at = de_at = 0
         for k, it in enumerate(items):
-            blob, table = it.parts.get("blob"), it.enc.get("frames") if isinstance(it.enc, dict) else None
-            if blob is None or blob.dtype != torch.uint8 or not isinstance(table, list):
-                raise _err(CodecError, "compact payload lacks its 'blob' tensor or frame table", version, it.name)
-            try:
-                tab = np.array([[int(x) for x in f] for f in table], dtype=np.int64).reshape(-1, 5)
-            except (TypeError, ValueError) as exc:
-                raise _err(CodecError, f"malformed frame table: {exc}", version, it.name) from None
-            sizes, counts = tab[:, 0], tab[:, 1]
-            if (tab < 0).any() or int(sizes.sum()) != blob.numel() or int(counts.sum()) != it.nnz:
-                raise _err(
-                    CodecError,
-                    f"frame table covers {int(sizes.sum())} B / {int(counts.sum())} elements, payload has "
-                    f"{blob.numel()} B / header nnz {it.nnz}",
-                    version,
-                    it.name,
-                )
-            raw = memoryview(blob.numpy())
-            blobs.append(raw)
-            off = 0
-            for size, n, start, n_ge, n_de in tab.tolist():
-                frames.append([k, off, size, n, start, n_ge, n_de, elem, ge_at, de_at])
-                off, elem, ge_at, de_at = off + size, elem + n, ge_at + n_ge, de_at + n_de
+            blob = it.parts.get("blob")
+            frames = codecs.parse_frames(blob, it.enc, it.nnz, _ctx(version, it.name))
+            blobs.append(memoryview(blob.numpy()))
+            offset = 0
+            for f in frames:
+                jobs.append(_FrameJob(k, offset, f, elem, ge_at, de_at))
+                offset, elem = offset + f.nbytes, elem + f.count
+                ge_at, de_at = ge_at + f.gap_escapes, de_at + f.diff_escapes
         total = elem
         planes_t = self._host(3 * total, torch.uint8)
         ge_t = self._host(ge_at, torch.int64)
-        de_t = self._host(de_at, _INT[width])
+        de_t = self._host(de_at, INT_DTYPE[width])
         self.host_bytes = planes_t.numel() + ge_t.numel() * 8 + de_t.numel() * width
         planes, ge_all, de_all = planes_t.numpy(), ge_t.numpy(), de_t.numpy()
 
-        def work(fr):
-            k, off, size, n, _start, n_ge, n_de, e, ga, da = fr
-            want = 3 * n + 8 * n_ge + width * n_de
-            try:
-                buf = self._dctx().decompress(blobs[k][off : off + size], max_output_size=want)
-            except zstandard.ZstdError as exc:
-                return CodecError, f"zstd frame at byte {off} is corrupt: {exc}"
-            if len(buf) != want:
-                return CodecError, f"zstd frame at byte {off} holds {len(buf)} B, expected {want}"
-            src = np.frombuffer(buf, dtype=np.uint8)
-            planes[e : e + n] = src[:n]
-            planes[total + e : total + e + n] = src[n : 2 * n]
-            planes[2 * total + e : 2 * total + e + n] = src[2 * n : 3 * n]
-            if n_ge:
-                ge = np.frombuffer(buf, dtype="<i8", count=n_ge, offset=3 * n)
-                if int(ge.min()) < 0 or int(ge.max()) >= items[k].numel:
-                    return PositionError, f"gap escape out of range for {items[k].numel} elements"
-                ge_all[ga : ga + n_ge] = ge
-            if n_de:
-                de_all[da : da + n_de] = np.frombuffer(buf, dtype=_NP_INT[width], count=n_de, offset=3 * n + 8 * n_ge)
-            return None
+        def work(job: _FrameJob) -> None:
+            it, f, e = items[job.item], job.frame, job.elem
+            fa = codecs.decompress_frame(
+                self._dctx(), blobs[job.item], job.offset, f, width, it.numel, _ctx(version, it.name)
+            )
+            planes[e : e + f.count] = fa.gap_lo
+            planes[total + e : total + e + f.count] = fa.gap_hi
+            planes[2 * total + e : 2 * total + e + f.count] = fa.d8.view(np.uint8)
+            ge_all[job.gap_at : job.gap_at + f.gap_escapes] = fa.gap_esc
+            de_all[job.diff_at : job.diff_at + f.diff_escapes] = fa.diff_esc
 
         # Decompression runs ahead on the pool (frames in order) while this thread copies each
         # finished chunk to the device and decodes it there: host and device work overlap.
-        pooled = len(frames) > 1 and self.n_threads > 1
-        futures = [self.pool.submit(work, fr) for fr in frames] if pooled else None
+        pooled = len(jobs) > 1 and self.n_threads > 1
+        futures = [self.pool.submit(work, job) for job in jobs] if pooled else None
         dev = self.device
         nb = dev.type == "cuda"
-        last_seen: dict[int, int] = {}  # per tensor, the last position so far (frame order checks)
+        order = codecs.FrameOrder()  # per tensor, positions keep rising across frames and chunks
         try:
             i = 0
-            while i < len(frames):
+            while i < len(jobs):
                 j, size = i, 0
-                while j < len(frames) and (j == i or size + frames[j][3] <= self.chunk_elems):
-                    size += frames[j][3]
+                while j < len(jobs) and (j == i or size + jobs[j].frame.count <= self.chunk_elems):
+                    size += jobs[j].frame.count
                     j += 1
                 for f in range(i, j):
-                    res = futures[f].result() if pooled else work(frames[f])
-                    if res is not None:
-                        raise _err(res[0], res[1], version, items[frames[f][0]].name)
+                    if futures is not None:
+                        futures[f].result()
+                    else:
+                        work(jobs[f])
                 t0 = self._span(timings, "read", t0, sync=False)
-                frs = frames[i:j]
-                a, b = frs[0][7], frs[-1][7] + frs[-1][3]
+                chunk_jobs = jobs[i:j]
+                a, b = chunk_jobs[0].elem, chunk_jobs[-1].elem + chunk_jobs[-1].frame.count
+                ga, gb = chunk_jobs[0].gap_at, chunk_jobs[-1].gap_at + chunk_jobs[-1].frame.gap_escapes
+                da, db = chunk_jobs[0].diff_at, chunk_jobs[-1].diff_at + chunk_jobs[-1].frame.diff_escapes
                 lo = planes_t[a:b].to(dev, non_blocking=nb)
                 hi = planes_t[total + a : total + b].to(dev, non_blocking=nb)
                 d8 = planes_t[2 * total + a : 2 * total + b].to(dev, non_blocking=nb)
-                ge = ge_t[frs[0][8] : frs[-1][8] + frs[-1][5]].to(dev, non_blocking=nb)
-                de = de_t[frs[0][9] : frs[-1][9] + frs[-1][6]].to(dev, non_blocking=nb)
+                ge = ge_t[ga:gb].to(dev, non_blocking=nb)
+                de = de_t[da:db].to(dev, non_blocking=nb)
                 t0 = self._span(timings, "h2d", t0)
-                chunk = self._compact_chunk(version, items, frs, lo, hi, d8, ge, de, width, last_seen)
+                chunk = self._compact_chunk(version, items, chunk_jobs, lo, hi, d8, ge, de, width, order)
                 t0 = self._span(timings, "decode", t0)
                 if chunk is not None:
                     yield chunk
@@ -232,65 +222,36 @@ class Decoder:
                     fut.cancel()
             self._sync()  # the copies out of the pinned buffers are done before they are reused
 
-    def _compact_chunk(self, version, items, frs, lo, hi, d8, ge, de, width, last_seen):
-        dev = self.device
-        n = lo.numel()
-        # Per frame, host-side: chunk-relative element start, count.
-        fe = np.array([f[7] - frs[0][7] for f in frs], dtype=np.int64)
-        fn = np.array([f[3] for f in frs], dtype=np.int64)
-        if n == 0:
-            for f in frs:
-                self._check_frame_order(version, items, f, None, last_seen)
-            return None
-        g = lo.to(torch.int64).bitwise_or_(hi.to(torch.int64).bitwise_left_shift_(8))
-        d = d8.view(torch.int8).to(_INT[width])
-        for kind, codes, code, table, col in (("gap", g, _GAP_ESCAPE, ge, 5), ("value", d, _DIFF_ESCAPE, de, 6)):
-            at = (codes == code).nonzero().reshape(-1)
-            host_at = at.cpu().numpy()
-            per_frame = np.bincount(np.searchsorted(fe, host_at, side="right") - 1, minlength=len(frs))
-            bad = np.flatnonzero(per_frame != np.array([f[col] for f in frs]))
-            if bad.size:
-                name = items[frs[int(bad[0])][0]].name
-                raise _err(CodecError, f"{kind} escapes do not match their escape table", version, name)
-            if at.numel():
-                codes[at] = table.to(codes.dtype)
-        c = torch.cumsum(g.add_(1), 0)
-        del g
-        small = torch.tensor(
-            np.concatenate([fe, fn, np.array([f[4] for f in frs], dtype=np.int64),
-                            np.array([items[f[0]].index for f in frs], dtype=np.int64)])
-        ).to(dev, non_blocking=dev.type == "cuda")
-        k = len(frs)
-        fe_d, fn_d, starts, tensor_of_frame = small[:k], small[k : 2 * k], small[2 * k : 3 * k], small[3 * k :]
-        before = torch.where(fe_d > 0, c[(fe_d - 1).clamp_(min=0)], torch.zeros_like(fe_d))
-        seg = segment_ids(fn_d, n)  # frame of each element
-        p = c.add_((starts - 1 - before)[seg])
-        nonempty = np.flatnonzero(fn)
-        lasts = p[torch.from_numpy(fe[nonempty] + fn[nonempty] - 1).to(dev)].tolist()
-        last_of = dict(zip(nonempty.tolist(), lasts))
-        for i, f in enumerate(frs):
-            self._check_frame_order(version, items, f, last_of.get(i), last_seen)
-        t_idx = tensor_of_frame[seg]
-        runs: list[tuple[int, int]] = []
-        for f in frs:
-            t = items[f[0]].index
-            if runs and runs[-1][0] == t:
-                runs[-1] = (t, runs[-1][1] + f[3])
-            else:
-                runs.append((t, f[3]))
-        return Chunk(t_idx=t_idx, p=p, diffs=d, values=None, runs=runs)
+    def _compact_chunk(self, version, items, jobs, lo, hi, d8, ge, de, width, order) -> Chunk | None:
+        """Device decode of the frames of one chunk: positions and diffs, checked."""
 
-    @staticmethod
-    def _check_frame_order(version, items, f, last, last_seen):
-        k, start = f[0], f[4]
-        it = items[k]
-        prev = last_seen.get(k, -1)
-        if start <= prev:
-            raise _err(PositionError, f"frame starts at {start}, not after position {prev}", version, it.name)
-        if last is not None:
-            if last >= it.numel:
-                raise _err(PositionError, f"position {last} out of range for {it.numel} elements", version, it.name)
-            last_seen[k] = last
+        def ctx_of(f: int) -> dict:
+            return _ctx(version, items[jobs[f].item].name)
+
+        frames = [job.frame for job in jobs]
+        if lo.numel() == 0:
+            for f, job in enumerate(jobs):
+                order.check(job.item, job.frame, None, items[job.item].numel, ctx_of(f))
+            return None
+        gaps = lo.to(torch.int64).bitwise_or_(hi.to(torch.int64).bitwise_left_shift_(8))
+        diffs = d8.view(torch.int8).to(INT_DTYPE[width])
+        p, d, frame_of = codecs.decode_frames(gaps, diffs, ge, de, frames, ctx_of)
+        counts = np.array([f.count for f in frames], dtype=np.int64)
+        ends = np.cumsum(counts) - 1
+        nonempty = np.flatnonzero(counts)
+        lasts = dict(zip(nonempty.tolist(), p[torch.from_numpy(ends[nonempty]).to(p.device)].tolist()))
+        for f, job in enumerate(jobs):
+            order.check(job.item, job.frame, lasts.get(f), items[job.item].numel, ctx_of(f))
+        idx = torch.from_numpy(np.array([items[job.item].index for job in jobs], dtype=np.int64)).to(p.device)
+        t_idx = idx[frame_of]
+        runs: list[tuple[int, int]] = []
+        for job in jobs:
+            t = items[job.item].index
+            if runs and runs[-1][0] == t:
+                runs[-1] = (t, runs[-1][1] + job.frame.count)
+            else:
+                runs.append((t, job.frame.count))
+        return Chunk(t_idx=t_idx, p=p, diffs=d, values=None, runs=runs)
 
     # -- raw -------------------------------------------------------------------------------------
     def _raw(self, version, items, width, timings):
@@ -304,7 +265,7 @@ class Decoder:
             sections.append(sec)
         total = sum(it.nnz for it in items)
         pos_t = self._host(total, torch.int64)
-        val_t = self._host(total, _INT[width])
+        val_t = self._host(total, INT_DTYPE[width])
         self.host_bytes = total * (8 + width)
         pos, val = pos_t.numpy(), val_t.numpy()
         bounds, at = [], 0
@@ -323,7 +284,7 @@ class Decoder:
             p = pos_d[a:b]
             idx = torch.tensor([items[k].index for k in group], dtype=torch.int64, device=self.device)
             cnt = torch.tensor([items[k].nnz for k in group], dtype=torch.int64, device=self.device)
-            seg = segment_ids(cnt, b - a)
+            seg = codecs.segment_ids(cnt, b - a)
             t_idx = idx[seg]
             numel = torch.tensor([items[k].numel for k in group], dtype=torch.int64, device=self.device)
             bad = (p < 0) | (p >= numel[seg])
@@ -333,10 +294,11 @@ class Decoder:
                 for k in group:  # find the tensor and raise the codec's own message
                     s, e = bounds[k]
                     codecs.check_positions(pos_d[s:e], items[k].numel, {"version": version, "tensor": items[k].name})
-                raise _err(PositionError, "invalid positions", version, items[group[0]].name)  # pragma: no cover
+                raise PositionError("invalid positions", version=version, tensor=items[group[0]].name)
             t0 = self._span(timings, "decode", t0)
-            yield Chunk(t_idx=t_idx, p=p, diffs=None, values=val_d[a:b],
-                        runs=[(items[k].index, items[k].nnz) for k in group])
+            yield Chunk(
+                t_idx=t_idx, p=p, diffs=None, values=val_d[a:b], runs=[(items[k].index, items[k].nnz) for k in group]
+            )
             t0 = time.perf_counter()
 
     # -- any other codec: its own unpack/finish, one tensor at a time ----------------------------
@@ -351,11 +313,33 @@ class Decoder:
             pos = ch.positions.to(torch.int64)
             t_idx = torch.full_like(pos, it.index)
             if ch.values is not None:
-                vals, diffs = codecs.int_view(ch.values).to(_INT[width]), None
+                vals, diffs = int_view(ch.values).to(INT_DTYPE[width]), None
             else:
-                vals, diffs = None, ch.diffs.to(torch.int64).to(_INT[width])
+                vals, diffs = None, ch.diffs.to(torch.int64).to(INT_DTYPE[width])
             self._span(timings, "decode", t0)
             yield Chunk(t_idx=t_idx, p=pos, diffs=diffs, values=vals, runs=[(it.index, int(pos.numel()))])
+
+
+def changed_items(vf: VersionFile, layout: DeviceLayout) -> dict[int, list[Item]]:
+    """A delta's changed tensors that this layout holds any of, by element width, in layout order."""
+    h = vf.header
+    by_width: dict[int, list[Item]] = {}
+    for name, entry in h.tensors.items():
+        if not entry.nnz or not layout.layout.segments.get(name):
+            continue
+        item = Item(
+            index=layout.index[name],
+            name=name,
+            numel=entry.numel,
+            nnz=entry.nnz,
+            enc=entry.enc,
+            parts=vf.parts(name),
+            dtype=entry.torch_dtype,
+        )
+        by_width.setdefault(entry.torch_dtype.itemsize, []).append(item)
+    for items in by_width.values():
+        items.sort(key=lambda it: it.index)
+    return by_width
 
 
 def _groups(sizes: list[int], limit: int) -> list[list[int]]:

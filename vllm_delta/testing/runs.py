@@ -42,7 +42,7 @@ def publish_run(
     codec: str = "compact",
 ) -> PublishedRun:
     """Version 0 is the initial model; versions 1..steps follow one AdamW step each (lr per step)."""
-    from ..checksum import checksum
+    from ..checksums import checksum
     from ..trainer import Publisher
     from .training import bf16_image, build_master_model, train_steps
 

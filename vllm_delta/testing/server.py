@@ -62,12 +62,29 @@ class VllmServer:
         self.startup_timeout = startup_timeout
         self.log_path = log_path or tempfile.mkstemp(prefix="vllm-server-", suffix=".log")[1]
         args = [
-            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", model, "--host", "127.0.0.1", "--port", str(self.port),
-            "--dtype", "bfloat16", "--max-model-len", str(max_model_len), "--enforce-eager",
-            "--gpu-memory-utilization", "0.1", "--max-num-seqs", "16", "--seed", "0",
-            "--tensor-parallel-size", str(tensor_parallel_size),
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            model,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--dtype",
+            "bfloat16",
+            "--max-model-len",
+            str(max_model_len),
+            "--enforce-eager",
+            "--gpu-memory-utilization",
+            "0.1",
+            "--max-num-seqs",
+            "16",
+            "--seed",
+            "0",
+            "--tensor-parallel-size",
+            str(tensor_parallel_size),
+        ]
         if load_format:
             args += ["--load-format", load_format]
         if load_format == "delta":

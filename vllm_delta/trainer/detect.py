@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping
 import torch
 from torch import nn
 
-from ..checksum import bit_view
+from ..bits import bit_view
 
 
 def named_tensors(source: nn.Module | Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]):

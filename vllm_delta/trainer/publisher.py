@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import codec as codecs
-from ..checksum import MASK64, combine, positional_sum_tensor, to_hex
+from ..checksums import MASK64, combine, positional_sum_tensor, to_hex
 from ..errors import DeltaError
 from ..format import DTYPE_NAMES, TensorEntry, VersionHeader, payload_key, write
 from ..store import DeltaStore, VersionRecord

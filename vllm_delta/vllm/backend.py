@@ -23,7 +23,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from ..apply.engine import verify_partials
+from ..checksums import verify_partials
 from ..errors import DeltaError
 from . import dist
 from .options import StoreSpec, server_store

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import codec as codecs
-from ..checksum import MASK64, positional_sum, tensor_sum
+from ..bits import int_view
+from ..checksums import MASK64, positional_sum, tensor_sum
 from ..errors import UnsupportedModelError
 from ..format import VersionFile
 
@@ -58,8 +59,8 @@ class FallbackApplier:
             image = self._image(name, files)
             if image is None:
                 continue
-            old = codecs.int_view(self.shadows[name]).reshape(-1)
-            new = codecs.int_view(image).reshape(-1)
+            old = int_view(self.shadows[name]).reshape(-1)
+            new = int_view(image).reshape(-1)
             pos = (new != old).nonzero().reshape(-1)
             if not pos.numel():
                 continue
@@ -94,7 +95,7 @@ class FallbackApplier:
             changes = codecs.decode(
                 h.codec, vf.parts(name), e.enc, numel=e.numel, nnz=e.nnz, dtype=e.torch_dtype, ctx=ctx
             )
-            flat = codecs.int_view(image).reshape(-1)
+            flat = int_view(image).reshape(-1)
             flat[changes.positions] = changes.new_bits(flat[changes.positions])
         return image
 
@@ -121,4 +122,4 @@ class FallbackApplier:
             patches.append(CheckpointWeightPatch(name, tuple(shadow.shape), shadow.dtype, values, pos))
         load_checkpoint_weight_patches(self.model, patches)
         for name, (pos, new_bits, old_bits) in staged.changes.items():
-            codecs.int_view(self.shadows[name]).reshape(-1)[pos] = new_bits if new else old_bits
+            int_view(self.shadows[name]).reshape(-1)[pos] = new_bits if new else old_bits

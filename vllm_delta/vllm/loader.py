@@ -21,7 +21,7 @@ import torch
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
 from ..errors import ChecksumMismatchError
-from ..materialize import iter_version, open_chain, replay_tensor
+from ..reconstruct import iter_version, open_chain, replay_tensor
 from .options import LoaderOptions, split_extra_config
 from .replica import DeltaReplica, Served
 from .worker import REPLICA_ATTR

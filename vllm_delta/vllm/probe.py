@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..apply.layout import Layout, Segment, hf_2d
-from ..checksum import bit_view
+from ..bits import bit_view
 from ..errors import UnsupportedModelError
 
 log = logging.getLogger(__name__)

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..apply.engine import ApplyEngine, StagedUpdate
-from ..checksum import MASK64, combine, to_hex
+from ..checksums import MASK64, combine, to_hex
 from ..errors import DeltaError, UnsupportedModelError
 from ..format import VersionFile, VersionHeader
 from . import dist
@@ -155,13 +155,7 @@ class DeltaReplica:
         try:
             engine = self._require()
             files = open_files()
-            stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-            if stream is not None:
-                with torch.cuda.stream(stream):
-                    t.staged = engine.stage(files)
-                stream.synchronize()
-            else:
-                t.staged = engine.stage(files)
+            t.staged = engine.stage(files)  # on the engine's own side stream
             assert self.fallback is not None
             t.fallback = self.fallback.stage(files)
             if t.method == "vllm":

@@ -24,8 +24,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from ..apply.engine import verify_partials
-from ..checksum import MASK64, combine, to_hex
+from ..checksums import MASK64, combine, to_hex, verify_partials
 from ..errors import DeltaError
 from .options import StoreSpec
 from .plan import UpdatePlan, plan_update

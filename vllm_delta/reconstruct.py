@@ -19,7 +19,8 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from . import codec as codecs
-from .checksum import combine, tensor_sum, to_hex
+from .bits import int_view
+from .checksums import combine, tensor_sum, to_hex
 from .errors import ChecksumMismatchError, FormatError, ShapeMismatchError
 from .format import VersionFile
 from .store import DeltaStore
@@ -42,7 +43,7 @@ def replay_tensor(files: list[VersionFile], name: str) -> torch.Tensor:
     if entry is None or name not in anchor.header.tensors:
         raise FormatError("tensor missing from the chain", version=files[-1].version, tensor=name)
     out = anchor.dense(name).clone()
-    flat = codecs.int_view(out).reshape(-1)
+    flat = int_view(out).reshape(-1)
     for vf in files[1:]:
         e = vf.header.tensors.get(name)
         if e is None:

@@ -1,0 +1,154 @@
+"""Position-weighted additive checksum of tensor bit patterns (definition: docs/FORMAT.md).
+
+    w(p)       = (p + 1) * 0x9E3779B97F4A7C15            mod 2^64
+    sum(t)     = Σ_p w(p) * (bits(t[p]) + 1)               mod 2^64   p = row-major flat index
+    key(name)  = blake2b-64(name, little endian) | 1
+    checksum   = Σ_t key(name_t) * sum(t)                  mod 2^64   -> 16 hex digits
+
+Everything is a sum of per-element terms, so partial sums over disjoint shards (tensor-parallel
+ranks, chunks) add up to the whole, in any order, and an update changes a tensor's sum by
+Σ w(p) (bits(new) - bits(old)) over its changed elements (`partial_terms`). `w` is odd for every p,
+so any single changed element always changes the sum. The arithmetic is int64 with two's-complement
+wrap-around, which is exactly arithmetic mod 2^64 on CPU and GPU.
+
+This module is the one home of the constants and of every sum over them; it needs only torch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Mapping
+from typing import Protocol
+
+import torch
+
+from .bits import UNSIGNED_MASK, unsigned_bits
+from .errors import ChecksumMismatchError
+
+MASK64 = (1 << 64) - 1
+WEIGHT = 0x9E3779B97F4A7C15
+WEIGHT_INT64 = WEIGHT - (1 << 64)  # the same bits as a torch int64 scalar
+_CHUNK = 1 << 22  # bounds temporary memory to a few 32 MiB int64 buffers
+
+Sums = dict[str, int]  # HF tensor name -> positional sum (or a partial of it), mod 2^64
+
+
+def positional_sum_tensor(bits: torch.Tensor, positions: torch.Tensor | int = 0) -> torch.Tensor:
+    """`positional_sum` as a 0-d int64 tensor on the input's device (no host synchronization)."""
+    flat = bits.reshape(-1)
+    total = torch.zeros((), dtype=torch.int64, device=flat.device)
+    for start in range(0, flat.numel(), _CHUNK):
+        chunk = unsigned_bits(flat[start : start + _CHUNK]) + 1
+        if isinstance(positions, int):
+            pos = torch.arange(
+                positions + start, positions + start + chunk.numel(), dtype=torch.int64, device=flat.device
+            )
+        else:
+            pos = positions.reshape(-1)[start : start + _CHUNK].to(torch.int64)
+        total += ((pos + 1) * WEIGHT_INT64 * chunk).sum()
+    return total
+
+
+def positional_sum(bits: torch.Tensor, positions: torch.Tensor | int = 0) -> int:
+    """Σ w(p) * (bits + 1) mod 2^64 over the given elements.
+
+    `bits` is a float tensor or its integer bit view (flattened). `positions` gives each element's
+    flat index in the full tensor: a tensor of the same length, or an int offset of a contiguous run.
+    """
+    return int(positional_sum_tensor(bits, positions).item()) & MASK64
+
+
+def partial_terms(positions: torch.Tensor, new_bits: torch.Tensor, old_bits: torch.Tensor) -> torch.Tensor:
+    """Per element, w(p) * (bits(new) - bits(old)) as int64 (wrapping): what an update adds to a sum.
+
+    `positions` int64 (consumed: updated in place), `new_bits`/`old_bits` integer bit views of one width."""
+    mask = UNSIGNED_MASK[new_bits.element_size()]
+    delta = (new_bits.to(torch.int64) & mask) - (old_bits.to(torch.int64) & mask)
+    return positions.add_(1).mul_(WEIGHT_INT64).mul_(delta)
+
+
+def name_key(name: str) -> int:
+    return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little") | 1
+
+
+def tensor_sum(t: torch.Tensor) -> int:
+    """The per-tensor sum of a whole tensor (row-major positions)."""
+    return positional_sum(t.detach().reshape(-1), 0)
+
+
+def add_sums(parts: Iterable[Mapping[str, int]]) -> Sums:
+    """Per-tensor sums of several shards (ranks) or increments, added up mod 2^64."""
+    total: Sums = {}
+    for part in parts:
+        for name, value in part.items():
+            total[name] = (total.get(name, 0) + value) & MASK64
+    return total
+
+
+def combine(partials: Iterable[tuple[str, int]]) -> int:
+    """Whole-model value from (name, partial sum) pairs; a name may appear several times (shards)."""
+    total = 0
+    for name, part in partials:
+        total = (total + name_key(name) * part) & MASK64
+    return total
+
+
+def to_hex(value: int) -> str:
+    return f"{value & MASK64:016x}"
+
+
+def from_hex(text: str) -> int:
+    """A 16-hex-digit checksum as an int; ValueError for anything else."""
+    if not isinstance(text, str) or len(text) != 16 or any(c not in "0123456789abcdefABCDEF" for c in text):
+        raise ValueError(f"a checksum is 16 hex digits, not {text!r:.40}")
+    return int(text, 16)
+
+
+def checksum(named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> str:
+    """Checksum of named tensors' bit patterns: the value a vLLM server with the plugin reports
+    for its live weights, as 16 hex digits. Pass the bf16 tensors (e.g. `{n: p.to(torch.bfloat16)}`)."""
+    items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
+    return to_hex(combine((name, tensor_sum(t)) for name, t in items))
+
+
+class _Entry(Protocol):
+    checksum: str
+
+
+class _Header(Protocol):
+    """What verification reads of a version header (format.VersionHeader)."""
+
+    version: int
+    tensors: Mapping[str, _Entry]
+
+
+def verify_partials(current: Mapping[str, int], partials: Iterable[Mapping[str, int]], expected: _Header) -> None:
+    """Check that the current per-tensor sums plus every rank's staged partials give the per-tensor
+    checksums `expected` (the target version's header) records. Raises ChecksumMismatchError naming
+    the first tensor that disagrees; nothing has been written at this point."""
+    have = add_sums([current, *partials])
+    for name, entry in expected.tensors.items():
+        got = have.get(name, 0)
+        if got != int(entry.checksum, 16):
+            raise ChecksumMismatchError(
+                f"staged result would have checksum {to_hex(got)}, the publisher recorded {entry.checksum}",
+                version=expected.version,
+                tensor=name,
+            )
+
+
+__all__ = [
+    "MASK64",
+    "Sums",
+    "add_sums",
+    "checksum",
+    "combine",
+    "from_hex",
+    "name_key",
+    "partial_terms",
+    "positional_sum",
+    "positional_sum_tensor",
+    "tensor_sum",
+    "to_hex",
+    "verify_partials",
+]
