@@ -23,8 +23,7 @@ $(STAMP): setup.py
 demo: install
 	$(VPY) -m vllm_delta.demo
 
-test: install
-	$(VPY) -m ruff check vllm_delta tests benchmarks
+test: install lint
 	TRITON_INTERPRET=1 $(VPY) -m pytest -q -m "not gpu" tests
 	TRITON_INTERPRET=1 $(VPY) benchmarks/apply_gpu.py --smoke
 
@@ -32,8 +31,11 @@ test: install
 test-gpu:
 	$(PY) -m pytest -q -m gpu tests
 
+# Lint, format and types: ruff on everything, mypy on the package (config: pyproject.toml).
 lint: install
 	$(VPY) -m ruff check vllm_delta tests benchmarks
+	$(VPY) -m ruff format --check vllm_delta tests benchmarks
+	$(VPY) -m mypy
 
 bench-payload: install
 	$(VPY) benchmarks/payload.py

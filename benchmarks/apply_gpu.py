@@ -38,10 +38,15 @@ from concurrent.futures import ThreadPoolExecutor
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tests", "apply"))
 
 import torch  # noqa: E402
-from apply_reference import (  # noqa: E402
+
+from vllm_delta.apply import scatter as S  # noqa: E402
+from vllm_delta.apply.engine import ApplyEngine  # noqa: E402
+from vllm_delta.bits import bit_view  # noqa: E402
+from vllm_delta.checksums import MASK64  # noqa: E402
+from vllm_delta.format import VersionFile  # noqa: E402
+from vllm_delta.testing.apply_fixtures import (  # noqa: E402
     QWEN3,
     Qwen3Spec,
     index_copy_apply,
@@ -52,12 +57,6 @@ from apply_reference import (  # noqa: E402
     reference_apply,
     write_delta,
 )
-
-from vllm_delta.apply import scatter as S  # noqa: E402
-from vllm_delta.apply.engine import ApplyEngine  # noqa: E402
-from vllm_delta.bits import bit_view  # noqa: E402
-from vllm_delta.checksums import MASK64  # noqa: E402
-from vllm_delta.format import VersionFile  # noqa: E402
 
 LOG: list[str] = []
 FAILURES: list[str] = []

@@ -30,11 +30,12 @@ import os
 import statistics
 import sys
 import tempfile
-import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import requests
+
+from vllm_delta.testing.client import StreamingClient, steady_gaps_ms
 
 KINDS = ("delta", "vllm", "reset", "pause")
 SIZES = {
@@ -46,39 +47,6 @@ SIZES = {
 
 
 @dataclass
-class Stream:
-    base_url: str
-    model: str
-    headers: dict
-    arrivals: list[float] = field(default_factory=list)
-    errors: list[str] = field(default_factory=list)
-    stop: threading.Event = field(default_factory=threading.Event)
-
-    def run(self) -> None:
-        body = {
-            "model": self.model,
-            "prompt": "once upon a time",
-            "max_tokens": 48,
-            "temperature": 0.0,
-            "stream": True,
-            "ignore_eos": True,
-        }
-        while not self.stop.is_set():
-            try:
-                with requests.post(
-                    self.base_url + "/v1/completions", json=body, headers=self.headers, stream=True, timeout=120
-                ) as r:
-                    for line in r.iter_lines():
-                        if line.startswith(b"data: ") and line != b"data: [DONE]":
-                            self.arrivals.append(time.perf_counter())
-                        if self.stop.is_set():
-                            return
-            except requests.RequestException as exc:
-                self.errors.append(str(exc))
-                time.sleep(0.1)
-
-
-@dataclass
 class Sample:
     kind: str
     version: int | None
@@ -87,44 +55,13 @@ class Sample:
     server: dict
 
 
-def max_gap(arrivals: list[float], t0: float, t1: float) -> float:
-    """The longest interval between consecutive chunks that overlaps [t0, t1], in ms."""
-    best = 0.0
-    for a, b in zip(arrivals, arrivals[1:]):
-        if b >= t0 and a <= t1:
-            best = max(best, b - a)
-    return best * 1e3
-
-
-def steady_gaps(arrivals: list[float], windows: list[tuple[float, float]], margin: float = 0.2) -> dict:
-    """Chunk intervals away from every update window (ms): the noise floor the update gaps stand on.
-
-    Chunks often arrive several per network read, so the median is near zero; p99 and max say how
-    long the stream stalls by itself (scheduling noise, a new request's prefill)."""
-    out = sorted(
-        (b - a) * 1e3
-        for a, b in zip(arrivals, arrivals[1:])
-        if all(b < t0 - margin or a > t1 + margin for t0, t1 in windows)
-    )
-    if not out:
-        return {"n": 0}
-    pick = lambda q: round(out[min(len(out) - 1, int(q * len(out)))], 2)  # noqa: E731
-    return {"n": len(out), "p50": pick(0.5), "p90": pick(0.9), "p99": pick(0.99), "max": round(out[-1], 2)}
-
-
 def measure(base_url: str, model: str, versions: list[int], *, api_key: str | None = None, settle: float = 1.0):
     """Cycle delta / vllm / pause over `versions` (delta and vllm each consume one version)."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    stream = Stream(base_url, model, headers)
-    thread = threading.Thread(target=stream.run, daemon=True)
-    thread.start()
+    stream = StreamingClient(base_url, model, headers=headers, prompt="once upon a time").start()
     samples: list[Sample] = []
     try:
-        deadline = time.monotonic() + 60
-        while len(stream.arrivals) < 20:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the stream produced no tokens: {stream.errors[-3:]}")
-            time.sleep(0.05)
+        stream.wait_for_chunks(20)
         todo = list(versions)
         while todo:
             for kind in KINDS:
@@ -153,15 +90,14 @@ def measure(base_url: str, model: str, versions: list[int], *, api_key: str | No
                 samples.append(Sample(kind, v, t0, t1, r.json()))
         time.sleep(settle)
     finally:
-        stream.stop.set()
-        thread.join(10)
+        stream.stop()
     windows = [(s.t0, s.t1) for s in samples]
-    steady = steady_gaps(stream.arrivals, windows)
+    steady = steady_gaps_ms(stream.arrivals, windows)
     rows = [
         {
             "kind": s.kind,
             "version": s.version,
-            "client_gap_ms": round(max_gap(stream.arrivals, s.t0, s.t1), 2),
+            "client_gap_ms": round(stream.max_gap_ms(s.t0, s.t1), 2),
             "request_ms": round((s.t1 - s.t0) * 1e3, 2),
             "pause_ms": s.server.get("pause_ms"),
             "apply_ms": s.server.get("apply_ms"),

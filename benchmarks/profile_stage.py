@@ -14,15 +14,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests", "apply"))
 
 import torch  # noqa: E402
 from apply_gpu import build_model  # noqa: E402
-from apply_reference import QWEN3, random_changes, write_delta  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from vllm_delta.apply.engine import ApplyEngine  # noqa: E402
 from vllm_delta.format import VersionFile  # noqa: E402
+from vllm_delta.testing.apply_fixtures import QWEN3, random_changes, write_delta  # noqa: E402
 
 
 def main():

@@ -25,14 +25,13 @@ from concurrent.futures import ThreadPoolExecutor
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tests", "apply"))
 
 import torch  # noqa: E402
-from apply_reference import QWEN3, apply_diffs, qwen3_layout, random_positions, realistic_diffs  # noqa: E402
 
 from vllm_delta import codec as codecs  # noqa: E402
 from vllm_delta.bits import bit_view  # noqa: E402
 from vllm_delta.checksums import MASK64, positional_sum  # noqa: E402
+from vllm_delta.testing.apply_fixtures import QWEN3, apply_diffs, qwen3_layout, random_positions, realistic_diffs  # noqa: E402
 from vllm_delta.trainer.detect import Snapshot  # noqa: E402
 
 LOG: list[str] = []

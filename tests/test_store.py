@@ -12,8 +12,9 @@ import pytest
 import torch
 
 import vllm_delta.store as store_mod
+from vllm_delta.bits import int_view
 from vllm_delta.checksums import checksum, tensor_sum, to_hex
-from vllm_delta.codec import decode, encode, int_view
+from vllm_delta.codec import decode
 from vllm_delta.errors import (
     FormatError,
     IntegrityError,
@@ -21,8 +22,9 @@ from vllm_delta.errors import (
     VersionExistsError,
     VersionNotFoundError,
 )
-from vllm_delta.format import DTYPE_NAMES, TensorEntry, VersionFile, VersionHeader, payload_key, write
+from vllm_delta.format import VersionFile, VersionHeader, write
 from vllm_delta.store import DeltaStore, VersionRecord
+from vllm_delta.writer import encode_anchor, encode_delta
 
 # -- helpers shared with test_store_s3.py and test_store_crash.py (imported from here: a name of its own,
 # unlike `conftest`, which several test folders have) ------------------------------------------------
@@ -81,40 +83,28 @@ class History:
 
     def write_anchor(self, path: str, version: int) -> VersionHeader:
         w = self.weights(version)
-        whole, per_tensor = self.sums(version)
-        header = VersionHeader(
-            version=version,
-            kind="anchor",
-            checksum=whole,
-            tensors={
-                n: TensorEntry(list(t.shape), DTYPE_NAMES[t.dtype], per_tensor[n], nnz=t.numel()) for n, t in w.items()
-            },
-        )
-        write(path, header, w)
+        header, payload = encode_anchor(version, w, {n: int(c, 16) for n, c in self.sums(version)[1].items()})
+        write(path, header, payload)
         return header
 
     def write_delta(self, path: str, version: int, base: int, codec: str = "compact") -> VersionHeader:
         old, new = self.weights(base), self.weights(version)
-        entries, payload = {}, {}
+        changes = {}
         for name, t in new.items():
             old_bits, new_bits = int_view(old[name]).reshape(-1), int_view(t).reshape(-1)
             positions = (old_bits != new_bits).nonzero().reshape(-1)
-            entry = TensorEntry(list(t.shape), DTYPE_NAMES[t.dtype], self.sums(version)[1][name], nnz=positions.numel())
-            if positions.numel():
-                parts, entry.enc = encode(
-                    codec, positions, new_bits[positions], old_bits[positions], t.numel(), t.dtype
-                )
-                payload.update({payload_key(name, part): p for part, p in parts.items()})
-            entries[name] = entry
-        header = VersionHeader(
+            changes[name] = (positions, new_bits[positions], old_bits[positions])
+        header, payload = encode_delta(
             version=version,
-            kind="delta",
             base=base,
-            codec=codec,
-            checksum=self.sums(version)[0],
             base_checksum=self.sums(base)[0],
-            tensors=entries,
+            codec=codec,
+            shapes={n: tuple(t.shape) for n, t in new.items()},
+            dtypes={n: t.dtype for n, t in new.items()},
+            changes=changes,
+            sums={n: int(c, 16) for n, c in self.sums(version)[1].items()},
         )
+        assert header.checksum == self.sums(version)[0]
         write(path, header, payload)
         return header
 

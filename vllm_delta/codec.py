@@ -17,9 +17,9 @@ thread; server: decompress before the pause, finish on a side stream):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -84,14 +84,14 @@ class Frame(NamedTuple):
     """One row of a compact payload's frame table (`enc["frames"]`, docs/FORMAT.md)."""
 
     nbytes: int  # compressed size in the blob
-    count: int  # changed elements in the frame
+    elems: int  # changed elements in the frame
     start: int  # the position the frame's gap chain starts from
     gap_escapes: int  # entries of its gap escape table
     diff_escapes: int  # entries of its value escape table
 
     def raw_size(self, width: int) -> int:
         """Decompressed bytes: gap planes, diff codes, int64 gap escapes, value escapes."""
-        return 3 * self.count + 8 * self.gap_escapes + width * self.diff_escapes
+        return 3 * self.elems + 8 * self.gap_escapes + width * self.diff_escapes
 
 
 class FrameArrays(NamedTuple):
@@ -113,7 +113,7 @@ def parse_frames(blob: torch.Tensor | None, meta: Any, nnz: int, ctx: Ctx) -> li
         frames = [Frame(*(int(x) for x in row)) for row in table]
     except (TypeError, ValueError) as exc:
         raise _err(CodecError, f"malformed frame table: {exc}", ctx) from None
-    size, count = sum(f.nbytes for f in frames), sum(f.count for f in frames)
+    size, count = sum(f.nbytes for f in frames), sum(f.elems for f in frames)
     if any(min(f) < 0 for f in frames) or size != blob.numel() or count != nnz:
         raise _err(
             CodecError,
@@ -135,7 +135,7 @@ def decompress_frame(
         raise _err(CodecError, f"zstd frame at byte {offset} is corrupt: {exc}", ctx) from None
     if len(buf) != want:
         raise _err(CodecError, f"zstd frame at byte {offset} holds {len(buf)} B, expected {want}", ctx)
-    n, k = frame.count, frame.gap_escapes
+    n, k = frame.elems, frame.gap_escapes
     raw = np.frombuffer(buf, dtype=np.uint8)
     gap_esc = np.frombuffer(buf, dtype="<i8", count=k, offset=3 * n)
     if k and (int(gap_esc.min()) < 0 or int(gap_esc.max()) >= numel):
@@ -182,7 +182,7 @@ def decode_frames(
     Errors name the frame's
     tensor through `ctx_of(frame index)`."""
     dev = gaps.device
-    counts = np.array([f.count for f in frames], dtype=np.int64)
+    counts = np.array([f.elems for f in frames], dtype=np.int64)
     first = np.cumsum(counts) - counts
     escapes = (
         ("gap", gaps, GAP_ESCAPE, gap_esc, [f.gap_escapes for f in frames]),
@@ -238,7 +238,7 @@ class RawCodec:
     name = "raw"
     needs_base = False
 
-    def prepare(self, positions, new_bits, old_bits, numel) -> Sections:
+    def prepare(self, positions: torch.Tensor, new_bits: torch.Tensor, old_bits: torch.Tensor, numel: int) -> Sections:
         return Sections(
             {
                 "idx": _host(positions.to(position_dtype(numel))),
@@ -246,11 +246,13 @@ class RawCodec:
             }
         )
 
-    def pack(self, sections: Sections, dtype: torch.dtype):
+    def pack(self, sections: Sections, dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         val = torch.from_numpy(sections.arrays["val"]).view(dtype)
         return {"idx": torch.from_numpy(sections.arrays["idx"]), "val": val}, {}
 
-    def unpack(self, tensors, meta, *, numel, nnz, dtype, ctx) -> Sections:
+    def unpack(
+        self, tensors: Mapping[str, torch.Tensor], meta: Any, *, numel: int, nnz: int, dtype: torch.dtype, ctx: Ctx
+    ) -> Sections:
         idx, val = tensors.get("idx"), tensors.get("val")
         if idx is None or val is None:
             raise _err(CodecError, "raw payload lacks 'idx' or 'val'", ctx)
@@ -260,7 +262,7 @@ class RawCodec:
             raise _err(CodecError, f"raw payload holds {idx.numel()}/{val.numel()} entries, header says {nnz}", ctx)
         return Sections({"idx": idx.numpy(), "val": int_view(val).numpy()})
 
-    def finish(self, sections: Sections, *, numel, device, ctx) -> Changes:
+    def finish(self, sections: Sections, *, numel: int, device: torch.device | str, ctx: Ctx) -> Changes:
         pos = torch.from_numpy(sections.arrays["idx"]).to(device, non_blocking=True).to(torch.int64)
         check_positions(pos, numel, ctx)
         vals = torch.from_numpy(sections.arrays["val"]).to(device, non_blocking=True)
@@ -276,7 +278,7 @@ class CompactCodec:
         self.frame_elems = frame_elems
 
     # -- trainer side ------------------------------------------------------------------------
-    def prepare(self, positions, new_bits, old_bits, numel) -> Sections:
+    def prepare(self, positions: torch.Tensor, new_bits: torch.Tensor, old_bits: torch.Tensor, numel: int) -> Sections:
         """Device work: gaps and bit differences, escapes split off. Returns host arrays."""
         pos = positions.to(torch.int64)
         n = pos.numel()
@@ -313,7 +315,7 @@ class CompactCodec:
             {"starts": starts, "width": 8 * width},
         )
 
-    def pack(self, sections: Sections, dtype: torch.dtype):
+    def pack(self, sections: Sections, dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """Host work: split into frames, byte-plane the gaps, zstd each frame."""
         a = sections.arrays
         n = a["gaps16"].size
@@ -335,28 +337,31 @@ class CompactCodec:
         return {"blob": torch.from_numpy(data)}, {"frames": frames}
 
     # -- server side -------------------------------------------------------------------------
-    def unpack(self, tensors, meta, *, numel, nnz, dtype, ctx) -> Sections:
+    def unpack(
+        self, tensors: Mapping[str, torch.Tensor], meta: Any, *, numel: int, nnz: int, dtype: torch.dtype, ctx: Ctx
+    ) -> Sections:
         """Host work: decompress each frame into compact fixed-width arrays (3 B per element plus
         escapes), ready for one host-to-device copy. Value checks happen in `finish`."""
         blob = tensors.get("blob")
         frames = parse_frames(blob, meta, nnz, ctx)
+        assert blob is not None  # parse_frames checked it
         width = torch.empty((), dtype=dtype).element_size()
         gaps16 = np.empty(nnz, dtype=np.uint16)
         d8 = np.empty(nnz, dtype=np.int8)
         gap_esc = np.empty(sum(f.gap_escapes for f in frames), dtype=np.int64)
         diff_esc = np.empty(sum(f.diff_escapes for f in frames), dtype=NP_INT[width])
-        raw = memoryview(blob.numpy())
+        raw = blob.numpy().data
         dctx = zstandard.ZstdDecompressor()
         offset = at = at_ge = at_de = 0
         for f in frames:
             fa = decompress_frame(dctx, raw, offset, f, width, numel, ctx)
-            as_bytes = gaps16[at : at + f.count].view(np.uint8).reshape(f.count, 2)
+            as_bytes = gaps16[at : at + f.elems].view(np.uint8).reshape(f.elems, 2)
             as_bytes[:, 0] = fa.gap_lo  # little-endian uint16: low byte first
             as_bytes[:, 1] = fa.gap_hi
-            d8[at : at + f.count] = fa.d8
+            d8[at : at + f.elems] = fa.d8
             gap_esc[at_ge : at_ge + f.gap_escapes] = fa.gap_esc
             diff_esc[at_de : at_de + f.diff_escapes] = fa.diff_esc
-            offset, at = offset + f.nbytes, at + f.count
+            offset, at = offset + f.nbytes, at + f.elems
             at_ge, at_de = at_ge + f.gap_escapes, at_de + f.diff_escapes
         return Sections(
             {
@@ -364,13 +369,13 @@ class CompactCodec:
                 "d8": d8,
                 "gap_esc": gap_esc,
                 "diff_esc": diff_esc,
-                "frame_n": np.array([f.count for f in frames], dtype=np.int64),
+                "frame_n": np.array([f.elems for f in frames], dtype=np.int64),
                 "frame_start": np.array([f.start for f in frames], dtype=np.int64),
             },
             {"width": width},
         )
 
-    def finish(self, sections: Sections, *, numel, device, ctx) -> Changes:
+    def finish(self, sections: Sections, *, numel: int, device: torch.device | str, ctx: Ctx) -> Changes:
         """Device work: widen, patch escapes, positions from the gap chain, validate."""
         a = sections.arrays
         dev = torch.device(device)
@@ -397,7 +402,7 @@ class CompactCodec:
         lasts = positions[torch.from_numpy(first + counts - 1)[counts > 0].to(dev)].tolist()
         nonempty = iter(lasts)
         for f in frames:
-            order.check(0, f, next(nonempty) if f.count else None, numel, ctx)
+            order.check(0, f, next(nonempty) if f.elems else None, numel, ctx)
         return Changes(positions=positions, diffs=diffs)
 
 
@@ -416,23 +421,54 @@ def check_positions(pos: torch.Tensor, numel: int, ctx: dict) -> None:
             raise _err(PositionError, f"positions {kind} at entry {i + 1} ({int(pos[i])}, {int(pos[i + 1])})", ctx)
 
 
-CODECS = {"raw": RawCodec(), "compact": CompactCodec()}
+class Codec(Protocol):
+    """What every codec provides (the four steps of the module docstring)."""
+
+    name: str
+    needs_base: bool
+
+    def prepare(
+        self, positions: torch.Tensor, new_bits: torch.Tensor, old_bits: torch.Tensor, numel: int
+    ) -> Sections: ...
+
+    def pack(self, sections: Sections, dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], dict[str, Any]]: ...
+
+    def unpack(
+        self, tensors: Mapping[str, torch.Tensor], meta: Any, *, numel: int, nnz: int, dtype: torch.dtype, ctx: Ctx
+    ) -> Sections: ...
+
+    def finish(self, sections: Sections, *, numel: int, device: torch.device | str, ctx: Ctx) -> Changes: ...
 
 
-def get_codec(name: str, ctx: dict | None = None):
+CODECS: dict[str, Codec] = {"raw": RawCodec(), "compact": CompactCodec()}
+
+
+def get_codec(name: str, ctx: dict | None = None) -> Codec:
     try:
         return CODECS[name]
     except KeyError:
         raise _err(CodecError, f"unknown codec {name!r} (known: {', '.join(CODECS)})", ctx or {}) from None
 
 
-def encode(codec: str, positions, new_bits, old_bits, numel: int, dtype: torch.dtype):
+def encode(
+    codec: str, positions: torch.Tensor, new_bits: torch.Tensor, old_bits: torch.Tensor, numel: int, dtype: torch.dtype
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """One-shot encode: returns (file tensors by suffix, JSON meta)."""
     c = get_codec(codec)
     return c.pack(c.prepare(positions, new_bits, old_bits, numel), dtype)
 
 
-def decode(codec: str, tensors, meta, *, numel: int, nnz: int, dtype, device="cpu", ctx=None) -> Changes:
+def decode(
+    codec: str,
+    tensors: Mapping[str, torch.Tensor],
+    meta: Any,
+    *,
+    numel: int,
+    nnz: int,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+    ctx: Ctx | None = None,
+) -> Changes:
     """One-shot decode of one tensor's payload into Changes on `device`."""
     ctx = ctx or {}
     c = get_codec(codec, ctx)

@@ -21,7 +21,6 @@ import argparse
 import os
 import shutil
 import tempfile
-import threading
 import time
 
 import torch
@@ -29,6 +28,7 @@ import torch
 import vllm_delta
 from vllm_delta import DeltaStore, Publisher
 from vllm_delta.reconstruct import replay
+from vllm_delta.testing.client import StreamingClient
 from vllm_delta.testing.models import TinyModelSpec, save_tiny_model
 from vllm_delta.testing.training import bf16_image, build_master_model, train_steps
 
@@ -43,46 +43,6 @@ SPEC = TinyModelSpec(
     vocab_size=2048,
 )
 LR = 1e-6
-
-
-class StreamingClient:
-    """Streams greedy completions back to back; records chunk arrival times and errors."""
-
-    def __init__(self, base_url: str, model: str):
-        self.base_url, self.model = base_url, model
-        self.arrivals: list[float] = []
-        self.errors: list[str] = []
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        import requests
-
-        body = {
-            "model": self.model,
-            "prompt": "once upon a time there was a",
-            "max_tokens": 48,
-            "temperature": 0.0,
-            "stream": True,
-            "ignore_eos": True,
-        }
-        while not self.stop.is_set():
-            try:
-                with requests.post(self.base_url + "/v1/completions", json=body, stream=True, timeout=120) as r:
-                    if r.status_code != 200:
-                        self.errors.append(f"HTTP {r.status_code}")
-                    for line in r.iter_lines():
-                        if line.startswith(b"data: ") and line != b"data: [DONE]":
-                            self.arrivals.append(time.perf_counter())
-                        if self.stop.is_set():
-                            return
-            except Exception as exc:  # noqa: BLE001 - reported at the end
-                self.errors.append(str(exc))
-                time.sleep(0.2)
-
-    def max_gap_ms(self, t0: float, t1: float) -> float:
-        gaps = [b - a for a, b in zip(self.arrivals, self.arrivals[1:]) if b >= t0 and a <= t1]
-        return max(gaps, default=0.0) * 1e3
 
 
 def publish_step(pub: Publisher, model, version: int):
@@ -109,8 +69,7 @@ def run_system(root: str, steps: int, anchor_every: int) -> int:
         t0 = time.perf_counter()
         with VllmServer(model_dir, store=store_dir, version=0, log_path=os.path.join(root, "server.log")) as srv:
             print(f"server up in {time.perf_counter() - t0:.0f} s at {srv.base_url} (log: {root}/server.log)")
-            client = StreamingClient(srv.base_url, model_dir)
-            client.thread.start()
+            client = StreamingClient(srv.base_url, model_dir).start()
             print(
                 f"\n{'version':>7} {'kind':6} {'density':>8} {'nnz':>9} {'bytes':>9} {'B/chg':>6} {'stage ms':>9} "
                 f"{'pause ms':>9} {'apply ms':>9} {'client gap':>10}  live checksum = trainer's"
@@ -130,8 +89,7 @@ def run_system(root: str, steps: int, anchor_every: int) -> int:
                     f"{res['stage_ms']:>9.1f} {res['pause_ms']:>9.1f} {res['apply_ms']:>9.2f} {gap:>8.0f}ms  "
                     f"{'yes' if ok else 'NO'} ({live})"
                 )
-            client.stop.set()
-            client.thread.join(10)
+            client.stop()
             final_live = srv.status()["checksum"]
     trainer = vllm_delta.checksum(bf16_image(model))
     print(f"\nstreamed {len(client.arrivals)} chunks during the run, {len(client.errors)} client errors")

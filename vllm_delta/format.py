@@ -175,7 +175,7 @@ class VersionFile:
         return {k.split(SEP, 1)[1]: self._f.get_tensor(k) for k in self._parts.get(name, ())}
 
     def close(self) -> None:
-        self._f = None
+        self._f = None  # type: ignore[assignment]  # the memory map goes with the last reference
 
     def __enter__(self):
         return self

@@ -54,7 +54,7 @@ def replay_tensor(files: list[VersionFile], name: str) -> torch.Tensor:
             continue
         ctx = {"version": vf.version, "tensor": name}
         changes = codecs.decode(
-            vf.header.codec, vf.parts(name), e.enc, numel=e.numel, nnz=e.nnz, dtype=e.torch_dtype, ctx=ctx
+            vf.header.codec or "", vf.parts(name), e.enc, numel=e.numel, nnz=e.nnz, dtype=e.torch_dtype, ctx=ctx
         )
         flat[changes.positions] = changes.new_bits(flat[changes.positions])
     got = to_hex(tensor_sum(out))

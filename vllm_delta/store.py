@@ -13,6 +13,7 @@ committed data; whatever a crashed publish leaves behind is invisible and `retai
 
 from __future__ import annotations
 
+import builtins  # VersionRecord has a field named `bytes`
 import errno
 import hashlib
 import json
@@ -88,7 +89,7 @@ class VersionRecord:
         return json.dumps(doc, sort_keys=True, indent=1)
 
     @classmethod
-    def from_json(cls, text: str | bytes, *, where: str = "record") -> VersionRecord:
+    def from_json(cls, text: str | builtins.bytes, *, where: str = "record") -> VersionRecord:
         try:
             doc = json.loads(text)
             if doc.get("format") != RECORD_FORMAT or doc.get("format_version") != RECORD_FORMAT_VERSION:
@@ -269,6 +270,7 @@ class DeltaStore:
         chain = [self.record(version)]
         while chain[-1].kind == "delta":  # bases strictly decrease, so this ends
             child = chain[-1]
+            assert child.base is not None  # validated: a delta has a base
             base = self._load_record(child.base)
             if base is None:
                 raise MissingBaseError(
@@ -505,9 +507,9 @@ class DeltaStore:
             keep = {v for v in recs if v >= oldest_kept}
             # A kept delta whose chain reaches below the oldest kept anchor keeps that chain.
             for v in list(keep):
-                while recs[v].kind == "delta" and recs[v].base in recs and recs[v].base not in keep:
-                    v = recs[v].base
-                    keep.add(v)
+                while (b := recs[v].base) is not None and recs[v].kind == "delta" and b in recs and b not in keep:
+                    keep.add(b)
+                    v = b
             for v in sorted(set(recs) - keep, reverse=True):
                 self._delete(recs[v])
                 deleted.append(v)

@@ -5,19 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from apply_reference import (
-    QWEN3,
-    apply_diffs,
-    cases,
-    hf_sums,
-    hf_view,
-    need,
-    qwen3_layout,
-    random_changes,
-    reference_apply,
-    write_anchor,
-    write_delta,
-)
+from apply_cases import cases, need
 
 from vllm_delta.apply import engine as engine_mod
 from vllm_delta.apply import scatter as scatter_ops
@@ -27,6 +15,17 @@ from vllm_delta.bits import bit_view
 from vllm_delta.checksums import MASK64, verify_partials
 from vllm_delta.errors import ChecksumMismatchError, NotSuccessorError
 from vllm_delta.format import VersionFile
+from vllm_delta.testing.apply_fixtures import (
+    QWEN3,
+    apply_diffs,
+    hf_sums,
+    hf_view,
+    qwen3_layout,
+    random_changes,
+    reference_apply,
+    write_anchor,
+    write_delta,
+)
 
 # -- scenarios: (targets {name: (shape, dtype)}, Layout, HF dtypes, every element owned once?) -------
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from apply_reference import cases, need
+from apply_cases import cases, need
 
 from vllm_delta.apply import scatter as S
 

@@ -6,11 +6,11 @@ import copy
 
 import pytest
 import torch
-from apply_reference import apply_diffs, realistic_diffs
 
 from vllm_delta import codec as codecs
 from vllm_delta.apply.staging import Decoder, Item
 from vllm_delta.errors import CodecError, IntegrityError, PositionError
+from vllm_delta.testing.apply_fixtures import apply_diffs, realistic_diffs
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 

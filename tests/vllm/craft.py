@@ -7,11 +7,12 @@ import tempfile
 
 import torch
 
-from vllm_delta.checksums import MASK64, combine, positional_sum, tensor_sum, to_hex
-from vllm_delta.codec import encode, int_view
-from vllm_delta.format import DTYPE_NAMES, TensorEntry, VersionHeader, payload_key, write
+from vllm_delta.bits import int_view
+from vllm_delta.checksums import MASK64, positional_sum, tensor_sum
+from vllm_delta.format import write
 from vllm_delta.reconstruct import replay
 from vllm_delta.store import DeltaStore
+from vllm_delta.writer import encode_delta
 
 
 def publish_delta(
@@ -40,7 +41,6 @@ def publish_delta(
     if in_range.numel() != pos.numel():  # out-of-range positions: only the raw codec can even write them
         old = torch.cat([old, torch.zeros(pos.numel() - in_range.numel(), dtype=torch.int16)])
         new = torch.cat([new, torch.ones(pos.numel() - in_range.numel(), dtype=torch.int16)])
-    parts, meta = encode(codec, pos, new, old, numel, old_img.dtype)
     sums[tensor] = (
         sums[tensor]
         + positional_sum(new[: in_range.numel()], in_range)
@@ -48,28 +48,19 @@ def publish_delta(
     ) & MASK64
     if wrong_checksum:
         sums[tensor] = (sums[tensor] + 12345) & MASK64
-    entries = {
-        n: TensorEntry(
-            list(t.shape),
-            DTYPE_NAMES[t.dtype],
-            to_hex(sums[n]),
-            nnz=pos.numel() if n == tensor else 0,
-            enc=meta if n == tensor else {},
-        )
-        for n, t in tensors.items()
-    }
-    header = VersionHeader(
+    header, payload = encode_delta(
         version=version,
-        kind="delta",
-        tensors=entries,
-        checksum=to_hex(combine(sums.items())),
         base=base,
         base_checksum=base_checksum,
         codec=codec,
+        shapes={n: tuple(t.shape) for n, t in tensors.items()},
+        dtypes={n: t.dtype for n, t in tensors.items()},
+        changes={tensor: (pos, new, old)},
+        sums=sums,
     )
     fd, path = tempfile.mkstemp(suffix=".safetensors")
     os.close(fd)
-    write(path, header, {payload_key(tensor, k): v for k, v in parts.items()})
+    write(path, header, payload)
     rec = store.publish(header, path, move=True)
     return {"version": rec.version, "file": os.path.join(store_path, rec.file), "checksum": rec.checksum}
 

@@ -24,7 +24,9 @@ LiveBits = Callable[[int, list[Selection], int], torch.Tensor]  # (width, select
 ReadTarget = Callable[[int, torch.Tensor], torch.Tensor]  # (target index, offsets) -> live bits
 
 
-def merge(prev: tuple[torch.Tensor, torch.Tensor] | None, ids: torch.Tensor, new: torch.Tensor):
+def merge(
+    prev: tuple[torch.Tensor, torch.Tensor] | None, ids: torch.Tensor, new: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Union of pending changes (global ids, sorted); later values win."""
     if prev is not None and prev[0].numel():
         ids = torch.cat([prev[0], ids])
@@ -42,7 +44,7 @@ def merge_chain(
     decoder: Decoder,
     live: LiveBits,
     read_target: ReadTarget,
-    timings: dict,
+    timings: dict[str, float],
     changed: set[int],
 ) -> Pending:
     """The final bits of every element the chain changes, by element width. `changed` collects the
@@ -56,7 +58,7 @@ def merge_chain(
             changed.update(it.index for it in items)
             ids, news = [], []
             prev = pending.get(width)
-            for chunk in decoder.decode(vf.version, vf.header.codec, items, width, timings):
+            for chunk in decoder.decode(vf.version, vf.header.codec or "", items, width, timings):
                 g = layout.starts_t[chunk.t_idx] + chunk.p
                 if chunk.values is not None:
                     new = chunk.values

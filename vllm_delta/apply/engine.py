@@ -83,7 +83,7 @@ class _Outputs:
     """Staged output of one element width, accumulated chunk by chunk."""
 
     def __init__(self) -> None:
-        self.plans: list[scatter_ops.ScatterPlan] = []
+        self.plans: list[scatter_ops.FusedPlan] = []
         self.new: list[torch.Tensor] = []
         self.old: list[torch.Tensor] = []
         self.targets: list[torch.Tensor] = []  # grouped plans: target index per element
@@ -218,7 +218,7 @@ class ApplyEngine:
         for vf in files:
             h = vf.header
             if h.kind == "delta":
-                codecs.get_codec(h.codec, {"version": h.version})
+                codecs.get_codec(h.codec or "", {"version": h.version})
             for name, entry in h.tensors.items():
                 self._check_entry(h, name, entry)
         staged = StagedUpdate(
@@ -251,7 +251,7 @@ class ApplyEngine:
             vf = files[0]
             for width, items in changed_items(vf, self.dlayout).items():
                 run.changed.update(it.index for it in items)
-                for chunk in self._decoder.decode(vf.version, vf.header.codec, items, width, run.timings):
+                for chunk in self._decoder.decode(vf.version, vf.header.codec or "", items, width, run.timings):
                     self._emit(run, width, chunk.t_idx, chunk.p, chunk.runs, chunk)
                     run.note_mem()
             return
@@ -305,10 +305,13 @@ class ApplyEngine:
             live = self._gather(width, sels[0].target, sels[0].offset)
         else:
             live = self._live(width, sels, n)
-        if isinstance(source, Chunk):
-            new = source.values if source.values is not None else wrap_add(live, source.diffs, width)
-        else:
+        if not isinstance(source, Chunk):
             new = source
+        elif source.values is not None:
+            new = source.values
+        else:
+            assert source.diffs is not None
+            new = wrap_add(live, source.diffs, width)
         t0 = run.span("gather", t0)
         self._add_partials(run, sels, runs, p, new, live)
         t0 = run.span("partials", t0)
@@ -366,6 +369,7 @@ class ApplyEngine:
         staged = run.staged
         for width in sorted(run.outs):
             out = run.outs[width]
+            plan: scatter_ops.ScatterPlan
             if self.fused:
                 if not out.plans:
                     continue
@@ -384,24 +388,13 @@ class ApplyEngine:
             staged.nnz += plan.nnz
             staged.bytes += plan.nbytes + new.numel() * new.element_size() + old.numel() * old.element_size()
 
-    def _warmup(self, plan: scatter_ops.ScatterPlan, old: torch.Tensor) -> None:
+    def _warmup(self, plan: scatter_ops.FusedPlan, old: torch.Tensor) -> None:
         """Compile/load the commit kernel for this plan's types now, not inside the pause: write the
         first block's current bits back (no change)."""
         key = (plan.dtype, plan.rel.dtype)
         if key in self._warm or not plan.size:
             return
-        first = scatter_ops.ScatterPlan(
-            targets=plan.targets,
-            bounds=[],
-            offsets=None,
-            base=plan.base,
-            block=plan.block,
-            block_base=plan.block_base[:1],
-            rel=plan.rel[: plan.block],
-            slots=None,
-            target_base=plan.target_base,
-            count=0,
-        )
+        first = plan.first_block()
         scatter_ops.scatter_(first, old[: plan.block], self.backend)
         self._warm.add(key)
 

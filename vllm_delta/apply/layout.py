@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -49,7 +50,7 @@ def hf_2d(shape: tuple[int, ...] | list[int]) -> tuple[int, int]:
     return rows, cols
 
 
-def full_segment(target: int, shape, *, owner: bool = True) -> Segment:
+def full_segment(target: int, shape: tuple[int, ...] | list[int], *, owner: bool = True) -> Segment:
     """The whole HF tensor, contiguous, at the start of the target."""
     rows, cols = hf_2d(shape)
     return Segment(target, 0, rows, 0, cols, 0, cols, 1, owner)
@@ -73,7 +74,7 @@ class Layout:
             segments={n: [full_segment(i, shapes[n])] for i, n in enumerate(names)},
         )
 
-    def translate(self, name: str, positions: torch.Tensor):
+    def translate(self, name: str, positions: torch.Tensor) -> list[tuple[Segment, torch.Tensor, torch.Tensor]]:
         """HF flat positions -> [(segment, mask over positions, target flat offsets of the masked)]."""
         _, cols = hf_2d(self.hf_shapes[name])
         r = torch.div(positions, cols, rounding_mode="floor")
@@ -85,16 +86,19 @@ class Layout:
             out.append((seg, mask, dst))
         return out
 
-    def segment_elements(self, name: str, seg: Segment, device=None):
+    def segment_elements(
+        self, name: str, seg: Segment, device: torch.device | str | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """All (HF flat positions, target flat offsets) of one segment, row-major."""
-        _, cols = hf_2d(self.hf_shapes[name])
-        r = torch.arange(seg.rows, dtype=torch.int64, device=device).unsqueeze(1)
-        c = torch.arange(seg.cols, dtype=torch.int64, device=device).unsqueeze(0)
-        pos = ((seg.row0 + r) * cols + seg.col0 + c).reshape(-1)
-        dst = (seg.dst_offset + r * seg.dst_row_stride + c * seg.dst_col_stride).reshape(-1)
-        return pos, dst
+        blocks = list(self.segment_blocks(name, seg, device, block_elems=max(1, seg.rows * seg.cols)))
+        if not blocks:
+            empty = torch.zeros(0, dtype=torch.int64, device=device)
+            return empty, empty
+        return blocks[0]
 
-    def segment_blocks(self, name: str, seg: Segment, device=None, block_elems: int = 1 << 22):
+    def segment_blocks(
+        self, name: str, seg: Segment, device: torch.device | str | None = None, block_elems: int = 1 << 22
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """`segment_elements` in row blocks of about `block_elems`, bounding temporary memory."""
         _, cols = hf_2d(self.hf_shapes[name])
         block = max(1, block_elems // max(seg.cols, 1))

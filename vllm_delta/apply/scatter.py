@@ -24,7 +24,9 @@ picks one per device; VLLM_DELTA_SCATTER_BACKEND overrides it.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from typing import ClassVar
 
 import torch
 
@@ -50,57 +52,88 @@ TRITON_WARPS = 8
 
 
 @dataclass
-class ScatterPlan:
-    targets: list[torch.Tensor | None]  # flat integer views of the live tensors (None: unused here)
-    bounds: list[tuple[int, int, int]]  # (target index, start, end): grouped: into offsets; fused: slots
-    offsets: torch.Tensor | None  # grouped: int64 target-local element offsets; fused: None
-    order: torch.Tensor | None = None  # grouped: permutation that grouped the caller's elements (None: kept)
-    # -- fused form --------------------------------------------------------------------------
-    base: torch.Tensor | None = None  # flat integer view of the target at the lowest address
-    block: int = 0
-    block_base: torch.Tensor | None = None  # int64 per block: element offset from `base`
-    rel: torch.Tensor | None = None  # int32/int64 per slot, relative to its block's base; -1: padding
-    slots: torch.Tensor | None = None  # int64: the slot of each caller element
-    target_base: list[int] = field(default_factory=list)  # element offset of each target from `base`
-    count: int = 0  # fused: caller elements
+class GroupedPlan:
+    """Elements grouped by target, with int64 target-local offsets: the torch path (one
+    `index_copy_` per target; CPU, and the reference for the kernels)."""
 
-    @property
-    def fused(self) -> bool:
-        return self.rel is not None
+    fused: ClassVar[bool] = False
+    targets: list[torch.Tensor | None]  # flat integer views of the live tensors (None: unused here)
+    bounds: list[tuple[int, int, int]]  # (target index, start, end) into `offsets`
+    offsets: torch.Tensor  # int64 target-local element offsets, grouped by target
+    order: torch.Tensor | None = None  # permutation that grouped the caller's elements (None: kept)
 
     @property
     def nnz(self) -> int:
-        return self.count if self.fused else int(self.offsets.numel())
+        return int(self.offsets.numel())
 
     @property
     def size(self) -> int:
-        """Length of the bit arrays `scatter_` takes and `gather` returns (slots, padding included)."""
-        return int(self.rel.numel()) if self.fused else int(self.offsets.numel())
+        """Length of the bit arrays `scatter_` takes and `gather` returns."""
+        return int(self.offsets.numel())
 
     @property
     def dtype(self) -> torch.dtype:
-        if self.base is not None:
-            return self.base.dtype
         used = [t for t in self.targets if t is not None]
         return used[0].dtype if used else torch.int16
 
     @property
     def device(self) -> torch.device:
-        return (self.rel if self.fused else self.offsets).device
+        return self.offsets.device
 
     @property
     def nbytes(self) -> int:
-        if self.fused:
-            return self.rel.numel() * self.rel.element_size() + self.block_base.numel() * 8
         return self.offsets.numel() * 8
 
-    def local_elements(self):
-        """Per run: (target index, target-local offsets, indices into the plan-ordered bit arrays).
-        The same view of both plan forms (grouped plans have one run per target)."""
+    def local_elements(self) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+        """Per target: (target index, target-local offsets, indices into the plan-ordered bit arrays)."""
         for t, s, e in self.bounds:
-            if not self.fused:
-                yield t, self.offsets[s:e], torch.arange(s, e, device=self.offsets.device)
-                continue
+            yield t, self.offsets[s:e], torch.arange(s, e, device=self.offsets.device)
+
+    def arrange(self, values: torch.Tensor, fill: int = 0) -> torch.Tensor:
+        """Caller-ordered per-element values -> plan order (what `scatter_` takes)."""
+        return values[self.order] if self.order is not None else values
+
+
+@dataclass
+class FusedPlan:
+    """One kernel launch for all targets of one element width (see the module docstring)."""
+
+    fused: ClassVar[bool] = True
+    targets: list[torch.Tensor | None]  # flat integer views of the live tensors (None: unused here)
+    bounds: list[tuple[int, int, int]]  # (target index, first slot, end slot)
+    base: torch.Tensor  # flat integer view of the target at the lowest address
+    block: int
+    block_base: torch.Tensor  # int64 per block: element offset from `base`
+    rel: torch.Tensor  # int32/int64 per slot, relative to its block's base; -1: padding
+    slots: torch.Tensor  # int64: the slot of each caller element
+    target_base: list[int]  # element offset of each target from `base`
+    count: int  # caller elements
+
+    @property
+    def nnz(self) -> int:
+        return self.count
+
+    @property
+    def size(self) -> int:
+        """Length of the bit arrays `scatter_` takes and `gather` returns (slots, padding included)."""
+        return int(self.rel.numel())
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.base.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.rel.device
+
+    @property
+    def nbytes(self) -> int:
+        return self.rel.numel() * self.rel.element_size() + self.block_base.numel() * 8
+
+    def local_elements(self) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+        """Per run: (target index, target-local offsets, indices into the plan-ordered bit arrays).
+        The same view as GroupedPlan's."""
+        for t, s, e in self.bounds:
             rel = self.rel[s:e].to(torch.int64)
             bb = torch.repeat_interleave(self.block_base[s // self.block : e // self.block], self.block)
             ok = rel >= 0
@@ -108,11 +141,18 @@ class ScatterPlan:
 
     def arrange(self, values: torch.Tensor, fill: int = 0) -> torch.Tensor:
         """Caller-ordered per-element values -> plan order (what `scatter_` takes)."""
-        if not self.fused:
-            return values[self.order] if self.order is not None else values
         out = torch.full((self.size,), fill, dtype=values.dtype, device=values.device)
         out[self.slots] = values
         return out
+
+    def first_block(self) -> FusedPlan:
+        """The plan's first block alone (a kernel warm-up that writes back what the block reads)."""
+        return replace(
+            self, bounds=[], block_base=self.block_base[:1], rel=self.rel[: self.block], slots=self.slots[:0], count=0
+        )
+
+
+ScatterPlan = GroupedPlan | FusedPlan
 
 
 def flat_bits(t: torch.Tensor) -> torch.Tensor:
@@ -122,7 +162,7 @@ def flat_bits(t: torch.Tensor) -> torch.Tensor:
     return bit_view(t.detach()).view(-1)
 
 
-def build_plan(targets: list[torch.Tensor], target_ids: torch.Tensor, offsets: torch.Tensor) -> ScatterPlan:
+def build_plan(targets: list[torch.Tensor], target_ids: torch.Tensor, offsets: torch.Tensor) -> GroupedPlan:
     """Group (target id, offset) pairs by target; all referenced targets share one element width.
 
     Elements are stably reordered by target id; `plan.order` says how (apply it to the values).
@@ -136,19 +176,19 @@ def build_plan(targets: list[torch.Tensor], target_ids: torch.Tensor, offsets: t
         ids, offs = ids[order], offs[order]
     counts = torch.bincount(ids, minlength=len(targets)).tolist() if ids.numel() else [0] * len(targets)
     flats: list[torch.Tensor | None] = [None] * len(targets)
-    bounds, start = [], 0
+    bounds, start, widths = [], 0, set()
     for i, n in enumerate(counts):
         if n:
-            flats[i] = flat_bits(targets[i])
+            flat = flats[i] = flat_bits(targets[i])
             seg = offs[start : start + n]
-            if int(seg.max()) >= flats[i].numel() or int(seg.min()) < 0:
-                raise IndexError(f"scatter offset out of range for target {i} ({flats[i].numel()} elements)")
+            if int(seg.max()) >= flat.numel() or int(seg.min()) < 0:
+                raise IndexError(f"scatter offset out of range for target {i} ({flat.numel()} elements)")
             bounds.append((i, start, start + n))
+            widths.add(flat.element_size())
         start += n
-    widths = {flats[i].element_size() for i, _, _ in bounds}
     if len(widths) > 1:
         raise ValueError("one scatter plan covers targets of one element width")
-    return ScatterPlan(flats, bounds, offs, order)
+    return GroupedPlan(flats, bounds, offs, order)
 
 
 def address_base(flats: list[torch.Tensor]) -> tuple[int, list[int]]:
@@ -177,7 +217,7 @@ def build_fused_plan(
     base_index: int | None = None,
     rel_dtype: torch.dtype | None = None,
     check: bool = True,
-) -> ScatterPlan:
+) -> FusedPlan:
     """A fused plan over (target id, target-local offset) pairs, in the caller's order.
 
     Runs of equal target ids become runs of blocks (padded to `block` slots). `base_index` names the
@@ -210,7 +250,7 @@ def build_fused_plan(
     used_set = set(used)
     return fused_plan(
         [f if i in used_set else None for i, f in enumerate(flats)],
-        flats[base_index] if flats else None,
+        flats[base_index] if flats else torch.zeros(0, dtype=torch.int16, device=device),
         tbase,
         torch.tensor(tbase, dtype=torch.int64, device=device),
         ids,
@@ -222,7 +262,7 @@ def build_fused_plan(
 
 def fused_plan(
     flats: list[torch.Tensor | None],
-    base: torch.Tensor | None,
+    base: torch.Tensor,
     tbase: list[int],
     tbase_t: torch.Tensor,
     ids: torch.Tensor,
@@ -230,17 +270,16 @@ def fused_plan(
     *,
     block: int = BLOCK,
     rel_dtype: torch.dtype | None = None,
-) -> ScatterPlan:
+) -> FusedPlan:
     """`build_fused_plan` without the argument checks, from precomputed tables (the engine's path):
     flat views, the base view, each target's element offset from the base (list and device tensor),
     int64 target ids and in-range int64 target-local offsets. Two host synchronizations."""
     device = offs.device
     n = offs.numel()
     if not n:
-        return ScatterPlan(
+        return FusedPlan(
             targets=flats,
             bounds=[],
-            offsets=None,
             base=base,
             block=block,
             block_base=offs.new_zeros(0),
@@ -277,10 +316,9 @@ def fused_plan(
         rel_dtype = torch.int32 if int(rel.max()) <= _INT32_MAX else torch.int64
     elif rel_dtype == torch.int32 and int(rel.max()) > _INT32_MAX:
         raise ValueError("a block spans 2^31 elements or more: use int64 offsets")
-    return ScatterPlan(
+    return FusedPlan(
         targets=flats,
         bounds=bounds,
-        offsets=None,
         base=base,
         block=block,
         block_base=block_base,
@@ -319,7 +357,7 @@ class FusedAddressing:
             offsets_t=torch.tensor(offsets, dtype=torch.int64, device=device),
         )
 
-    def plan(self, target_ids: torch.Tensor, offsets: torch.Tensor, *, block: int = BLOCK) -> ScatterPlan:
+    def plan(self, target_ids: torch.Tensor, offsets: torch.Tensor, *, block: int = BLOCK) -> FusedPlan:
         return fused_plan(self.flats, self.base, self.offsets, self.offsets_t, target_ids, offsets, block=block)
 
     def gather(self, target_ids: torch.Tensor, offsets: torch.Tensor, backend: str | None = None) -> torch.Tensor:
@@ -327,7 +365,7 @@ class FusedAddressing:
         return gather_at(self.base, self.offsets_t[target_ids] + offsets, backend)
 
 
-def cat_plans(plans: list[ScatterPlan]) -> ScatterPlan:
+def cat_plans(plans: list[FusedPlan]) -> FusedPlan:
     """One fused plan from several over the same targets and base (e.g. built chunk by chunk)."""
     plans = [p for p in plans if p.size]
     if not plans:
@@ -348,10 +386,9 @@ def cat_plans(plans: list[ScatterPlan]) -> ScatterPlan:
         at += p.size
         targets = [a if a is not None else b for a, b in zip(targets, p.targets)]
     tbase = [max(vals) for vals in zip(*(p.target_base for p in plans))]
-    return ScatterPlan(
+    return FusedPlan(
         targets=targets,
         bounds=bounds,
-        offsets=None,
         base=first.base,
         block=first.block,
         block_base=block_base,
@@ -449,7 +486,7 @@ if triton is not None:
         tl.store(out_ptr + i, tl.load(base_ptr + addr, mask=m, other=0), mask=m)
 
 
-def _triton_blocks(kernel, plan: ScatterPlan, bits: torch.Tensor, rows: int, warps: int) -> None:
+def _triton_blocks(kernel, plan: FusedPlan, bits: torch.Tensor, rows: int, warps: int) -> None:
     n_blocks = plan.block_base.numel()
     if n_blocks:
         kernel[(triton.cdiv(n_blocks, rows),)](
@@ -458,19 +495,26 @@ def _triton_blocks(kernel, plan: ScatterPlan, bits: torch.Tensor, rows: int, war
 
 
 # -- torch path for fused plans (CPU, and the reference for the kernels) ---------------------------
-def _fused_runs(plan: ScatterPlan):
+def _fused_runs(plan: FusedPlan) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """(target flat view, target-local offsets, slot indices) of each run of a fused plan."""
     for t, local, slots in plan.local_elements():
-        yield plan.targets[t], local, slots
+        yield _target(plan, t), local, slots
+
+
+def _target(plan: ScatterPlan, i: int) -> torch.Tensor:
+    target = plan.targets[i]
+    if target is None:  # a plan's bounds only name the targets it holds
+        raise ValueError(f"plan does not hold target {i}")
+    return target
 
 
 # -- public entry points ---------------------------------------------------------------------------
 def gather(plan: ScatterPlan, backend: str | None = None) -> torch.Tensor:
     """Current bit patterns at the plan's places, in plan order (padding slots: 0)."""
     out = torch.zeros(plan.size, dtype=plan.dtype, device=plan.device)
-    if not plan.fused:
+    if isinstance(plan, GroupedPlan):
         for i, s, e in plan.bounds:
-            out[s:e] = plan.targets[i][plan.offsets[s:e]]
+            out[s:e] = _target(plan, i)[plan.offsets[s:e]]
         return out
     be = _resolve(backend, plan.device)
     if be == "triton":
@@ -489,9 +533,10 @@ def gather(plan: ScatterPlan, backend: str | None = None) -> torch.Tensor:
 
 def scatter_(plan: ScatterPlan, bits: torch.Tensor, backend: str | None = None) -> None:
     """Write `bits` (plan order) into the targets, in place."""
-    if not plan.fused:
+    if isinstance(plan, GroupedPlan):
         for i, s, e in plan.bounds:
-            plan.targets[i].index_copy_(0, plan.offsets[s:e], bits[s:e].to(plan.targets[i].dtype))
+            target = _target(plan, i)
+            target.index_copy_(0, plan.offsets[s:e], bits[s:e].to(target.dtype))
         return
     if bits.numel() != plan.size or bits.dtype != plan.dtype or bits.device != plan.device:
         raise ValueError(f"bits must be {plan.size} {plan.dtype} on {plan.device}, plan order")

@@ -156,11 +156,11 @@ class Decoder:
         for k, it in enumerate(items):
             blob = it.parts.get("blob")
             frames = codecs.parse_frames(blob, it.enc, it.nnz, _ctx(version, it.name))
-            blobs.append(memoryview(blob.numpy()))
+            blobs.append(blob.numpy().data)
             offset = 0
             for f in frames:
                 jobs.append(_FrameJob(k, offset, f, elem, ge_at, de_at))
-                offset, elem = offset + f.nbytes, elem + f.count
+                offset, elem = offset + f.nbytes, elem + f.elems
                 ge_at, de_at = ge_at + f.gap_escapes, de_at + f.diff_escapes
         total = elem
         planes_t = self._host(3 * total, torch.uint8)
@@ -174,9 +174,9 @@ class Decoder:
             fa = codecs.decompress_frame(
                 self._dctx(), blobs[job.item], job.offset, f, width, it.numel, _ctx(version, it.name)
             )
-            planes[e : e + f.count] = fa.gap_lo
-            planes[total + e : total + e + f.count] = fa.gap_hi
-            planes[2 * total + e : 2 * total + e + f.count] = fa.d8.view(np.uint8)
+            planes[e : e + f.elems] = fa.gap_lo
+            planes[total + e : total + e + f.elems] = fa.gap_hi
+            planes[2 * total + e : 2 * total + e + f.elems] = fa.d8.view(np.uint8)
             ge_all[job.gap_at : job.gap_at + f.gap_escapes] = fa.gap_esc
             de_all[job.diff_at : job.diff_at + f.diff_escapes] = fa.diff_esc
 
@@ -191,17 +191,17 @@ class Decoder:
             i = 0
             while i < len(jobs):
                 j, size = i, 0
-                while j < len(jobs) and (j == i or size + jobs[j].frame.count <= self.chunk_elems):
-                    size += jobs[j].frame.count
+                while j < len(jobs) and (j == i or size + jobs[j].frame.elems <= self.chunk_elems):
+                    size += jobs[j].frame.elems
                     j += 1
-                for f in range(i, j):
+                for k in range(i, j):
                     if futures is not None:
-                        futures[f].result()
+                        futures[k].result()
                     else:
-                        work(jobs[f])
+                        work(jobs[k])
                 t0 = self._span(timings, "read", t0, sync=False)
                 chunk_jobs = jobs[i:j]
-                a, b = chunk_jobs[0].elem, chunk_jobs[-1].elem + chunk_jobs[-1].frame.count
+                a, b = chunk_jobs[0].elem, chunk_jobs[-1].elem + chunk_jobs[-1].frame.elems
                 ga, gb = chunk_jobs[0].gap_at, chunk_jobs[-1].gap_at + chunk_jobs[-1].frame.gap_escapes
                 da, db = chunk_jobs[0].diff_at, chunk_jobs[-1].diff_at + chunk_jobs[-1].frame.diff_escapes
                 lo = planes_t[a:b].to(dev, non_blocking=nb)
@@ -236,7 +236,7 @@ class Decoder:
         gaps = lo.to(torch.int64).bitwise_or_(hi.to(torch.int64).bitwise_left_shift_(8))
         diffs = d8.view(torch.int8).to(INT_DTYPE[width])
         p, d, frame_of = codecs.decode_frames(gaps, diffs, ge, de, frames, ctx_of)
-        counts = np.array([f.count for f in frames], dtype=np.int64)
+        counts = np.array([f.elems for f in frames], dtype=np.int64)
         ends = np.cumsum(counts) - 1
         nonempty = np.flatnonzero(counts)
         lasts = dict(zip(nonempty.tolist(), p[torch.from_numpy(ends[nonempty]).to(p.device)].tolist()))
@@ -248,9 +248,9 @@ class Decoder:
         for job in jobs:
             t = items[job.item].index
             if runs and runs[-1][0] == t:
-                runs[-1] = (t, runs[-1][1] + job.frame.count)
+                runs[-1] = (t, runs[-1][1] + job.frame.elems)
             else:
-                runs.append((t, job.frame.count))
+                runs.append((t, job.frame.elems))
         return Chunk(t_idx=t_idx, p=p, diffs=d, values=None, runs=runs)
 
     # -- raw -------------------------------------------------------------------------------------
@@ -312,10 +312,11 @@ class Decoder:
             ch = c.finish(sec, numel=it.numel, device=self.device, ctx=ctx)
             pos = ch.positions.to(torch.int64)
             t_idx = torch.full_like(pos, it.index)
+            vals = diffs = None
             if ch.values is not None:
-                vals, diffs = int_view(ch.values).to(INT_DTYPE[width]), None
-            else:
-                vals, diffs = None, ch.diffs.to(torch.int64).to(INT_DTYPE[width])
+                vals = int_view(ch.values).to(INT_DTYPE[width])
+            elif ch.diffs is not None:
+                diffs = ch.diffs.to(torch.int64).to(INT_DTYPE[width])
             self._span(timings, "decode", t0)
             yield Chunk(t_idx=t_idx, p=pos, diffs=diffs, values=vals, runs=[(it.index, int(pos.numel()))])
 
@@ -343,7 +344,9 @@ def changed_items(vf: VersionFile, layout: DeviceLayout) -> dict[int, list[Item]
 
 
 def _groups(sizes: list[int], limit: int) -> list[list[int]]:
-    out, cur, size = [], [], 0
+    out: list[list[int]] = []
+    cur: list[int] = []
+    size = 0
     for k, n in enumerate(sizes):
         if cur and size + n > limit:
             out.append(cur)

@@ -12,11 +12,12 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 # A small fixed vocabulary: prompts written with these words tokenize without <unk>.
-WORDS = (
+_WORD_LIST = (
     "the a an and or but if then else when while of to in on at by for with from up down over under "
     "is are was were be been being have has had do does did will would can could should may might must "
     "i you he she it we they me him her us them my your his its our their this that these those "
@@ -32,7 +33,7 @@ WORDS = (
     "hello yes no please thanks once upon there here where why how what who which "
     ". , ! ? ; : ' \" ( ) - 0 1 2 3 4 5 6 7 8 9"
 ).split()
-WORDS = tuple(dict.fromkeys(WORDS))  # unique, in order
+WORDS: tuple[str, ...] = tuple(dict.fromkeys(_WORD_LIST))  # unique, in order
 SPECIAL = ("<pad>", "<unk>", "<s>", "</s>")
 
 
@@ -136,10 +137,11 @@ def save_tiny_model(model: torch.nn.Module, out_dir: str, *, weights: bool = Tru
     from safetensors.torch import save_file
 
     os.makedirs(out_dir, exist_ok=True)
-    model.config.save_pretrained(out_dir)
-    build_tokenizer(model.config.vocab_size).save_pretrained(out_dir)
+    config: Any = model.config
+    config.save_pretrained(out_dir)
+    build_tokenizer(config.vocab_size).save_pretrained(out_dir)
     with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
-        json.dump({"bos_token_id": model.config.bos_token_id, "eos_token_id": model.config.eos_token_id}, f)
+        json.dump({"bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_id}, f)
     if weights:
         save_file(hf_state_dict(model), os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     return out_dir

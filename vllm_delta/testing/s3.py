@@ -78,7 +78,7 @@ class S3Server:
         self.root = root or tempfile.mkdtemp(prefix="vllm-delta-s3-")
         self.port: int | None = None
         self._proc: subprocess.Popen | None = None
-        self._finalizer = None
+        self._finalizer: weakref.finalize | None = None
         self._work: str | None = None
 
     @property

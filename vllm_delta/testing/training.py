@@ -8,6 +8,7 @@ mostly by one ULP -- the statistics the compact codec is built for.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -34,7 +35,8 @@ def train_steps(
     """Run `steps` AdamW steps on random tokens, yielding the step number after each."""
     gen = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
-    vocab = model.config.vocab_size
+    config: Any = model.config
+    vocab = int(config.vocab_size)
     model.train()
     for step in range(1, steps + 1):
         tokens = torch.randint(0, vocab, (batch, seq_len), generator=gen)

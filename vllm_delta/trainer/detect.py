@@ -18,6 +18,7 @@ from ..bits import bit_view
 
 def named_tensors(source: nn.Module | Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]):
     """(name, tensor) pairs to publish; tensors sharing storage (tied weights) appear once."""
+    items: Iterable[tuple[str, torch.Tensor]]
     if isinstance(source, nn.Module):
         items = source.named_parameters()  # already drops tied duplicates
     elif isinstance(source, Mapping):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import queue
 import tempfile
@@ -29,8 +30,9 @@ import torch
 from .. import codec as codecs
 from ..checksums import MASK64, combine, positional_sum_tensor, to_hex
 from ..errors import DeltaError
-from ..format import DTYPE_NAMES, TensorEntry, VersionHeader, payload_key, write
+from ..format import DTYPE_NAMES, VersionHeader, write
 from ..store import DeltaStore, VersionRecord
+from ..writer import PreparedTensor, assemble_delta, encode_anchor
 from .detect import Snapshot, named_tensors
 
 log = logging.getLogger(__name__)
@@ -58,9 +60,18 @@ class PublishInfo:
 
 @dataclass
 class _Job:
-    header: VersionHeader
-    sections: dict  # name -> codec Sections (deltas) or host tensor (anchors)
-    future: Future
+    """One version on its way to the store: an anchor's header and payload, or a delta's prepared
+    tensors (packed on the upload thread)."""
+
+    version: int
+    kind: str
+    base: int | None
+    header: VersionHeader | None = None  # anchors
+    payload: dict[str, torch.Tensor] | None = None  # anchors
+    prepared: dict[str, PreparedTensor] | None = None  # deltas
+    base_checksum: str | None = None  # deltas
+    created: float = 0.0
+    future: Future = field(default_factory=Future)
 
 
 class Publisher:
@@ -130,7 +141,7 @@ class Publisher:
             for name, t in tensors:
                 if tuple(t.shape) != self._shapes[name]:
                     raise ValueError(f"tensor {name!r} changed shape {self._shapes[name]} -> {tuple(t.shape)}")
-        entries, sections, counts, sums = {}, {}, {}, {}
+        host, sections, counts, sums = {}, {}, {}, {}
         try:
             for name, t in tensors:
                 image = t.detach().to(self.dtype)
@@ -138,11 +149,10 @@ class Publisher:
                     self.snapshot.reset(name, image)
                     self._shapes[name] = tuple(image.shape)
                     sums[name] = positional_sum_tensor(image)
-                    host = image.to("cpu").contiguous()
-                    if host.data_ptr() == t.data_ptr():  # bf16 params on CPU: `to` copied nothing
-                        host = host.clone()
-                    sections[name] = host
-                    counts[name] = image.numel()
+                    copy = image.to("cpu").contiguous()
+                    if copy.data_ptr() == t.data_ptr():  # bf16 params on CPU: `to` copied nothing
+                        copy = copy.clone()
+                    host[name] = copy
                     continue
                 pos, new, old = self.snapshot.changes(name, image)
                 counts[name] = pos.numel()
@@ -157,38 +167,33 @@ class Publisher:
             raise
         for name, value in zip(sums, values):
             self._sums[name] = (value if anchor else self._sums[name] + value) & MASK64
-        for name, t in tensors:
-            entries[name] = TensorEntry(
-                shape=list(t.shape), dtype=DTYPE_NAMES[self.dtype], checksum=to_hex(self._sums[name]), nnz=counts[name]
-            )
-        nnz = sum(counts.values())
-        base_checksum = self._checksum_of_last
-        header = VersionHeader(
-            version=version,
-            kind="anchor" if anchor else "delta",
-            tensors=entries,
-            checksum=to_hex(combine(self._sums.items())),
-            base=None if anchor else self._last,
-            base_checksum=None if anchor else base_checksum,
-            codec=None if anchor else self.codec.name,
-            created=time.time(),
-        )
-        self._checksum_of_last = header.checksum
-        future: Future = Future()
-        self._queue.put(_Job(header, sections, future))  # blocks when the uploader is behind
+        created = time.time()
+        if anchor:
+            header, payload = encode_anchor(version, host, self._sums, created=created)
+            job = _Job(version, "anchor", None, header=header, payload=payload)
+        else:
+            prepared = {
+                name: PreparedTensor(tuple(t.shape), self.dtype, self._sums[name], counts[name], sections.get(name))
+                for name, t in tensors
+            }
+            job = _Job(version, "delta", self._last, prepared=prepared, base_checksum=self._checksum_of_last)
+        job.created = created
+        checksum = to_hex(combine(self._sums.items()))
+        self._checksum_of_last = checksum
+        self._queue.put(job)  # blocks when the uploader is behind
         if anchor:
             self._last_anchor = version
         self._needs_anchor = False
         self._last = version
         return PublishInfo(
             version=version,
-            kind=header.kind,
-            base=header.base,
-            nnz=nnz,
-            numel=header.numel,
-            checksum=header.checksum,
+            kind=job.kind,
+            base=job.base,
+            nnz=sum(counts.values()) if not anchor else sum(t.numel() for t in host.values()),
+            numel=sum(math.prod(t.shape) for _, t in tensors),
+            checksum=checksum,
             detect_ms=(time.perf_counter() - t0) * 1e3,
-            uploaded=future,
+            uploaded=job.future,
         )
 
     def flush(self) -> None:
@@ -248,38 +253,42 @@ class Publisher:
     def _upload_loop(self) -> None:
         while True:
             job = self._queue.get()
+            if job is None:
+                self._queue.task_done()
+                return
             try:
-                if job is None:
-                    return
                 if self._error is not None or (
-                    self._broken_at is not None and job.header.kind == "delta" and job.header.base >= self._broken_at
+                    self._broken_at is not None and job.base is not None and job.base >= self._broken_at
                 ):
                     # Its base never became visible: drop it, the next publish starts a new chain.
-                    job.future.set_exception(PublishError("base version failed to upload", version=job.header.version))
+                    job.future.set_exception(PublishError("base version failed to upload", version=job.version))
                     continue
                 record = self._upload(job)
                 self._broken_at = None
                 job.future.set_result(record)
             except BaseException as exc:  # noqa: BLE001 - handed to the training thread
-                log.error("upload of version %s failed: %s", job.header.version, exc)
-                self._error, self._broken_at = exc, job.header.version
+                log.error("upload of version %s failed: %s", job.version, exc)
+                self._error, self._broken_at = exc, job.version
                 job.future.set_exception(exc)
             finally:
                 self._queue.task_done()
 
-    def _pack(self, sections):
-        return self.codec.pack(sections, self.dtype)
-
     def _upload(self, job: _Job) -> VersionRecord:
-        header, payload = job.header, {}
-        if header.kind == "anchor":
-            payload.update(job.sections)
+        if job.kind == "anchor":
+            header, payload = job.header, job.payload
         else:
+            assert job.prepared is not None and job.base is not None
             # zstd releases the GIL: compress tensors in parallel (8B, 1%: ~1 s on one thread).
-            names = list(job.sections)
-            for name, (parts, meta) in zip(names, self._pool.map(self._pack, (job.sections[n] for n in names))):
-                header.tensors[name].enc = meta
-                payload.update({payload_key(name, part): t for part, t in parts.items()})
+            header, payload = assemble_delta(
+                version=job.version,
+                base=job.base,
+                base_checksum=job.base_checksum,
+                codec=self.codec,
+                tensors=job.prepared,
+                pool=self._pool,
+                created=job.created,
+            )
+        assert header is not None and payload is not None
         fd, path = tempfile.mkstemp(suffix=".safetensors", dir=self._tmpdir)
         os.close(fd)
         try:
@@ -288,6 +297,6 @@ class Publisher:
         finally:
             if os.path.exists(path):
                 os.unlink(path)
-        if self.keep_anchors and header.kind == "anchor":
+        if self.keep_anchors and job.kind == "anchor":
             self.store.retain(self.keep_anchors)
         return record

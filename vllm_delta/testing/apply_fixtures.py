@@ -1,4 +1,4 @@
-"""Torch references and fixtures shared by tests/apply and benchmarks/apply_gpu.py (one copy, no drift).
+"""Torch references and fixtures shared by tests/apply and the GPU benchmarks (one copy, no drift).
 
 * `reference_apply`: writes changes given in Hugging Face coordinates through `Layout.translate`,
   one `index_copy_` per segment: the meaning of an update, independent of the engine's code.
@@ -14,39 +14,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import pytest
 import torch
 
 from vllm_delta import codec as codecs
-from vllm_delta.apply import scatter as scatter_ops
 from vllm_delta.apply.layout import Layout, Segment, hf_2d
 from vllm_delta.bits import bit_view
-from vllm_delta.checksums import combine, positional_sum, tensor_sum, to_hex
-from vllm_delta.format import DTYPE_NAMES, TensorEntry, VersionHeader, payload_key, write
-
-# -- test parametrization -------------------------------------------------------------------------
-
-
-def cases():
-    """(device, backend) pairs: CPU ones that can run here, GPU ones marked `gpu`."""
-    out = [pytest.param("cpu", b, id=f"cpu-{b}") for b in scatter_ops.available_backends("cpu")]
-    out += [pytest.param("cuda", b, id=f"cuda-{b}", marks=pytest.mark.gpu) for b in ("cuda", "triton", "torch")]
-    return out
-
-
-def need(device: str, backend: str) -> None:
-    """Skip (or, for a failed CUDA build on a GPU machine, fail) when the pair can't run here."""
-    if device == "cuda":
-        if not torch.cuda.is_available():
-            pytest.skip("no CUDA device")
-        if backend == "cuda":
-            from vllm_delta.apply import _cuda
-
-            if not _cuda.available():
-                pytest.fail(f"CUDA fused scatter did not build: {_cuda.error()}")
-        if backend == "triton" and scatter_ops.triton is None:
-            pytest.skip("no Triton")
-
+from vllm_delta.checksums import positional_sum, tensor_sum
+from vllm_delta.format import VersionHeader, write
+from vllm_delta.writer import encode_anchor, encode_delta
 
 # -- model shapes -----------------------------------------------------------------------------------
 
@@ -123,6 +98,8 @@ def hf_view(layout: Layout, targets: list[torch.Tensor], name: str) -> torch.Ten
             out = torch.zeros(rows, cols, dtype=flat.dtype, device=flat.device)
         box = flat.as_strided((seg.rows, seg.cols), (seg.dst_row_stride, seg.dst_col_stride), seg.dst_offset)
         out[seg.row0 : seg.row0 + seg.rows, seg.col0 : seg.col0 + seg.cols] = box
+    if out is None:
+        raise ValueError(f"{name} has no segments")
     return out.reshape(layout.hf_shapes[name])
 
 
@@ -262,57 +239,25 @@ def write_delta(
 ) -> VersionHeader:
     """A delta version file from {name: (positions, new bits, old bits)}. `sums`: per-tensor checksums
     at this version (None: zeros, for benchmarks that don't verify)."""
-    if codec == "compact" and frame_elems:
-        c = codecs.CompactCodec(frame_elems=frame_elems)
-    else:
-        c = codecs.get_codec(codec)
-
-    dtypes = dtype if isinstance(dtype, dict) else dict.fromkeys(shapes, dtype)
-
-    def one(name):
-        pos, new, old = changes[name]
-        numel = hf_2d(shapes[name])[0] * hf_2d(shapes[name])[1]
-        return name, c.pack(c.prepare(pos, new, old, numel), dtypes[name])
-
-    names = [n for n in shapes if n in changes and changes[n][0].numel()]
-    packed = dict(pool.map(one, names) if pool is not None else map(one, names))
-    entries, payload = {}, {}
-    for name, shape in shapes.items():
-        nnz = int(changes[name][0].numel()) if name in changes else 0
-        parts, meta = packed.get(name, ({}, {}))
-        entries[name] = TensorEntry(
-            shape=list(shape),
-            dtype=DTYPE_NAMES[dtypes[name]],
-            checksum=to_hex((sums or {}).get(name, 0)),
-            nnz=nnz,
-            enc=meta,
-        )
-        payload.update({payload_key(name, part): t for part, t in parts.items()})
-    header = VersionHeader(
+    c = codecs.CompactCodec(frame_elems=frame_elems) if codec == "compact" and frame_elems else codec
+    header, payload = encode_delta(
         version=version,
-        kind="delta",
-        tensors=entries,
-        checksum=to_hex(combine((sums or {}).items())),
         base=base,
         base_checksum="0" * 16,
-        codec=codec,
+        codec=c,
+        shapes=shapes,
+        dtypes=dtype if isinstance(dtype, dict) else dict.fromkeys(shapes, dtype),
+        changes=changes,
+        sums=sums or {},
+        pool=pool,
     )
     write(path, header, payload)
     return header
 
 
 def write_anchor(path: str, version: int, tensors: dict[str, torch.Tensor]) -> VersionHeader:
-    sums = {n: tensor_sum(t) for n, t in tensors.items()}
-    header = VersionHeader(
-        version=version,
-        kind="anchor",
-        tensors={
-            n: TensorEntry(shape=list(t.shape), dtype=DTYPE_NAMES[t.dtype], checksum=to_hex(sums[n]), nnz=t.numel())
-            for n, t in tensors.items()
-        },
-        checksum=to_hex(combine(sums.items())),
-    )
-    write(path, header, {n: t.contiguous().cpu() for n, t in tensors.items()})
+    header, payload = encode_anchor(version, tensors, hf_sums(tensors))
+    write(path, header, {n: t.cpu() for n, t in payload.items()})
     return header
 
 
@@ -322,8 +267,6 @@ def hf_sums(tensors: dict[str, torch.Tensor]) -> dict[str, int]:
 
 __all__ = [
     "QWEN3",
-    "cases",
-    "need",
     "Qwen3Spec",
     "apply_diffs",
     "hf_sums",
