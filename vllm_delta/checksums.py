@@ -112,14 +112,18 @@ def checksum(named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, tor
 
 
 class _Entry(Protocol):
-    checksum: str
+    @property
+    def checksum(self) -> str: ...
 
 
 class _Header(Protocol):
     """What verification reads of a version header (format.VersionHeader)."""
 
-    version: int
-    tensors: Mapping[str, _Entry]
+    @property
+    def version(self) -> int: ...
+
+    @property
+    def tensors(self) -> Mapping[str, _Entry]: ...
 
 
 def verify_partials(current: Mapping[str, int], partials: Iterable[Mapping[str, int]], expected: _Header) -> None:

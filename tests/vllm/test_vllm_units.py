@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from vllm_delta.apply.layout import Segment
-from vllm_delta.errors import NotSuccessorError, UnsupportedModelError, VersionNotFoundError
+from vllm_delta.errors import BadRequestError, NotSuccessorError, UnsupportedModelError, VersionNotFoundError
 from vllm_delta.store import DeltaStore
+from vllm_delta.vllm.messages import StageRequest, UpdateRequest
 from vllm_delta.vllm.options import LoaderOptions, server_store, split_extra_config
 from vllm_delta.vllm.plan import plan_update
 from vllm_delta.vllm.probe import CopyRecord, ProbeResult, finalize_layout, record_to_segment
-from vllm_delta.vllm.service import BadRequest, _parse
 
 pytestmark = pytest.mark.vllm
 
@@ -137,16 +137,77 @@ def test_finalize_layout_owners_and_coverage():
 )
 def test_bad_requests(body, match, monkeypatch):
     monkeypatch.delenv("VLLM_DELTA_TEST_FAULTS", raising=False)
-    with pytest.raises(BadRequest, match=match):
-        _parse(body, update=True)
-    assert BadRequest("x").http_status == 400
+    with pytest.raises(BadRequestError, match=match):
+        UpdateRequest.from_body(body)
+    assert BadRequestError("x").http_status == 400
 
 
 def test_good_request_defaults():
-    assert _parse({"version": "latest"}, update=True) == ("latest", False, "keep", "delta", None)
-    assert _parse({"version": 3, "mode": "abort", "allow_reanchor": True}, update=True)[:3] == (3, True, "abort")
-    with pytest.raises(BadRequest, match="unknown fields"):
-        _parse({"version": 3, "mode": "abort"}, update=False)  # staging takes no mode
+    assert UpdateRequest.from_body({"version": "latest"}) == UpdateRequest("latest", False, "keep", "delta", None)
+    r = UpdateRequest.from_body({"version": 3, "mode": "abort", "allow_reanchor": True})
+    assert (r.version, r.allow_reanchor, r.mode) == (3, True, "abort")
+    with pytest.raises(BadRequestError, match="unknown fields"):
+        StageRequest.from_body({"version": 3, "mode": "abort"})  # staging takes no mode
+
+
+def test_rpc_messages_cross_vllms_msgpack_boundary():
+    """Worker replies are plain values through vLLM's own serializer; sums are exact 64-bit ints."""
+    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+    from vllm_delta.errors import WorkerError
+    from vllm_delta.vllm.messages import (
+        Committed,
+        ErrorPayload,
+        RankSums,
+        StagePoll,
+        StageSummary,
+        WorkerStatus,
+        error_reply,
+        reply_error,
+    )
+
+    def wire(value):
+        return MsgpackDecoder().decode(MsgpackEncoder().encode(value.to_wire()))
+
+    summary = StageSummary([3, 4], {"a": (1 << 64) - 1, "b": 0}, nnz=7, bytes=96, stage_ms=1.5, timings={"total": 1.0})
+    assert StagePoll.from_wire(wire(StagePoll(summary))).summary == summary
+    assert StagePoll.from_wire(wire(StagePoll(None))) == StagePoll(None)
+    assert wire(summary)["partials"] == {"a": "ffffffffffffffff", "b": "0000000000000000"}
+    assert RankSums.from_wire(wire(RankSums(2, {"a": 1 << 63}))) == RankSums(2, {"a": 1 << 63})
+    status = WorkerStatus(1, None, None, False, ["x"], [])
+    assert WorkerStatus.from_wire(wire(status)) == status
+    assert Committed.from_wire(wire(Committed(0.25))).apply_ms == 0.25
+    reply = MsgpackDecoder().decode(MsgpackEncoder().encode(error_reply(NotSuccessorError("no", version=3))))
+    err = reply_error(reply)
+    assert err == ErrorPayload("NotSuccessorError", 409, "no (version 3)") and reply_error({"apply_ms": 1.0}) is None
+    exc = err.to_error(rank=1)
+    assert (
+        isinstance(exc, WorkerError)
+        and exc.http_status == 409
+        and str(exc) == "rank 1: NotSuccessorError: no (version 3)"
+    )
+
+
+def test_update_result_answers():
+    from vllm_delta.vllm.messages import UpdateResult
+
+    noop = UpdateResult(5, 5, 0.0, 0.0, 0.0, 0, 0, [], "keep", "delta").to_json()
+    assert list(noop) == [
+        "version",
+        "previous_version",
+        "pause_ms",
+        "apply_ms",
+        "stage_ms",
+        "nnz",
+        "bytes",
+        "applied",
+        "mode",
+        "method",
+    ]
+    full = UpdateResult(6, None, 1.23456, 0.5, 2.0, 9, 99, [6], "wait", "vllm", False, True, 9, 120, {"total": 1.0})
+    out = full.to_json()
+    assert out["pause_ms"] == 1.235 and out["previous_version"] is None and out["prefetched"] is True
+    assert out["reanchored"] is False and out["timings"] == {"total": 1.0} and out["staged_bytes"] == 120
 
 
 def test_loader_options(monkeypatch):
@@ -262,7 +323,7 @@ def test_replica_on_a_toy_model(tmp_path):
     assert f"{sum_all(replica):016x}" == checksum(images[0])
     # Two versions in one update, staged then committed; the transposed tensor goes through vLLM's path.
     summary = replica.stage("t", [store.open(1), store.open(2)])
-    assert summary["nnz"] > 0 and set(summary["partials"]) >= {"q", "wt"}
+    assert summary.nnz > 0 and set(summary.partials) >= {"q", "wt"}
     replica.commit("t")
     assert f"{sum_all(replica):016x}" == checksum(images[2])
     assert torch.equal(model.wt.data, images[2]["wt"].t())

@@ -40,6 +40,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -399,8 +400,7 @@ class ApplyEngine:
         self._warm.add(key)
 
     # -- the pause -------------------------------------------------------------------------
-    def commit(self, staged: StagedUpdate) -> float:
-        """Write the staged bits in place. On any failure, restore what was written and re-raise."""
+    def _check_current(self, staged: StagedUpdate) -> None:
         if staged.committed:
             raise ValueError(f"update to version {staged.version} is already committed")
         if staged.base_state != self._state:
@@ -408,6 +408,15 @@ class ApplyEngine:
                 "staged against other live weights (an update was committed or rolled back since): stage again",
                 version=staged.version,
             )
+
+    def _mark_committed(self, staged: StagedUpdate) -> None:
+        staged.committed = True
+        staged.state = next(_STATE)
+        self._state = staged.state
+
+    def commit(self, staged: StagedUpdate) -> float:
+        """Write the staged bits in place. On any failure, restore what was written and re-raise."""
+        self._check_current(staged)
         t0 = time.perf_counter()
         done = 0
         try:
@@ -420,9 +429,21 @@ class ApplyEngine:
                 scatter_ops.scatter_(plan, bits, staged.backend)
             self._sync()
             raise
-        staged.committed = True
-        staged.state = next(_STATE)
-        self._state = staged.state
+        self._mark_committed(staged)
+        return (time.perf_counter() - t0) * 1e3
+
+    def commit_with(self, staged: StagedUpdate, write: Callable[[], None]) -> float:
+        """Commit `staged` through another writer (`write()` puts the same new bits in place, e.g. vLLM's
+        sparse path): the same state checks as `commit`, and on failure our rollback buffer restores
+        every staged element."""
+        self._check_current(staged)
+        t0 = time.perf_counter()
+        try:
+            write()
+        except BaseException:
+            self.rollback(staged)
+            raise
+        self._mark_committed(staged)
         return (time.perf_counter() - t0) * 1e3
 
     def rollback(self, staged: StagedUpdate) -> None:

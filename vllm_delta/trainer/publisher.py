@@ -29,17 +29,13 @@ import torch
 
 from .. import codec as codecs
 from ..checksums import MASK64, combine, positional_sum_tensor, to_hex
-from ..errors import DeltaError
+from ..errors import PublishError
 from ..format import DTYPE_NAMES, VersionHeader, write
 from ..store import DeltaStore, VersionRecord
 from ..writer import PreparedTensor, assemble_delta, encode_anchor
 from .detect import Snapshot, named_tensors
 
 log = logging.getLogger(__name__)
-
-
-class PublishError(DeltaError):
-    """A background upload failed; the message names the version."""
 
 
 @dataclass

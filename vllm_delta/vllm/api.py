@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from ..errors import DeltaError
+from ..errors import BadRequestError, DeltaError, http_status
+from .messages import StageRequest, UpdateRequest
 from .options import server_store
-from .service import BadRequest, DeltaService
+from .service import DeltaService
 
 log = logging.getLogger(__name__)
 
@@ -25,11 +27,31 @@ PREFIX = "/v1/delta"
 STATE_KEY = "vllm_delta_service"
 
 
+class JsonAnswer(Protocol):
+    def to_json(self) -> dict[str, Any]: ...
+
+
 def _error(exc: BaseException) -> JSONResponse:
-    status = exc.http_status if isinstance(exc, DeltaError) else 500
+    status = http_status(exc)
     if status >= 500:
         log.error("vllm-delta: %s", exc, exc_info=exc)
     return JSONResponse(status_code=status, content={"error": {"type": type(exc).__name__, "message": str(exc)}})
+
+
+def route(handler: Callable[[Request], Awaitable[JsonAnswer]]) -> Callable[[Request], Awaitable[JSONResponse]]:
+    """A route's one exit: the answer's JSON with 200, or any exception as {"error": {"type", "message"}}
+    with its status (errors.http_status); 5xx are logged with their traceback."""
+
+    async def answer(request: Request) -> JSONResponse:
+        try:
+            return JSONResponse((await handler(request)).to_json())
+        except Exception as exc:  # noqa: BLE001 - every error becomes a JSON answer
+            return _error(exc)
+
+    # Not functools.wraps: FastAPI would read the handler's signature through __wrapped__ and make a
+    # response model of its return annotation.
+    answer.__name__, answer.__qualname__, answer.__doc__ = handler.__name__, handler.__qualname__, handler.__doc__
+    return answer
 
 
 def _service(request: Request) -> DeltaService:
@@ -49,7 +71,7 @@ async def _body(request: Request) -> Any:
     try:
         return json.loads(raw)
     except ValueError as exc:
-        raise BadRequest(f"the body is not JSON: {exc}") from None
+        raise BadRequestError(f"the body is not JSON: {exc}") from None
 
 
 class DeltaEndpointPlugin:
@@ -60,27 +82,23 @@ class DeltaEndpointPlugin:
 
     def attach_router(self, app: FastAPI) -> None:
         @app.post(f"{PREFIX}/update_weights")
-        async def update_weights(request: Request):
-            try:
-                return JSONResponse(await _service(request).update(await _body(request)))
-            except Exception as exc:  # noqa: BLE001 - every error becomes a JSON answer
-                return _error(exc)
+        @route
+        async def update_weights(request: Request) -> JsonAnswer:
+            service = _service(request)
+            return await service.update(UpdateRequest.from_body(await _body(request)))
 
         @app.post(f"{PREFIX}/stage")
-        async def stage(request: Request):
-            try:
-                return JSONResponse(await _service(request).stage(await _body(request)))
-            except Exception as exc:  # noqa: BLE001
-                return _error(exc)
+        @route
+        async def stage(request: Request) -> JsonAnswer:
+            service = _service(request)
+            return await service.stage(StageRequest.from_body(await _body(request)))
 
         @app.get(f"{PREFIX}/status")
-        async def status(request: Request):
-            try:
-                return JSONResponse(await _service(request).status())
-            except Exception as exc:  # noqa: BLE001
-                return _error(exc)
+        @route
+        async def status(request: Request) -> JsonAnswer:
+            return await _service(request).status()
 
-    async def init_state(self, engine_client, state, args) -> None:
+    async def init_state(self, engine_client: Any, state: Any, args: Any) -> None:
         if engine_client is None:
             return
         load = getattr(getattr(engine_client, "vllm_config", None), "load_config", None)

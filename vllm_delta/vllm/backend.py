@@ -16,19 +16,21 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass, field
+from typing import Any
 
+import torch
 from vllm.distributed.weight_transfer.base import (
     WeightTransferEngine,
     WeightTransferInitInfo,
     WeightTransferUpdateInfo,
 )
 
-from ..checksums import verify_partials
-from ..errors import DeltaError
+from ..checksums import Sums, verify_partials
 from . import dist
 from .options import StoreSpec, server_store
 from .plan import plan_update
-from .worker import REPLICA_ATTR, open_store
+from .replica import replica_of
+from .worker import open_store
 
 
 @dataclass
@@ -48,7 +50,7 @@ class DeltaWeightTransferEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateI
     update_info_cls = DeltaUpdateInfo
     supports_draft_weight_update = False
 
-    def __init__(self, config, vllm_config, device, model):
+    def __init__(self, config: Any, vllm_config: Any, device: Any, model: torch.nn.Module) -> None:
         super().__init__(config, vllm_config, device, model)
         load = vllm_config.load_config
         self.spec: StoreSpec | None = server_store(load.load_format, load.model_loader_extra_config)
@@ -66,20 +68,11 @@ class DeltaWeightTransferEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateI
     def shutdown(self) -> None:
         pass
 
-    def _replica(self):
-        from .replica import DeltaReplica
-
-        replica = getattr(self.model, REPLICA_ATTR, None)
-        if replica is None:
-            replica = DeltaReplica(self.model)
-            setattr(self.model, REPLICA_ATTR, replica)
-        return replica
-
     def receive_weights(self, update_info: DeltaUpdateInfo) -> None:
         if self.spec is None:
             raise ValueError("no store: start with --load-format delta or pass init_info {'store': URI}")
         store = open_store(self.spec.to_dict())
-        replica = self._replica()
+        replica = replica_of(self.model)
         target = store.resolve(update_info.version)
         if not replica.prepared:  # every rank gets here together: the probe's exchange is collective
             replica.prepare({n: tuple(e.shape) for n, e in store.open(target).header.tensors.items()})
@@ -89,19 +82,21 @@ class DeltaWeightTransferEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateI
         files = [store.open(v) for v in plan.versions]
         ticket = uuid.uuid4().hex
         # Stage everywhere, then agree: every rank raises the same error if any rank failed.
-        error = None
+        error: BaseException | None = None
+        partials: Sums | None = None
         try:
-            summary = replica.stage(ticket, files)
-        except DeltaError as exc:
-            error, summary = exc, None
-        summaries = dist.all_gather_object(None if summary is None else summary["partials"])
+            partials = replica.stage(ticket, files).partials
+        except Exception as exc:  # noqa: BLE001 - every rank must reach the gather below, or the others hang
+            error = exc
+        gathered: list[Sums | None] = dist.all_gather_object(partials)
         try:
             if error is not None:
                 raise error
-            if any(s is None for s in summaries):
+            ranks = [p for p in gathered if p is not None]
+            if len(ranks) != len(gathered):
                 raise RuntimeError("staging failed on another rank")
-            current = replica.served.sums if replica.served.version is not None else replica_live(replica)
-            verify_partials(current, [{n: int(v, 16) for n, v in s.items()} for s in summaries], files[-1].header)
+            current = replica.served.sums if replica.served.version is not None else replica.live_sums_all_ranks()
+            verify_partials(current, ranks, files[-1].header)
             ok = True
             try:
                 replica.commit(ticket)
@@ -112,12 +107,3 @@ class DeltaWeightTransferEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateI
                 raise error or RuntimeError("the update failed on another rank; every rank rolled back")
         finally:
             replica.release(ticket)
-
-
-def replica_live(replica) -> dict[str, int]:
-    """Per-tensor live sums over all ranks (for a server whose version is unknown)."""
-    total: dict[str, int] = {}
-    for part in dist.all_gather_object(replica.live_sums()):
-        for name, s in part.items():
-            total[name] = (total.get(name, 0) + s) & ((1 << 64) - 1)
-    return total

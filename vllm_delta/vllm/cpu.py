@@ -29,7 +29,7 @@ def keep_plain_cpu_linears() -> bool:
     def dispatch_keeping_weight(layer: torch.nn.Module, remove_weight: bool) -> None:
         weight = getattr(layer, "weight", None)
         if weight is not None and weight.ndim == 2:
-            layer.cpu_linear = torch.nn.functional.linear
+            setattr(layer, "cpu_linear", torch.nn.functional.linear)  # noqa: B010 - vLLM reads this attribute
             return
         original(layer, remove_weight)
 

@@ -93,7 +93,7 @@ class FallbackApplier:
                 image = self.shadows[name].clone()
             ctx = {"version": h.version, "tensor": name}
             changes = codecs.decode(
-                h.codec, vf.parts(name), e.enc, numel=e.numel, nnz=e.nnz, dtype=e.torch_dtype, ctx=ctx
+                h.codec or "", vf.parts(name), e.enc, numel=e.numel, nnz=e.nnz, dtype=e.torch_dtype, ctx=ctx
             )
             flat = int_view(image).reshape(-1)
             flat[changes.positions] = changes.new_bits(flat[changes.positions])

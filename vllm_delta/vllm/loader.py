@@ -23,8 +23,7 @@ from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 from ..errors import ChecksumMismatchError
 from ..reconstruct import iter_version, open_chain, replay_tensor
 from .options import LoaderOptions, split_extra_config
-from .replica import DeltaReplica, Served
-from .worker import REPLICA_ATTR
+from .replica import REPLICA_ATTR, DeltaReplica, Served
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,10 @@ import json
 import os
 import tempfile
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ..store import DeltaStore
 
 LOADER_KEYS = (
     "delta_store",  # URI of the store (path, file://, s3://, hf://buckets/...)
@@ -42,7 +45,7 @@ class StoreSpec:
     def from_dict(cls, d: dict) -> StoreSpec:
         return cls(d["uri"], dict(d.get("storage_options") or {}), d.get("cache_dir") or default_cache_dir())
 
-    def open(self):
+    def open(self) -> DeltaStore:
         from ..store import DeltaStore
 
         return DeltaStore(self.uri, storage_options=self.storage_options, cache_dir=self.cache_dir)

@@ -51,6 +51,7 @@ def plan_update(
                 version=first.version,
             )
     elif not allow_reanchor:
+        why: str | None
         if served_version is None:
             why = "the served version is unknown (the server was not started with --load-format delta)"
         elif target < served_version:

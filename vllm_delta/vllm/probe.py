@@ -23,6 +23,7 @@ import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -60,11 +61,11 @@ def _recording_copies(records: list[CopyRecord]) -> Iterator[None]:
             return dst
         return original(dst, src, non_blocking)
 
-    torch.Tensor.copy_ = record_copy
+    setattr(torch.Tensor, "copy_", record_copy)  # noqa: B010 - a deliberate, scoped monkeypatch
     try:
         yield
     finally:
-        torch.Tensor.copy_ = original
+        setattr(torch.Tensor, "copy_", original)  # noqa: B010
 
 
 def check_supported(model: torch.nn.Module) -> None:
@@ -105,7 +106,7 @@ def record_to_segment(
     if not param.is_contiguous():
         return "destination parameter is not contiguous"
     R, C = hf_2d(hf_shape)
-    dst_offset = rec.dst.storage_offset() - param.storage_offset()
+    dst_offset = int(rec.dst.storage_offset() - param.storage_offset())
     src = _collapse(rec.src_shape, rec.src_stride)
     dst = _collapse(tuple(rec.dst.shape), tuple(rec.dst.stride()))
     if src is None or dst is None:
@@ -129,7 +130,7 @@ def record_to_segment(
 
 
 def _param_index(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[int, list[tuple[str, torch.Tensor]]]]:
-    params = {name: p for name, p in model.named_parameters()}
+    params: dict[str, torch.Tensor] = dict(model.named_parameters())
     by_storage: dict[int, list[tuple[str, torch.Tensor]]] = {}
     for name, p in params.items():
         if p.numel():
@@ -161,7 +162,8 @@ def probe_layout(model: torch.nn.Module, hf_shapes: dict[str, tuple[int, ...]], 
         records: list[CopyRecord] = []
         try:
             with _recording_copies(records):
-                loaded = model.load_weights([(name, torch.empty(tuple(shape), dtype=dtype, device="meta"))])
+                load_weights: Any = model.load_weights  # vLLM models define it; nn.Module does not
+                loaded = load_weights([(name, torch.empty(tuple(shape), dtype=dtype, device="meta"))])
         except Exception as exc:  # noqa: BLE001 - any loader failure on a meta tensor means "not plain"
             fallback[name] = f"its loader failed on a probe tensor: {type(exc).__name__}: {exc}"
             continue

@@ -9,7 +9,8 @@ The API process drives every rank through the same steps (collective_rpc, see wo
     rollback  undo a committed update (another rank failed)
     release   drop a staged update's buffers
 
-The served version lives here too, per rank, so that every rank can say what it holds.
+The served version lives here too, per rank, so that every rank can say what it holds. The replica
+hangs on the model (`REPLICA_ATTR`): the loader attaches it, `replica_of` finds or creates it.
 """
 
 from __future__ import annotations
@@ -18,24 +19,23 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
 
 from ..apply.engine import ApplyEngine, StagedUpdate
-from ..checksums import MASK64, combine, to_hex
-from ..errors import DeltaError, UnsupportedModelError
+from ..checksums import Sums, add_sums, combine, to_hex
+from ..errors import UnsupportedModelError
 from ..format import VersionFile, VersionHeader
-from . import dist
+from . import dist, vllm_path
 from .fallback import FallbackApplier, FallbackStage
+from .messages import FAULTS_ENV, METHODS, StageSummary
 from .probe import ProbeResult, finalize_layout, local_boxes, probe_layout, validate_layout
 
 log = logging.getLogger(__name__)
 
-# Test hook: with VLLM_DELTA_TEST_FAULTS=1 a request may name a fault ("commit@<rank>") that makes
-# that rank fail right after its writes, to prove the cross-rank rollback on a real server.
-FAULTS_ENV = "VLLM_DELTA_TEST_FAULTS"
+REPLICA_ATTR = "_vllm_delta_replica"  # the model attribute that holds its DeltaReplica
 
 
 class InjectedFault(RuntimeError):
@@ -63,7 +63,7 @@ class Ticket:
     stage_ms: float = 0.0
     previous: Served | None = None  # what was served before this ticket's commit
     method: str = "delta"  # "vllm": commit through vLLM's sparse path instead (vllm_path.py)
-    vllm_patches: list | None = None
+    vllm_patches: list | None = None  # for method "vllm": vLLM CheckpointWeightPatch objects
 
 
 class DeltaReplica:
@@ -84,7 +84,7 @@ class DeltaReplica:
         return self.engine is not None
 
     def prepare(
-        self, hf_shapes: dict[str, tuple[int, ...]], *, validate: bool = True, force_fallback=()
+        self, hf_shapes: dict[str, tuple[int, ...]], *, validate: bool = True, force_fallback: Iterable[str] = ()
     ) -> dict[str, str]:
         """Probe, validate and combine the layout over all ranks. Every rank must call it. Returns fallbacks."""
         t0 = time.perf_counter()
@@ -121,13 +121,21 @@ class DeltaReplica:
         sums.update(self.fallback.live_sums())
         return sums
 
+    def live_sums_all_ranks(self) -> Sums:
+        """Per HF tensor: the live positional sum over every rank (collective)."""
+        return add_sums(dist.all_gather_object(self.live_sums()))
+
     def live_checksum_all_ranks(self) -> str:
         """The whole-model live checksum, summed over every rank (collective)."""
-        parts = dist.all_gather_object(self.live_sums())
-        return to_hex(combine((name, s) for p in parts for name, s in p.items()))
+        return to_hex(combine(self.live_sums_all_ranks().items()))
+
+    @property
+    def fallback_names(self) -> list[str]:
+        """Tensors that go through vLLM's sparse path (sorted; [] before the probe)."""
+        return sorted(self.fallback.reasons) if self.fallback else []
 
     # -- staging --------------------------------------------------------------------------------
-    def stage(self, ticket: str, files: list[VersionFile]) -> dict:
+    def stage(self, ticket: str, files: list[VersionFile]) -> StageSummary:
         """Stage synchronously (the loader, the native backend). Returns the summary."""
         self.tickets[ticket] = t = Ticket([vf.version for vf in files])
         self._stage_into(t, lambda: files)
@@ -143,7 +151,7 @@ class DeltaReplica:
         self._require()
         if ticket in self.tickets:
             raise ValueError(f"ticket {ticket} is already staged")
-        if method not in ("delta", "vllm"):
+        if method not in METHODS:
             raise ValueError(f"unknown apply method {method!r}")
         t = Ticket(list(versions), method=method)
         t.thread = threading.Thread(target=self._stage_into, args=(t, open_files), name=f"vllm-delta-stage-{ticket}")
@@ -159,14 +167,12 @@ class DeltaReplica:
             assert self.fallback is not None
             t.fallback = self.fallback.stage(files)
             if t.method == "vllm":
-                from .vllm_path import checkpoint_patches
-
-                t.vllm_patches = checkpoint_patches(self, t)
+                t.vllm_patches = vllm_path.checkpoint_patches(engine.layout, t.staged)
         except BaseException as exc:  # noqa: BLE001 - reported to the API process by poll
             t.error = exc
         t.stage_ms = (time.perf_counter() - t0) * 1e3
 
-    def poll(self, ticket: str) -> dict | None:
+    def poll(self, ticket: str) -> StageSummary | None:
         """None while staging runs; the summary when done; raises the staging error (and drops the ticket)."""
         t = self._ticket(ticket)
         if t.thread is not None and t.thread.is_alive():
@@ -176,27 +182,30 @@ class DeltaReplica:
             raise t.error
         return self.summary(ticket)
 
-    def summary(self, ticket: str) -> dict:
+    def summary(self, ticket: str) -> StageSummary:
         t = self._ticket(ticket)
         assert t.staged is not None and t.fallback is not None
-        partials = dict(t.staged.partials)
-        for name, p in t.fallback.partials.items():
-            partials[name] = (partials.get(name, 0) + p) & MASK64
-        return {
-            "versions": t.versions,
-            "partials": {n: to_hex(p) for n, p in partials.items()},
-            "nnz": t.staged.nnz + t.fallback.nnz,
-            "bytes": t.staged.bytes,
-            "stage_ms": t.stage_ms,
-            "timings": dict(t.staged.timings),
-        }
+        return StageSummary(
+            versions=list(t.versions),
+            partials=add_sums([t.staged.partials, t.fallback.partials]),
+            nnz=t.staged.nnz + t.fallback.nnz,
+            bytes=t.staged.bytes,
+            stage_ms=t.stage_ms,
+            timings=dict(t.staged.timings),
+        )
 
     # -- the pause ------------------------------------------------------------------------------
-    def commit(self, ticket: str, fault: str | None = None) -> float:
-        """Write a staged update in place. On failure this rank is restored before the error propagates."""
+    def commit(self, ticket: str, fault: str | None = None, method: str = "delta") -> float:
+        """Write a staged update in place; returns the time taken (ms). On failure this rank is restored
+        before the error propagates. `method` "vllm" writes through vLLM's sparse path instead (the
+        ticket must have been staged for it)."""
         t = self._ticket(ticket)
         if t.staged is None:
             raise ValueError(f"ticket {ticket} is not staged")
+        if method == "vllm":
+            return self._commit_through_vllm(ticket, t)
+        if method != "delta":
+            raise ValueError(f"unknown apply method {method!r}")
         engine = self._require()
         assert self.fallback is not None and t.fallback is not None
         t0 = time.perf_counter()
@@ -211,6 +220,22 @@ class DeltaReplica:
             raise
         t.previous, self.served = self.served, Served.from_header(t.staged.header)
         return (time.perf_counter() - t0) * 1e3
+
+    def _commit_through_vllm(self, ticket: str, t: Ticket) -> float:
+        if t.vllm_patches is None:
+            raise ValueError(f"ticket {ticket} was not staged for vLLM's sparse path")
+        engine = self._require()
+        assert t.staged is not None and t.fallback is not None and self.fallback is not None
+        patches, fallback, fallback_stage = t.vllm_patches, self.fallback, t.fallback
+
+        def write() -> None:
+            vllm_path.load_patches(self.model, patches)
+            fallback.commit(fallback_stage)
+
+        # The same elements as our plan: on failure the engine's rollback buffer restores them.
+        apply_ms = engine.commit_with(t.staged, write)
+        t.previous, self.served = self.served, Served.from_header(t.staged.header)
+        return apply_ms
 
     def rollback(self, ticket: str) -> bool:
         """Undo a committed ticket (another rank failed). False if there was nothing to undo."""
@@ -242,7 +267,10 @@ def _model_device(model: torch.nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def error_payload(exc: BaseException) -> dict:
-    """A plain-dict form of an error that crosses the RPC boundary with its HTTP status."""
-    status = getattr(exc, "http_status", 500) if isinstance(exc, DeltaError) else 500
-    return {"type": type(exc).__name__, "status": status, "message": str(exc)}
+def replica_of(model: torch.nn.Module) -> DeltaReplica:
+    """The model's replica, created on first use (a server not started with --load-format delta)."""
+    replica = getattr(model, REPLICA_ATTR, None)
+    if replica is None:
+        replica = DeltaReplica(model)
+        setattr(model, REPLICA_ATTR, replica)
+    return replica

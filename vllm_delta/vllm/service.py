@@ -21,34 +21,39 @@ import logging
 import os
 import time
 import uuid
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from ..checksums import MASK64, combine, to_hex, verify_partials
+from ..checksums import Sums, add_sums, combine, to_hex, verify_partials
 from ..errors import DeltaError
+from .messages import (
+    Committed,
+    Prepared,
+    RankSums,
+    ServerStatus,
+    StagePoll,
+    StageRequest,
+    StageResult,
+    StageStarted,
+    StageSummary,
+    UpdateRequest,
+    UpdateResult,
+    WorkerStatus,
+    reply_error,
+)
 from .options import StoreSpec
 from .plan import UpdatePlan, plan_update
-from .replica import FAULTS_ENV
+
+if TYPE_CHECKING:
+    from ..store import DeltaStore
 
 log = logging.getLogger(__name__)
 
-MODES = ("keep", "wait", "abort")
-METHODS = ("delta", "vllm")
 POLL_S = 0.005  # staging poll interval: each poll is one cheap RPC between forward passes
 RPC_TIMEOUT_S = float(os.environ.get("VLLM_DELTA_RPC_TIMEOUT_S", "600"))
 
-
-class WorkerError(DeltaError):
-    """An error a worker rank reported, with the HTTP status it maps to."""
-
-    def __init__(self, payload: dict, rank: int):
-        super().__init__(f"rank {rank}: {payload.get('type', 'Error')}: {payload.get('message', '')}")
-        self.http_status = int(payload.get("status", 500))
-        self.payload = payload
-
-
-class BadRequest(DeltaError):
-    http_status = 400
+R = TypeVar("R")
 
 
 @dataclass
@@ -57,7 +62,7 @@ class Prefetched:
     plan: UpdatePlan
     ticket: str
     method: str
-    summaries: list[dict]
+    summaries: list[StageSummary]  # one per rank
     stage_ms: float
     from_prefetch: bool = False  # staged by an earlier /v1/delta/stage
 
@@ -66,49 +71,58 @@ class DeltaService:
     def __init__(self, engine_client: Any, spec: StoreSpec):
         self.engine = engine_client
         self.spec = spec
-        self._store = None
+        self._store: DeltaStore | None = None
         self.lock = asyncio.Lock()
         self.prefetched: Prefetched | None = None
-        self.last_update: dict | None = None
+        self.last_update: tuple[UpdateResult, float] | None = None  # and when it was applied
 
     @property
-    def store(self):
+    def store(self) -> DeltaStore:
         if self._store is None:
             self._store = self.spec.open()
         return self._store
 
     # -- RPC helpers ----------------------------------------------------------------------------
-    async def _rpc(self, _name: str, check: bool = True, **kwargs) -> list[dict]:
-        results = await self.engine.collective_rpc(_name, timeout=RPC_TIMEOUT_S, kwargs=kwargs)
-        if check:
-            for rank, r in enumerate(results):
-                if isinstance(r, dict) and "error" in r:
-                    raise WorkerError(r["error"], rank)
-        return results
+    async def _replies(self, _name: str, **kwargs: Any) -> list[Any]:
+        """Every rank's raw reply (a result's wire form or an error reply), in rank order."""
+        return await self.engine.collective_rpc(_name, timeout=RPC_TIMEOUT_S, kwargs=kwargs)
 
-    async def _served(self) -> dict:
-        ranks = await self._rpc("delta_status")
-        versions = {(r["version"], r["checksum"]) for r in ranks}
+    async def _call(self, _name: str, reply: Callable[[Mapping[str, Any]], R], **kwargs: Any) -> list[R]:
+        """Every rank's result, typed by `reply` (a from_wire); the first rank's error is raised as WorkerError."""
+        replies = await self._replies(_name, **kwargs)
+        for rank, r in enumerate(replies):
+            error = reply_error(r)
+            if error is not None:
+                raise error.to_error(rank)
+        return [reply(r) for r in replies]
+
+    async def _release(self, ticket: str) -> None:
+        await self._replies("delta_release", ticket=ticket)  # best effort: errors are the workers' to log
+
+    async def _served(self) -> WorkerStatus:
+        ranks = await self._call("delta_status", WorkerStatus.from_wire)
+        versions = {(r.version, r.checksum) for r in ranks}
         if len(versions) != 1:
             raise DeltaError(f"worker ranks disagree on the served version: {sorted(versions, key=str)}")
         return ranks[0]
 
-    async def _prepare(self, served: dict, version: int) -> None:
-        if not served["prepared"]:
-            await self._rpc("delta_prepare", store=self.spec.to_dict(), version=version)
+    async def _prepare(self, served: WorkerStatus, version: int) -> None:
+        if not served.prepared:
+            await self._call("delta_prepare", Prepared.from_wire, store=self.spec.to_dict(), version=version)
 
-    async def _in_thread(self, fn, *args):
+    async def _in_thread(self, fn: Callable[..., R], *args: Any) -> R:
         return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
 
     # -- staging --------------------------------------------------------------------------------
-    async def _stage(self, served: dict, requested, allow_reanchor: bool, method: str) -> Prefetched | None:
+    async def _stage(self, served: WorkerStatus, request: StageRequest | UpdateRequest) -> Prefetched | None:
         plan: UpdatePlan = await self._in_thread(
-            plan_update, self.store, served["version"], served["checksum"], requested, allow_reanchor
+            plan_update, self.store, served.version, served.checksum, request.version, request.allow_reanchor
         )
         if not plan.versions:
             return None
+        method = request.method
         p = self.prefetched
-        if p is not None and p.served == served["version"] and p.plan.versions == plan.versions and p.method == method:
+        if p is not None and p.served == served.version and p.plan.versions == plan.versions and p.method == method:
             self.prefetched = None
             p.from_prefetch = True
             return p
@@ -119,110 +133,114 @@ class DeltaService:
             await self._in_thread(self.store.local_path, v)
         await self._prepare(served, plan.target)
         ticket = uuid.uuid4().hex
-        await self._rpc(
-            "delta_stage_start", store=self.spec.to_dict(), ticket=ticket, versions=plan.versions, method=method
+        await self._call(
+            "delta_stage_start",
+            StageStarted.from_wire,
+            store=self.spec.to_dict(),
+            ticket=ticket,
+            versions=plan.versions,
+            method=method,
         )
         try:
             summaries = await self._wait_staged(ticket)
             await self._verify(served, plan, summaries)
         except BaseException:
-            await self._rpc("delta_release", check=False, ticket=ticket)
+            await self._release(ticket)
             raise
-        return Prefetched(served["version"], plan, ticket, method, summaries, (time.perf_counter() - t0) * 1e3)
+        return Prefetched(served.version, plan, ticket, method, summaries, (time.perf_counter() - t0) * 1e3)
 
-    async def _wait_staged(self, ticket: str) -> list[dict]:
+    async def _wait_staged(self, ticket: str) -> list[StageSummary]:
         deadline = time.monotonic() + RPC_TIMEOUT_S
         while True:
-            results = await self._rpc("delta_stage_poll", ticket=ticket)
-            if all(r["done"] for r in results):
-                return [r["summary"] for r in results]
+            polls = await self._call("delta_stage_poll", StagePoll.from_wire, ticket=ticket)
+            summaries = [p.summary for p in polls if p.summary is not None]
+            if len(summaries) == len(polls):
+                return summaries
             if time.monotonic() > deadline:
                 raise DeltaError(f"staging did not finish within {RPC_TIMEOUT_S:.0f} s")
             await asyncio.sleep(POLL_S)
 
-    async def _verify(self, served: dict, plan: UpdatePlan, summaries: list[dict]) -> None:
+    async def _verify(self, served: WorkerStatus, plan: UpdatePlan, summaries: list[StageSummary]) -> None:
         target = await self._in_thread(lambda: self.store.open(plan.target).header)
-        if served["version"] is not None:
+        if served.version is not None:
             # The served version's sums as the workers hold them (the store may have retired it).
-            held = (await self._rpc("delta_served_sums"))[0]
-            current = {n: int(v, 16) for n, v in held["sums"].items()}
+            current = (await self._call("delta_served_sums", RankSums.from_wire))[0].sums
         else:
             current = await self._live_sums()
-        partials = [{n: int(v, 16) for n, v in s["partials"].items()} for s in summaries]
-        verify_partials(current, partials, target)
+        verify_partials(current, [s.partials for s in summaries], target)
 
     async def _drop_prefetched(self) -> None:
         if self.prefetched is not None:
             ticket, self.prefetched = self.prefetched.ticket, None
-            await self._rpc("delta_release", check=False, ticket=ticket)
+            await self._release(ticket)
 
     # -- public operations ----------------------------------------------------------------------
-    async def stage(self, body: dict) -> dict:
-        requested, allow_reanchor, _, method, _ = _parse(body, update=False)
+    async def stage(self, request: StageRequest) -> StageResult:
         async with self.lock:
             served = await self._served()
-            staged = await self._stage(served, requested, allow_reanchor, method)
+            staged = await self._stage(served, request)
             if staged is None:
-                return {"version": served["version"], "staged": [], "stage_ms": 0.0}
+                return StageResult(served.version, [])
             self.prefetched = staged
-            return {
-                "version": served["version"],
-                "staged": staged.plan.versions,
-                "target": staged.plan.target,
-                "stage_ms": round(staged.stage_ms, 3),
-                "nnz": staged.plan.nnz,
-                "bytes": staged.plan.bytes,
-            }
+            return StageResult(
+                served.version,
+                staged.plan.versions,
+                staged.stage_ms,
+                target=staged.plan.target,
+                nnz=staged.plan.nnz,
+                bytes=staged.plan.bytes,
+            )
 
-    async def update(self, body: dict) -> dict:
-        requested, allow_reanchor, mode, method, fault = _parse(body, update=True)
+    async def update(self, request: UpdateRequest) -> UpdateResult:
         async with self.lock:
             served = await self._served()
-            previous = served["version"]
-            staged = await self._stage(served, requested, allow_reanchor, method)
+            previous = served.version
+            staged = await self._stage(served, request)
             if staged is None:
-                target = await self._in_thread(self.store.resolve, requested)
-                return _result(target, previous, 0.0, 0.0, 0.0, 0, 0, [], mode, method)
+                target = await self._in_thread(self.store.resolve, request.version)
+                return UpdateResult(target, previous, 0.0, 0.0, 0.0, 0, 0, [], request.mode, request.method)
             try:
-                pause_ms, apply_ms = await self._commit(staged, mode, method, fault)
+                pause_ms, apply_ms = await self._commit(staged, request)
             finally:
-                await self._rpc("delta_release", check=False, ticket=staged.ticket)
-            out = _result(
-                staged.plan.target,
-                previous,
-                pause_ms,
-                apply_ms,
-                staged.stage_ms,
-                staged.plan.nnz,
-                staged.plan.bytes,
-                staged.plan.versions,
-                mode,
-                method,
+                await self._release(staged.ticket)
+            out = UpdateResult(
+                version=staged.plan.target,
+                previous_version=previous,
+                pause_ms=pause_ms,
+                apply_ms=apply_ms,
+                stage_ms=staged.stage_ms,
+                nnz=staged.plan.nnz,
+                bytes=staged.plan.bytes,
+                applied=staged.plan.versions,
+                mode=request.mode,
+                method=request.method,
+                reanchored=staged.plan.reanchor,
+                prefetched=staged.from_prefetch,
+                elements_written=sum(s.nnz for s in staged.summaries),
+                staged_bytes=sum(s.bytes for s in staged.summaries),
+                timings=staged.summaries[0].timings,
             )
-            out["reanchored"] = staged.plan.reanchor
-            out["prefetched"] = staged.from_prefetch
-            out["elements_written"] = sum(s["nnz"] for s in staged.summaries)
-            out["staged_bytes"] = sum(s["bytes"] for s in staged.summaries)
-            out["timings"] = staged.summaries[0].get("timings", {})
-            self.last_update = {**out, "time": time.time()}
+            self.last_update = (out, time.time())
             return out
 
-    async def _commit(self, staged: Prefetched, mode: str, method: str, fault: str | None) -> tuple[float, float]:
+    async def _commit(self, staged: Prefetched, request: UpdateRequest) -> tuple[float, float]:
         t0 = time.perf_counter()
         # Caches are reset after a successful commit only: a failed update leaves them valid.
-        await self.engine.pause_generation(mode=mode, clear_cache=False)
+        await self.engine.pause_generation(mode=request.mode, clear_cache=False)
         try:
-            results = await self._rpc("delta_commit", check=False, ticket=staged.ticket, method=method, fault=fault)
-            failed = [(rank, r["error"]) for rank, r in enumerate(results) if "error" in r]
+            replies = await self._replies(
+                "delta_commit", ticket=staged.ticket, method=request.method, fault=request.fault
+            )
+            failed = [(rank, e) for rank, e in enumerate(map(reply_error, replies)) if e is not None]
             if failed:
-                await self._rpc("delta_rollback", check=False, ticket=staged.ticket)
+                await self._replies("delta_rollback", ticket=staged.ticket)
                 rank, payload = failed[0]
-                err = WorkerError(payload, rank)
+                err = payload.to_error(rank)
                 raise DeltaError(
                     f"update to version {staged.plan.target} failed and was rolled back on every rank: {err}"
                 ) from err
             await self._reset_prefix_cache()
-            apply_ms = max(r["apply_ms"] for r in results)
+            apply_ms = max(Committed.from_wire(r).apply_ms for r in replies)
         finally:
             await self.engine.resume_generation()
         return (time.perf_counter() - t0) * 1e3, apply_ms
@@ -234,71 +252,26 @@ class DeltaService:
             await asyncio.sleep(0.01)
         log.warning("vllm-delta: the prefix cache could not be reset after an update")
 
-    async def _live_sums(self) -> dict[str, int]:
-        parts = await self._rpc("delta_live_sums")
-        total: dict[str, int] = {}
-        for p in parts:
-            for name, s in p["sums"].items():
-                total[name] = (total.get(name, 0) + int(s, 16)) & MASK64
-        return total
+    async def _live_sums(self) -> Sums:
+        return add_sums(p.sums for p in await self._call("delta_live_sums", RankSums.from_wire))
 
-    async def status(self) -> dict:
+    async def status(self) -> ServerStatus:
         async with self.lock:
             served = await self._served()
-            version = served["version"]
-            if not served["prepared"]:
+            version = served.version
+            if not served.prepared:
                 target = version if version is not None else await self._in_thread(self.store.resolve, "latest")
                 await self._prepare(served, target)
             sums = await self._live_sums()
-            fallback = (await self._rpc("delta_status"))[0]["fallback"]
-            return {
-                "version": version,
-                "store": self.spec.uri,
-                "checksum": to_hex(combine(sums.items())),
-                "version_checksum": served["checksum"],
-                "staged": self.prefetched.plan.versions if self.prefetched else [],
-                "last_update": self.last_update,
-                "tensors_via_vllm_path": fallback,
-            }
-
-
-def _parse(body: Any, *, update: bool):
-    if not isinstance(body, dict):
-        raise BadRequest("the body must be a JSON object")
-    known = {"version", "allow_reanchor", "method"} | ({"mode", "fault"} if update else set())
-    unknown = set(body) - known
-    if unknown:
-        raise BadRequest(f"unknown fields {sorted(unknown)} (known: {sorted(known)})")
-    if "version" not in body:
-        raise BadRequest('"version" is required: a version number or "latest"')
-    version = body["version"]
-    if isinstance(version, bool) or not (version == "latest" or (isinstance(version, int) and version >= 0)):
-        raise BadRequest(f'"version" must be a non-negative integer or "latest", not {version!r}')
-    allow = body.get("allow_reanchor", False)
-    if not isinstance(allow, bool):
-        raise BadRequest('"allow_reanchor" must be true or false')
-    mode = body.get("mode", "keep")
-    if mode not in MODES:
-        raise BadRequest(f'"mode" must be one of {", ".join(MODES)}, not {mode!r}')
-    method = body.get("method", "delta")
-    if method not in METHODS:
-        raise BadRequest(f'"method" must be one of {", ".join(METHODS)}, not {method!r}')
-    fault = body.get("fault")
-    if fault is not None and os.environ.get(FAULTS_ENV) != "1":
-        raise BadRequest(f'"fault" is a test hook, enabled only with {FAULTS_ENV}=1')
-    return version, allow, mode, method, fault
-
-
-def _result(version, previous, pause_ms, apply_ms, stage_ms, nnz, nbytes, applied, mode, method) -> dict:
-    return {
-        "version": version,
-        "previous_version": previous,
-        "pause_ms": round(pause_ms, 3),
-        "apply_ms": round(apply_ms, 3),
-        "stage_ms": round(stage_ms, 3),
-        "nnz": nnz,
-        "bytes": nbytes,
-        "applied": applied,
-        "mode": mode,
-        "method": method,
-    }
+            fallback = (await self._call("delta_status", WorkerStatus.from_wire))[0].fallback
+            last, when = self.last_update if self.last_update is not None else (None, None)
+            return ServerStatus(
+                version=version,
+                store=self.spec.uri,
+                checksum=to_hex(combine(sums.items())),
+                version_checksum=served.checksum,
+                staged=self.prefetched.plan.versions if self.prefetched else [],
+                last_update=last,
+                last_update_time=when,
+                tensors_via_vllm_path=fallback,
+            )

@@ -3,43 +3,44 @@
 For comparison (benchmarks/pause_latency.py) and as a cross-check: inside the pause, the staged
 changes go to `load_checkpoint_weight_patches` as absolute bf16 values at Hugging Face positions
 (what vLLM's sparse_nccl backend receives). Staging, verification and rollback stay ours: the
-elements written are the same, so our rollback buffer restores them.
+elements written are the same, so our rollback buffer restores them (replica.py commits and rolls back).
+
+Plain functions of the layout and the staged update: this module knows nothing of the replica.
 """
 
 from __future__ import annotations
 
-import time
+from typing import Any
 
 import torch
 
-from .replica import DeltaReplica, Served, Ticket
+from ..apply.engine import StagedUpdate
+from ..apply.layout import Layout
 
 
-def checkpoint_patches(replica: DeltaReplica, t: Ticket) -> list:
-    """Per HF tensor: the staged positions this rank holds and their new values, in HF coordinates."""
+def checkpoint_patches(layout: Layout, staged: StagedUpdate) -> list[Any]:
+    """Per HF tensor: the staged positions this rank holds and their new values, in HF coordinates
+    (vLLM `CheckpointWeightPatch` objects)."""
     from vllm.model_executor.model_loader.checkpoint_weight_patch import CheckpointWeightPatch
 
-    engine = replica.engine
-    assert engine is not None and t.staged is not None
     # (target -> sorted offsets, their new bits) from the staged plans (either plan form).
     parts: dict[int, tuple[list, list]] = {}
-    for plan, bits in zip(t.staged.plans, t.staged.new_bits):
+    for plan, bits in zip(staged.plans, staged.new_bits):
         for target, offs, idx in plan.local_elements():
             o, b = parts.setdefault(target, ([], []))
             o.append(offs.cpu())
             b.append(bits[idx].cpu())
-    staged: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    by_target: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     for target, (o, b) in parts.items():
         offs, order = torch.sort(torch.cat(o))
-        staged[target] = (offs, torch.cat(b)[order])
-    layout = engine.layout
+        by_target[target] = (offs, torch.cat(b)[order])
     patches = []
     for name, segs in layout.segments.items():
         pos_parts, val_parts = [], []
         for seg in segs:
-            if seg.target not in staged:
+            if seg.target not in by_target:
                 continue
-            offs, bits = staged[seg.target]
+            offs, bits = by_target[seg.target]
             pos, dst = layout.segment_elements(name, seg)
             hit = torch.isin(dst, offs)
             if bool(hit.any()):
@@ -63,21 +64,8 @@ def _unique_first(pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return sp[keep], order[keep]
 
 
-def commit_through_vllm(replica: DeltaReplica, ticket: str) -> float:
+def load_patches(model: torch.nn.Module, patches: list[Any]) -> None:
+    """Write patches through vLLM's own `load_checkpoint_weight_patches` (the model's weight loaders)."""
     from vllm.model_executor.model_loader.checkpoint_weight_patch import load_checkpoint_weight_patches
 
-    t = replica.tickets[ticket]
-    patches = t.vllm_patches
-    if patches is None:
-        raise ValueError(f"ticket {ticket} was not staged for vLLM's sparse path")
-    assert t.staged is not None and t.fallback is not None and replica.fallback is not None
-    t0 = time.perf_counter()
-    try:
-        load_checkpoint_weight_patches(replica.model, patches)
-        replica.fallback.commit(t.fallback)
-    except BaseException:
-        replica.engine.rollback(t.staged)  # same elements: our rollback buffer restores them
-        raise
-    t.staged.committed = True
-    t.previous, replica.served = replica.served, Served.from_header(t.staged.header)
-    return (time.perf_counter() - t0) * 1e3
+    load_checkpoint_weight_patches(model, patches)

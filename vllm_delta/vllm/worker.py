@@ -1,8 +1,9 @@
 """Worker-side RPC methods (`collective_rpc("delta_...")`), attached to vLLM's Worker class by the plugin.
 
-Arguments and results are plain JSON-like values (they cross the API -> engine core -> worker
-msgpack boundary). Errors are returned as {"error": {...}} with their HTTP status instead of
-raised, so the API process can answer 404/409/422 rather than a generic 500.
+Arguments are plain JSON-like values and results the wire form of a type of messages.py (they
+cross the API -> engine core -> worker msgpack boundary). Errors are returned as
+{"error": ErrorPayload} with their HTTP status instead of raised, so the API process can answer
+404/409/422 rather than a generic 500.
 
 Every method runs on the worker's main thread, between forward passes; only staging itself is
 moved to a background thread (see replica.py).
@@ -13,19 +14,35 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..errors import UnsupportedModelError
+from .messages import (
+    Committed,
+    Json,
+    Prepared,
+    RankSums,
+    Released,
+    RolledBack,
+    StagePoll,
+    StageStarted,
+    WorkerStatus,
+    error_reply,
+)
 from .options import StoreSpec
-from .replica import DeltaReplica, error_payload
+from .replica import DeltaReplica, replica_of
+
+if TYPE_CHECKING:
+    from ..store import DeltaStore
 
 log = logging.getLogger(__name__)
 
-REPLICA_ATTR = "_vllm_delta_replica"
-_stores: dict[tuple, object] = {}
+_stores: dict[tuple, DeltaStore] = {}
 _stores_lock = threading.Lock()
 
 
-def open_store(spec: dict):
+def open_store(spec: dict[str, Any]) -> DeltaStore:
     """One DeltaStore per (uri, options, cache dir) in this process: records are cached inside it."""
     s = StoreSpec.from_dict(spec)
     key = (s.uri, repr(sorted(s.storage_options.items())), s.cache_dir)
@@ -35,106 +52,97 @@ def open_store(spec: dict):
         return _stores[key]
 
 
-def replica_of(worker) -> DeltaReplica:
-    """The worker's replica, created on first use for servers not started with --load-format delta."""
-    model = worker.get_model()
-    replica = getattr(model, REPLICA_ATTR, None)
-    if replica is None:
-        replica = DeltaReplica(model)
-        setattr(model, REPLICA_ATTR, replica)
-    return replica
+def _replica(worker: Any) -> DeltaReplica:
+    return replica_of(worker.get_model())
 
 
-def _reports_errors(fn):
+F = TypeVar("F", bound=Callable[..., Json])
+
+
+def _reports_errors(fn: F) -> F:
     @functools.wraps(fn)
-    def wrapper(self, *args, **kwargs):
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Json:
         try:
             return fn(self, *args, **kwargs)
         except Exception as exc:  # noqa: BLE001 - every failure goes back to the API process with its status
             log.warning("vllm-delta: %s failed: %s", fn.__name__, exc)
-            return {"error": error_payload(exc)}
+            return error_reply(exc)
 
-    return wrapper
-
-
-@_reports_errors
-def delta_status(self) -> dict:
-    r = replica_of(self)
-    return {
-        "rank": r.rank,
-        "version": r.served.version,
-        "checksum": r.served.checksum,
-        "prepared": r.prepared,
-        "fallback": sorted(r.fallback.reasons) if r.fallback else [],
-        "tickets": sorted(r.tickets),
-    }
+    return wrapper  # type: ignore[return-value]
 
 
 @_reports_errors
-def delta_prepare(self, store: dict, version: int) -> dict:
+def delta_status(self: Any) -> Json:
+    r = _replica(self)
+    return WorkerStatus(
+        rank=r.rank,
+        version=r.served.version,
+        checksum=r.served.checksum,
+        prepared=r.prepared,
+        fallback=r.fallback_names,
+        tickets=sorted(r.tickets),
+    ).to_wire()
+
+
+@_reports_errors
+def delta_prepare(self: Any, store: dict[str, Any], version: int) -> Json:
     """Probe the layout from the shapes of `version` (collective: every rank runs it together)."""
-    r = replica_of(self)
+    r = _replica(self)
     if r.prepared:
-        return {"fallback": sorted(r.fallback.reasons) if r.fallback else []}
+        return Prepared(r.fallback_names).to_wire()
     header = open_store(store).open(version).header
     shapes = {n: tuple(e.shape) for n, e in header.tensors.items()}
     fallback = r.prepare(shapes)
     if fallback:
         log.warning("vllm-delta: tensors through vLLM's sparse path: %s", fallback)
-    return {"fallback": sorted(fallback)}
+    return Prepared(sorted(fallback)).to_wire()
 
 
 @_reports_errors
-def delta_live_sums(self) -> dict:
-    """This rank's share of the live per-tensor sums, as hex (the API process adds the ranks up)."""
-    r = replica_of(self)
+def delta_live_sums(self: Any) -> Json:
+    """This rank's share of the live per-tensor sums (the API process adds the ranks up)."""
+    r = _replica(self)
     if not r.prepared:
         raise UnsupportedModelError("the layout has not been probed yet")
-    return {"sums": {n: f"{s:016x}" for n, s in r.live_sums().items()}}
+    return RankSums(r.served.version, r.live_sums()).to_wire()
 
 
 @_reports_errors
-def delta_served_sums(self) -> dict:
+def delta_served_sums(self: Any) -> Json:
     """Per-tensor sums the served version's header records (what staged partials are added to)."""
-    r = replica_of(self)
-    return {"version": r.served.version, "sums": {n: f"{s:016x}" for n, s in r.served.sums.items()}}
+    r = _replica(self)
+    return RankSums(r.served.version, dict(r.served.sums)).to_wire()
 
 
 @_reports_errors
-def delta_stage_start(self, ticket: str, store: dict, versions: list[int], method: str = "delta") -> dict:
-    r = replica_of(self)
+def delta_stage_start(
+    self: Any, ticket: str, store: dict[str, Any], versions: list[int], method: str = "delta"
+) -> Json:
+    r = _replica(self)
     st = open_store(store)
     r.stage_start(ticket, versions, lambda: [st.open(v) for v in versions], method=method)
-    return {"started": ticket}
+    return StageStarted(ticket).to_wire()
 
 
 @_reports_errors
-def delta_stage_poll(self, ticket: str) -> dict:
-    summary = replica_of(self).poll(ticket)
-    return {"done": summary is not None, "summary": summary}
+def delta_stage_poll(self: Any, ticket: str) -> Json:
+    return StagePoll(_replica(self).poll(ticket)).to_wire()
 
 
 @_reports_errors
-def delta_commit(self, ticket: str, method: str = "delta", fault: str | None = None) -> dict:
-    r = replica_of(self)
-    if method == "delta":
-        return {"apply_ms": r.commit(ticket, fault=fault)}
-    if method == "vllm":
-        from .vllm_path import commit_through_vllm
-
-        return {"apply_ms": commit_through_vllm(r, ticket)}
-    raise ValueError(f"unknown apply method {method!r}")
+def delta_commit(self: Any, ticket: str, method: str = "delta", fault: str | None = None) -> Json:
+    return Committed(_replica(self).commit(ticket, fault=fault, method=method)).to_wire()
 
 
 @_reports_errors
-def delta_rollback(self, ticket: str) -> dict:
-    return {"rolled_back": replica_of(self).rollback(ticket)}
+def delta_rollback(self: Any, ticket: str) -> Json:
+    return RolledBack(_replica(self).rollback(ticket)).to_wire()
 
 
 @_reports_errors
-def delta_release(self, ticket: str) -> dict:
-    replica_of(self).release(ticket)
-    return {"released": ticket}
+def delta_release(self: Any, ticket: str) -> Json:
+    _replica(self).release(ticket)
+    return Released(ticket).to_wire()
 
 
 WORKER_METHODS = {
@@ -153,7 +161,7 @@ WORKER_METHODS = {
 }
 
 
-def install(worker_cls) -> None:
+def install(worker_cls: type) -> None:
     """Attach the methods to vLLM's Worker class (CPUWorker inherits them). Idempotent."""
     for name, fn in WORKER_METHODS.items():
         if getattr(worker_cls, name, None) is not fn:
