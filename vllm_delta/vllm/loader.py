@@ -20,8 +20,10 @@ import time
 import torch
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
+from ..checksums import combine, to_hex
 from ..errors import ChecksumMismatchError
 from ..reconstruct import iter_version, open_chain, replay_tensor
+from .derived import install_hook
 from .options import LoaderOptions, split_extra_config
 from .replica import DeltaReplica, Served
 from .worker import REPLICA_ATTR
@@ -35,6 +37,7 @@ class DeltaModelLoader(DefaultModelLoader):
         self.options = LoaderOptions.from_extra_config(ours)
         # The base class sees a safetensors load with only the keys it knows.
         super().__init__(dataclasses.replace(load_config, load_format="safetensors", model_loader_extra_config=rest))
+        install_hook()  # observe vLLM's post-processing (derived.py); register() installs it too
         self._store = None
         self._files = None
 
@@ -72,7 +75,9 @@ class DeltaModelLoader(DefaultModelLoader):
         for name in fallback:
             replica.fallback.set_shadow(name, replay_tensor(files, name))
         replica.served = Served.from_header(header)
-        live = replica.live_checksum_all_ranks()
+        # Per tensor first (names the tensor: a re-packed parameter, a loader that is not a plain copy).
+        sums = replica.verify_loaded(replica.served.sums, ChecksumMismatchError, "the version's header records")
+        live = to_hex(combine(sums.items()))
         if live != header.checksum:
             raise ChecksumMismatchError(
                 f"the loaded parameters have checksum {live}, the version's header records {header.checksum}",

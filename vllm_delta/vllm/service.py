@@ -250,7 +250,8 @@ class DeltaService:
                 target = version if version is not None else await self._in_thread(self.store.resolve, "latest")
                 await self._prepare(served, target)
             sums = await self._live_sums()
-            fallback = (await self._rpc("delta_status"))[0]["fallback"]
+            rank0 = (await self._rpc("delta_status"))[0]
+            fallback = rank0["fallback"]
             return {
                 "version": version,
                 "store": self.spec.uri,
@@ -259,6 +260,7 @@ class DeltaService:
                 "staged": self.prefetched.plan.versions if self.prefetched else [],
                 "last_update": self.last_update,
                 "tensors_via_vllm_path": fallback,
+                "coverage": rank0.get("coverage"),
             }
 
 

@@ -75,8 +75,10 @@ def commit_through_vllm(replica: DeltaReplica, ticket: str) -> float:
     try:
         load_checkpoint_weight_patches(replica.model, patches)
         replica.fallback.commit(t.fallback)
+        replica.recompute_derived()  # handlers' derived tensors (handlers.py)
     except BaseException:
         replica.engine.rollback(t.staged)  # same elements: our rollback buffer restores them
+        replica.recompute_derived()
         raise
     t.staged.committed = True
     t.previous, replica.served = replica.served, Served.from_header(t.staged.header)

@@ -67,6 +67,7 @@ def delta_status(self) -> dict:
         "prepared": r.prepared,
         "fallback": sorted(r.fallback.reasons) if r.fallback else [],
         "tickets": sorted(r.tickets),
+        "coverage": r.coverage() if r.prepared else None,
     }
 
 
