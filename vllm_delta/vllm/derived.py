@@ -321,23 +321,32 @@ def check_targets(report: PostProcessReport, writes: dict[str, list[str]], claim
             by_param.setdefault(p, hf_name)
     by_module = {_parent(p): p for p in by_param}  # module -> a target parameter it owns
     by_parent = {_parent(m): p for m, p in by_module.items() if _parent(m)}  # parent module -> a target below
-    for prod in report.products:
-        if prod.path in claimed:
-            continue
-        param = None
-        if prod.category in REFUSED and prod.path in by_param:
-            param = prod.path
-        elif prod.category == "stale_reference" and prod.of in by_param:
-            param = prod.of
-        elif prod.category == "derived" and prod.module in by_module:
-            param = by_module[prod.module]
-        elif prod.category == "derived" and prod.numel > 1 and _parent(prod.module) in by_parent:
-            param = by_parent[_parent(prod.module)]
-        if param is None:
-            continue
-        raise UnsupportedModelError(
-            f"vLLM's post-processing changed what the forward pass reads of parameter {param}: "
-            f"{prod.describe()}. In-place updates would not reach it and no handler recomputes it "
-            "(docs/VLLM.md, 'Derived tensors')",
-            tensor=by_param[param],
-        )
+    # Direct evidence first (the message then names the right tensor), the sibling rule last.
+    for sibling_rule in (False, True):
+        for prod in report.products:
+            if prod.path in claimed:
+                continue
+            param = _target_hit(prod, by_param, by_module, by_parent, sibling_rule)
+            if param is None:
+                continue
+            raise UnsupportedModelError(
+                f"vLLM's post-processing changed what the forward pass reads of parameter {param}: "
+                f"{prod.describe()}. In-place updates would not reach it and no handler recomputes it "
+                "(docs/VLLM.md, 'Derived tensors')",
+                tensor=by_param[param],
+            )
+
+
+def _target_hit(prod: Product, by_param, by_module, by_parent, sibling_rule: bool) -> str | None:
+    """The probed target a product makes stale, or None."""
+    if sibling_rule:
+        if prod.category == "derived" and prod.numel > 1 and _parent(prod.module) in by_parent:
+            return by_parent[_parent(prod.module)]
+        return None
+    if prod.category in REFUSED and prod.path in by_param:
+        return prod.path
+    if prod.category == "stale_reference" and prod.of in by_param:
+        return prod.of
+    if prod.category == "derived" and prod.module in by_module:
+        return by_module[prod.module]
+    return None
