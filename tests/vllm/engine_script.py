@@ -6,6 +6,8 @@ Tasks (JSON argument):
   refuse    an engine whose store is corrupt must refuse to start
   plain     an engine loaded from a plain HF checkpoint (store from VLLM_DELTA_STORE): vLLM's native
             weight-transfer API (LLM.update_weights) with the "delta" backend
+  walk      one engine through a list of versions (worker RPCs), then fresh engines: outputs, checksums
+  plain_checkpoint  an engine loaded from a plain HF directory: outputs, then the layout probe
 Prints one line "VLLM_DELTA_RESULT <json>".
 """
 
@@ -117,6 +119,48 @@ def task_fallback(args: dict) -> dict:
     return res
 
 
+def task_walk(args: dict) -> dict:
+    """One engine started at args.start walks through args.updates (one version per update, through the
+    worker RPCs); then fresh engines at args.fresh versions. Outputs, live checksums, coverage."""
+    llm = make_llm(args["model"], args["store"], args["start"])
+    store = {"uri": args["store"], "storage_options": {}, "cache_dir": args["cache_dir"]}
+    status = llm.collective_rpc("delta_status")[0]
+    res = {
+        "start": {"checksum": live_checksum(llm), "outputs": greedy(llm, args["prompts"])},
+        "coverage": status["coverage"],
+        "layout": segments_of(llm),
+        "steps": [],
+    }
+    for i, version in enumerate(args["updates"]):
+        commit = stage_commit(llm, store, f"w{i}", [version])
+        llm.collective_rpc("delta_release", kwargs=dict(ticket=f"w{i}"))
+        step = {"version": version, "commit": commit, "checksum": live_checksum(llm)}
+        step["outputs"] = greedy(llm, args["prompts"])
+        res["steps"].append(step)
+    del llm
+    gc.collect()
+    res["fresh"] = task_fresh({**args, "versions": args["fresh"]})
+    return res
+
+
+def task_plain_checkpoint(args: dict) -> dict:
+    """An engine loaded from a plain HF directory (a materialized version): outputs, then the layout
+    probe (`delta_prepare`, as the first update or status would run it) and the live checksum."""
+    from vllm import LLM
+
+    os.environ["VLLM_DELTA_STORE"] = args["store"]
+    llm = LLM(
+        model=args["model"], enforce_eager=True, max_model_len=256, gpu_memory_utilization=0.1, dtype="bfloat16", seed=0
+    )
+    res = {"outputs": greedy(llm, args["prompts"])}
+    store = {"uri": args["store"], "storage_options": {}, "cache_dir": args["cache_dir"]}
+    res["prepare"] = llm.collective_rpc("delta_prepare", kwargs=dict(store=store, version=args["version"]))[0]
+    if "error" not in res["prepare"]:
+        res["checksum"] = live_checksum(llm)
+        res["coverage"] = llm.collective_rpc("delta_status")[0]["coverage"]
+    return res
+
+
 def task_refuse(args: dict) -> dict:
     try:
         make_llm(args["model"], args["store"], args["version"])
@@ -169,7 +213,16 @@ def task_plain(args: dict) -> dict:
 
 if __name__ == "__main__":
     request = json.loads(sys.argv[1])
-    result = {"fresh": task_fresh, "fallback": task_fallback, "refuse": task_refuse, "plain": task_plain}[
-        request["task"]
-    ](request)
+    tasks = {
+        "fresh": task_fresh,
+        "fallback": task_fallback,
+        "refuse": task_refuse,
+        "plain": task_plain,
+        "walk": task_walk,
+        "plain_checkpoint": task_plain_checkpoint,
+    }
+    if request["task"] == "sequence":  # several tasks in one process (one import of vLLM)
+        result = {"results": [tasks[sub["task"]](sub) for sub in request["tasks"]]}
+    else:
+        result = tasks[request["task"]](request)
     print("VLLM_DELTA_RESULT " + json.dumps(result), flush=True)

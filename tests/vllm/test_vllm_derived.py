@@ -10,7 +10,7 @@ import torch
 
 from vllm_delta.errors import UnsupportedModelError
 from vllm_delta.vllm import derived
-from vllm_delta.vllm.derived import check_targets, classify, observe, report_of, snapshot
+from vllm_delta.vllm.derived import check_targets, observe, report_of, snapshot
 from vllm_delta.vllm.handlers import Handler, register_handler, unregister_handler
 
 pytestmark = pytest.mark.vllm
@@ -54,9 +54,7 @@ def post_process(block: Block, shadow: bool = True) -> None:
     block.same.weight = torch.nn.Parameter(block.same.weight.data.clone(), requires_grad=False)
 
 
-WRITES = {
-    f"hf.{n}": [f"blk.{n}.weight"] for n in ("packed", "emptied", "inplace", "shadowed", "kv_b", "same", "plain")
-}
+WRITES = {f"hf.{n}": [f"blk.{n}.weight"] for n in ("packed", "emptied", "inplace", "shadowed", "kv_b", "same", "plain")}
 
 
 def observed_model(shadow: bool = True) -> torch.nn.Module:
