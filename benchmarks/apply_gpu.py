@@ -61,7 +61,6 @@ from vllm_delta.testing.apply_fixtures import (  # noqa: E402
     write_delta,
 )
 
-
 LOG: list[str] = []
 FAILURES: list[str] = []
 
