@@ -5,10 +5,11 @@
 `--model` still names the directory with config.json and the tokenizer. The weights come from the
 store: every tensor of the version is rebuilt on the host (the anchor's values with the chain's
 deltas applied), checked against its header checksum and fed to the model's own `load_weights`,
-exactly as vLLM's default loader feeds checkpoint shards. After vLLM's post-processing the worker
-probes the layout (probe.py), checks it against vLLM's sparse path, and computes the live checksum
-of the loaded parameters over all ranks: a server whose live weights don't match the version's
-header refuses to start.
+exactly as vLLM's default loader feeds checkpoint shards. vLLM's post-processing is observed
+(derived.py). Then the worker probes the layout (probe.py), refuses targets the post-processing
+transformed or shadowed, checks the layout against vLLM's sparse path, and compares, tensor by tensor,
+the live checksum of the loaded parameters over all ranks with the version's header: a server whose
+live weights don't match what it loaded refuses to start, naming the tensor.
 """
 
 from __future__ import annotations
