@@ -12,7 +12,8 @@ instead: every in-memory tensor that a conversion touches is passed through `rev
 as an index-coded tensor (element i holds i), and each checkpoint tensor that comes out is recognised
 as a strided box of its source (offset + strides). Each publish then reads views of the live
 parameters, with no copy beyond the bf16 cast the Publisher makes anyway. Layers of the same shape
-share one learned box map (the index-coded pass runs once per distinct tensor, not once per layer).
+share one learned box map (the index-coded pass runs once per distinct tensor, not once per layer),
+and each learned map is checked once against what the conversion makes of the live values.
 A checkpoint tensor that is not a box of one source (a conversion that merges or interleaves) is
 produced by running the conversion on the live values at every publish (correct, with copies).
 
@@ -29,6 +30,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from ..bits import bit_view
 
 log = logging.getLogger(__name__)
 
@@ -173,6 +176,7 @@ def learn(model: nn.Module) -> CheckpointMap:
         key = (_template(name), tuple(t.shape), tuple(_template(o) for o in outs))
         if key not in learned:
             learned[key] = _learn_boxes(model, name, t)
+            _check_boxes(model, name, t, learned[key])
         for (o, v), found in zip(outs.items(), learned[key]):
             boxes[o] = Box(o, name, tuple(v.shape), found[0] if found else None, found[1] if found else 0)
     missing = set(full) - set(boxes)
@@ -189,6 +193,28 @@ def _learn_boxes(model: nn.Module, name: str, t: torch.Tensor) -> list[tuple[tup
     dtype = torch.int32 if t.numel() < 2**31 else torch.int64
     coded = torch.arange(t.numel(), dtype=dtype).reshape(t.shape)
     return [_box_of(coded, out) for out in _revert(model, {name: coded}).values()]
+
+
+def _check_boxes(model: nn.Module, name: str, t: torch.Tensor, found: list) -> None:
+    """Once per learned map: the views must equal what the conversion itself makes of the live values
+    (what save_pretrained writes); a box that does not is dropped (converted at every publish)."""
+    real = list(_revert(model, {name: t}).values())
+    for i, (box, out) in enumerate(zip(found, real)):
+        if box is None:
+            continue
+        stride, offset = box
+        if t.is_contiguous():
+            view = torch.as_strided(t, tuple(out.shape), stride, t.storage_offset() + offset)
+            if view.dtype == out.dtype and _same_bits(view, out):
+                continue
+        log.warning("vllm-delta: checkpoint tensor %d of %s is not the view learned for it; converting it", i, name)
+        found[i] = None
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.is_floating_point() and a.element_size() in (2, 4):
+        return torch.equal(bit_view(a), bit_view(b))  # NaNs compare too
+    return torch.equal(a, b)
 
 
 _CACHE: weakref.WeakKeyDictionary[nn.Module, CheckpointMap] = weakref.WeakKeyDictionary()
