@@ -1,8 +1,10 @@
 #!/usr/bin/env python
 """GPU apply benchmark (issue 4): the pause of an in-place delta update, against vLLM's sparse path.
 
-For Qwen3-0.6B/8B/32B-shaped parameter sets with vLLM's fused layouts (qkv_proj, gate_up_proj) and
-realistic changes (uniform positions at the density, ~89% of diffs one ULP), in one run on one card:
+For Qwen3-0.6B/8B/32B-shaped parameter sets with vLLM's fused layouts (qkv_proj, gate_up_proj), and a
+Qwen3-30B-A3B-shaped one (`--models qwen3-30b-a3b`: 48 layers, 128 experts stacked as vLLM's FusedMoE
+holds them, w13 [E, 2I, H] / w2 [E, H, I], 18 432 expert tensors), with realistic changes (uniform
+positions at the density, ~89% of diffs one ULP), in one run on one card:
 
   pause       ApplyEngine.commit wall time (fused scatter launch + stream sync), default backend
   triton/cuda the fused scatter kernel alone (CUDA events), each backend, same plan
@@ -48,11 +50,12 @@ from vllm_delta.checksums import MASK64  # noqa: E402
 from vllm_delta.format import VersionFile  # noqa: E402
 from vllm_delta.testing.apply_fixtures import (  # noqa: E402
     QWEN3,
+    QWEN3_MOE,
     Qwen3Spec,
     index_copy_apply,
     local_changes,
+    model_layout,
     nanmask_apply,
-    qwen3_layout,
     random_changes,
     reference_apply,
     write_delta,
@@ -129,8 +132,8 @@ def dense_copy_ms(targets, reps, device) -> float:
     return time_events([copy_all], reps, device)
 
 
-def build_model(spec: Qwen3Spec, device, seed=0):
-    tshapes, layout = qwen3_layout(spec)
+def build_model(spec, device, seed=0):
+    tshapes, layout = model_layout(spec)
     gen = torch.Generator(device=device).manual_seed(seed)
     targets = []
     bad = 0
@@ -369,7 +372,7 @@ def _as_backend(staged, be):
 def fits(spec, density, device) -> tuple[bool, str]:
     if device.type != "cuda":
         return True, ""
-    _, layout = qwen3_layout(spec)
+    _, layout = model_layout(spec)
     params = sum(s.rows * s.cols for segs in layout.segments.values() for s in segs)
     nnz = params * density
     # model + changes (pos 8, new/old 4) + staged plan/bits (8) + staging temps + baselines (offsets 8 + 2)
@@ -393,7 +396,7 @@ def main() -> int:
     if args.smoke:
         device = torch.device("cpu")
         QWEN3["qwen3-smoke"] = Qwen3Spec("qwen3-smoke", 128, 2, 4, 2, 32, 256, 1000, False)
-        models = ["qwen3-tiny", "qwen3-smoke"]
+        models = ["qwen3-tiny", "qwen3-smoke", "qwen3-moe-tiny"]
         densities = [0.003, 0.03, 0.2]
         args.reps, args.nanmask_reps, args.stage_reps = 2, 1, 1
         args.full_check = True
@@ -429,7 +432,7 @@ def main() -> int:
     pool = ThreadPoolExecutor(max(1, min(16, os.cpu_count() or 1)))
     with tempfile.TemporaryDirectory(prefix="apply-gpu-") as tmpdir:
         for name in models:
-            spec = QWEN3[name]
+            spec = {**QWEN3, **QWEN3_MOE}[name]  # --models picks from both families
             todo = []
             for d in densities:
                 ok, why = fits(spec, d, device)
@@ -504,7 +507,7 @@ def report(rows, card, bw, args, device) -> None:
         if "skipped" in r:
             log(f"{r['model']:>9} {r['density']:>9.3%}   skipped: {r['skipped']}")
             continue
-        model = r["model"].replace("qwen3-", "") + ("/t" if r["backend"] == "torch" else "")
+        model = r["model"].replace("qwen3-", "").replace("30b-a3b", "30bA3") + ("/t" if r["backend"] == "torch" else "")
         cells = [model, f"{r['density']:.1%}", f"{r['nnz'] / 1e6:.1f}M", f"{r['pause_ms']:.3f}"]
         cells += [f"{r.get(k, float('nan')):.3f}" for k in kernels]
         cells += [

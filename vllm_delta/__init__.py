@@ -18,18 +18,29 @@ _LAZY = {
     "Publisher": "vllm_delta.trainer.publisher",
     "PublishInfo": "vllm_delta.trainer.publisher",
     "checksum": "vllm_delta.checksums",
+    "checkpoint_tensors": "vllm_delta.trainer.names",
     # stores and readers
     "DeltaStore": "vllm_delta.store",
     "materialize": "vllm_delta.reconstruct",
     "replay": "vllm_delta.reconstruct",
 }
 
-__all__ = ["Publisher", "PublishInfo", "checksum", "DeltaStore", "materialize", "replay", "__version__"]
+__all__ = [
+    "Publisher",
+    "PublishInfo",
+    "checksum",
+    "checkpoint_tensors",
+    "DeltaStore",
+    "materialize",
+    "replay",
+    "__version__",
+]
 
 if TYPE_CHECKING:
     from .checksums import checksum
     from .reconstruct import materialize, replay
     from .store import DeltaStore
+    from .trainer.names import checkpoint_tensors
     from .trainer.publisher import Publisher, PublishInfo
 
 

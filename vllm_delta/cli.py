@@ -1,9 +1,11 @@
-"""`vllm-delta` command line: inspect a store, materialize a version as an HF directory."""
+"""`vllm-delta` command line: inspect a store, materialize a version as an HF directory, retain, and the
+coverage report of a running server."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from dataclasses import asdict
 
@@ -69,6 +71,65 @@ def cmd_retain(args) -> int:
     return 0
 
 
+def fetch_status(server: str, api_key: str | None = None, timeout: float = 60.0) -> dict:
+    """GET /v1/delta/status of a vLLM server with the plugin."""
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(server.rstrip("/") + "/v1/delta/status")
+    if api_key:
+        req.add_header("Authorization", f"Bearer {api_key}")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        raise DeltaError(f"{server} answered {exc.code}: {exc.read().decode(errors='replace')[:500]}") from None
+    except urllib.error.URLError as exc:
+        raise DeltaError(f"can't reach {server}: {exc.reason}") from None
+
+
+def format_coverage(cov: dict) -> str:
+    """A coverage report (GET /v1/delta/status "coverage") as text."""
+    total_t, total_e = cov["tensors"], cov["elements"]
+
+    def row(label: str, part: dict) -> str:
+        share = part["elements"] / total_e if total_e else 0.0
+        return f"  {label:<26} {part['tensors']:>8} {part['elements']:>15,} {share:>8.2%}"
+
+    lines = [
+        f"  {'':<26} {'tensors':>8} {'elements':>15} {'share':>8}",
+        f"  {'all Hugging Face tensors':<26} {total_t:>8} {total_e:>15,}",
+        row("in place (fast)", cov["in_place"]),
+        row("vLLM's sparse path (slow)", cov["vllm_path"]),
+        row("recomputed after updates", cov["recomputed"]),
+    ]
+    verdict = "fully in place: every update is O(changed elements)" if cov["fully_in_place"] else "NOT fully in place"
+    lines.append(f"  {verdict}")
+    for name in cov["vllm_path"]["names"][:20]:
+        lines.append(f"    via vLLM: {name}: {cov['vllm_path'].get('reasons', {}).get(name, '')}")
+    if len(cov["vllm_path"]["names"]) > 20:
+        lines.append(f"    ... and {len(cov['vllm_path']['names']) - 20} more")
+    for name in cov["recomputed"]["names"][:20]:
+        lines.append(f"    recomputed: {name}")
+    for h in cov.get("handlers", []):
+        lines.append(f"  handler {h['name']}: recompute cost {h['cost']}")
+    return "\n".join(lines)
+
+
+def cmd_coverage(args) -> int:
+    status = fetch_status(args.server, args.api_key or os.environ.get("VLLM_API_KEY"))
+    cov = status.get("coverage")
+    if args.json:
+        print(json.dumps({"version": status.get("version"), "coverage": cov}, indent=2))
+        return 0
+    if cov is None:
+        print(f"{args.server}: no coverage report (a server without the plugin's layout)", file=sys.stderr)
+        return 1
+    print(f"{args.server}: version {status.get('version')}, live checksum {status.get('checksum')}")
+    print(format_coverage(cov))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="vllm-delta", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -91,6 +152,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = add("retain", cmd_retain, "delete all but the newest K anchors and the deltas that need them")
     sp.add_argument("--keep-anchors", type=int, required=True)
+
+    sp = sub.add_parser("coverage", help="how a running server takes updates: in place, vLLM's path, recomputed")
+    sp.add_argument("--server", required=True, help="the vLLM server's base URL, e.g. http://127.0.0.1:8000")
+    sp.add_argument("--api-key", help="vLLM's --api-key (default: $VLLM_API_KEY)")
+    sp.add_argument("--json", action="store_true", help="machine-readable output")
+    sp.set_defaults(func=cmd_coverage)
     return p
 
 

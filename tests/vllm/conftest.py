@@ -7,7 +7,7 @@ or in-process engines in a subprocess. Servers are shared per module to keep the
 from __future__ import annotations
 
 import pytest
-from vllm_helpers import LLAMA, LLAMA_LRS, QWEN_LRS, QWEN_TIED, run_engine_script
+from vllm_helpers import LLAMA, LLAMA_LRS, MOE_LRS, QWEN_LRS, QWEN_MOE, QWEN_TIED, run_engine_script
 
 from vllm_delta.testing.models import PROMPTS
 from vllm_delta.testing.runs import PublishedRun, publish_run
@@ -21,6 +21,11 @@ def llama_run(tmp_path_factory) -> PublishedRun:
 @pytest.fixture(scope="session")
 def qwen_run(tmp_path_factory) -> PublishedRun:
     return publish_run(str(tmp_path_factory.mktemp("qwen")), QWEN_TIED, steps=5, anchor_every=3, lr=QWEN_LRS, seed=2)
+
+
+@pytest.fixture(scope="session")
+def moe_run(tmp_path_factory) -> PublishedRun:
+    return publish_run(str(tmp_path_factory.mktemp("moe")), QWEN_MOE, steps=3, anchor_every=3, lr=MOE_LRS, seed=3)
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,7 @@ from vllm_delta.checksums import MASK64, positional_sum, tensor_sum
 from vllm_delta.format import write
 from vllm_delta.reconstruct import replay
 from vllm_delta.store import DeltaStore
-from vllm_delta.writer import encode_delta
+from vllm_delta.writer import encode_anchor, encode_delta
 
 
 def publish_delta(
@@ -63,6 +63,45 @@ def publish_delta(
     write(path, header, payload)
     rec = store.publish(header, path, move=True)
     return {"version": rec.version, "file": os.path.join(store_path, rec.file), "checksum": rec.checksum}
+
+
+def publish_delta_adding(store_path: str, base: int, version: int, *, extra: dict[str, torch.Tensor]) -> dict:
+    """A delta on `base` that leaves every tensor unchanged and adds `extra` (bf16) tensors the base
+    does not have: a trainer publishing a tensor the served model has no parameter for."""
+    store = DeltaStore(store_path)
+    _, tensors = replay(store, base, progress=False)
+    sums = {n: tensor_sum(t) for n, t in tensors.items()}
+    changes = {}
+    for name, t in extra.items():
+        new = int_view(t.to(torch.bfloat16)).reshape(-1)
+        changes[name] = (torch.arange(new.numel(), dtype=torch.int64), new, torch.zeros_like(new))
+        sums[name] = tensor_sum(t.to(torch.bfloat16))
+    header, payload = encode_delta(
+        version=version,
+        base=base,
+        base_checksum=store.record(base).checksum,
+        codec="compact",
+        shapes={**{n: tuple(t.shape) for n, t in tensors.items()}, **{n: tuple(t.shape) for n, t in extra.items()}},
+        dtypes={**{n: t.dtype for n, t in tensors.items()}, **{n: torch.bfloat16 for n in extra}},
+        changes=changes,
+        sums=sums,
+    )
+    return _publish(store, header, payload)
+
+
+def publish_anchor(store_path: str, version: int, tensors: dict[str, torch.Tensor]) -> dict:
+    """An anchor holding exactly `tensors` (bf16), e.g. the weights of a differently shaped model."""
+    images = {n: t.to(torch.bfloat16).contiguous() for n, t in tensors.items()}
+    header, payload = encode_anchor(version, images, {n: tensor_sum(t) for n, t in images.items()})
+    return _publish(DeltaStore(store_path), header, payload)
+
+
+def _publish(store: DeltaStore, header, payload) -> dict:
+    fd, path = tempfile.mkstemp(suffix=".safetensors")
+    os.close(fd)
+    write(path, header, payload)
+    rec = store.publish(header, path, move=True)
+    return {"version": rec.version, "checksum": rec.checksum}
 
 
 def truncate(path: str, keep: int = 100) -> None:

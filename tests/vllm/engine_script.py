@@ -6,6 +6,9 @@ Tasks (JSON argument):
   refuse    an engine whose store is corrupt must refuse to start
   plain     an engine loaded from a plain HF checkpoint (store from VLLM_DELTA_STORE): vLLM's native
             weight-transfer API (LLM.update_weights) with the "delta" backend
+  walk      one engine through a list of versions (worker RPCs), then fresh engines: outputs, checksums
+  plain_checkpoint  an engine loaded from a plain HF directory: outputs, then the layout probe
+  mla       an MLA model: its derived W_UV / W_UK_T after in-place updates
 Prints one line "VLLM_DELTA_RESULT <json>".
 """
 
@@ -117,6 +120,94 @@ def task_fallback(args: dict) -> dict:
     return res
 
 
+def task_walk(args: dict) -> dict:
+    """One engine started at args.start walks through args.updates (one version per update, through the
+    worker RPCs); then fresh engines at args.fresh versions. Outputs, live checksums, coverage."""
+    llm = make_llm(args["model"], args["store"], args["start"])
+    store = {"uri": args["store"], "storage_options": {}, "cache_dir": args["cache_dir"]}
+    status = llm.collective_rpc("delta_status")[0]
+    res = {
+        "start": {"checksum": live_checksum(llm), "outputs": greedy(llm, args["prompts"])},
+        "coverage": status["coverage"],
+        "layout": segments_of(llm),
+        "steps": [],
+    }
+    for i, version in enumerate(args["updates"]):
+        commit = stage_commit(llm, store, f"w{i}", [version])
+        llm.collective_rpc("delta_release", kwargs=dict(ticket=f"w{i}"))
+        step = {"version": version, "commit": commit, "checksum": live_checksum(llm)}
+        step["outputs"] = greedy(llm, args["prompts"])
+        res["steps"].append(step)
+    del llm
+    gc.collect()
+    res["fresh"] = task_fresh({**args, "versions": args["fresh"]})
+    return res
+
+
+def mla_views(worker) -> list[dict]:
+    """Per MLA layer: are W_UV / W_UK_T views of kv_b_proj.weight, equal to what they are derived from?"""
+    import torch
+
+    out = []
+    for name, module in worker.get_model().named_modules():
+        if not hasattr(module, "W_UV") or not hasattr(module, "W_UK_T"):
+            continue
+        layer = name.split(".self_attn.")[0]
+        kv_b = worker.get_model().get_submodule(layer + ".self_attn.kv_b_proj").weight
+        heads, rank, v_dim = module.W_UV.shape
+        nope = module.W_UK_T.shape[1]
+        # vLLM's split_kv_b_proj: kv_b.T viewed (rank, heads, nope + v), split, transposed / permuted.
+        kv = kv_b.T.reshape(rank, heads, nope + v_dim)
+        w_uk, w_uv = kv.split([nope, v_dim], dim=-1)
+        out.append(
+            {
+                "layer": layer,
+                "alias": module.W_UV.untyped_storage().data_ptr() == kv_b.untyped_storage().data_ptr(),
+                "W_UV": bool(torch.equal(module.W_UV, w_uv.transpose(0, 1))),
+                "W_UK_T": bool(torch.equal(module.W_UK_T, w_uk.permute(1, 2, 0))),
+                "W_UV_sum": float(module.W_UV.float().sum()),
+            }
+        )
+    return out
+
+
+def task_mla(args: dict) -> dict:
+    """An MLA model started at args.start; its derived W_UV / W_UK_T must follow in-place updates."""
+    llm = make_llm(args["model"], args["store"], args["start"])
+    store = {"uri": args["store"], "storage_options": {}, "cache_dir": args["cache_dir"]}
+    res = {
+        "coverage": llm.collective_rpc("delta_status")[0]["coverage"],
+        "start": live_checksum(llm),
+        "views_before": llm.collective_rpc(mla_views)[0],
+        "steps": [],
+    }
+    for i, version in enumerate(args["updates"]):
+        commit = stage_commit(llm, store, f"m{i}", [version])
+        step = {"version": version, "commit": commit, "checksum": live_checksum(llm)}
+        step["views"] = llm.collective_rpc(mla_views)[0]
+        res["steps"].append(step)
+    res["outputs"] = greedy(llm, args["prompts"])
+    return res
+
+
+def task_plain_checkpoint(args: dict) -> dict:
+    """An engine loaded from a plain HF directory (a materialized version): outputs, then the layout
+    probe (`delta_prepare`, as the first update or status would run it) and the live checksum."""
+    from vllm import LLM
+
+    os.environ["VLLM_DELTA_STORE"] = args["store"]
+    llm = LLM(
+        model=args["model"], enforce_eager=True, max_model_len=256, gpu_memory_utilization=0.1, dtype="bfloat16", seed=0
+    )
+    res = {"outputs": greedy(llm, args["prompts"])}
+    store = {"uri": args["store"], "storage_options": {}, "cache_dir": args["cache_dir"]}
+    res["prepare"] = llm.collective_rpc("delta_prepare", kwargs=dict(store=store, version=args["version"]))[0]
+    if "error" not in res["prepare"]:
+        res["checksum"] = live_checksum(llm)
+        res["coverage"] = llm.collective_rpc("delta_status")[0]["coverage"]
+    return res
+
+
 def task_refuse(args: dict) -> dict:
     try:
         make_llm(args["model"], args["store"], args["version"])
@@ -169,7 +260,17 @@ def task_plain(args: dict) -> dict:
 
 if __name__ == "__main__":
     request = json.loads(sys.argv[1])
-    result = {"fresh": task_fresh, "fallback": task_fallback, "refuse": task_refuse, "plain": task_plain}[
-        request["task"]
-    ](request)
+    tasks = {
+        "fresh": task_fresh,
+        "fallback": task_fallback,
+        "refuse": task_refuse,
+        "plain": task_plain,
+        "walk": task_walk,
+        "plain_checkpoint": task_plain_checkpoint,
+        "mla": task_mla,
+    }
+    if request["task"] == "sequence":  # several tasks in one process (one import of vLLM)
+        result = {"results": [tasks[sub["task"]](sub) for sub in request["tasks"]]}
+    else:
+        result = tasks[request["task"]](request)
     print("VLLM_DELTA_RESULT " + json.dumps(result), flush=True)

@@ -22,6 +22,11 @@ LLAMA_LRS = [1e-6, 1e-6, 1e-6, 1e-6, 1e-6, 3e-3]  # RL-like density (~1%), then 
 QWEN_TIED = TinyModelSpec(arch="qwen3", num_heads=2, num_kv_heads=1, vocab_size=500, tie_word_embeddings=True)
 QWEN_LRS = [1e-6, 1e-6, 1e-6, 1e-6, 3e-3]
 
+# Qwen3-MoE: 8 experts (top 2) in both layers, transformers' fused in-memory experts, published from
+# the model itself (checkpoint names, trainer/names.py). Versions: 0 anchor, 1-2 deltas, 3 anchor.
+QWEN_MOE = TinyModelSpec(arch="qwen3_moe", num_heads=2, num_kv_heads=1, vocab_size=500, num_experts=8)
+MOE_LRS = [1e-6, 1e-6, 3e-3]
+
 
 def private_store(run: PublishedRun, dest: str) -> str:
     """A copy of the run's store that a test module may damage."""
@@ -30,9 +35,9 @@ def private_store(run: PublishedRun, dest: str) -> str:
     return path
 
 
-def run_engine_script(args: dict, timeout: float = 600) -> dict:
+def run_engine_script(args: dict, timeout: float = 600, env: dict[str, str] | None = None) -> dict:
     """Run tests/vllm/engine_script.py (in-process vLLM engines) in a subprocess; its JSON result."""
-    env = dict(os.environ, VLLM_PLUGINS="vllm_delta,vllm_delta_api", VLLM_CPU_KVCACHE_SPACE="1")
+    env = dict(os.environ, VLLM_PLUGINS="vllm_delta,vllm_delta_api", VLLM_CPU_KVCACHE_SPACE="1", **(env or {}))
     env.pop("TRITON_INTERPRET", None)  # see VllmServer: vLLM must not take Triton for usable on CPU
     proc = subprocess.run(
         [sys.executable, os.path.join(HERE, "engine_script.py"), json.dumps(args)],

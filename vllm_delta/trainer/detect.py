@@ -14,13 +14,14 @@ import torch
 from torch import nn
 
 from ..bits import bit_view
+from .names import checkpoint_tensors
 
 
 def named_tensors(source: nn.Module | Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]):
     """(name, tensor) pairs to publish; tensors sharing storage (tied weights) appear once."""
     items: Iterable[tuple[str, torch.Tensor]]
     if isinstance(source, nn.Module):
-        items = source.named_parameters()  # already drops tied duplicates
+        items = checkpoint_tensors(source)  # checkpoint names (names.py); tied duplicates dropped
     elif isinstance(source, Mapping):
         items = source.items()
     else:

@@ -242,7 +242,10 @@ class Publisher:
         config = getattr(source, "config", None)
         if config is not None and hasattr(config, "to_dict"):
             try:
-                self.store.put_asset("config.json", json.dumps(config.to_dict(), indent=2, default=str).encode())
+                data = config.to_dict()
+                if not data.get("architectures"):  # a model built with from_config: name its class
+                    data["architectures"] = [type(source).__name__]
+                self.store.put_asset("config.json", json.dumps(data, indent=2, default=str).encode())
             except Exception as exc:  # noqa: BLE001 - assets are a convenience, never fatal
                 log.warning("could not store config.json: %s", exc)
 

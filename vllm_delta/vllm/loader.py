@@ -5,10 +5,11 @@
 `--model` still names the directory with config.json and the tokenizer. The weights come from the
 store: every tensor of the version is rebuilt on the host (the anchor's values with the chain's
 deltas applied), checked against its header checksum and fed to the model's own `load_weights`,
-exactly as vLLM's default loader feeds checkpoint shards. After vLLM's post-processing the worker
-probes the layout (probe.py), checks it against vLLM's sparse path, and computes the live checksum
-of the loaded parameters over all ranks: a server whose live weights don't match the version's
-header refuses to start.
+exactly as vLLM's default loader feeds checkpoint shards. vLLM's post-processing is observed
+(derived.py). Then the worker probes the layout (probe.py), refuses targets the post-processing
+transformed or shadowed, checks the layout against vLLM's sparse path, and compares, tensor by tensor,
+the live checksum of the loaded parameters over all ranks with the version's header: a server whose
+live weights don't match what it loaded refuses to start, naming the tensor.
 """
 
 from __future__ import annotations
@@ -20,8 +21,10 @@ import time
 import torch
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
+from ..checksums import combine, to_hex
 from ..errors import ChecksumMismatchError
 from ..reconstruct import iter_version, open_chain, replay_tensor
+from .derived import install_hook
 from .options import LoaderOptions, split_extra_config
 from .replica import REPLICA_ATTR, DeltaReplica, Served
 
@@ -34,6 +37,7 @@ class DeltaModelLoader(DefaultModelLoader):
         self.options = LoaderOptions.from_extra_config(ours)
         # The base class sees a safetensors load with only the keys it knows.
         super().__init__(dataclasses.replace(load_config, load_format="safetensors", model_loader_extra_config=rest))
+        install_hook()  # observe vLLM's post-processing (derived.py); register() installs it too
         self._store = None
         self._files = None
 
@@ -71,7 +75,9 @@ class DeltaModelLoader(DefaultModelLoader):
         for name in fallback:
             replica.fallback.set_shadow(name, replay_tensor(files, name))
         replica.served = Served.from_header(header)
-        live = replica.live_checksum_all_ranks()
+        # Per tensor first (names the tensor: a re-packed parameter, a loader that is not a plain copy).
+        sums = replica.verify_loaded(replica.served.sums, ChecksumMismatchError, "the version's header records")
+        live = to_hex(combine(sums.items()))
         if live != header.checksum:
             raise ChecksumMismatchError(
                 f"the loaded parameters have checksum {live}, the version's header records {header.checksum}",

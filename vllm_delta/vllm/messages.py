@@ -189,6 +189,7 @@ class ServerStatus:
     last_update: UpdateResult | None
     last_update_time: float | None
     tensors_via_vllm_path: list[str]
+    coverage: Json | None = None  # in place / vLLM's sparse path / recomputed (DeltaReplica.coverage)
 
     def to_json(self) -> Json:
         last = None
@@ -202,6 +203,7 @@ class ServerStatus:
             "staged": list(self.staged),
             "last_update": last,
             "tensors_via_vllm_path": list(self.tensors_via_vllm_path),
+            "coverage": self.coverage,
         }
 
 
@@ -251,6 +253,8 @@ class WorkerStatus:
     prepared: bool  # the layout has been probed
     fallback: list[str] = field(default_factory=list)  # tensors through vLLM's sparse path
     tickets: list[str] = field(default_factory=list)  # staged updates held
+    # The coverage report (DeltaReplica.coverage), passed through to /v1/delta/status as is.
+    coverage: Json | None = None
 
     def to_wire(self) -> Json:
         return {
@@ -260,6 +264,7 @@ class WorkerStatus:
             "prepared": self.prepared,
             "fallback": list(self.fallback),
             "tickets": list(self.tickets),
+            "coverage": self.coverage,
         }
 
     @classmethod
@@ -271,6 +276,7 @@ class WorkerStatus:
             data["prepared"],
             list(data["fallback"]),
             list(data["tickets"]),
+            data.get("coverage"),
         )
 
 

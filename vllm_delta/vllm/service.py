@@ -263,7 +263,7 @@ class DeltaService:
                 target = version if version is not None else await self._in_thread(self.store.resolve, "latest")
                 await self._prepare(served, target)
             sums = await self._live_sums()
-            fallback = (await self._call("delta_status", WorkerStatus.from_wire))[0].fallback
+            rank0 = (await self._call("delta_status", WorkerStatus.from_wire))[0]
             last, when = self.last_update if self.last_update is not None else (None, None)
             return ServerStatus(
                 version=version,
@@ -273,5 +273,6 @@ class DeltaService:
                 staged=self.prefetched.plan.versions if self.prefetched else [],
                 last_update=last,
                 last_update_time=when,
-                tensors_via_vllm_path=fallback,
+                tensors_via_vllm_path=rank0.fallback,
+                coverage=rank0.coverage,
             )

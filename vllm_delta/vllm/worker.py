@@ -81,6 +81,7 @@ def delta_status(self: Any) -> Json:
         prepared=r.prepared,
         fallback=r.fallback_names,
         tickets=sorted(r.tickets),
+        coverage=r.coverage() if r.prepared else None,
     ).to_wire()
 
 
