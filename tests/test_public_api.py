@@ -31,6 +31,11 @@ USES = {
         assert checksum({"w": zeros}) == checksum([("w", zeros)])
         assert len(checksum({"w": torch.ones(2, dtype=torch.bfloat16)})) == 16
     """,
+    "checkpoint_tensors": """
+        import torch
+        names = [n for n, _ in checkpoint_tensors(torch.nn.Linear(3, 2))]
+        assert names == ["weight", "bias"], names
+    """,
     "DeltaStore": """
         store = DeltaStore(root + "/empty")
         assert store.versions() == []
