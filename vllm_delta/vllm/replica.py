@@ -26,7 +26,7 @@ import torch
 from ..apply.engine import ApplyEngine, StagedUpdate
 from ..checksums import MASK64, combine, to_hex
 from ..errors import DeltaError, UnsupportedModelError
-from ..format import VersionFile, VersionHeader
+from ..format import VersionHeader, VersionLike
 from . import dist
 from .fallback import FallbackApplier, FallbackStage
 from .probe import ProbeResult, finalize_layout, local_boxes, probe_layout, validate_layout
@@ -127,7 +127,7 @@ class DeltaReplica:
         return to_hex(combine((name, s) for p in parts for name, s in p.items()))
 
     # -- staging --------------------------------------------------------------------------------
-    def stage(self, ticket: str, files: list[VersionFile]) -> dict:
+    def stage(self, ticket: str, files: list[VersionLike]) -> dict:
         """Stage synchronously (the loader, the native backend). Returns the summary."""
         self.tickets[ticket] = t = Ticket([vf.version for vf in files])
         self._stage_into(t, lambda: files)
@@ -137,7 +137,7 @@ class DeltaReplica:
         return self.summary(ticket)
 
     def stage_start(
-        self, ticket: str, versions: list[int], open_files: Callable[[], list[VersionFile]], method: str = "delta"
+        self, ticket: str, versions: list[int], open_files: Callable[[], list[VersionLike]], method: str = "delta"
     ) -> None:
         """Stage on a background thread: generation continues between the worker's RPCs meanwhile."""
         self._require()
@@ -150,7 +150,7 @@ class DeltaReplica:
         self.tickets[ticket] = t
         t.thread.start()
 
-    def _stage_into(self, t: Ticket, open_files: Callable[[], list[VersionFile]]) -> None:
+    def _stage_into(self, t: Ticket, open_files: Callable[[], list[VersionLike]]) -> None:
         t0 = time.perf_counter()
         try:
             engine = self._require()
