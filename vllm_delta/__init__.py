@@ -17,6 +17,7 @@ _LAZY = {
     # trainer side
     "Publisher": "vllm_delta.trainer.publisher",
     "PublishInfo": "vllm_delta.trainer.publisher",
+    "ShardedTensor": "vllm_delta.trainer.shard",
     "checksum": "vllm_delta.checksums",
     # stores and readers
     "DeltaStore": "vllm_delta.store",
@@ -24,13 +25,23 @@ _LAZY = {
     "replay": "vllm_delta.reconstruct",
 }
 
-__all__ = ["Publisher", "PublishInfo", "checksum", "DeltaStore", "materialize", "replay", "__version__"]
+__all__ = [
+    "Publisher",
+    "PublishInfo",
+    "ShardedTensor",
+    "checksum",
+    "DeltaStore",
+    "materialize",
+    "replay",
+    "__version__",
+]
 
 if TYPE_CHECKING:
     from .checksums import checksum
     from .reconstruct import materialize, replay
     from .store import DeltaStore
     from .trainer.publisher import Publisher, PublishInfo
+    from .trainer.shard import ShardedTensor
 
 
 def __getattr__(name: str) -> Any:

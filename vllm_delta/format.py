@@ -169,7 +169,9 @@ class VersionHeader:
                 raise FormatError(f"part {part.index}: bad row range {rows!r}", version=v, tensor=name)
             owned = (rows[1] - rows[0]) * row_size(entry.shape)
             if entry.nnz > owned or (self.kind == "anchor" and entry.nnz != owned):
-                raise FormatError(f"part {part.index}: nnz {entry.nnz} for {owned} owned elements", version=v, tensor=name)
+                raise FormatError(
+                    f"part {part.index}: nnz {entry.nnz} for {owned} owned elements", version=v, tensor=name
+                )
         unknown = set(part.rows) - set(self.tensors)
         if unknown:
             raise FormatError(f"part {part.index} owns rows of unknown tensors {sorted(unknown)[:3]}", version=v)
@@ -363,9 +365,7 @@ class Version:
         self._owners: dict[str, list[tuple[int, int, VersionFile]]] = {}
         tensors = {}
         for name, entry in first.tensors.items():
-            owners = sorted(
-                ((*rows, p) for p in self.parts if (rows := p.rows(name)) is not None), key=lambda o: o[:2]
-            )
+            owners = sorted(((*rows, p) for p in self.parts if (rows := p.rows(name)) is not None), key=lambda o: o[:2])
             covered = 0
             for r0, r1, p in owners:
                 if r0 < covered:

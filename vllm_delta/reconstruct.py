@@ -56,7 +56,13 @@ def replay_tensor(files: list[VersionLike], name: str) -> torch.Tensor:
         ctx = {"version": vf.version, "tensor": name}
         for piece in vf.pieces(name):  # one per part that changed the tensor; disjoint positions
             changes = codecs.decode(
-                vf.header.codec or "", piece.payload, piece.enc, numel=e.numel, nnz=piece.nnz, dtype=e.torch_dtype, ctx=ctx
+                vf.header.codec or "",
+                piece.payload,
+                piece.enc,
+                numel=e.numel,
+                nnz=piece.nnz,
+                dtype=e.torch_dtype,
+                ctx=ctx,
             )
             codecs.check_piece(changes.positions, piece.start, piece.stop, ctx)
             flat[changes.positions] = changes.new_bits(flat[changes.positions])

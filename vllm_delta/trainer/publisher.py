@@ -359,10 +359,8 @@ class Publisher:
             raise PublishError(f"upload failed on rank {r}: {text}", version=v_failed) from mine
         errors = [(r, m["error"]) for r, m in enumerate(msgs) if m["error"] is not None]
         if errors:
-            if local_exc is not None:
-                raise local_exc
             r, text = errors[0]
-            raise ShardingError(f"rank {r} could not publish: {text}")
+            raise ShardingError(f"rank {r} could not publish: {text}") from local_exc
         assert own is not None
         versions = [m["version"] for m in msgs]
         if len(set(versions)) > 1:
