@@ -367,7 +367,7 @@ class Version:
         for name, entry in first.tensors.items():
             owners = sorted(((*rows, p) for p in self.parts if (rows := p.rows(name)) is not None), key=lambda o: o[:2])
             covered = 0
-            for r0, r1, p in owners:
+            for r0, r1, _ in owners:
                 if r0 < covered:
                     raise FormatError(f"parts overlap at rows {r0}..{min(r1, covered)}", version=v, tensor=name)
                 if first.kind == "anchor" and r0 > covered:

@@ -94,7 +94,7 @@ def _full(v: int) -> dict[str, torch.Tensor]:
     out = {n: (torch.randn(s, generator=gen) * 0.05).float() for n, s in shapes.items()}
     for step in range(1, v + 1):
         g = torch.Generator().manual_seed(100 + step)
-        for name, t in out.items():
+        for t in out.values():
             flat = t.reshape(-1)
             k = max(1, flat.numel() // 5)
             pos = torch.randperm(flat.numel(), generator=g)[:k]

@@ -115,7 +115,8 @@ def run_ranks(
                     # a rank that was not allowed to die ended without reporting
                     time.sleep(0.5)
                     if results.empty():
-                        raise RuntimeError(f"ranks {dead} died (exit codes {[procs[r].exitcode for r in dead]})")
+                        codes = [procs[r].exitcode for r in dead]
+                        raise RuntimeError(f"ranks {dead} died (exit codes {codes})") from None
                 continue
             (out if status == "ok" else errors)[rank] = value
         if errors:
@@ -140,7 +141,7 @@ def fsdp_model(spec: TinyModelSpec | None = None, seed: int = 0):
 
     from .training import build_master_model
 
-    model = build_master_model(spec, seed=seed)
+    model: Any = build_master_model(spec, seed=seed)
     for layer in model.model.layers:
         fully_shard(layer)
     fully_shard(model)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -102,7 +103,7 @@ class FlatSnapshot:
         self._chunk_starts: list[int] = []
         self._chunk_sizes: list[int] = []
         self._image: torch.Tensor | None = None  # reused chunk image buffer
-        self._stream = None
+        self._stream: Any = None  # torch.cuda.Stream once used on CUDA
 
     # -- layout ----------------------------------------------------------------------------------
     def matches(self, owned: list[Owned]) -> bool:

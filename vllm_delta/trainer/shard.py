@@ -128,7 +128,7 @@ def _dtensor_rows(name: str, t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, 
             "(padded shards are not supported)",
             tensor=name,
         )
-    coord = t.device_mesh.get_coordinate() or []
+    coord: list[int] = list(t.device_mesh.get_coordinate() or [])
     owner = all(c == 0 for c, p in zip(coord, placements) if isinstance(p, Replicate))
     return local, shape, int(offset[0]) if shape else 0, owner
 
@@ -162,12 +162,12 @@ def resolve(tensors: list[tuple[str, object]], rank: int = 0, world: int = 1) ->
                 raise ShardingError(
                     "a DTensor in a job of several ranks: pass the Publisher a process group (group=...)", tensor=name
                 )
-            rows = _dtensor_rows(name, t)
-            if rows is None:
+            held = _dtensor_rows(name, t)
+            if held is None:
                 spec.append((name, tuple(int(d) for d in t.shape), "replicated"))
-                replicated[name] = t.to_local()  # type: ignore[attr-defined]
+                replicated[name] = t.to_local()  # type: ignore[attr-defined]  # a DTensor
                 continue
-            local, shape, offset, owner = rows
+            local, shape, offset, owner = held
             spec.append((name, shape, "shard"))
             sharded[name] = (local, offset, owner)
             continue
