@@ -359,9 +359,6 @@ class Version:
                 f = first.tensors[name]
                 if (e.shape, e.dtype, e.checksum) != (f.shape, f.dtype, f.checksum):
                     raise FormatError("parts disagree on the tensor's shape, dtype or checksum", version=v, tensor=name)
-        total = sum(int(info.checksum, 16) for info in infos if info is not None) & _MASK64
-        if f"{total:016x}" != first.checksum:
-            raise FormatError(f"the parts' checksums add up to {total:016x}, not {first.checksum}", version=v)
         self._owners: dict[str, list[tuple[int, int, VersionFile]]] = {}
         tensors = {}
         for name, entry in first.tensors.items():
@@ -378,6 +375,9 @@ class Version:
             self._owners[name] = owners
             nnz = sum(p.header.tensors[name].nnz for p in self.parts)
             tensors[name] = TensorEntry(shape=list(entry.shape), dtype=entry.dtype, checksum=entry.checksum, nnz=nnz)
+        total = sum(int(info.checksum, 16) for info in infos if info is not None) & _MASK64
+        if f"{total:016x}" != first.checksum:
+            raise FormatError(f"the parts' checksums add up to {total:016x}, not {first.checksum}", version=v)
         self.header = VersionHeader(
             version=v,
             kind=first.kind,
