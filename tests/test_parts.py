@@ -164,7 +164,7 @@ def test_positions_outside_a_parts_rows_are_refused(tmp_path):
     files = write_parts(str(tmp_path), 0, None)
     store = DeltaStore(str(tmp_path / "s"))
     commit(store, files)
-    new, old = weights(1), weights(0)
+    old = weights(0)
     for codec in ("compact", "raw"):
         c = codecs.get_codec(codec)
         parts = []
