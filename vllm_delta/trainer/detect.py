@@ -11,11 +11,13 @@ in one kernel and compacted in one `nonzero`; positions, checksum terms and per-
 then computed for all tensors together. The host waits for the device once per chunk (the size of
 the compaction) and once at the end (per-tensor counts and checksum sums); nothing is done tensor by
 tensor on the host. On CUDA the work runs on a side stream that waits for the caller's stream (the
-optimizer step) through an event.
+optimizer step), and the conversion and comparison are one Triton kernel that never writes the image
+(kernels.py; backend "triton", the default on CUDA; "torch" elsewhere, or VLLM_DELTA_DETECT_BACKEND).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +27,7 @@ from torch import nn
 
 from ..bits import INT_DTYPE, bit_view
 from ..checksums import MASK64, partial_terms, positional_sum_tensor
+from . import kernels
 from .shard import Owned, ShardedTensor
 
 CHUNK_ELEMS = 1 << 28  # elements compared per chunk: bounds the temporaries (2 B image + 1 B mask each)
@@ -90,7 +93,14 @@ class FlatSnapshot:
         device: torch.device | str | None = None,
         pin: bool = False,
         chunk_elems: int = CHUNK_ELEMS,
+        backend: str | None = None,
     ):
+        """`backend`: "triton" (fused convert-and-compare kernel; CUDA, or CPU under TRITON_INTERPRET=1)
+        or "torch"; None: VLLM_DELTA_DETECT_BACKEND, else "triton" on CUDA when available."""
+        backend = backend or os.environ.get("VLLM_DELTA_DETECT_BACKEND") or None
+        if backend not in (None, "torch", "triton"):
+            raise ValueError(f"detection backends: torch, triton (not {backend!r})")
+        self.backend = backend
         self.dtype = dtype
         self.int_dtype = INT_DTYPE[torch.empty((), dtype=dtype).element_size()]
         self.device = torch.device(device) if device is not None else None
@@ -102,7 +112,9 @@ class FlatSnapshot:
         self._chunks: list[list[tuple[int, int, int, int]]] = []  # per chunk: (tensor, a, b, dst)
         self._chunk_starts: list[int] = []
         self._chunk_sizes: list[int] = []
-        self._image: torch.Tensor | None = None  # reused chunk image buffer
+        self._image: torch.Tensor | None = None  # reused chunk image buffer (torch backend)
+        self._mask: torch.Tensor | None = None  # reused chunk mask buffer (triton backend)
+        self._addr: dict[int, tuple[tuple[int, ...], kernels.ChunkAddressing]] = {}
         self._stream: Any = None  # torch.cuda.Stream once used on CUDA
 
     # -- layout ----------------------------------------------------------------------------------
@@ -136,6 +148,7 @@ class FlatSnapshot:
             sizes.append(chunk[-1][3] + chunk[-1][2] - chunk[-1][1])
             at += sizes[-1]
         self._chunk_starts, self._chunk_sizes = starts, sizes
+        self._addr = {}
 
     @staticmethod
     def compute_device(owned: list[Owned]) -> torch.device:
@@ -169,6 +182,25 @@ class FlatSnapshot:
         for i, a, b, dst in chunk:
             img[dst : dst + b - a].copy_(owned[i].source[a:b])  # the dtype conversion
         return bit_view(img)
+
+    def _use_triton(self, dev: torch.device) -> bool:
+        if self.backend == "torch":
+            return False
+        if self.backend == "triton":
+            if not kernels.available(dev):
+                raise ValueError(f"the triton detection backend can't run on {dev} (CPU: set TRITON_INTERPRET=1)")
+            return True
+        return dev.type == "cuda" and kernels.available(dev)
+
+    def _addressing(self, c: int, owned: list[Owned], dev: torch.device) -> kernels.ChunkAddressing:
+        """Chunk `c`'s block table (cached while the sources stay where they are)."""
+        chunk = self._chunks[c]
+        key = tuple(owned[i].source.data_ptr() for i, _, _, _ in chunk)
+        cached = self._addr.get(c)
+        if cached is None or cached[0] != key:
+            segs = [(owned[i].source, a, b - a, dst) for i, a, b, dst in chunk]
+            cached = self._addr[c] = (key, kernels.ChunkAddressing(segs, dev))
+        return cached[1]
 
     # -- anchors ---------------------------------------------------------------------------------
     @torch.no_grad()
@@ -204,14 +236,27 @@ class FlatSnapshot:
             raise ValueError("the owned tensors changed since the last anchor: publish an anchor")
         assert self.bits is not None
         dev = self.compute_device(owned)
+        triton_path = self._use_triton(dev)
         with self._stream_ctx(dev):
             found: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
             for c, start in enumerate(self._chunk_starts):
-                img = self._fill(c, owned, dev)
-                snap = self.bits[start : start + img.numel()]
+                n = self._chunk_sizes[c]
+                snap = self.bits[start : start + n]
                 old_all = snap.to(dev, non_blocking=True) if snap.device != dev else snap
-                idx = (img != old_all).nonzero().reshape(-1)  # the one host wait of a chunk
-                new, old = img[idx], old_all[idx]
+                addr = self._addressing(c, owned, dev) if triton_path else None
+                if addr is not None and addr.ok:
+                    if self._mask is None or self._mask.device != dev or self._mask.numel() < n:
+                        self._mask = None
+                        self._mask = torch.empty(max(self._chunk_sizes), dtype=torch.int8, device=dev)
+                    mask = self._mask[:n]
+                    kernels.mask_(addr, old_all, mask)
+                    idx = mask.nonzero().reshape(-1)  # the one host wait of a chunk
+                    new = kernels.gather_image(addr, idx)
+                else:
+                    img = self._fill(c, owned, dev)
+                    idx = (img != old_all).nonzero().reshape(-1)  # the one host wait of a chunk
+                    new = img[idx]
+                old = old_all[idx]
                 if snap.device != dev:
                     snap.index_copy_(0, idx.to(snap.device), new.to(snap.device))
                 else:

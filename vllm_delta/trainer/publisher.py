@@ -146,11 +146,13 @@ class Publisher:
         group: Any = None,
         timeout: datetime.timedelta | float = DEFAULT_TIMEOUT,
         chunk_elems: int = CHUNK_ELEMS,
+        detect_backend: str | None = None,
     ):
         """`group`: a torch.distributed process group (or `torch.distributed.group.WORLD`) whose
         ranks publish together, each its own part of every version (created collectively: every rank
         of the group constructs its Publisher). `timeout`: how long a rank waits for the others in a
-        collective (seconds or a timedelta) before it raises."""
+        collective (seconds or a timedelta) before it raises. `chunk_elems`, `detect_backend`: see
+        detect.FlatSnapshot."""
         if anchor_every < 1:
             raise ValueError("anchor_every must be >= 1")
         if dtype not in DTYPE_NAMES:
@@ -160,7 +162,9 @@ class Publisher:
         self.anchor_every = anchor_every
         self.dtype = dtype
         self.keep_anchors = keep_anchors
-        self.snapshot = FlatSnapshot(dtype, device=snapshot_device, pin=pin_snapshot, chunk_elems=chunk_elems)
+        self.snapshot = FlatSnapshot(
+            dtype, device=snapshot_device, pin=pin_snapshot, chunk_elems=chunk_elems, backend=detect_backend
+        )
         if not isinstance(timeout, datetime.timedelta):
             timeout = datetime.timedelta(seconds=float(timeout))
         self._groups = _Groups(group, timeout) if group is not None else None
