@@ -67,6 +67,7 @@ class PublishInfo:
     checksum: str  # whole-model checksum of the published image (what a server will report)
     detect_ms: float  # time `publish` held the calling thread
     uploaded: Future = field(repr=False)  # -> VersionRecord once the version is visible
+    timings: dict[str, float] = field(default_factory=dict, repr=False)  # ms: agree, detect, prepare, sums, queue
 
     @property
     def density(self) -> float:
@@ -183,6 +184,7 @@ class Publisher:
         self._error_version: int | None = None
         self._raised: set[int] = set()  # failed versions already raised (sharded: by any rank)
         self._broken_at: int | None = None
+        self.upload_timings: dict[int, dict[str, float]] = {}  # version -> ms per upload phase (last 64)
         self._queue: queue.Queue[_Job | None] = queue.Queue(maxsize=max(1, queue_size))
         self._tmpdir = tempfile.mkdtemp(prefix="vllm-delta-pub-")
         self._pool = ThreadPoolExecutor(
@@ -207,6 +209,8 @@ class Publisher:
             self._fingerprint = own.fingerprint
         else:
             version, own, anchor = self._agree(model_or_tensors, version)
+        timings = {"agree": (time.perf_counter() - t0) * 1e3}
+        t1 = time.perf_counter()
         self._maybe_store_assets(model_or_tensors)
         image, sections, error = None, None, None
         partials: dict[str, int] = {}
@@ -218,6 +222,8 @@ class Publisher:
                 counts = [o.count for o in own.owned]
             else:
                 found = self.snapshot.changes(own.owned)
+                timings["detect"] = (time.perf_counter() - t1) * 1e3
+                t1 = time.perf_counter()
                 partials = {o.name: (self._partials.get(o.name, 0) + s) & MASK64 for o, s in zip(own.owned, found.sums)}
                 counts = found.counts
                 batch = codecs.Batch(
@@ -231,13 +237,18 @@ class Publisher:
                 )
                 with self.snapshot.side_stream(self.snapshot.compute_device(own.owned)):
                     sections = self.codec.prepare_batch(batch)
+                timings["prepare"] = (time.perf_counter() - t1) * 1e3
                 del found, batch
         except Exception as exc:  # noqa: BLE001 - sharded: every rank must hear of it
             self._needs_anchor = True  # the snapshot may be half-updated: resynchronize with an anchor
             if self._groups is None:
                 raise
             error = exc
+        if anchor:
+            timings["detect"] = (time.perf_counter() - t1) * 1e3
+        t1 = time.perf_counter()
         sums, nnz = self._whole_sums(own, partials, sum(counts), error)  # sharded: raises on every rank
+        timings["sums"] = (time.perf_counter() - t1) * 1e3
         self._partials = partials
         shapes = own.shapes
         checksum = to_hex(combine(sums.items()))
@@ -267,7 +278,9 @@ class Publisher:
                 rows={o.name: [o.row0, o.row1] for o in own.owned},
             )
         self._checksum_of_last = checksum
+        t1 = time.perf_counter()
         self._queue.put(job)  # blocks when the uploader is behind
+        timings["queue"] = (time.perf_counter() - t1) * 1e3
         if anchor:
             self._last_anchor = version
         self._needs_anchor = False
@@ -281,6 +294,7 @@ class Publisher:
             checksum=checksum,
             detect_ms=(time.perf_counter() - t0) * 1e3,
             uploaded=job.future,
+            timings=timings,
         )
 
     def flush(self) -> None:
@@ -498,24 +512,45 @@ class Publisher:
                 job.version, job.shapes, self.dtype, job.sums, job.checksum, slices, job.part, created=job.created
             )
         assert job.sections is not None and job.base is not None
+        t0 = time.perf_counter()
         sections = job.sections.split()  # waits for the device-to-host copies
+        self._note(job.version, "d2h", t0)
         owned = {o.name: (n, s) for o, n, s in zip(job.owned, job.counts, sections)}
         prepared = {
             name: PreparedTensor(shape, self.dtype, job.sums[name], *owned.get(name, (0, None)))
             for name, shape in job.shapes.items()
         }
         # zstd releases the GIL: compress tensors in parallel (8B, 1%: ~1 s on one thread).
-        return assemble_delta(
-            version=job.version,
-            base=job.base,
-            base_checksum=job.base_checksum,
-            codec=self.codec,
-            tensors=prepared,
-            pool=self._pool,
-            created=job.created,
-            checksum=job.checksum if job.part is not None else None,
-            part=job.part,
-        )
+        t0 = time.perf_counter()
+        try:
+            return assemble_delta(
+                version=job.version,
+                base=job.base,
+                base_checksum=job.base_checksum,
+                codec=self.codec,
+                tensors=prepared,
+                pool=self._pool,
+                created=job.created,
+                checksum=job.checksum if job.part is not None else None,
+                part=job.part,
+            )
+        finally:
+            self._note(job.version, "pack", t0)
+
+    def _note(self, version: int, phase: str, t0: float) -> float:
+        t1 = time.perf_counter()
+        self.upload_timings.setdefault(version, {})[phase] = (t1 - t0) * 1e3
+        for old in sorted(self.upload_timings)[:-64]:
+            del self.upload_timings[old]
+        return t1
+
+    def _encoded_file(self, job: _Job) -> tuple[VersionHeader, str]:
+        """Encode (pack) and write the job's file to a temporary path."""
+        header, payload = self._encode(job)
+        t0 = time.perf_counter()
+        path = self._write(header, payload)
+        self._note(job.version, "write", t0)
+        return header, path
 
     def _write(self, header: VersionHeader, payload: dict[str, torch.Tensor]) -> str:
         fd, path = tempfile.mkstemp(suffix=".safetensors", dir=self._tmpdir)
@@ -528,10 +563,11 @@ class Publisher:
         return path
 
     def _upload(self, job: _Job) -> VersionRecord:
-        header, payload = self._encode(job)
-        path = self._write(header, payload)
+        header, path = self._encoded_file(job)
+        t0 = time.perf_counter()
         try:
             record = self.store.publish(header, path, move=True)
+            self._note(job.version, "commit", t0)
         finally:
             if os.path.exists(path):
                 os.unlink(path)
@@ -549,22 +585,25 @@ class Publisher:
         error: str | None = "base failed" if base_failed else None
         if error is None:
             try:
-                header, payload = self._encode(job)
-                path = self._write(header, payload)
+                header, path = self._encoded_file(job)
+                t0 = time.perf_counter()
                 try:
                     part = self.store.put_part(header, path, move=True)
+                    self._note(job.version, "put_part", t0)
                 finally:
                     if os.path.exists(path):
                         os.unlink(path)
             except Exception as exc:  # noqa: BLE001 - reported to every rank
                 log.error("rank %d: part of version %d failed: %s", self.rank, job.version, exc)
                 error = f"{type(exc).__name__}: {exc}"
+        t0 = time.perf_counter()
         try:
             reports = groups.gather({"part": asdict(part) if part else None, "error": error}, upload=True)
             outcome: dict[str, Any] | None = None
             if self.rank == 0:
                 outcome = self._commit(job, reports)
             outcome = groups.broadcast(outcome)
+            self._note(job.version, "commit", t0)
         except Exception as exc:  # noqa: BLE001 - a rank died or timed out: the outcome is unknown here
             groups.upload_broken = f"{type(exc).__name__}: {exc}"
             raise PublishError(
