@@ -30,13 +30,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, results: Any, args: tuple, backend: str) -> None:
+def _entry(
+    fn: Callable[..., Any], rank: int, world: int, port: int, results: Any, args: tuple, backend: str, threads: int
+) -> None:
     import torch
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)  # one GPU per rank, before the communicator exists
     try:
         dist.init_process_group(
             backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120), device_id=None
@@ -86,8 +89,10 @@ def run_ranks(
     timeout: float = 300.0,
     may_die: tuple[int, ...] = (),
     backend: str = "gloo",
+    threads: int = 1,
 ) -> list[Any]:
-    """Run `fn(rank, world, *args)` on `world` fresh processes joined in one process group.
+    """Run `fn(rank, world, *args)` on `world` fresh processes joined in one process group
+    (`backend` "gloo", or "nccl" with rank r on GPU r; `threads`: torch CPU threads per rank).
 
     Returns each rank's result (None for a rank of `may_die` that died). Raises RuntimeError with
     the failing rank's traceback if a rank raised, or if a rank not in `may_die` died or hung."""
@@ -95,7 +100,7 @@ def run_ranks(
     results = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_entry, args=(fn, rank, world, port, results, args, backend), daemon=True)
+        ctx.Process(target=_entry, args=(fn, rank, world, port, results, args, backend, threads), daemon=True)
         for rank in range(world)
     ]
     for p in procs:
