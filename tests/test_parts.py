@@ -108,6 +108,15 @@ def commit(store: DeltaStore, files: list[tuple[VersionHeader, str]]) -> Version
     )
 
 
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    """Tiny tensors: one torch thread (see tests/trainer/conftest.py)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture
 def store(tmp_path) -> DeltaStore:
     s = DeltaStore(str(tmp_path / "store"))
@@ -305,3 +314,19 @@ def test_headers_of_parts_are_validated():
     one = dict(base, format_version=1, tensors={"w": {**e, "nnz": 8}})
     assert VersionHeader.from_json(json.dumps(one)).part is None
     assert "part" not in json.loads(VersionHeader.from_json(json.dumps(one)).to_json())
+
+
+def test_vllm_sparse_path_fallback_reads_pieces(store):
+    """The server's fallback for tensors its probe can't map (vllm/fallback.py) replays pieces too."""
+    from vllm_delta.vllm.fallback import FallbackApplier
+
+    fb = FallbackApplier(None, {"w": "test", "b": "test"}, counts=True)
+    for name in ("w", "b"):
+        fb.set_shadow(name, weights(0)[name])
+    for files in ([store.open(1)], [store.open(1), store.open(2)]):
+        staged = fb.stage(files)
+        want, old = weights(files[-1].version), weights(0)
+        for name, (pos, new, prev) in staged.changes.items():
+            wb, ob = int_view(want[name]).reshape(-1), int_view(old[name]).reshape(-1)
+            assert torch.equal(pos, (wb != ob).nonzero().reshape(-1))
+            assert torch.equal(new, wb[pos]) and torch.equal(prev, ob[pos])

@@ -239,9 +239,9 @@ class Publisher:
                     sections = self.codec.prepare_batch(batch)
                 timings["prepare"] = (time.perf_counter() - t1) * 1e3
                 del found, batch
-        except Exception as exc:  # noqa: BLE001 - sharded: every rank must hear of it
+        except BaseException as exc:  # noqa: BLE001 - sharded: every rank must hear of it
             self._needs_anchor = True  # the snapshot may be half-updated: resynchronize with an anchor
-            if self._groups is None:
+            if self._groups is None or not isinstance(exc, Exception):
                 raise
             error = exc
         if anchor:
@@ -371,6 +371,8 @@ class Publisher:
             with self._lock:
                 self._raised.update(f[0] for _, f in failed)
                 mine = self._error
+                if mine is not None and self._error_version is not None:
+                    self._raised.add(self._error_version)
                 self._error = None
             self._needs_anchor = True
             r, (v_failed, text) = failed[0]
