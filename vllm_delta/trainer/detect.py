@@ -28,7 +28,7 @@ from torch import nn
 from ..bits import INT_DTYPE, bit_view
 from ..checksums import MASK64, partial_terms, positional_sum_tensor
 from . import kernels
-from .shard import Owned, ShardedTensor
+from .shard import Owned, ShardedTensor, local_tensor
 
 CHUNK_ELEMS = 1 << 28  # elements compared per chunk: bounds the temporaries (2 B image + 1 B mask each)
 
@@ -48,7 +48,7 @@ def named_tensors(source: nn.Module | Mapping[str, object] | Iterable[tuple[str,
     for name, t in items:
         local = t.local if isinstance(t, ShardedTensor) else t
         if isinstance(local, torch.Tensor) and hasattr(local, "to_local"):  # a DTensor: its local shard
-            local = local.to_local()
+            local = local_tensor(local)
         if isinstance(local, torch.Tensor):
             key = (
                 local.untyped_storage().data_ptr(),

@@ -100,11 +100,27 @@ def _rows(shape: tuple[int, ...]) -> int:
     return shape[0] if shape else 1
 
 
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard without autograd dispatch (publish reads it every step)."""
+    local = getattr(t, "_local_tensor", None)
+    return local if isinstance(local, torch.Tensor) else t.to_local()  # type: ignore[attr-defined]
+
+
+_SPECS: dict[tuple, tuple[tuple[int, ...], int, bool]] = {}  # (shape, mesh, placements) -> local rows
+
+
 def _dtensor_rows(name: str, t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], int, bool] | None:
     """(local data, global shape, row offset, owner) of a DTensor sharded on dim 0; None if replicated."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     assert isinstance(t, DTensor)
+    shape = tuple(int(d) for d in t.shape)
+    key = (shape, t.device_mesh, tuple(t.placements))
+    cached = _SPECS.get(key)
+    if cached is not None:
+        local = local_tensor(t)
+        if tuple(local.shape) == cached[0]:
+            return local, shape, cached[1], cached[2]
     placements = list(t.placements)
     shards = [p for p in placements if isinstance(p, Shard)]
     if not shards:
@@ -119,8 +135,7 @@ def _dtensor_rows(name: str, t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, 
         )
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    shape = tuple(int(d) for d in t.shape)
-    local = t.to_local()
+    local = local_tensor(t)
     local_shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
     if tuple(local.shape) != tuple(local_shape):
         raise ShardingError(
@@ -130,7 +145,9 @@ def _dtensor_rows(name: str, t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, 
         )
     coord: list[int] = list(t.device_mesh.get_coordinate() or [])
     owner = all(c == 0 for c, p in zip(coord, placements) if isinstance(p, Replicate))
-    return local, shape, int(offset[0]) if shape else 0, owner
+    row0 = int(offset[0]) if shape else 0
+    _SPECS[key] = (tuple(local.shape), row0, owner)
+    return local, shape, row0, owner
 
 
 def resolve(tensors: list[tuple[str, object]], rank: int = 0, world: int = 1) -> Ownership:
@@ -165,7 +182,7 @@ def resolve(tensors: list[tuple[str, object]], rank: int = 0, world: int = 1) ->
             held = _dtensor_rows(name, t)
             if held is None:
                 spec.append((name, tuple(int(d) for d in t.shape), "replicated"))
-                replicated[name] = t.to_local()  # type: ignore[attr-defined]  # a DTensor
+                replicated[name] = local_tensor(t)
                 continue
             local, shape, offset, owner = held
             spec.append((name, shape, "shard"))
