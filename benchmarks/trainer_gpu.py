@@ -1,15 +1,16 @@
 #!/usr/bin/env python
-"""Trainer side on the GPU (issue 4, item 5): exact change detection + compact encoding of one
-optimizer step of a Qwen3-8B-shaped model, next to the floor of reading the master weights once.
+"""Trainer side on the GPU (issue 4, item 5; issue 9): exact change detection + compact encoding of
+one optimizer step of a Qwen3-8B-shaped model, next to the floor of reading the master weights once.
 
 The step is simulated: fp32 master weights sit within a quarter ULP of their bf16 image, and one
 step moves ~1% of them (uniform positions) by realistic bf16 amounts (~89% one ULP). Timed, as
-`Publisher.publish` does it on the training thread (same calls, same order): bf16 image, bit
-comparison with the snapshot (`Snapshot.changes`), checksum update, the codec's device-side
-`prepare` (gaps, diffs, copies to the host), snapshot update; then the host side `pack` (zstd),
-which the Publisher runs on its upload thread: one thread, and a pool for comparison.
+`Publisher.publish` does it on the training thread (same calls, same order): flat-buffer detection
+of all tensors (`FlatSnapshot.changes`: comparison, compaction, checksum terms), the codec's batched
+device part (`prepare_batch`) and its copies to the host (waited for here); then the host side `pack`
+(zstd), which the Publisher runs on its upload thread: one thread, and a pool for comparison.
+benchmarks/publish_gpu.py measures the whole publish inside a real training loop.
 
-    python benchmarks/trainer_gpu.py [--model qwen3-8b] [--density 0.01] [--out DIR]
+    python benchmarks/trainer_gpu.py [--model qwen3-8b] [--density 0.01] [--backend triton|torch] [--out DIR]
 """
 
 from __future__ import annotations
@@ -30,9 +31,9 @@ import torch  # noqa: E402
 
 from vllm_delta import codec as codecs  # noqa: E402
 from vllm_delta.bits import bit_view  # noqa: E402
-from vllm_delta.checksums import MASK64, positional_sum  # noqa: E402
 from vllm_delta.testing.apply_fixtures import QWEN3, apply_diffs, qwen3_layout, random_positions, realistic_diffs  # noqa: E402
-from vllm_delta.trainer.detect import Snapshot  # noqa: E402
+from vllm_delta.trainer.detect import FlatSnapshot  # noqa: E402
+from vllm_delta.trainer.shard import Owned  # noqa: E402
 
 LOG: list[str] = []
 
@@ -53,6 +54,7 @@ def main() -> int:
     ap.add_argument("--density", type=float, default=0.01)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=min(16, os.cpu_count() or 1))
+    ap.add_argument("--backend", choices=["triton", "torch"], default=None, help="detection backend")
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
     ap.add_argument("--cpu-check", action="store_true", help="tiny model on CPU: checks the script runs")
     args = ap.parse_args()
@@ -71,17 +73,17 @@ def main() -> int:
     log(f"# command: python {' '.join(sys.argv)}")
     _, layout = qwen3_layout(QWEN3[args.model])
     gen = torch.Generator(device=dev).manual_seed(0)
-    master, snap = {}, Snapshot(device=dev)
+    master, snap = {}, FlatSnapshot(backend=args.backend)
     for name, shape in layout.hf_shapes.items():
         image = torch.randn(shape, generator=gen, device=dev, dtype=torch.bfloat16).mul_(0.02)
         # fp32 master within a quarter ULP of its bf16 image (bf16 keeps 8 significant bits)
         m = image.float()
         m.mul_(1 + (torch.rand(shape, generator=gen, device=dev) - 0.5) * 2**-10)
         master[name] = m
-        snap.reset(name, image)
         del image
+    owned = [Owned(n, m.view(-1), tuple(m.shape), 0, m.shape[0] if m.dim() else 1) for n, m in master.items()]
+    snap.anchor(owned)
     params = sum(t.numel() for t in master.values())
-    sums = {n: 0 for n in master}
     # floor: read the fp32 master weights once (and, for detection, the bf16 snapshot too)
     a = torch.empty(1 << (30 if dev.type == "cuda" else 22), dtype=torch.int32, device=dev)
     b = torch.empty_like(a)
@@ -116,18 +118,23 @@ def main() -> int:
         sync(dev)
         t = {}
         t0 = time.perf_counter()
-        sections, nnz = {}, 0
-        for name, m in master.items():
-            image = m.detach().to(torch.bfloat16)
-            pos, new, old = snap.changes(name, image)
-            n = pos.numel()
-            if n:
-                sums[name] = (sums[name] + positional_sum(new, pos) - positional_sum(old, pos)) & MASK64
-                sections[name] = codec.prepare(pos, new, old, image.numel())
-                snap.update(name, pos, new)
-            nnz += n
-        sync(dev)
-        t["publish"] = (time.perf_counter() - t0) * 1e3
+        found = snap.changes(owned)
+        batch = codecs.Batch(
+            found.positions,
+            found.new,
+            found.old,
+            found.seg,
+            found.counts,
+            [0] * len(owned),
+            [o.numel for o in owned],
+        )
+        with snap.side_stream(dev):
+            split = codec.prepare_batch(batch)
+        t["publish"] = (time.perf_counter() - t0) * 1e3  # what the training thread waits for
+        sections = {o.name: s for o, s in zip(owned, split.split()) if s is not None}
+        t["publish+d2h"] = (time.perf_counter() - t0) * 1e3
+        nnz = sum(found.counts)
+        del found, batch
         if nnz != nnz_true:
             log(f"MISMATCH: detected {nnz} changes, the step made {nnz_true}")
             return 1

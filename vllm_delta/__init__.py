@@ -17,6 +17,7 @@ _LAZY = {
     # trainer side
     "Publisher": "vllm_delta.trainer.publisher",
     "PublishInfo": "vllm_delta.trainer.publisher",
+    "ShardedTensor": "vllm_delta.trainer.shard",
     "checksum": "vllm_delta.checksums",
     "checkpoint_tensors": "vllm_delta.trainer.names",
     # stores and readers
@@ -28,6 +29,7 @@ _LAZY = {
 __all__ = [
     "Publisher",
     "PublishInfo",
+    "ShardedTensor",
     "checksum",
     "checkpoint_tensors",
     "DeltaStore",
@@ -42,6 +44,7 @@ if TYPE_CHECKING:
     from .store import DeltaStore
     from .trainer.names import checkpoint_tensors
     from .trainer.publisher import Publisher, PublishInfo
+    from .trainer.shard import ShardedTensor
 
 
 def __getattr__(name: str) -> Any:

@@ -34,6 +34,8 @@ def cmd_inspect(args) -> int:
     for v in versions:
         r = store.record(v)
         row = asdict(r)
+        row["parts"] = [asdict(p) for p in r.parts]
+        row["n_parts"] = len(r.files)
         row["density"] = r.density
         row["bytes_per_changed"] = r.bytes / r.nnz if r.nnz else None
         rows.append(row)
@@ -44,16 +46,20 @@ def cmd_inspect(args) -> int:
         print(f"{store.uri}: no versions")
         return 0
     print(
-        f"{'version':>8} {'kind':6} {'base':>6} {'codec':8} {'nnz':>12} {'density':>9} {'bytes':>10} "
+        f"{'version':>8} {'kind':6} {'base':>6} {'codec':8} {'parts':>5} {'nnz':>12} {'density':>9} {'bytes':>10} "
         f"{'B/chg':>6}  checksum"
     )
     for r in rows:
         bpc = f"{r['bytes_per_changed']:.2f}" if r["kind"] == "delta" and r["nnz"] else "-"
         print(
             f"{r['version']:>8} {r['kind']:6} {r['base'] if r['base'] is not None else '-':>6} "
-            f"{r['codec'] or '-':8} {r['nnz']:>12} {r['density']:>9.4%} {_human(r['bytes']):>10} {bpc:>6}  "
-            f"{r['checksum']}"
+            f"{r['codec'] or '-':8} {r['n_parts']:>5} {r['nnz']:>12} {r['density']:>9.4%} {_human(r['bytes']):>10} "
+            f"{bpc:>6}  {r['checksum']}"
         )
+    if args.version is not None and rows[0]["parts"]:
+        print(f"parts of version {rows[0]['version']}:")
+        for i, part in enumerate(rows[0]["parts"]):
+            print(f"{i:>8} {_human(part['bytes']):>10}  {part['checksum']}  {part['file']}")
     return 0
 
 
@@ -141,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
         sp.set_defaults(func=func)
         return sp
 
-    sp = add("inspect", cmd_inspect, "list versions: kind, base, nnz, density, bytes, checksum")
+    sp = add("inspect", cmd_inspect, "list versions: kind, base, parts, nnz, density, bytes, checksum")
     sp.add_argument("--version", help="one version (a number or 'latest')")
     sp.add_argument("--json", action="store_true", help="machine-readable output")
 

@@ -69,6 +69,81 @@ def _host(t: torch.Tensor) -> np.ndarray:
     return t.detach().to("cpu").numpy()
 
 
+@dataclass
+class Batch:
+    """Changes of several tensors laid end to end on one device (the trainer's detection output).
+
+    Element i belongs to tensor `seg[i]` (non-decreasing); positions are row-major flat indices into
+    that whole tensor, increasing within it and at least `starts[seg[i]]` (where the tensor's first
+    frame starts: 0, or the first position a part owns)."""
+
+    positions: torch.Tensor  # int64
+    new: torch.Tensor  # new bit patterns (int16/int32)
+    old: torch.Tensor  # old bit patterns
+    seg: torch.Tensor  # int64 tensor index of each element
+    counts: list[int]  # changed elements per tensor (host)
+    starts: list[int]  # per tensor: the position its first frame starts from
+    numels: list[int]  # per tensor: elements of the whole tensor
+
+
+class BatchSections:
+    """Per-tensor Sections of a Batch, once the device-to-host copies are done: `split()` waits for
+    them (an event on CUDA) and returns one Sections per tensor (None where nothing changed)."""
+
+    def __init__(self, split: Callable[[], list[Sections | None]]):
+        self._split = split
+
+    def split(self) -> list[Sections | None]:
+        return self._split()
+
+
+class _HostCopy:
+    """Device-to-host copies into pinned memory on the current stream, waited for by an event."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.event: Any = None
+
+    def add(self, t: torch.Tensor) -> torch.Tensor:
+        if not self.cuda:
+            return t.detach().contiguous()
+        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        out.copy_(t, non_blocking=True)
+        return out
+
+    def done(self) -> None:
+        if self.cuda:
+            self.event = torch.cuda.Event()
+            self.event.record()
+
+    def wait(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
+
+
+def _compact_sections(
+    gaps16: np.ndarray, d8: np.ndarray, gap_esc: np.ndarray, diff_esc: np.ndarray, start: int, width: int, frame: int
+) -> Sections:
+    """One tensor's compact Sections from its host arrays; frame starts from the gap chain."""
+    n = gaps16.size
+    starts = [start]
+    if n > frame:
+        real = gaps16.astype(np.int64)
+        real[gaps16 == GAP_ESCAPE] = gap_esc
+        positions = start + np.cumsum(real + 1) - 1
+        starts += [int(positions[f - 1]) + 1 for f in range(frame, n, frame)]
+    return Sections(
+        {"gaps16": gaps16, "d8": d8, "gap_esc": gap_esc.astype(np.int64), "diff_esc": diff_esc},
+        {"starts": starts, "width": 8 * width},
+    )
+
+
+def check_piece(positions: torch.Tensor, start: int, stop: int, ctx: Ctx) -> None:
+    """A piece's decoded positions lie in [start, stop) (the rows its part owns)."""
+    if positions.numel() and (int(positions.min()) < start or int(positions.max()) >= stop):
+        raise _err(PositionError, f"positions outside the piece's range [{start}, {stop})", ctx)
+
+
 def _err(exc_type: type[DeltaError], msg: str, ctx: Ctx) -> DeltaError:
     return exc_type(msg, version=ctx.get("version"), tensor=ctx.get("tensor"))
 
@@ -206,10 +281,16 @@ def decode_frames(
 
 
 class FrameOrder:
-    """Positions of one tensor keep rising across its frames (and chunks) and stay below numel."""
+    """Positions of one tensor keep rising across its frames (and chunks) and stay below numel.
+
+    `begin(key, start)` makes a key's positions start at `start` (a piece of a multi-part version:
+    its positions lie in the rows its part owns; pass the piece's end as `numel` to `check`)."""
 
     def __init__(self) -> None:
         self._last: dict[object, int] = {}
+
+    def begin(self, key: object, start: int) -> None:
+        self._last[key] = start - 1
 
     def check(self, key: object, frame: Frame, last: int | None, numel: int, ctx: Ctx) -> None:
         prev = self._last.get(key, -1)
@@ -238,13 +319,38 @@ class RawCodec:
     name = "raw"
     needs_base = False
 
-    def prepare(self, positions: torch.Tensor, new_bits: torch.Tensor, old_bits: torch.Tensor, numel: int) -> Sections:
+    def prepare(
+        self, positions: torch.Tensor, new_bits: torch.Tensor, old_bits: torch.Tensor, numel: int, start: int = 0
+    ) -> Sections:
         return Sections(
             {
                 "idx": _host(positions.to(position_dtype(numel))),
                 "val": _host(int_view(new_bits)),
             }
         )
+
+    def prepare_batch(self, batch: Batch) -> BatchSections:
+        """`prepare` for many tensors' changes at once: two device-to-host copies, no per-tensor work."""
+        pos = batch.positions
+        host = _HostCopy(batch.positions.device)
+        pos_h = host.add(pos)
+        val_h = host.add(int_view(batch.new))
+        host.done()
+
+        def split() -> list[Sections | None]:
+            host.wait()
+            out: list[Sections | None] = []
+            at = 0
+            for n, numel in zip(batch.counts, batch.numels):
+                if not n:
+                    out.append(None)
+                    continue
+                idx = pos_h.numpy()[at : at + n].astype(np.int32 if position_dtype(numel) == torch.int32 else np.int64)
+                out.append(Sections({"idx": idx, "val": val_h.numpy()[at : at + n]}))
+                at += n
+            return out
+
+        return BatchSections(split)
 
     def pack(self, sections: Sections, dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         val = torch.from_numpy(sections.arrays["val"]).view(dtype)
@@ -278,18 +384,22 @@ class CompactCodec:
         self.frame_elems = frame_elems
 
     # -- trainer side ------------------------------------------------------------------------
-    def prepare(self, positions: torch.Tensor, new_bits: torch.Tensor, old_bits: torch.Tensor, numel: int) -> Sections:
-        """Device work: gaps and bit differences, escapes split off. Returns host arrays."""
+    def prepare(
+        self, positions: torch.Tensor, new_bits: torch.Tensor, old_bits: torch.Tensor, numel: int, start: int = 0
+    ) -> Sections:
+        """Device work: gaps and bit differences, escapes split off. Returns host arrays.
+
+        `start`: where the first frame's gap chain starts (0; a part's pieces start at its rows)."""
         pos = positions.to(torch.int64)
         n = pos.numel()
         width = int_view(new_bits).element_size()
         prev = torch.empty_like(pos)
         if n:
-            prev[0] = -1
+            prev[0] = start - 1
             prev[1:] = pos[:-1]
         # Frames restart the gap chain so that each decodes alone: a frame's first gap is
         # relative to the frame's `start` (the position after the previous frame's last element).
-        starts = [0]
+        starts = [start]
         for f in range(self.frame_elems, n, self.frame_elems):
             starts.append(int(pos[f - 1].item()) + 1)
             prev[f] = starts[-1] - 1
@@ -314,6 +424,59 @@ class CompactCodec:
             },
             {"starts": starts, "width": 8 * width},
         )
+
+    def prepare_batch(self, batch: Batch) -> BatchSections:
+        """`prepare` for many tensors' changes at once (the trainer's detection output), vectorized:
+        the same Sections per tensor, from a few device kernels, one synchronization (the escape
+        count) and device-to-host copies that the returned `split` waits for (an event on CUDA, so
+        the caller's thread is not held while they run). Frame starts are computed on the host."""
+        pos, seg = batch.positions, batch.seg
+        dev, n = pos.device, pos.numel()
+        width = int_view(batch.new).element_size()
+        starts_t = torch.tensor(batch.starts, dtype=torch.int64).to(dev, non_blocking=True)
+        prev = torch.empty_like(pos)
+        if n:
+            prev[1:] = pos[:-1]
+            first = torch.ones(n, dtype=torch.bool, device=dev)
+            first[1:] = seg[1:] != seg[:-1]
+            prev = torch.where(first, starts_t[seg] - 1, prev)
+        gaps = pos - prev - 1
+        gesc = gaps >= GAP_ESCAPE
+        g16 = torch.clamp(gaps, max=GAP_ESCAPE)
+        g16 = torch.where(g16 >= 1 << 15, g16 - (1 << 16), g16).to(torch.int16)  # uint16 bits
+        diffs = wrap_diff(int_view(batch.new), int_view(batch.old), width)
+        small = (diffs >= -127) & (diffs <= 127)
+        d8 = torch.where(small, diffs, torch.full_like(diffs, DIFF_ESCAPE)).to(torch.int8)
+        at = (gesc | ~small).nonzero().reshape(-1)  # escapes are rare: one small synchronization
+        esc = torch.stack([seg[at], gaps[at], diffs[at], gesc[at].to(torch.int64)]) if at.numel() else None
+        host = _HostCopy(dev)
+        g_h = host.add(g16)
+        d_h = host.add(d8)
+        e_h = host.add(esc) if esc is not None else None
+        host.done()
+        frame = self.frame_elems
+
+        def split() -> list[Sections | None]:
+            host.wait()
+            g_all = g_h.numpy().view(np.uint16)
+            d_all = d_h.numpy()
+            e = e_h.numpy() if e_h is not None else np.zeros((4, 0), dtype=np.int64)
+            bounds = np.searchsorted(e[0], np.arange(len(batch.counts) + 1))
+            out: list[Sections | None] = []
+            a = 0
+            for t, (count, start) in enumerate(zip(batch.counts, batch.starts)):
+                if not count:
+                    out.append(None)
+                    continue
+                g, d = g_all[a : a + count], d_all[a : a + count]
+                et = e[:, bounds[t] : bounds[t + 1]]
+                gap_esc = np.ascontiguousarray(et[1][et[3] == 1])
+                diff_esc = et[2][(et[2] < -127) | (et[2] > 127)].astype(NP_INT[width])
+                out.append(_compact_sections(g, d, gap_esc, diff_esc, start, width, frame))
+                a += count
+            return out
+
+        return BatchSections(split)
 
     def pack(self, sections: Sections, dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """Host work: split into frames, byte-plane the gaps, zstd each frame."""
@@ -422,14 +585,17 @@ def check_positions(pos: torch.Tensor, numel: int, ctx: dict) -> None:
 
 
 class Codec(Protocol):
-    """What every codec provides (the four steps of the module docstring)."""
+    """What every codec provides (the four steps of the module docstring; `prepare_batch` is
+    `prepare` over many tensors at once)."""
 
     name: str
     needs_base: bool
 
     def prepare(
-        self, positions: torch.Tensor, new_bits: torch.Tensor, old_bits: torch.Tensor, numel: int
+        self, positions: torch.Tensor, new_bits: torch.Tensor, old_bits: torch.Tensor, numel: int, start: int = 0
     ) -> Sections: ...
+
+    def prepare_batch(self, batch: Batch) -> BatchSections: ...
 
     def pack(self, sections: Sections, dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], dict[str, Any]]: ...
 

@@ -89,6 +89,11 @@ class PublishError(DeltaError):
     """A background upload failed; the message names the version."""
 
 
+class ShardingError(DeltaError, ValueError):
+    """The ranks of a sharded publisher disagree (version number, tensor set, shard layout). Raised
+    on every rank, naming the tensor and the ranks; nothing of the version is published."""
+
+
 class WorkerError(DeltaError):
     """An error a worker rank reported across the RPC boundary, with the HTTP status it maps to."""
 

@@ -1,9 +1,16 @@
-"""One version file <-> tensors. The only module that knows the on-disk layout (docs/FORMAT.md).
+"""Version files <-> tensors. The only module that knows the on-disk layout (docs/FORMAT.md).
 
 A version file is a safetensors file. Its `__metadata__` holds `format` ("vllm-delta"),
 `format_version` and `header`, a JSON document (`VersionHeader`). An anchor stores every tensor
 under its Hugging Face name, so an anchor file is itself a loadable checkpoint shard. A delta stores
 each changed tensor's codec payload under `<hf name>::<part>`.
+
+A version is one file (format version 1, what a single-process Publisher writes) or several *part*
+files (format version 2, one per rank of a sharded publisher). A part file's header is the whole
+version's header (every tensor's shape, dtype and whole-tensor checksum) with the part's own `nnz`
+and codec metadata per tensor, plus `part`: its index, the part count, the rows of dim 0 it owns of
+each tensor, and the additive checksum of what it contributes. `Version` reads the parts of one
+version as one: readers see the same API (`header`, `pieces`, `dense`) for one file and for many.
 """
 
 from __future__ import annotations
@@ -11,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import asdict, dataclass, field
+from typing import Any, NamedTuple
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -19,20 +27,36 @@ from safetensors.torch import save, save_file
 from .errors import FormatError, ShapeMismatchError
 
 FORMAT_NAME = "vllm-delta"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1  # one-file versions
+PART_FORMAT_VERSION = 2  # part files of multi-part versions
+READ_FORMAT_VERSIONS = (FORMAT_VERSION, PART_FORMAT_VERSION)
 KINDS = ("anchor", "delta")
 SEP = "::"
+_MASK64 = (1 << 64) - 1
 
 DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+def num_rows(shape: list[int] | tuple[int, ...]) -> int:
+    """Rows of dim 0 (a 0-d tensor is one row of one element): the unit parts own."""
+    return int(shape[0]) if len(shape) else 1
+
+
+def row_size(shape: list[int] | tuple[int, ...]) -> int:
+    """Elements per row of dim 0."""
+    n = 1
+    for d in shape[1:]:
+        n *= int(d)
+    return n
 
 
 @dataclass
 class TensorEntry:
     shape: list[int]
     dtype: str  # "BF16" | "F16" | "F32"
-    checksum: str  # per-tensor positional sum of the tensor at this version (16 hex digits)
-    nnz: int = 0  # changed elements (deltas); numel for anchors
+    checksum: str  # per-tensor positional sum of the whole tensor at this version (16 hex digits)
+    nnz: int = 0  # changed elements (deltas); stored elements for anchors (numel in one-file versions)
     enc: dict = field(default_factory=dict)  # codec metadata (deltas, changed tensors only)
 
     @property
@@ -48,6 +72,16 @@ class TensorEntry:
 
 
 @dataclass
+class PartInfo:
+    """What a part file (format version 2) says about itself."""
+
+    index: int  # 0 <= index < count
+    count: int  # parts of the version
+    checksum: str  # Σ_t key(t) · (partial sum of t over the elements this part owns); parts add up to the whole
+    rows: dict[str, list[int]] = field(default_factory=dict)  # tensor -> [row0, row1): the dim-0 rows it owns
+
+
+@dataclass
 class VersionHeader:
     version: int
     kind: str  # "anchor" | "delta"
@@ -59,6 +93,7 @@ class VersionHeader:
     format_version: int = FORMAT_VERSION
     created: float = 0.0
     extra: dict = field(default_factory=dict)
+    part: PartInfo | None = None  # part files only
 
     @property
     def nnz(self) -> int:
@@ -69,20 +104,27 @@ class VersionHeader:
         return sum(t.numel for t in self.tensors.values())
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), separators=(",", ":"), sort_keys=True)
+        doc = asdict(self)
+        if self.part is None:
+            del doc["part"]  # one-file headers are exactly format 1
+        return json.dumps(doc, separators=(",", ":"), sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str, *, where: str = "") -> VersionHeader:
         try:
             raw = json.loads(text)
             fv = raw.get("format_version")
-            if fv != FORMAT_VERSION:
+            if fv not in READ_FORMAT_VERSIONS:
                 raise FormatError(
-                    f"unknown format version {fv!r} in {where or 'header'} (this reader knows {FORMAT_VERSION})",
+                    f"unknown format version {fv!r} in {where or 'header'} (this reader knows "
+                    f"{', '.join(map(str, READ_FORMAT_VERSIONS))})",
                     version=raw.get("version"),
                 )
+            if (fv == PART_FORMAT_VERSION) != ("part" in raw):
+                raise FormatError(f"format version {fv} {'needs' if fv == 2 else 'has no'} a part description")
             tensors = {name: TensorEntry(**entry) for name, entry in raw.pop("tensors").items()}
-            header = cls(tensors=tensors, **raw)
+            part = raw.pop("part", None)
+            header = cls(tensors=tensors, part=PartInfo(**part) if part is not None else None, **raw)
         except FormatError:
             raise
         except (ValueError, TypeError, KeyError, AttributeError) as exc:
@@ -103,6 +145,41 @@ class VersionHeader:
                 raise FormatError(f"unsupported dtype {t.dtype!r}", version=v, tensor=name)
             if not all(isinstance(d, int) and d >= 0 for d in t.shape) or not 0 <= t.nnz <= t.numel:
                 raise FormatError(f"bad shape {t.shape} or nnz {t.nnz}", version=v, tensor=name)
+        if self.part is not None:
+            self._validate_part(self.part)
+
+    def _validate_part(self, part: PartInfo) -> None:
+        v = self.version
+        ok = all(isinstance(x, int) and not isinstance(x, bool) for x in (part.index, part.count))
+        if not ok or not 0 <= part.index < part.count or not isinstance(part.rows, dict):
+            raise FormatError(f"bad part description {part.index!r} of {part.count!r}", version=v)
+        _check_hex(part.checksum, v)
+        for name, entry in self.tensors.items():
+            rows = part.rows.get(name)
+            if rows is None:
+                if entry.nnz:
+                    raise FormatError(f"part {part.index} changes a tensor it does not own", version=v, tensor=name)
+                continue
+            if (
+                not isinstance(rows, list)
+                or len(rows) != 2
+                or not all(isinstance(r, int) for r in rows)
+                or not 0 <= rows[0] < rows[1] <= num_rows(entry.shape)
+            ):
+                raise FormatError(f"part {part.index}: bad row range {rows!r}", version=v, tensor=name)
+            owned = (rows[1] - rows[0]) * row_size(entry.shape)
+            if entry.nnz > owned or (self.kind == "anchor" and entry.nnz != owned):
+                raise FormatError(
+                    f"part {part.index}: nnz {entry.nnz} for {owned} owned elements", version=v, tensor=name
+                )
+        unknown = set(part.rows) - set(self.tensors)
+        if unknown:
+            raise FormatError(f"part {part.index} owns rows of unknown tensors {sorted(unknown)[:3]}", version=v)
+
+
+def _check_hex(text: Any, version: int) -> None:
+    if not isinstance(text, str) or len(text) != 16 or any(c not in "0123456789abcdef" for c in text):
+        raise FormatError(f"a checksum is 16 lower-case hex digits, not {text!r:.40}", version=version)
 
 
 def payload_key(name: str, part: str) -> str:
@@ -110,7 +187,7 @@ def payload_key(name: str, part: str) -> str:
 
 
 def _metadata(header: VersionHeader) -> dict[str, str]:
-    return {"format": FORMAT_NAME, "format_version": str(FORMAT_VERSION), "header": header.to_json()}
+    return {"format": FORMAT_NAME, "format_version": str(header.format_version), "header": header.to_json()}
 
 
 def serialize(header: VersionHeader, payload: dict[str, torch.Tensor]) -> bytes:
@@ -124,8 +201,21 @@ def write(path: str, header: VersionHeader, payload: dict[str, torch.Tensor]) ->
     save_file({k: v.contiguous() for k, v in payload.items()}, path, metadata=_metadata(header))
 
 
+class Piece(NamedTuple):
+    """One part's changes of one tensor in a delta: decoded with the version's codec like a one-file
+    delta's payload. Its positions lie in [start, stop) (the rows the part owns); the pieces of one
+    tensor hold disjoint positions and come in position order."""
+
+    nnz: int
+    enc: dict
+    payload: dict[str, torch.Tensor]
+    start: int = 0
+    stop: int = 0
+
+
 class VersionFile:
-    """A local version file, memory-mapped. Validates the container and header on open."""
+    """A local version file (one-file version, or one part of a multi-part version), memory-mapped.
+    Validates the container and header on open."""
 
     def __init__(self, path: str | os.PathLike, *, expect_version: int | None = None):
         self.path = os.fspath(path)
@@ -151,28 +241,66 @@ class VersionFile:
 
     def _check_payload(self) -> None:
         h = self.header
+        if h.kind != "anchor":
+            return
         for name, entry in h.tensors.items():
-            if h.kind == "anchor":
-                if name not in self._keys:
-                    raise FormatError("anchor lacks the tensor", version=h.version, tensor=name)
-                sl = self._f.get_slice(name)
-                shape, dtype = list(sl.get_shape()), sl.get_dtype()
-                if shape != entry.shape or dtype != entry.dtype:
-                    raise ShapeMismatchError(
-                        f"stored {dtype}{shape}, header says {entry.dtype}{entry.shape}", version=h.version, tensor=name
-                    )
+            rows = self.rows(name)
+            if rows is None:
+                if name in self._keys:
+                    raise FormatError("part stores a tensor it does not own", version=h.version, tensor=name)
+                continue
+            if name not in self._keys:
+                raise FormatError("anchor lacks the tensor", version=h.version, tensor=name)
+            want = _slice_shape(entry.shape, rows)
+            sl = self._f.get_slice(name)
+            shape, dtype = list(sl.get_shape()), sl.get_dtype()
+            if shape != want or dtype != entry.dtype:
+                raise ShapeMismatchError(
+                    f"stored {dtype}{shape}, header says {entry.dtype}{want}", version=h.version, tensor=name
+                )
 
     @property
     def version(self) -> int:
         return self.header.version
 
+    def rows(self, name: str) -> tuple[int, int] | None:
+        """The rows of dim 0 of `name` this file owns (a one-file version owns every tensor whole)."""
+        entry = self.header.tensors[name]
+        if self.header.part is None:
+            return 0, num_rows(entry.shape)
+        rows = self.header.part.rows.get(name)
+        return (rows[0], rows[1]) if rows is not None else None
+
+    def stored(self, name: str) -> torch.Tensor:
+        """An anchor's stored tensor: the whole tensor, or a part's rows of it (memory-mapped)."""
+        return self._f.get_tensor(name)
+
     def dense(self, name: str) -> torch.Tensor:
         """An anchor's tensor (memory-mapped for local files)."""
+        rows = self.rows(name)
+        if rows != (0, num_rows(self.header.tensors[name].shape)):
+            raise FormatError(
+                f"this part holds rows {rows} of the tensor only: open the whole version",
+                version=self.version,
+                tensor=name,
+            )
         return self._f.get_tensor(name)
 
     def parts(self, name: str) -> dict[str, torch.Tensor]:
         """A delta's payload for one tensor, by part name (empty if the tensor did not change)."""
         return {k.split(SEP, 1)[1]: self._f.get_tensor(k) for k in self._parts.get(name, ())}
+
+    def pieces(self, name: str) -> list[Piece]:
+        """A delta's changes of one tensor: one piece, or none if it did not change here."""
+        h = self.header
+        if h.kind != "delta":
+            raise FormatError("an anchor has no pieces: read it with dense()", version=h.version, tensor=name)
+        entry = h.tensors[name]
+        rows = self.rows(name)
+        if not entry.nnz or rows is None:
+            return []
+        size = row_size(entry.shape)
+        return [Piece(entry.nnz, entry.enc, self.parts(name), rows[0] * size, rows[1] * size)]
 
     def close(self) -> None:
         self._f = None  # type: ignore[assignment]  # the memory map goes with the last reference
@@ -182,3 +310,114 @@ class VersionFile:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _slice_shape(shape: list[int], rows: tuple[int, int]) -> list[int]:
+    if not shape:
+        return []
+    return [rows[1] - rows[0], *shape[1:]]
+
+
+class Version:
+    """The part files of one multi-part version, read as one: the same API as a VersionFile.
+
+    `header` is the whole version's header (every tensor's shape, dtype and whole-tensor checksum;
+    nnz summed over the parts; codec metadata lives in the pieces). `pieces(name)` gives one piece per
+    part that changed the tensor, in position order; `dense(name)` assembles an anchor's tensor from
+    the parts' rows. Opening checks that the parts agree and that their rows never overlap (and, for
+    anchors, cover every tensor)."""
+
+    def __init__(self, parts: list[VersionFile], *, expect_version: int | None = None):
+        if not parts:
+            raise FormatError("a version needs at least one part", version=expect_version)
+        self.parts = sorted(parts, key=lambda p: p.header.part.index if p.header.part else -1)
+        first = self.parts[0].header
+        v = first.version
+        if expect_version is not None and v != expect_version:
+            raise FormatError(f"parts hold version {v}, expected {expect_version}", version=expect_version)
+        infos = [p.header.part for p in self.parts]
+        if any(info is None for info in infos):
+            raise FormatError("a multi-part version is made of part files (format version 2)", version=v)
+        indices = [info.index for info in infos if info is not None]
+        counts = {info.count for info in infos if info is not None}
+        if indices != list(range(len(self.parts))) or counts != {len(self.parts)}:
+            raise FormatError(f"parts {indices} of {sorted(counts)}: expected 0..{len(self.parts) - 1}", version=v)
+        same = ("version", "kind", "base", "base_checksum", "codec", "checksum")
+        for p in self.parts[1:]:
+            h = p.header
+            for key in same:
+                if getattr(h, key) != getattr(first, key):
+                    raise FormatError(
+                        f"part {h.part.index if h.part else '?'} has {key} {getattr(h, key)!r}, "
+                        f"part 0 has {getattr(first, key)!r}",
+                        version=v,
+                    )
+            if h.tensors.keys() != first.tensors.keys():
+                odd = sorted(set(h.tensors) ^ set(first.tensors))[0]
+                raise FormatError("parts list different tensors", version=v, tensor=odd)
+            for name, e in h.tensors.items():
+                f = first.tensors[name]
+                if (e.shape, e.dtype, e.checksum) != (f.shape, f.dtype, f.checksum):
+                    raise FormatError("parts disagree on the tensor's shape, dtype or checksum", version=v, tensor=name)
+        self._owners: dict[str, list[tuple[int, int, VersionFile]]] = {}
+        tensors = {}
+        for name, entry in first.tensors.items():
+            owners = sorted(((*rows, p) for p in self.parts if (rows := p.rows(name)) is not None), key=lambda o: o[:2])
+            covered = 0
+            for r0, r1, _ in owners:
+                if r0 < covered:
+                    raise FormatError(f"parts overlap at rows {r0}..{min(r1, covered)}", version=v, tensor=name)
+                if first.kind == "anchor" and r0 > covered:
+                    raise FormatError(f"no part holds rows {covered}..{r0}", version=v, tensor=name)
+                covered = r1
+            if first.kind == "anchor" and covered != num_rows(entry.shape):
+                raise FormatError(f"no part holds rows {covered}..{num_rows(entry.shape)}", version=v, tensor=name)
+            self._owners[name] = owners
+            nnz = sum(p.header.tensors[name].nnz for p in self.parts)
+            tensors[name] = TensorEntry(shape=list(entry.shape), dtype=entry.dtype, checksum=entry.checksum, nnz=nnz)
+        total = sum(int(info.checksum, 16) for info in infos if info is not None) & _MASK64
+        if f"{total:016x}" != first.checksum:
+            raise FormatError(f"the parts' checksums add up to {total:016x}, not {first.checksum}", version=v)
+        self.header = VersionHeader(
+            version=v,
+            kind=first.kind,
+            tensors=tensors,
+            checksum=first.checksum,
+            base=first.base,
+            base_checksum=first.base_checksum,
+            codec=first.codec,
+            format_version=PART_FORMAT_VERSION,
+            created=first.created,
+            extra=dict(first.extra),
+        )
+
+    @property
+    def version(self) -> int:
+        return self.header.version
+
+    def pieces(self, name: str) -> list[Piece]:
+        if self.header.kind != "delta":
+            raise FormatError("an anchor has no pieces: read it with dense()", version=self.version, tensor=name)
+        return [piece for _, _, p in self._owners[name] for piece in p.pieces(name)]
+
+    def dense(self, name: str) -> torch.Tensor:
+        """An anchor's tensor: memory-mapped when one part holds it whole, else assembled from the rows."""
+        if self.header.kind != "anchor":
+            raise FormatError("a delta has no dense tensors", version=self.version, tensor=name)
+        owners = self._owners[name]
+        if len(owners) == 1:
+            return owners[0][2].stored(name)
+        return torch.cat([p.stored(name) for _, _, p in owners], dim=0)
+
+    def close(self) -> None:
+        for p in self.parts:
+            p.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+VersionLike = VersionFile | Version  # what DeltaStore.open returns; readers use header/pieces/dense only

@@ -22,21 +22,22 @@ from . import codec as codecs
 from .bits import int_view
 from .checksums import combine, tensor_sum, to_hex
 from .errors import ChecksumMismatchError, FormatError, ShapeMismatchError
-from .format import VersionFile
+from .format import VersionLike
 from .store import DeltaStore
 
 SHARD_BYTES = 5 << 30
 
 
-def open_chain(store: DeltaStore, version: int) -> list[VersionFile]:
-    """The version files to replay for `version`, anchor first, each checked against its record."""
+def open_chain(store: DeltaStore, version: int) -> list[VersionLike]:
+    """The versions to replay for `version` (one file or several parts each), anchor first, each
+    checked against its record."""
     files = [store.open(rec.version) for rec in store.chain(version)]
     if files[0].header.kind != "anchor":
         raise FormatError("a chain must start with an anchor", version=files[0].version)
     return files
 
 
-def replay_tensor(files: list[VersionFile], name: str) -> torch.Tensor:
+def replay_tensor(files: list[VersionLike], name: str) -> torch.Tensor:
     """One tensor at the last file's version: the anchor's values with every delta applied in order."""
     anchor = files[0]
     entry = files[-1].header.tensors.get(name)
@@ -53,10 +54,18 @@ def replay_tensor(files: list[VersionFile], name: str) -> torch.Tensor:
         if not e.nnz:
             continue
         ctx = {"version": vf.version, "tensor": name}
-        changes = codecs.decode(
-            vf.header.codec or "", vf.parts(name), e.enc, numel=e.numel, nnz=e.nnz, dtype=e.torch_dtype, ctx=ctx
-        )
-        flat[changes.positions] = changes.new_bits(flat[changes.positions])
+        for piece in vf.pieces(name):  # one per part that changed the tensor; disjoint positions
+            changes = codecs.decode(
+                vf.header.codec or "",
+                piece.payload,
+                piece.enc,
+                numel=e.numel,
+                nnz=piece.nnz,
+                dtype=e.torch_dtype,
+                ctx=ctx,
+            )
+            codecs.check_piece(changes.positions, piece.start, piece.stop, ctx)
+            flat[changes.positions] = changes.new_bits(flat[changes.positions])
     got = to_hex(tensor_sum(out))
     if got != entry.checksum:
         raise ChecksumMismatchError(
@@ -67,13 +76,13 @@ def replay_tensor(files: list[VersionFile], name: str) -> torch.Tensor:
     return out
 
 
-def iter_version(files: list[VersionFile], names=None) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_version(files: list[VersionLike], names=None) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, tensor) for every tensor of the last file's version (or only `names`)."""
     for name in names if names is not None else files[-1].header.tensors:
         yield name, replay_tensor(files, name)
 
 
-def _checked_stream(files: list[VersionFile], progress: bool) -> Iterator[tuple[str, torch.Tensor]]:
+def _checked_stream(files: list[VersionLike], progress: bool) -> Iterator[tuple[str, torch.Tensor]]:
     """`iter_version`, with a progress bar, ending with the whole-model checksum check."""
     header = files[-1].header
     sums = []

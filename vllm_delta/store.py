@@ -2,13 +2,17 @@
 
 Layout under the store root:
 
-    versions/<version:010d>.json                         commit record of one version (VersionRecord)
-    data/<version:010d>.<kind>.<token>.safetensors       the version file (format.py)
-    assets/<name>                                        config.json, tokenizer files, ...
+    versions/<version:010d>.json                                  commit record of one version (VersionRecord)
+    data/<version:010d>.<kind>.<token>.safetensors                the version file (format.py), or
+    data/<version:010d>.<kind>.<token>.part<index:05d>.safetensors  one part of a multi-part version
+    assets/<name>                                                 config.json, tokenizer files, ...
 
-A version is visible iff its record is, and the record is written only after its data file is
+A version is visible iff its record is, and the record is written only after all its data files are
 complete. Data file names carry a random token, so a stale or crashed writer never overwrites
 committed data; whatever a crashed publish leaves behind is invisible and `retain` removes it later.
+A one-file version has a record of format 1 (`file`); a multi-part version (a sharded publisher:
+each rank uploads its part with `put_part`, then one coordinator `commit_parts`) a record of format 2
+that lists its parts (`parts`: file, bytes, checksum of each).
 """
 
 from __future__ import annotations
@@ -34,12 +38,13 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from .errors import FormatError, IntegrityError, MissingBaseError, VersionExistsError, VersionNotFoundError
-from .format import KINDS, VersionFile, VersionHeader
+from .format import KINDS, Version, VersionFile, VersionHeader, VersionLike
 
 log = logging.getLogger(__name__)
 
 RECORD_FORMAT = "vllm-delta-record"
-RECORD_FORMAT_VERSION = 1
+RECORD_FORMAT_VERSION = 1  # one-file versions
+RECORD_PARTS_FORMAT_VERSION = 2  # multi-part versions
 VERSIONS_DIR = "versions"
 DATA_DIR = "data"
 ASSETS_DIR = "assets"
@@ -53,49 +58,101 @@ os.umask(_UMASK)
 _FILE_MODE = 0o666 & ~_UMASK
 
 _RECORD_NAME = re.compile(r"^(\d{10})\.json$")
-_DATA_NAME = re.compile(r"^(\d{10})\.(anchor|delta)\.([0-9a-f]{16})\.safetensors$")
+_DATA_NAME = re.compile(r"^(\d{10})\.(anchor|delta)\.([0-9a-f]{16})(?:\.part(\d{5}))?\.safetensors$")
+MAX_PARTS = 10**5  # five digits of part index in a part file's name
 
 
 def record_name(version: int) -> str:
     return f"{version:010d}.json"
 
 
-def data_name(version: int, kind: str, token: str) -> str:
-    return f"{version:010d}.{kind}.{token}.safetensors"
+def data_name(version: int, kind: str, token: str, part: int | None = None) -> str:
+    suffix = "" if part is None else f".part{part:05d}"
+    return f"{version:010d}.{kind}.{token}{suffix}.safetensors"
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _is_hex(x: object) -> bool:
+    return isinstance(x, str) and len(x) == 16 and all(c in "0123456789abcdef" for c in x)
+
+
+@dataclass(frozen=True)
+class PartRecord:
+    """One part of a multi-part version, as its record lists it."""
+
+    file: str  # data file path relative to the store root
+    bytes: int  # its size
+    checksum: str  # Σ_t key(t) · (partial sum of t over the part's elements): the parts add up to the whole
+
+    @classmethod
+    def from_dict(cls, doc: dict) -> PartRecord:
+        return cls(file=doc["file"], bytes=doc["bytes"], checksum=doc["checksum"])
 
 
 @dataclass(frozen=True)
 class VersionRecord:
-    """The commit record of one version, stored as JSON at versions/<version:010d>.json."""
+    """The commit record of one version, stored as JSON at versions/<version:010d>.json.
+
+    One-file versions (record format 1) name their file in `file`; multi-part versions (record
+    format 2) have `file` None and list their parts in `parts` (`bytes` is then the parts' total)."""
 
     version: int
     kind: str  # "anchor" | "delta"
     base: int | None
     codec: str | None
-    file: str  # data file path relative to the store root
-    bytes: int  # size of the data file
+    file: str | None  # data file path relative to the store root (one-file versions)
+    bytes: int  # size of the data file (of all parts)
     nnz: int  # changed elements (numel for anchors)
     numel: int
     checksum: str  # whole-model checksum at this version
     base_checksum: str | None
     created: float
+    parts: tuple[PartRecord, ...] = ()  # multi-part versions, in part order
 
     @property
     def density(self) -> float:
         return self.nnz / self.numel if self.numel else 0.0
 
+    @property
+    def files(self) -> list[str]:
+        """Every data file of the version (relative to the store root), in part order."""
+        return [self.file] if self.file is not None else [p.file for p in self.parts]
+
+    @property
+    def sizes(self) -> list[int]:
+        return [self.bytes] if self.file is not None else [p.bytes for p in self.parts]
+
     def to_json(self) -> str:
-        doc = {"format": RECORD_FORMAT, "format_version": RECORD_FORMAT_VERSION, **asdict(self)}
+        doc = asdict(self)
+        if self.parts:
+            del doc["file"]
+            doc["parts"] = [asdict(p) for p in self.parts]
+            doc = {"format": RECORD_FORMAT, "format_version": RECORD_PARTS_FORMAT_VERSION, **doc}
+        else:
+            del doc["parts"]  # exactly record format 1
+            doc = {"format": RECORD_FORMAT, "format_version": RECORD_FORMAT_VERSION, **doc}
         return json.dumps(doc, sort_keys=True, indent=1)
 
     @classmethod
     def from_json(cls, text: str | builtins.bytes, *, where: str = "record") -> VersionRecord:
         try:
             doc = json.loads(text)
-            if doc.get("format") != RECORD_FORMAT or doc.get("format_version") != RECORD_FORMAT_VERSION:
-                raise ValueError(f"not a {RECORD_FORMAT} v{RECORD_FORMAT_VERSION} document")
+            fv = doc.get("format_version")
+            if doc.get("format") != RECORD_FORMAT or fv not in (RECORD_FORMAT_VERSION, RECORD_PARTS_FORMAT_VERSION):
+                raise ValueError(
+                    f"not a {RECORD_FORMAT} v{RECORD_FORMAT_VERSION} or v{RECORD_PARTS_FORMAT_VERSION} document"
+                )
             # Unknown keys are ignored so that a later minor addition doesn't hide versions.
-            rec = cls(**{f.name: doc[f.name] for f in fields(cls)})
+            common = {f.name: doc[f.name] for f in fields(cls) if f.name not in ("file", "parts")}
+            if fv == RECORD_FORMAT_VERSION:
+                rec = cls(file=doc["file"], **common)
+            else:
+                if not isinstance(doc["parts"], list):
+                    raise ValueError("parts must be a list")
+                rec = cls(file=None, parts=tuple(PartRecord.from_dict(p) for p in doc["parts"]), **common)
             rec._validate()
         except (ValueError, TypeError, KeyError, AttributeError) as exc:
             raise FormatError(f"unreadable commit record {where}: {exc}") from None
@@ -103,18 +160,40 @@ class VersionRecord:
 
     def _validate(self) -> None:
         ints = (self.version, self.bytes, self.nnz, self.numel)
-        if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in ints):
+        if not all(_is_int(x) for x in ints):
             raise ValueError("version, bytes, nnz and numel must be non-negative integers")
         if self.kind not in KINDS:
             raise ValueError(f"unknown kind {self.kind!r}")
         if self.kind == "delta" and not (isinstance(self.base, int) and 0 <= self.base < self.version):
             raise ValueError(f"a delta needs a base below its version, got {self.base!r}")
-        folder, _, name = self.file.partition("/")
-        m = _DATA_NAME.match(name)
-        if folder != DATA_DIR or not m or int(m.group(1)) != self.version or m.group(2) != self.kind:
-            raise ValueError(f"data file {self.file!r} does not belong to {self.kind} {self.version}")
         if not isinstance(self.checksum, str) or not isinstance(self.created, (int, float)):
             raise ValueError("bad checksum or created time")
+        if self.file is not None:
+            if self.parts:
+                raise ValueError("a record names one file or lists parts, not both")
+            self._check_file(self.file, None)
+            return
+        if not self.parts or len(self.parts) > MAX_PARTS:
+            raise ValueError("a multi-part record lists its parts")
+        for i, part in enumerate(self.parts):
+            if not isinstance(part.file, str) or not _is_int(part.bytes) or not _is_hex(part.checksum):
+                raise ValueError(f"bad part {i}: {part!r:.200}")
+            self._check_file(part.file, i)
+        if len(set(self.files)) != len(self.parts) or sum(p.bytes for p in self.parts) != self.bytes:
+            raise ValueError("parts must be distinct files whose sizes add up to bytes")
+        total = 0
+        for part in self.parts:
+            total = (total + int(part.checksum, 16)) & ((1 << 64) - 1)
+        if f"{total:016x}" != self.checksum:
+            raise ValueError(f"the parts' checksums add up to {total:016x}, not {self.checksum}")
+
+    def _check_file(self, file: str, part: int | None) -> None:
+        folder, _, name = file.partition("/")
+        m = _DATA_NAME.match(name)
+        index = None if not m or m.group(4) is None else int(m.group(4))
+        if folder != DATA_DIR or not m or int(m.group(1)) != self.version or m.group(2) != self.kind or index != part:
+            what = f"{self.kind} {self.version}" + ("" if part is None else f" part {part}")
+            raise ValueError(f"data file {file!r} does not belong to {what}")
 
 
 def _normalize(uri: str | os.PathLike) -> str:
@@ -299,57 +378,82 @@ class DeltaStore:
         return chain
 
     def local_path(self, version: int) -> str:
-        """A local file holding the version's data: the file itself, or a checked download."""
+        """A local file holding a one-file version's data: the file itself, or a checked download."""
         rec = self.record(version)
+        if rec.file is None:
+            raise ValueError(f"version {version} has {len(rec.parts)} parts: use local_paths() or open()")
+        return self._local_file(rec, rec.file, rec.bytes)
+
+    def local_paths(self, version: int) -> list[str]:
+        """Local files holding the version's data (one, or one per part in part order), each checked."""
+        rec = self.record(version)
+        return [self._local_file(rec, f, n) for f, n in zip(rec.files, rec.sizes)]
+
+    def _local_file(self, rec: VersionRecord, file: str, nbytes: int) -> str:
         if self.is_local:
-            path = self._path(rec.file)
+            path = self._path(file)
             try:
                 size = os.path.getsize(path)
             except FileNotFoundError:
-                raise self._missing_data(rec) from None
-            self._check_size(rec, size)
+                raise self._missing_data(rec, file) from None
+            self._check_size(rec, file, size, nbytes)
             return path
         folder = self._download_dir()
-        final = os.path.join(folder, _basename(rec.file))
-        if os.path.exists(final) and os.path.getsize(final) == rec.bytes:
+        final = os.path.join(folder, _basename(file))
+        if os.path.exists(final) and os.path.getsize(final) == nbytes:
             return final
         # A unique temp name, then a rename: concurrent readers never see a partial download.
-        tmp = os.path.join(folder, f"{TMP_PREFIX}{secrets.token_hex(8)}-{_basename(rec.file)}")
+        tmp = os.path.join(folder, f"{TMP_PREFIX}{secrets.token_hex(8)}-{_basename(file)}")
         try:
-            self.fs.get_file(self._path(rec.file), tmp)
-            self._check_size(rec, os.path.getsize(tmp))
+            self.fs.get_file(self._path(file), tmp)
+            self._check_size(rec, file, os.path.getsize(tmp), nbytes)
             os.replace(tmp, final)
         except FileNotFoundError:
-            raise self._missing_data(rec) from None
+            raise self._missing_data(rec, file) from None
         finally:
             if os.path.exists(tmp):
                 os.remove(tmp)
         return final
 
-    def open(self, version: int) -> VersionFile:
-        vf = VersionFile(self.local_path(version), expect_version=version)
+    def open(self, version: int) -> VersionLike:
+        """The version's data, checked against its record: a `VersionFile` (one file) or a `Version`
+        (several parts); both give `header`, `pieces(name)` and `dense(name)`."""
         rec = self.record(version)
+        paths = self.local_paths(version)
+        vf: VersionLike
+        if rec.file is not None:
+            vf = VersionFile(paths[0], expect_version=version)
+        else:
+            files = [VersionFile(path, expect_version=version) for path in paths]
+            for i, (f, part) in enumerate(zip(files, rec.parts)):
+                info = f.header.part
+                if info is None or info.index != i or info.count != len(rec.parts) or info.checksum != part.checksum:
+                    raise IntegrityError(
+                        f"data file {part.file} is not part {i} of {len(rec.parts)} with checksum {part.checksum}",
+                        version=version,
+                    )
+            vf = Version(files, expect_version=version)
         if vf.header.checksum != rec.checksum or vf.header.kind != rec.kind:
             raise IntegrityError(
-                f"data file {rec.file} holds {vf.header.kind} with checksum {vf.header.checksum}, "
+                f"data of version {version} holds {vf.header.kind} with checksum {vf.header.checksum}, "
                 f"its record says {rec.kind} with {rec.checksum}",
                 version=version,
             )
         return vf
 
-    def _check_size(self, rec: VersionRecord, size: int) -> None:
-        if size != rec.bytes:
+    def _check_size(self, rec: VersionRecord, file: str, size: int, nbytes: int) -> None:
+        if size != nbytes:
             raise IntegrityError(
-                f"data file {rec.file} holds {size} bytes, its record says {rec.bytes} (truncated or replaced)",
+                f"data file {file} holds {size} bytes, its record says {nbytes} (truncated or replaced)",
                 version=rec.version,
             )
 
-    def _missing_data(self, rec: VersionRecord) -> Exception:
+    def _missing_data(self, rec: VersionRecord, file: str) -> Exception:
         if not self._exists(self._record_path(rec.version)):
             with self._lock:
                 self._records.pop(rec.version, None)
             return VersionNotFoundError(f"version {rec.version} was removed from store {self.uri}", version=rec.version)
-        return IntegrityError(f"record names data file {rec.file}, which is missing", version=rec.version)
+        return IntegrityError(f"record names data file {file}, which is missing", version=rec.version)
 
     def _download_dir(self) -> str:
         with self._lock:
@@ -367,29 +471,24 @@ class DeltaStore:
 
     # -- writing -----------------------------------------------------------------------------
     def publish(self, header: VersionHeader, local_path: str, *, move: bool = False) -> VersionRecord:
-        """Commit a version file atomically. `move=True` hands the file over (renamed or deleted)."""
+        """Commit a one-file version atomically. `move=True` hands the file over (renamed or deleted)."""
         header.validate()
         v = header.version
         if v > MAX_VERSION:
             raise ValueError(f"version {v} exceeds {MAX_VERSION}")
-        with VersionFile(local_path, expect_version=v) as vf:
-            stored = vf.header
-        if (stored.kind, stored.base, stored.checksum, stored.base_checksum) != (
-            header.kind,
-            header.base,
-            header.checksum,
-            header.base_checksum,
-        ):
-            raise IntegrityError(f"{local_path} does not hold the version its header describes", version=v)
+        if header.part is not None:
+            raise ValueError("a part file is uploaded with put_part and committed with commit_parts")
+        self._check_file_holds(header, local_path)
         if self._exists(self._record_path(v)):
             raise VersionExistsError(f"version {v} already exists in store {self.uri}", version=v)
         token = secrets.token_hex(8)
+        file = f"{DATA_DIR}/{data_name(v, header.kind, token)}"
         rec = VersionRecord(
             version=v,
             kind=header.kind,
             base=header.base,
             codec=header.codec,
-            file=f"{DATA_DIR}/{data_name(v, header.kind, token)}",
+            file=file,
             bytes=os.path.getsize(local_path),
             nnz=header.nnz,
             numel=header.numel,
@@ -397,19 +496,136 @@ class DeltaStore:
             base_checksum=header.base_checksum,
             created=header.created or time.time(),
         )
-        if self.is_local:
-            self._publish_local(rec, local_path, move, token)
-        else:
-            self._publish_remote(rec, local_path, move)
+        consumed = self._put_data(v, file, local_path, rec.bytes, move, token)
+        try:
+            self._commit_record(rec, token)
+        except VersionExistsError:
+            self._remove_data([file])
+            raise
+        if move and not consumed:
+            os.remove(local_path)
         with self._lock:
             self._records[v] = rec
         return rec
 
-    def _publish_local(self, rec: VersionRecord, src: str, move: bool, token: str) -> None:
-        data_dir, versions_dir = self._path(DATA_DIR), self._path(VERSIONS_DIR)
+    def put_part(self, header: VersionHeader, local_path: str, *, move: bool = False) -> PartRecord:
+        """Upload one part file of a multi-part version under a fresh name; nothing becomes visible.
+
+        Returns once the part is durable (local: renamed into place and fsynced; remote: uploaded and
+        its size checked). `commit_parts` makes the version visible; `discard_parts` removes parts
+        of a version that will not be committed (else `retain` removes them after LEFTOVER_AGE_S)."""
+        header.validate()
+        v, part = header.version, header.part
+        if part is None:
+            raise ValueError("put_part takes a part file (format version 2); one-file versions use publish")
+        if v > MAX_VERSION or part.count > MAX_PARTS:
+            raise ValueError(f"version {v} or part count {part.count} out of range")
+        self._check_file_holds(header, local_path)
+        token = secrets.token_hex(8)
+        file = f"{DATA_DIR}/{data_name(v, header.kind, token, part.index)}"
+        nbytes = os.path.getsize(local_path)
+        consumed = self._put_data(v, file, local_path, nbytes, move, token)
+        if move and not consumed:
+            os.remove(local_path)
+        return PartRecord(file=file, bytes=nbytes, checksum=part.checksum)
+
+    def commit_parts(
+        self,
+        *,
+        version: int,
+        kind: str,
+        base: int | None,
+        codec: str | None,
+        nnz: int,
+        numel: int,
+        checksum: str,
+        base_checksum: str | None,
+        parts: list[PartRecord],
+        created: float = 0.0,
+    ) -> VersionRecord:
+        """Make a multi-part version visible: write its record (format 2) listing `parts` in order.
+
+        Every part must be in the store with its recorded size (checked here, one stat each); the
+        record is written like a one-file version's (atomic, never replaced: VersionExistsError).
+        The parts' checksums must add up to `checksum`. Nothing is deleted on failure: the caller
+        decides (`discard_parts`)."""
+        rec = VersionRecord(
+            version=version,
+            kind=kind,
+            base=base,
+            codec=codec,
+            file=None,
+            bytes=sum(p.bytes for p in parts),
+            nnz=nnz,
+            numel=numel,
+            checksum=checksum,
+            base_checksum=base_checksum,
+            created=created or time.time(),
+            parts=tuple(parts),
+        )
+        try:
+            rec._validate()
+        except (ValueError, TypeError) as exc:
+            raise FormatError(f"bad multi-part record: {exc}", version=version) from None
+        if version > MAX_VERSION:
+            raise ValueError(f"version {version} exceeds {MAX_VERSION}")
+        if self._exists(self._record_path(version)):
+            raise VersionExistsError(f"version {version} already exists in store {self.uri}", version=version)
+        for part in parts:
+            path = self._path(part.file)
+            try:
+                if self.is_local:
+                    size = os.path.getsize(path)
+                else:
+                    self.fs.invalidate_cache(path)
+                    size = self.fs.info(path)["size"]
+            except FileNotFoundError:
+                raise IntegrityError(f"part {part.file} is not in the store", version=version) from None
+            if size != part.bytes:
+                raise IntegrityError(f"part {part.file} holds {size} bytes, not {part.bytes}", version=version)
+        if self.is_local:
+            _fsync(self._path(DATA_DIR), directory=True)
+            os.makedirs(self._path(VERSIONS_DIR), exist_ok=True)
+        self._commit_record(rec, secrets.token_hex(8))
+        with self._lock:
+            self._records[version] = rec
+        return rec
+
+    def discard_parts(self, parts: Iterable[PartRecord]) -> None:
+        """Remove uploaded parts of a version that is not committed (best effort)."""
+        try:
+            self._remove_data(p.file for p in parts)
+        except OSError as exc:
+            log.warning("%s: could not remove uncommitted parts (retain removes them later): %s", self.uri, exc)
+
+    def _check_file_holds(self, header: VersionHeader, local_path: str) -> None:
+        v = header.version
+        with VersionFile(local_path, expect_version=v) as vf:
+            stored = vf.header
+        if (stored.kind, stored.base, stored.checksum, stored.base_checksum, stored.part) != (
+            header.kind,
+            header.base,
+            header.checksum,
+            header.base_checksum,
+            header.part,
+        ):
+            raise IntegrityError(f"{local_path} does not hold the version its header describes", version=v)
+
+    def _put_data(self, version: int, file: str, src: str, nbytes: int, move: bool, token: str) -> bool:
+        """Put `src` at `file` (relative to the root), durable. True if `src` was renamed into place."""
+        data = self._path(file)
+        if not self.is_local:
+            # An S3 object (and a bucket file) becomes visible only when its upload completes.
+            self.fs.put_file(src, data)
+            self.fs.invalidate_cache(data)
+            size = self.fs.info(data)["size"]
+            if size != nbytes:
+                self.fs.rm_file(data)
+                raise IntegrityError(f"store kept {size} of {nbytes} bytes of {file}", version=version)
+            return False
+        data_dir = self._path(DATA_DIR)
         os.makedirs(data_dir, exist_ok=True)
-        os.makedirs(versions_dir, exist_ok=True)
-        data = self._path(rec.file)
+        os.makedirs(self._path(VERSIONS_DIR), exist_ok=True)
         moved = False
         if move:
             _fsync(src)
@@ -430,13 +646,20 @@ class DeltaStore:
                 if os.path.exists(tmp):
                     os.remove(tmp)
         _fsync(data_dir, directory=True)  # the data's name must be durable before the record's
-        try:
+        return moved
+
+    def _remove_data(self, files: Iterable[str]) -> None:
+        for file in files:
+            try:
+                self.fs.rm_file(self._path(file))
+            except FileNotFoundError:
+                pass
+
+    def _commit_record(self, rec: VersionRecord, token: str) -> None:
+        if self.is_local:
             self._commit_local_record(rec, token)
-        except VersionExistsError:
-            os.remove(data)
-            raise
-        if move and not moved:
-            os.remove(src)
+        else:
+            self._commit_remote_record(rec)
 
     def _commit_local_record(self, rec: VersionRecord, token: str) -> None:
         versions_dir = self._path(VERSIONS_DIR)
@@ -464,23 +687,6 @@ class DeltaStore:
             if os.path.exists(tmp):
                 os.remove(tmp)
         _fsync(versions_dir, directory=True)
-
-    def _publish_remote(self, rec: VersionRecord, src: str, move: bool) -> None:
-        # An S3 object (and a bucket file) becomes visible only when its upload completes.
-        data = self._path(rec.file)
-        self.fs.put_file(src, data)
-        self.fs.invalidate_cache(data)
-        size = self.fs.info(data)["size"]
-        if size != rec.bytes:
-            self.fs.rm_file(data)
-            raise IntegrityError(f"store kept {size} of {rec.bytes} bytes of {rec.file}", version=rec.version)
-        try:
-            self._commit_remote_record(rec)
-        except VersionExistsError:
-            self.fs.rm_file(data)
-            raise
-        if move:
-            os.remove(src)
 
     def _commit_remote_record(self, rec: VersionRecord) -> None:
         # Object stores have no no-clobber rename here: check, then one small PUT. Two publishers of
@@ -517,7 +723,7 @@ class DeltaStore:
         return sorted(deleted)
 
     def _delete(self, rec: VersionRecord) -> None:
-        for path in (self._record_path(rec.version), self._path(rec.file)):
+        for path in (self._record_path(rec.version), *(self._path(f) for f in rec.files)):
             try:
                 self.fs.rm_file(path)
             except FileNotFoundError:
@@ -528,7 +734,7 @@ class DeltaStore:
         self.prune_cache(keep=(), versions=[rec.version])
 
     def _remove_leftovers(self) -> None:
-        named = {_basename(r.file) for r in self.records()}
+        named = {_basename(f) for r in self.records() for f in r.files}
         cutoff = time.time() - LEFTOVER_AGE_S
         for folder in (DATA_DIR, VERSIONS_DIR, ASSETS_DIR):
             for entry in self._ls(folder):

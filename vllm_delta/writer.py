@@ -5,8 +5,11 @@
     format.write(path, header, payload)
 
 The Publisher splits the same work in two, so that the training thread does only the device part:
-`prepare_changes` (detection output -> codec sections, on the parameters' device) at `publish`,
-`assemble_delta` (zstd packing on a thread pool, header) on the upload thread.
+the codec's `prepare_batch` (detection output of all tensors -> codec sections, on the parameters'
+device) at `publish`, `assemble_delta` (zstd packing on a thread pool, header) on the upload thread.
+A sharded publisher writes one *part* per rank: `assemble_delta(..., part=PartInfo)` and
+`encode_anchor_part` build a part file's header (the whole version's tensor table, the part's own
+nnz and payload).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import torch
 
 from . import codec as codecs
 from .checksums import combine, to_hex
-from .format import DTYPE_NAMES, TensorEntry, VersionHeader, payload_key
+from .format import DTYPE_NAMES, FORMAT_VERSION, PART_FORMAT_VERSION, PartInfo, TensorEntry, VersionHeader, payload_key
 
 Changes = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (positions int64, new bits, old bits)
 
@@ -50,7 +53,7 @@ def prepare_changes(
     for d in shape:
         numel *= int(d)
     sections = codec.prepare(pos, new, old, numel) if pos.numel() else None
-    return PreparedTensor(tuple(shape), dtype, checksum, int(pos.numel()), sections)
+    return PreparedTensor(tuple(int(d) for d in shape), dtype, checksum, int(pos.numel()), sections)
 
 
 def assemble_delta(
@@ -62,9 +65,14 @@ def assemble_delta(
     tensors: Mapping[str, PreparedTensor],
     pool: Executor | None = None,
     created: float = 0.0,
+    checksum: str | None = None,
+    part: PartInfo | None = None,
 ) -> tuple[VersionHeader, dict[str, torch.Tensor]]:
     """Pack every changed tensor (on `pool` if given: zstd releases the GIL) into a delta's header
-    and payload. The whole-model checksum is combined from the tensors' sums."""
+    and payload. The whole-model checksum is combined from the tensors' sums unless given.
+
+    A part file (`part`): `tensors` lists every tensor of the version with its whole-tensor checksum
+    and this part's changes (nnz, sections); pass the whole version's `checksum`."""
     changed = [n for n, t in tensors.items() if t.sections is not None]
 
     def pack(name: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -84,11 +92,13 @@ def assemble_delta(
         version=version,
         kind="delta",
         tensors=entries,
-        checksum=to_hex(combine((n, t.checksum) for n, t in tensors.items())),
+        checksum=checksum or to_hex(combine((n, t.checksum) for n, t in tensors.items())),
         base=base,
         base_checksum=base_checksum,
         codec=codec.name,
         created=created,
+        format_version=FORMAT_VERSION if part is None else PART_FORMAT_VERSION,
+        part=part,
     )
     return header, payload
 
@@ -133,4 +143,46 @@ def encode_anchor(
     return header, {n: t.contiguous() for n, t in tensors.items()}
 
 
-__all__ = ["Changes", "PreparedTensor", "assemble_delta", "encode_anchor", "encode_delta", "prepare_changes"]
+def encode_anchor_part(
+    version: int,
+    shapes: Mapping[str, tuple[int, ...]],
+    dtype: torch.dtype,
+    sums: Mapping[str, int],
+    checksum: str,
+    slices: Mapping[str, torch.Tensor],
+    part: PartInfo,
+    *,
+    created: float = 0.0,
+) -> tuple[VersionHeader, dict[str, torch.Tensor]]:
+    """One part of a sharded anchor: every tensor's shape and whole-tensor checksum (`sums`), and the
+    rows this part owns (`slices`, under the tensors' names; `part.rows` says which rows)."""
+    entries = {}
+    for name, shape in shapes.items():
+        owned = slices.get(name)
+        entries[name] = TensorEntry(
+            shape=[int(d) for d in shape],
+            dtype=DTYPE_NAMES[dtype],
+            checksum=to_hex(sums[name]),
+            nnz=int(owned.numel()) if owned is not None else 0,
+        )
+    header = VersionHeader(
+        version=version,
+        kind="anchor",
+        tensors=entries,
+        checksum=checksum,
+        created=created,
+        format_version=PART_FORMAT_VERSION,
+        part=part,
+    )
+    return header, {n: t.contiguous() for n, t in slices.items()}
+
+
+__all__ = [
+    "Changes",
+    "PreparedTensor",
+    "assemble_delta",
+    "encode_anchor",
+    "encode_anchor_part",
+    "encode_delta",
+    "prepare_changes",
+]

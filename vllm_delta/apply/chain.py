@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 
 from ..bits import int_view, wrap_add
-from ..format import VersionFile
+from ..format import VersionLike
 from .layout import DeviceLayout, Selection
 from .staging import Decoder, changed_items
 
@@ -39,7 +39,7 @@ def merge(
 
 
 def merge_chain(
-    files: list[VersionFile],
+    files: list[VersionLike],
     layout: DeviceLayout,
     decoder: Decoder,
     live: LiveBits,
@@ -76,7 +76,7 @@ def merge_chain(
     return pending
 
 
-def _anchor_changes(vf: VersionFile, layout: DeviceLayout, read_target: ReadTarget, changed: set[int]) -> Pending:
+def _anchor_changes(vf: VersionLike, layout: DeviceLayout, read_target: ReadTarget, changed: set[int]) -> Pending:
     """Elements whose anchor bits differ from the live bits, in global ids, by width."""
     parts: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
     for name in vf.header.tensors:

@@ -49,7 +49,7 @@ from .. import codec as codecs
 from ..bits import INT_DTYPE, wrap_add
 from ..checksums import MASK64, partial_terms, positional_sum
 from ..errors import NotSuccessorError, ShapeMismatchError, UnsupportedModelError
-from ..format import TensorEntry, VersionFile, VersionHeader
+from ..format import TensorEntry, VersionHeader, VersionLike
 from . import scatter as scatter_ops
 from .chain import merge_chain
 from .layout import DeviceLayout, Layout, Segment, Selection
@@ -211,7 +211,7 @@ class ApplyEngine:
         if self._stream is not None:
             self._stream.synchronize()
 
-    def stage(self, files: list[VersionFile]) -> StagedUpdate:
+    def stage(self, files: list[VersionLike]) -> StagedUpdate:
         """Prepare the versions in `files` (in order) for one in-place commit. Writes nothing."""
         if not files:
             raise ValueError("nothing to stage")
@@ -246,7 +246,7 @@ class ApplyEngine:
         staged.timings["total"] = (time.perf_counter() - t_start) * 1e3
         return staged
 
-    def _stage_changes(self, run: _Run, files: list[VersionFile]) -> None:
+    def _stage_changes(self, run: _Run, files: list[VersionLike]) -> None:
         """Decode (and for chains, merge) the versions' changes and emit them chunk by chunk."""
         if len(files) == 1 and files[0].header.kind == "delta":
             vf = files[0]

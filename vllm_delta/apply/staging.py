@@ -32,7 +32,7 @@ import zstandard
 from .. import codec as codecs
 from ..bits import INT_DTYPE, int_view
 from ..errors import PositionError
-from ..format import VersionFile
+from ..format import VersionLike
 from .layout import DeviceLayout
 
 CHUNK_ELEMS = 1 << 23  # changed elements decoded per device chunk (bounds temporary memory)
@@ -40,7 +40,8 @@ CHUNK_ELEMS = 1 << 23  # changed elements decoded per device chunk (bounds tempo
 
 @dataclass
 class Item:
-    """One changed tensor of a version, in the engine's layout order."""
+    """One piece of a changed tensor of a version (a one-file version has one piece per changed
+    tensor; a multi-part version one per part that changed it), in the engine's layout order."""
 
     index: int  # tensor index in the engine's layout order
     name: str
@@ -49,6 +50,12 @@ class Item:
     enc: dict
     parts: dict  # the payload, by part name
     dtype: torch.dtype  # the tensor's dtype (header)
+    start: int = 0  # the piece's positions lie in [start, end)
+    stop: int | None = None  # None: numel
+
+    @property
+    def end(self) -> int:
+        return self.numel if self.stop is None else min(self.stop, self.numel)
 
 
 @dataclass
@@ -186,7 +193,9 @@ class Decoder:
         futures = [self.pool.submit(work, job) for job in jobs] if pooled else None
         dev = self.device
         nb = dev.type == "cuda"
-        order = codecs.FrameOrder()  # per tensor, positions keep rising across frames and chunks
+        order = codecs.FrameOrder()  # per piece, positions keep rising across frames and chunks
+        for k, it in enumerate(items):
+            order.begin(k, it.start)
         try:
             i = 0
             while i < len(jobs):
@@ -231,7 +240,7 @@ class Decoder:
         frames = [job.frame for job in jobs]
         if lo.numel() == 0:
             for f, job in enumerate(jobs):
-                order.check(job.item, job.frame, None, items[job.item].numel, ctx_of(f))
+                order.check(job.item, job.frame, None, items[job.item].end, ctx_of(f))
             return None
         gaps = lo.to(torch.int64).bitwise_or_(hi.to(torch.int64).bitwise_left_shift_(8))
         diffs = d8.view(torch.int8).to(INT_DTYPE[width])
@@ -241,7 +250,7 @@ class Decoder:
         nonempty = np.flatnonzero(counts)
         lasts = dict(zip(nonempty.tolist(), p[torch.from_numpy(ends[nonempty]).to(p.device)].tolist()))
         for f, job in enumerate(jobs):
-            order.check(job.item, job.frame, lasts.get(f), items[job.item].numel, ctx_of(f))
+            order.check(job.item, job.frame, lasts.get(f), items[job.item].end, ctx_of(f))
         idx = torch.from_numpy(np.array([items[job.item].index for job in jobs], dtype=np.int64)).to(p.device)
         t_idx = idx[frame_of]
         runs: list[tuple[int, int]] = []
@@ -286,14 +295,17 @@ class Decoder:
             cnt = torch.tensor([items[k].nnz for k in group], dtype=torch.int64, device=self.device)
             seg = codecs.segment_ids(cnt, b - a)
             t_idx = idx[seg]
-            numel = torch.tensor([items[k].numel for k in group], dtype=torch.int64, device=self.device)
-            bad = (p < 0) | (p >= numel[seg])
+            lo = torch.tensor([items[k].start for k in group], dtype=torch.int64, device=self.device)
+            hi = torch.tensor([items[k].end for k in group], dtype=torch.int64, device=self.device)
+            bad = (p < lo[seg]) | (p >= hi[seg])
             if b - a > 1:
                 bad[1:] |= (p[1:] <= p[:-1]) & (t_idx[1:] == t_idx[:-1])
             if bool(bad.any()):
                 for k in group:  # find the tensor and raise the codec's own message
                     s, e = bounds[k]
-                    codecs.check_positions(pos_d[s:e], items[k].numel, {"version": version, "tensor": items[k].name})
+                    ctx = {"version": version, "tensor": items[k].name}
+                    codecs.check_positions(pos_d[s:e], items[k].numel, ctx)
+                    codecs.check_piece(pos_d[s:e], items[k].start, items[k].end, ctx)
                 raise PositionError("invalid positions", version=version, tensor=items[group[0]].name)
             t0 = self._span(timings, "decode", t0)
             yield Chunk(
@@ -311,6 +323,7 @@ class Decoder:
             t0 = self._span(timings, "read", t0, sync=False)
             ch = c.finish(sec, numel=it.numel, device=self.device, ctx=ctx)
             pos = ch.positions.to(torch.int64)
+            codecs.check_piece(pos, it.start, it.end, ctx)
             t_idx = torch.full_like(pos, it.index)
             vals = diffs = None
             if ch.values is not None:
@@ -321,25 +334,29 @@ class Decoder:
             yield Chunk(t_idx=t_idx, p=pos, diffs=diffs, values=vals, runs=[(it.index, int(pos.numel()))])
 
 
-def changed_items(vf: VersionFile, layout: DeviceLayout) -> dict[int, list[Item]]:
-    """A delta's changed tensors that this layout holds any of, by element width, in layout order."""
+def changed_items(vf: VersionLike, layout: DeviceLayout) -> dict[int, list[Item]]:
+    """A delta's changed tensors that this layout holds any of, by element width, in layout order:
+    one Item per piece, the pieces of one tensor adjacent and in position order."""
     h = vf.header
     by_width: dict[int, list[Item]] = {}
     for name, entry in h.tensors.items():
         if not entry.nnz or not layout.layout.segments.get(name):
             continue
-        item = Item(
-            index=layout.index[name],
-            name=name,
-            numel=entry.numel,
-            nnz=entry.nnz,
-            enc=entry.enc,
-            parts=vf.parts(name),
-            dtype=entry.torch_dtype,
-        )
-        by_width.setdefault(entry.torch_dtype.itemsize, []).append(item)
+        for piece in vf.pieces(name):
+            item = Item(
+                index=layout.index[name],
+                name=name,
+                numel=entry.numel,
+                nnz=piece.nnz,
+                enc=piece.enc,
+                parts=piece.payload,
+                dtype=entry.torch_dtype,
+                start=piece.start,
+                stop=piece.stop,
+            )
+            by_width.setdefault(entry.torch_dtype.itemsize, []).append(item)
     for items in by_width.values():
-        items.sort(key=lambda it: it.index)
+        items.sort(key=lambda it: it.index)  # stable: a tensor's pieces keep their order
     return by_width
 
 

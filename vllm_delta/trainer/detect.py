@@ -1,25 +1,44 @@
-"""Exact change detection: compare the low-precision image of the weights with the last published one.
+"""Exact change detection: compare the low-precision image of the owned weights with the last published one.
 
-The snapshot holds the last published bit patterns (2 bytes per parameter for bf16) on the
-parameters' device, or in pinned host memory on request. Comparing bit patterns, not values, makes
-recall 1.0 by construction: every element whose published bits change is found, including sign
-flips of zero and NaN payloads.
+The snapshot holds the last published bit patterns of every element this rank owns (2 bytes per
+element for bf16) in one flat buffer, on the parameters' device or in (pinned) host memory.
+Comparing bit patterns, not values, makes recall 1.0 by construction: every element whose published
+bits change is found, including sign flips of zero and NaN payloads.
+
+A publish works on all owned tensors at once, in large chunks of the flat buffer: the image of a
+chunk's tensors is written into one flat buffer (the dtype conversion), compared with the snapshot
+in one kernel and compacted in one `nonzero`; positions, checksum terms and per-tensor sums are
+then computed for all tensors together. The host waits for the device once per chunk (the size of
+the compaction) and once at the end (per-tensor counts and checksum sums); nothing is done tensor by
+tensor on the host. On CUDA the work runs on a side stream that waits for the caller's stream (the
+optimizer step), and the conversion and comparison are one Triton kernel that never writes the image
+(kernels.py; backend "triton", the default on CUDA; "torch" elsewhere, or VLLM_DELTA_DETECT_BACKEND).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
-from ..bits import bit_view
+from ..bits import INT_DTYPE, bit_view
+from ..checksums import MASK64, partial_terms, positional_sum_tensor
+from . import kernels
 from .names import checkpoint_tensors
+from .shard import Owned, ShardedTensor, local_tensor
+
+CHUNK_ELEMS = 1 << 28  # elements compared per chunk: bounds the temporaries (2 B image + 1 B mask each)
 
 
-def named_tensors(source: nn.Module | Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]):
-    """(name, tensor) pairs to publish; tensors sharing storage (tied weights) appear once."""
-    items: Iterable[tuple[str, torch.Tensor]]
+def named_tensors(source: nn.Module | Mapping[str, object] | Iterable[tuple[str, object]]):
+    """(name, tensor) pairs to publish; tensors sharing storage (tied weights) appear once.
+
+    Values may be tensors, DTensors or `ShardedTensor`s (a hand-sharded mapping)."""
+    items: Iterable[tuple[str, object]]
     if isinstance(source, nn.Module):
         items = checkpoint_tensors(source)  # checkpoint names (names.py); tied duplicates dropped
     elif isinstance(source, Mapping):
@@ -28,52 +47,250 @@ def named_tensors(source: nn.Module | Mapping[str, torch.Tensor] | Iterable[tupl
         items = source
     seen, out = set(), []
     for name, t in items:
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()))
-        if t.numel() and key in seen:
-            continue
-        seen.add(key)
+        local = t.local if isinstance(t, ShardedTensor) else t
+        if isinstance(local, torch.Tensor) and hasattr(local, "to_local"):  # a DTensor: its local shard
+            local = local_tensor(local)
+        if isinstance(local, torch.Tensor):
+            key = (
+                local.untyped_storage().data_ptr(),
+                local.storage_offset(),
+                tuple(local.shape),
+                tuple(local.stride()),
+            )
+            if local.numel() and key in seen:
+                continue
+            seen.add(key)
         out.append((name, t))
     return out
 
 
-class Snapshot:
-    """The last published image, one flat integer tensor per name."""
+@dataclass
+class Detected:
+    """Changes of the owned elements since the last publish, all tensors end to end, in owned order."""
 
-    def __init__(self, *, device: torch.device | str | None = None, pin: bool = False):
+    positions: torch.Tensor  # int64: global row-major positions in each tensor
+    new: torch.Tensor  # new bit patterns (int16 for bf16)
+    old: torch.Tensor  # old bit patterns
+    seg: torch.Tensor  # int64: index (into the owned list) of each element's tensor
+    counts: list[int]  # changed elements per owned tensor
+    sums: list[int]  # per owned tensor: Σ w(p)(new - old) mod 2^64, what its checksum moved by
+
+
+@dataclass
+class AnchorImage:
+    """The owned elements' whole image (an anchor), on the host."""
+
+    host: list[torch.Tensor]  # per owned tensor, its rows in their shape
+    sums: list[int]  # per owned tensor: positional sum over the owned elements (global positions)
+
+
+class FlatSnapshot:
+    """The last published image of the owned elements, one flat integer buffer, with its chunk plan."""
+
+    def __init__(
+        self,
+        dtype: torch.dtype = torch.bfloat16,
+        *,
+        device: torch.device | str | None = None,
+        pin: bool = False,
+        chunk_elems: int = CHUNK_ELEMS,
+        backend: str | None = None,
+    ):
+        """`backend`: "triton" (fused convert-and-compare kernel; CUDA, or CPU under TRITON_INTERPRET=1)
+        or "torch"; None: VLLM_DELTA_DETECT_BACKEND, else "triton" on CUDA when available."""
+        backend = backend or os.environ.get("VLLM_DELTA_DETECT_BACKEND") or None
+        if backend not in (None, "torch", "triton"):
+            raise ValueError(f"detection backends: torch, triton (not {backend!r})")
+        self.backend = backend
+        self.dtype = dtype
+        self.int_dtype = INT_DTYPE[torch.empty((), dtype=dtype).element_size()]
         self.device = torch.device(device) if device is not None else None
         self.pin = pin
-        self.bits: dict[str, torch.Tensor] = {}
+        self.chunk_elems = max(1, int(chunk_elems))
+        self.bits: torch.Tensor | None = None  # flat snapshot
+        self.key: list[tuple[str, int, int]] = []  # (name, start, count) of each owned tensor, in order
+        self._offsets: list[int] = []  # flat offset of each owned tensor in `bits`
+        self._chunks: list[list[tuple[int, int, int, int]]] = []  # per chunk: (tensor, a, b, dst)
+        self._chunk_starts: list[int] = []
+        self._chunk_sizes: list[int] = []
+        self._image: torch.Tensor | None = None  # reused chunk image buffer (torch backend)
+        self._mask: torch.Tensor | None = None  # reused chunk mask buffer (triton backend)
+        self._addr: dict[int, tuple[tuple[int, ...], kernels.ChunkAddressing]] = {}
+        self._stream: Any = None  # torch.cuda.Stream once used on CUDA
 
-    def _home(self, like: torch.Tensor) -> torch.device:
-        return self.device if self.device is not None else like.device
+    # -- layout ----------------------------------------------------------------------------------
+    def matches(self, owned: list[Owned]) -> bool:
+        """Whether `owned` has the layout of the last anchor (deltas are taken against it)."""
+        return self.bits is not None and self.key == [(o.name, o.start, o.count) for o in owned]
 
-    def reset(self, name: str, image: torch.Tensor) -> None:
-        """Take a whole tensor image (anchors)."""
-        flat = bit_view(image).reshape(-1)
-        home = self._home(image)
-        if name in self.bits and self.bits[name].numel() == flat.numel() and self.bits[name].device == home:
-            self.bits[name].copy_(flat)
-            return
-        buf = torch.empty(
-            flat.numel(),
-            dtype=flat.dtype,
-            device=home,
-            pin_memory=self.pin and home.type == "cpu" and torch.cuda.is_available(),
+    def _plan(self, owned: list[Owned]) -> None:
+        self.key = [(o.name, o.start, o.count) for o in owned]
+        self._offsets, at = [], 0
+        for o in owned:
+            self._offsets.append(at)
+            at += o.count
+        self._chunks, self._chunk_starts = [], []
+        chunk: list[tuple[int, int, int, int]] = []
+        fill = 0
+        for i, o in enumerate(owned):
+            a = 0
+            while a < o.count:
+                if fill == self.chunk_elems:
+                    self._chunks.append(chunk)
+                    chunk, fill = [], 0
+                take = min(o.count - a, self.chunk_elems - fill)
+                chunk.append((i, a, a + take, fill))
+                a, fill = a + take, fill + take
+        if chunk:
+            self._chunks.append(chunk)
+        starts, sizes, at = [], [], 0
+        for chunk in self._chunks:
+            starts.append(at)
+            sizes.append(chunk[-1][3] + chunk[-1][2] - chunk[-1][1])
+            at += sizes[-1]
+        self._chunk_starts, self._chunk_sizes = starts, sizes
+        self._addr = {}
+
+    @staticmethod
+    def compute_device(owned: list[Owned]) -> torch.device:
+        devices = {o.source.device for o in owned}
+        if len(devices) > 1:
+            raise ValueError(f"the published tensors live on several devices ({sorted(map(str, devices))})")
+        return devices.pop() if devices else torch.device("cpu")
+
+    def side_stream(self, dev: torch.device):
+        """A context running on the detection's side stream (CUDA; else nothing): the publisher runs
+        the codec's device work on it too, so that its temporaries stay on one stream."""
+        return self._stream_ctx(dev)
+
+    def _stream_ctx(self, dev: torch.device):
+        if dev.type != "cuda":
+            return _nullctx()
+        if self._stream is None or self._stream.device != dev:
+            self._stream = torch.cuda.Stream(dev)
+        # Ordered after everything the caller queued (the optimizer step) without a host wait.
+        self._stream.wait_stream(torch.cuda.current_stream(dev))
+        return torch.cuda.stream(self._stream)
+
+    def _fill(self, c: int, owned: list[Owned], dev: torch.device) -> torch.Tensor:
+        """The image of chunk `c` (integer bit view), written into the reused buffer."""
+        chunk = self._chunks[c]
+        n = chunk[-1][3] + chunk[-1][2] - chunk[-1][1]
+        if self._image is None or self._image.device != dev or self._image.numel() < n:
+            self._image = None
+            self._image = torch.empty(max(self._chunk_sizes), dtype=self.dtype, device=dev)
+        img = self._image[:n]
+        for i, a, b, dst in chunk:
+            img[dst : dst + b - a].copy_(owned[i].source[a:b])  # the dtype conversion
+        return bit_view(img)
+
+    def _use_triton(self, dev: torch.device) -> bool:
+        if self.backend == "torch":
+            return False
+        if self.backend == "triton":
+            if not kernels.available(dev):
+                raise ValueError(f"the triton detection backend can't run on {dev} (CPU: set TRITON_INTERPRET=1)")
+            return True
+        return dev.type == "cuda" and kernels.available(dev)
+
+    def _addressing(self, c: int, owned: list[Owned], dev: torch.device) -> kernels.ChunkAddressing:
+        """Chunk `c`'s block table (cached while the sources stay where they are)."""
+        chunk = self._chunks[c]
+        key = tuple(owned[i].source.data_ptr() for i, _, _, _ in chunk)
+        cached = self._addr.get(c)
+        if cached is None or cached[0] != key:
+            segs = [(owned[i].source, a, b - a, dst) for i, a, b, dst in chunk]
+            cached = self._addr[c] = (key, kernels.ChunkAddressing(segs, dev))
+        return cached[1]
+
+    # -- anchors ---------------------------------------------------------------------------------
+    @torch.no_grad()
+    def anchor(self, owned: list[Owned]) -> AnchorImage:
+        """Take the whole image: the new snapshot, its host copy, and each tensor's positional sum."""
+        dev = self.compute_device(owned)
+        home = self.device if self.device is not None else dev
+        self._plan(owned)
+        total = sum(o.count for o in owned)
+        with self._stream_ctx(dev):
+            if self.bits is None or self.bits.numel() != total or self.bits.device != home:
+                self.bits = None
+                pin = self.pin and home.type == "cpu" and torch.cuda.is_available()
+                self.bits = torch.empty(total, dtype=self.int_dtype, device=home, pin_memory=pin)
+            host = torch.empty(total, dtype=self.dtype)
+            host_bits = bit_view(host)
+            for c, start in enumerate(self._chunk_starts):
+                img = self._fill(c, owned, dev)
+                self.bits[start : start + img.numel()].copy_(img)
+                host_bits[start : start + img.numel()].copy_(img)
+            sums = [
+                positional_sum_tensor(self.bits[off : off + o.count], o.start) for off, o in zip(self._offsets, owned)
+            ]
+            values = torch.stack([s.cpu() for s in sums]).tolist() if sums else []
+        images = [host[off : off + o.count].view(o.slice_shape) for off, o in zip(self._offsets, owned)]
+        return AnchorImage(host=images, sums=[v & MASK64 for v in values])
+
+    # -- deltas ----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def changes(self, owned: list[Owned]) -> Detected:
+        """Elements whose image bits differ from the snapshot; the snapshot takes the new bits."""
+        if not self.matches(owned):
+            raise ValueError("the owned tensors changed since the last anchor: publish an anchor")
+        assert self.bits is not None
+        dev = self.compute_device(owned)
+        triton_path = self._use_triton(dev)
+        with self._stream_ctx(dev):
+            found: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+            for c, start in enumerate(self._chunk_starts):
+                n = self._chunk_sizes[c]
+                snap = self.bits[start : start + n]
+                old_all = snap.to(dev, non_blocking=True) if snap.device != dev else snap
+                addr = self._addressing(c, owned, dev) if triton_path else None
+                if addr is not None and addr.ok:
+                    if self._mask is None or self._mask.device != dev or self._mask.numel() < n:
+                        self._mask = None
+                        self._mask = torch.empty(max(self._chunk_sizes), dtype=torch.int8, device=dev)
+                    mask = self._mask[:n]
+                    kernels.mask_(addr, old_all, mask)
+                    idx = mask.nonzero().reshape(-1)  # the one host wait of a chunk
+                    new = kernels.gather_image(addr, idx)
+                else:
+                    img = self._fill(c, owned, dev)
+                    idx = (img != old_all).nonzero().reshape(-1)  # the one host wait of a chunk
+                    new = img[idx]
+                old = old_all[idx]
+                if snap.device != dev:
+                    snap.index_copy_(0, idx.to(snap.device), new.to(snap.device))
+                else:
+                    snap.index_copy_(0, idx, new)
+                found.append((idx.add_(start), new, old))
+            flat = torch.cat([f[0] for f in found]) if found else torch.zeros(0, dtype=torch.int64, device=dev)
+            new = torch.cat([f[1] for f in found]) if found else torch.zeros(0, dtype=self.int_dtype, device=dev)
+            old = torch.cat([f[2] for f in found]) if found else torch.zeros(0, dtype=self.int_dtype, device=dev)
+            t = len(owned)
+            meta = torch.tensor(self._offsets + [o.start for o in owned], dtype=torch.int64).to(dev, non_blocking=True)
+            offsets, starts = meta[:t], meta[t:]
+            seg = torch.searchsorted(offsets, flat, right=True).sub_(1)
+            positions = flat.sub_(offsets[seg]).add_(starts[seg])
+            counts = torch.bincount(seg, minlength=t)
+            terms = partial_terms(positions.clone(), new, old)
+            sums = torch.zeros(t, dtype=torch.int64, device=dev).index_add_(0, seg, terms)
+            host = torch.cat([counts, sums]).cpu().tolist()  # the final host wait
+        return Detected(
+            positions=positions,
+            new=new,
+            old=old,
+            seg=seg,
+            counts=host[:t],
+            sums=[v & MASK64 for v in host[t:]],
         )
-        buf.copy_(flat)
-        self.bits[name] = buf
 
-    def changes(self, name: str, image: torch.Tensor):
-        """(positions, new bits, old bits) of the elements whose bits differ, on the image's device."""
-        new_all = bit_view(image).reshape(-1)
-        old_all = self.bits[name]
-        if old_all.numel() != new_all.numel():
-            raise ValueError(f"tensor {name!r} changed size: {old_all.numel()} -> {new_all.numel()} elements")
-        if old_all.device != new_all.device:
-            old_all = old_all.to(new_all.device, non_blocking=True)
-        positions = (new_all != old_all).nonzero().reshape(-1)
-        return positions, new_all[positions], old_all[positions]
 
-    def update(self, name: str, positions: torch.Tensor, new_bits: torch.Tensor) -> None:
-        buf = self.bits[name]
-        buf.index_copy_(0, positions.to(buf.device), new_bits.to(buf.device))
+class _nullctx:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+__all__ = ["CHUNK_ELEMS", "AnchorImage", "Detected", "FlatSnapshot", "named_tensors"]

@@ -19,7 +19,7 @@ from .. import codec as codecs
 from ..bits import int_view
 from ..checksums import MASK64, positional_sum, tensor_sum
 from ..errors import UnsupportedModelError
-from ..format import VersionFile
+from ..format import VersionLike
 
 
 @dataclass
@@ -53,7 +53,7 @@ class FallbackApplier:
             return {n: 0 for n in self.reasons}
         return {n: tensor_sum(self.shadows[n]) if n in self.shadows else 0 for n in self.reasons}
 
-    def stage(self, files: list[VersionFile]) -> FallbackStage:
+    def stage(self, files: list[VersionLike]) -> FallbackStage:
         out = FallbackStage()
         for name in self.reasons:
             image = self._image(name, files)
@@ -70,7 +70,7 @@ class FallbackApplier:
             )
         return out
 
-    def _image(self, name: str, files: list[VersionFile]) -> torch.Tensor | None:
+    def _image(self, name: str, files: list[VersionLike]) -> torch.Tensor | None:
         """The tensor after `files` (in order), or None if they leave it unchanged."""
         image = None
         for vf in files:
@@ -92,11 +92,13 @@ class FallbackApplier:
             if image is None:
                 image = self.shadows[name].clone()
             ctx = {"version": h.version, "tensor": name}
-            changes = codecs.decode(
-                h.codec or "", vf.parts(name), e.enc, numel=e.numel, nnz=e.nnz, dtype=e.torch_dtype, ctx=ctx
-            )
             flat = int_view(image).reshape(-1)
-            flat[changes.positions] = changes.new_bits(flat[changes.positions])
+            for piece in vf.pieces(name):  # one per part that changed the tensor
+                changes = codecs.decode(
+                    h.codec or "", piece.payload, piece.enc, numel=e.numel, nnz=piece.nnz, dtype=e.torch_dtype, ctx=ctx
+                )
+                codecs.check_piece(changes.positions, piece.start, piece.stop, ctx)
+                flat[changes.positions] = changes.new_bits(flat[changes.positions])
         return image
 
     def commit(self, staged: FallbackStage) -> None:

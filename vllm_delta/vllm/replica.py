@@ -28,7 +28,7 @@ import torch
 from ..apply.engine import ApplyEngine, StagedUpdate
 from ..checksums import Sums, add_sums, combine, to_hex
 from ..errors import ChecksumMismatchError, UnsupportedModelError
-from ..format import VersionFile, VersionHeader
+from ..format import VersionHeader, VersionLike
 from . import dist, vllm_path
 from .derived import Product, check_targets, report_of
 from .fallback import FallbackApplier, FallbackStage
@@ -235,7 +235,7 @@ class DeltaReplica:
         return sorted(self.fallback.reasons) if self.fallback else []
 
     # -- staging --------------------------------------------------------------------------------
-    def stage(self, ticket: str, files: list[VersionFile]) -> StageSummary:
+    def stage(self, ticket: str, files: list[VersionLike]) -> StageSummary:
         """Stage synchronously (the loader, the native backend). Returns the summary."""
         self.tickets[ticket] = t = Ticket([vf.version for vf in files])
         self._stage_into(t, lambda: files)
@@ -245,7 +245,7 @@ class DeltaReplica:
         return self.summary(ticket)
 
     def stage_start(
-        self, ticket: str, versions: list[int], open_files: Callable[[], list[VersionFile]], method: str = "delta"
+        self, ticket: str, versions: list[int], open_files: Callable[[], list[VersionLike]], method: str = "delta"
     ) -> None:
         """Stage on a background thread: generation continues between the worker's RPCs meanwhile."""
         self._require()
@@ -258,7 +258,7 @@ class DeltaReplica:
         self.tickets[ticket] = t
         t.thread.start()
 
-    def _stage_into(self, t: Ticket, open_files: Callable[[], list[VersionFile]]) -> None:
+    def _stage_into(self, t: Ticket, open_files: Callable[[], list[VersionLike]]) -> None:
         t0 = time.perf_counter()
         try:
             engine = self._require()

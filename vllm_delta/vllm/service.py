@@ -130,7 +130,7 @@ class DeltaService:
         t0 = time.perf_counter()
         # Download once here (a cache shared with the workers of this host), off the event loop.
         for v in plan.versions:
-            await self._in_thread(self.store.local_path, v)
+            await self._in_thread(self.store.local_paths, v)
         await self._prepare(served, plan.target)
         ticket = uuid.uuid4().hex
         await self._call(

@@ -1,0 +1,463 @@
+#!/usr/bin/env python
+"""What publishing costs a training step, and how long until the new weights are live (issue 9).
+
+Parameters of the exact Qwen3 shapes (default qwen3-8b: 8.19B fp32 master weights, all 36 layers)
+are trained by real `torch.optim.SGD` steps (foreach). To fit one 80 GB card next to the bf16
+snapshot and the engine's bf16 targets, every parameter's gradient is a view into one shared random
+buffer (the size of the largest parameter): the step reads and writes the master weights as any
+optimizer does; the learning rate is calibrated so that the step changes `--density` of the bf16
+images (1%: the RL regime). With `--world 2` the parameters are FSDP2-sharded (`fully_shard`, NCCL,
+one GPU per rank; gradients are DTensors over the same shared buffer) and every rank publishes its
+part of each version.
+
+(a) added step time: the same loop of optimizer steps, without and with `publish` after each step
+    (same run, same card); `added = median(step + publish) - median(step)`. Uploads are drained
+    between iterations outside the timed region, so the number is what publish holds the training
+    thread, not back-pressure of the store.
+(b) time to live (rank 0, one engine): end of the optimizer step -> `publish` returns -> the version
+    is visible in the local store (`info.uploaded`: zstd packing on the upload thread's pool, file
+    write, commit; with 2 ranks, rank 0 commits after both parts are in) -> `store.open` ->
+    `ApplyEngine.stage` (vLLM's fused qkv/gate_up layout, bf16 targets on GPU 0) -> `commit`. The
+    last line estimates a 10 Gbit/s link to object storage: the version's bytes up and down once.
+
+The engine starts from the trainer's bf16 image (version 0 is published as an anchor, its file is not
+re-read); the live checksum of the engine is checked against the publisher's at the end.
+
+    python benchmarks/publish_gpu.py --out DIR                  # one GPU, Qwen3-8B shape, 1%
+    python benchmarks/publish_gpu.py --world 2 --out DIR        # FSDP2 on 2 GPUs of one host
+    python benchmarks/publish_gpu.py --smoke                    # tiny shapes on CPU (gloo), seconds
+
+Prints a short table last; writes DIR/publish_gpu[_w2].json and .log.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+from vllm_delta.apply.engine import ApplyEngine  # noqa: E402
+from vllm_delta.checksums import combine, to_hex  # noqa: E402
+from vllm_delta.store import DeltaStore  # noqa: E402
+from vllm_delta.testing.apply_fixtures import QWEN3, qwen3_layout  # noqa: E402
+from vllm_delta.trainer import Publisher  # noqa: E402
+
+LINK_BYTES_PER_S = 10e9 / 8  # 10 Gbit/s
+
+
+# -- the model: parameters of the HF shapes in nested modules (one per decoder layer) -------------------
+
+
+def build_module(shapes: dict[str, tuple[int, ...]], device: torch.device | str) -> nn.Module:
+    """A module tree whose named_parameters() are exactly `shapes` (fp32, uninitialized)."""
+    root = nn.Module()
+    for name, shape in shapes.items():
+        *path, leaf = name.split(".")
+        mod = root
+        for part in path:
+            child = getattr(mod, part, None)
+            if child is None:
+                child = nn.Module()
+                mod.add_module(part, child)
+            mod = child
+        mod.register_parameter(leaf, nn.Parameter(torch.empty(shape, dtype=torch.float32, device=device)))
+    return root
+
+
+def layer_modules(root: nn.Module) -> list[nn.Module]:
+    layers = getattr(getattr(root, "model", None), "layers", None)
+    return list(layers.children()) if layers is not None else []
+
+
+def init_(params: list[torch.Tensor], seed: int) -> None:
+    """N(0, 0.02), fp32: the master weights sit anywhere inside their bf16 rounding interval."""
+    gen = None
+    for i, p in enumerate(params):
+        local = p.to_local() if hasattr(p, "to_local") else p
+        gen = torch.Generator(device=local.device).manual_seed(seed * 100_003 + i)
+        with torch.no_grad():
+            local.normal_(0.0, 0.02, generator=gen)
+
+
+def attach_grads(params: list[nn.Parameter], pool: torch.Tensor) -> None:
+    """Each gradient is a view of the shared random buffer (a DTensor over it for FSDP2 params)."""
+    for p in params:
+        if hasattr(p, "to_local"):
+            from torch.distributed.tensor import DTensor
+
+            local = p.to_local()
+            g = pool[: local.numel()].view(local.shape)
+            p.grad = DTensor.from_local(g, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+        else:
+            p.grad = pool[: p.numel()].view(p.shape)
+
+
+def measure_density(params: list[torch.Tensor], lr: float, sample: int = 1 << 22) -> float:
+    """Share of bf16 images one SGD step at `lr` would change (on a sample, nothing is modified)."""
+    changed = total = 0
+    for p in params:
+        local = p.to_local() if hasattr(p, "to_local") else p
+        g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+        if local.numel() == 0:
+            continue
+        x, d = local.reshape(-1)[:sample], g.reshape(-1)[:sample]
+        new = x - lr * d
+        changed += int((new.to(torch.bfloat16).view(torch.int16) != x.to(torch.bfloat16).view(torch.int16)).sum())
+        total += x.numel()
+        if total >= 4 * sample:
+            break
+    return changed / max(1, total)
+
+
+def calibrate(params: list[torch.Tensor], density: float) -> float:
+    lr = 1e-4
+    for _ in range(6):
+        got = measure_density(params, lr)
+        if got <= 0:
+            lr *= 10
+            continue
+        lr *= density / got
+    return lr
+
+
+# -- one rank ------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Config:
+    model: str
+    layers: int | None
+    density: float
+    steps: int
+    warmup: int
+    world: int
+    store: str
+    threads: int
+    chunk_elems: int
+    backend: str | None
+    smoke: bool
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _barrier(world: int) -> None:
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+
+def fill_targets(layout, targets: list[torch.Tensor], name: str, full: torch.Tensor) -> None:
+    """Write an HF tensor (bf16) into the engine's targets through the layout's segments."""
+    from vllm_delta.apply.layout import hf_2d
+
+    rows, cols = hf_2d(layout.hf_shapes[name])
+    src = full.reshape(rows, cols)
+    for seg in layout.segments[name]:
+        t = targets[seg.target].reshape(-1)
+        box = t.as_strided((seg.rows, seg.cols), (seg.dst_row_stride, seg.dst_col_stride), seg.dst_offset)
+        box.copy_(src[seg.row0 : seg.row0 + seg.rows, seg.col0 : seg.col0 + seg.cols])
+
+
+def run_rank(rank: int, world: int, cfg: Config) -> dict:
+    import torch.distributed as dist
+
+    dev = torch.device("cuda", rank) if torch.cuda.is_available() and not cfg.smoke else torch.device("cpu")
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    spec = QWEN3[cfg.model]
+    if cfg.layers is not None:
+        spec = dataclasses.replace(spec, layers=cfg.layers)
+    target_shapes, layout = qwen3_layout(spec)
+    shapes = dict(layout.hf_shapes)
+    if world > 1:
+        from torch.distributed.fsdp import fully_shard
+
+        with torch.device("meta"):
+            module = build_module(shapes, "meta")
+        for layer in layer_modules(module):
+            fully_shard(layer)
+        fully_shard(module)
+        module.to_empty(device=dev)
+    else:
+        module = build_module(shapes, dev)
+    params = list(module.parameters())
+    init_(params, seed=1)
+    largest = max((p.to_local() if hasattr(p, "to_local") else p).numel() for p in params)
+    gen = torch.Generator(device=dev).manual_seed(7 + rank)
+    pool = torch.randn(largest, generator=gen, device=dev)
+    attach_grads(params, pool)
+    lr = calibrate(params, cfg.density)
+    opt = torch.optim.SGD(params, lr=lr, foreach=True)
+    n_params = sum(int(torch.tensor(s).prod()) if s else 1 for s in shapes.values())
+    group = dist.group.WORLD if world > 1 else None
+    tempfile.tempdir = os.path.dirname(cfg.store)  # the publisher's temp files: renamed into the store
+    pub = Publisher(
+        cfg.store,
+        anchor_every=10**9,
+        group=group,
+        pack_threads=cfg.threads,
+        chunk_elems=cfg.chunk_elems,
+        detect_backend=cfg.backend,
+        queue_size=2,
+        timeout=600,
+    )
+    store = DeltaStore(cfg.store)
+    t0 = time.perf_counter()
+    info0 = pub.publish(module, version=0)
+    pub.flush()
+    anchor_s = time.perf_counter() - t0
+    # the engine (rank 0) starts from the trainer's bf16 image at version 0
+    engine = None
+    targets: list[torch.Tensor] = []
+    if rank == 0:
+        targets = [torch.zeros(s, dtype=torch.bfloat16, device=dev) for s in target_shapes.values()]
+    for name, p in module.named_parameters():  # a collective per tensor with FSDP2: every rank
+        full = p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
+        if rank == 0:
+            fill_targets(layout, targets, name, full.to(torch.bfloat16))
+        del full
+    if rank == 0:
+        engine = ApplyEngine(dict(zip(target_shapes, targets)), layout, dev)
+    _sync(dev)
+    _barrier(world)
+
+    def step() -> None:
+        opt.step()
+
+    # (a) without publish
+    plain = []
+    for i in range(cfg.warmup + cfg.steps):
+        _barrier(world)
+        _sync(dev)
+        t = time.perf_counter()
+        step()
+        _sync(dev)
+        if i >= cfg.warmup:
+            plain.append((time.perf_counter() - t) * 1e3)
+    # the versions after these steps: a re-anchor would distort (b); publish once to catch up (untimed)
+    v = 1
+    pub.publish(module, version=v)
+    pub.flush()
+    if engine is not None:
+        with store.open(v) as vf:
+            engine.commit(engine.stage([vf]))
+    # (b) with publish, and the time to live
+    rows = []
+    for i in range(cfg.warmup + cfg.steps):
+        v += 1
+        _barrier(world)
+        _sync(dev)
+        t0 = time.perf_counter()
+        step()
+        _sync(dev)
+        t_step = time.perf_counter()
+        info = pub.publish(module, version=v)
+        t_pub = time.perf_counter()
+        rec = info.uploaded.result()
+        t_vis = time.perf_counter()
+        row = {
+            "version": v,
+            "step_ms": (t_step - t0) * 1e3,
+            "step_publish_ms": (t_pub - t0) * 1e3,
+            "publish_ms": (t_pub - t_step) * 1e3,
+            "upload_ms": (t_vis - t_pub) * 1e3,
+            "nnz": info.nnz,
+            "density": info.density,
+            "bytes": rec.bytes,
+            **{f"pub_{k}_ms": x for k, x in info.timings.items()},
+            **{f"up_{k}_ms": x for k, x in pub.upload_timings.get(v, {}).items()},
+        }
+        if engine is not None:
+            vf = store.open(v)
+            t_open = time.perf_counter()
+            staged = engine.stage([vf])
+            t_stage = time.perf_counter()
+            engine.commit(staged)
+            t_live = time.perf_counter()
+            vf.close()
+            row.update(
+                open_ms=(t_open - t_vis) * 1e3,
+                stage_ms=(t_stage - t_open) * 1e3,
+                commit_ms=(t_live - t_stage) * 1e3,
+                live_ms=(t_live - t_step) * 1e3,
+                link_10g_ms=2 * rec.bytes / LINK_BYTES_PER_S * 1e3,
+            )
+        if i >= cfg.warmup:
+            rows.append(row)
+        _barrier(world)
+    pub.close()
+    out: dict = {"rank": rank, "plain_step_ms": plain, "rows": rows, "lr": lr, "anchor_s": anchor_s}
+    out["params"] = n_params
+    out["anchor_checksum"] = info0.checksum
+    if engine is not None:
+        live = to_hex(combine(engine.live_sums().items()))
+        out["checksum_ok"] = live == info.checksum
+        out["live_checksum"], out["publisher_checksum"] = live, info.checksum
+        engine.close()
+    return out
+
+
+def _rank_entry(rank: int, world: int, cfg: Config) -> dict:
+    return run_rank(rank, world, cfg)
+
+
+# -- report ---------------------------------------------------------------------------------------------
+
+
+def med(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def report(results: list[dict], cfg: Config, card: str, log: list[str]) -> dict:
+    r0 = results[0]
+    rows = r0["rows"]
+    summary = {
+        "card": card,
+        "world": cfg.world,
+        "model": cfg.model,
+        "layers": cfg.layers,
+        "params": r0["params"],
+        "density": med([r["density"] for r in rows]),
+        "lr": r0["lr"],
+        "step_ms": med(r0["plain_step_ms"]),
+        "step_publish_ms": med([r["step_publish_ms"] for r in rows]),
+        "publish_ms": med([r["publish_ms"] for r in rows]),
+        "upload_ms": med([r["upload_ms"] for r in rows]),
+        "open_ms": med([r["open_ms"] for r in rows]),
+        "stage_ms": med([r["stage_ms"] for r in rows]),
+        "commit_ms": med([r["commit_ms"] for r in rows]),
+        "live_ms": med([r["live_ms"] for r in rows]),
+        "bytes": med([r["bytes"] for r in rows]),
+        "link_10g_ms": med([r["link_10g_ms"] for r in rows]),
+        "checksum_ok": r0.get("checksum_ok"),
+        "anchor_s": r0["anchor_s"],
+    }
+    for key in sorted({k for r in rows for k in r if k.startswith(("pub_", "up_"))}):
+        summary[key] = med([r[key] for r in rows if key in r])
+    summary["added_ms"] = summary["step_publish_ms"] - summary["step_ms"]
+    for other in results[1:]:
+        summary[f"rank{other['rank']}_added_ms"] = med([r["step_publish_ms"] for r in other["rows"]]) - med(
+            other["plain_step_ms"]
+        )
+    s = summary
+    log.append("")
+    log.append(
+        f"# {card}: {cfg.model}{'' if cfg.layers is None else f' ({cfg.layers} layers)'}, "
+        f"{s['params'] / 1e9:.2f}B params, W={cfg.world}, density {s['density']:.2%} "
+        f"(median of {len(rows)} steps), ms"
+    )
+    pub_parts = " ".join(f"{k[4:-3]} {v:.1f}" for k, v in s.items() if k.startswith("pub_"))
+    up_parts = " ".join(f"{k[3:-3]} {v:.1f}" for k, v in s.items() if k.startswith("up_"))
+    log.append(f"publish on the training thread: {pub_parts}")
+    log.append(f"upload thread: {up_parts}")
+    log.append(
+        f"{'step':>8} {'step+publish':>13} {'added':>7} | {'publish':>8} {'upload':>7} {'open':>6} "
+        f"{'stage':>7} {'commit':>7} {'live':>7} | {'MB':>7} {'+10Gb/s':>8}"
+    )
+    log.append(
+        f"{s['step_ms']:>8.1f} {s['step_publish_ms']:>13.1f} {s['added_ms']:>7.1f} | {s['publish_ms']:>8.1f} "
+        f"{s['upload_ms']:>7.1f} {s['open_ms']:>6.1f} {s['stage_ms']:>7.1f} {s['commit_ms']:>7.1f} "
+        f"{s['live_ms']:>7.1f} | {s['bytes'] / 1e6:>7.1f} {s['link_10g_ms']:>8.1f}"
+    )
+    log.append(f"checksum of the engine's live weights = publisher's: {s['checksum_ok']}")
+    return summary
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="qwen3-8b", choices=sorted(QWEN3))
+    ap.add_argument("--layers", type=int, default=None, help="decoder layers (default: the model's)")
+    ap.add_argument("--density", type=float, default=0.01)
+    ap.add_argument("--steps", type=int, default=6, help="timed steps per loop")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--world", type=int, default=1, help="ranks (FSDP2 over NCCL, one GPU each)")
+    ap.add_argument("--threads", type=int, default=min(16, os.cpu_count() or 1), help="zstd packing threads")
+    ap.add_argument("--chunk-elems", type=int, default=1 << 28)
+    ap.add_argument("--backend", choices=["triton", "torch"], default=None, help="detection backend")
+    ap.add_argument("--store", default=None, help="store directory (default: a fresh one in /dev/shm or /tmp)")
+    ap.add_argument("--out", default=os.environ.get("OUT", ""))
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU, W=1 then W=2 (gloo); checks only")
+    args = ap.parse_args()
+    if args.smoke:
+        args.model, args.steps, args.warmup, args.threads = "qwen3-tiny", 2, 1, 2
+        torch.set_num_threads(1)  # tiny tensors: OpenMP threads only contend on a shared CPU
+    elif not torch.cuda.is_available():
+        print("needs CUDA (or --smoke)", file=sys.stderr)
+        return 2
+    card = "cpu" if args.smoke else torch.cuda.get_device_name(0)
+    log = [
+        f"# publish_gpu {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC} card={card} "
+        f"torch={torch.__version__} cpus={os.cpu_count()}",
+        f"# command: python {' '.join(sys.argv)}",
+    ]
+    print("\n".join(log), flush=True)
+    worlds = [1, 2] if args.smoke else [args.world]
+    summaries = []
+    base = "/dev/shm" if os.path.isdir("/dev/shm") and not args.smoke else tempfile.gettempdir()
+    for world in worlds:
+        root = args.store or tempfile.mkdtemp(prefix="publish-gpu-", dir=base)
+        cfg = Config(
+            model=args.model,
+            layers=args.layers,
+            density=args.density if not args.smoke else 0.05,
+            steps=args.steps,
+            warmup=args.warmup,
+            world=world,
+            store=os.path.join(root, "store"),
+            threads=args.threads,
+            chunk_elems=args.chunk_elems if not args.smoke else 5000,
+            backend=args.backend,
+            smoke=args.smoke,
+        )
+        try:
+            if world == 1:
+                saved = tempfile.tempdir
+                try:
+                    results = [run_rank(0, 1, cfg)]
+                finally:
+                    tempfile.tempdir = saved
+            else:
+                from vllm_delta.testing.sharded import run_ranks
+
+                backend = "gloo" if args.smoke else "nccl"
+                threads = 1 if args.smoke else max(1, (os.cpu_count() or 2) // world)
+                results = run_ranks(_rank_entry, world, (cfg,), backend=backend, threads=threads, timeout=3600)
+        finally:
+            if args.store is None:
+                shutil.rmtree(root, ignore_errors=True)
+        summary = report(results, cfg, card, log)
+        summaries.append({"summary": summary, "ranks": results})
+        print("\n".join(log[-6:]), flush=True)
+        if not summary["checksum_ok"]:
+            print("MISMATCH: the engine's live checksum differs from the publisher's", file=sys.stderr)
+            return 1
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        name = "publish_gpu" + ("_smoke" if args.smoke else "" if args.world == 1 else f"_w{args.world}")
+        with open(os.path.join(args.out, name + ".json"), "w") as f:
+            json.dump({"command": " ".join(sys.argv), "log": log, "runs": summaries}, f, indent=1, default=str)
+        with open(os.path.join(args.out, name + ".log"), "w") as f:
+            f.write("\n".join(log) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
