@@ -1,6 +1,12 @@
 #!/usr/bin/env bash
-# One lent-GPU session for issue 4 (see docs/PERFORMANCE.md, "GPU apply"): GPU tests, the apply
-# benchmark, the trainer benchmark. Logs and the PNG go to $OUT. Run from the repository root.
+# One lent-GPU call: `STAGES="tests publish apply" bash benchmarks/gpu_session.sh` from the repository
+# root. Stages (each bounded by its own timeout, logs under $OUT):
+#   tests     pytest -m gpu tests/apply tests/trainer (kernels, engine, detection on CUDA)
+#   publish   benchmarks/publish_gpu.py W=1 (triton, then the torch detection path)   [issue 9]
+#   world2    benchmarks/publish_gpu.py --world 2 (FSDP2 over NCCL; a 2-GPU machine)   [issue 9]
+#   apply     benchmarks/apply_gpu.py qwen3-8b + qwen3-30b-a3b at 1% and 3%           [issue 11]
+#   trainer   benchmarks/trainer_gpu.py (detection + prepare alone)
+# Wheels missing on the machine (zstandard) travel in .whl (gitignored; carry it).
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -10,17 +16,26 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     && export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi
 python3 - <<'PY' 2>&1 | tee "$OUT/env.log"
-import torch, triton, zstandard, fsspec, tqdm, safetensors, numpy, datetime, os
-print(datetime.datetime.now(datetime.timezone.utc).isoformat(), torch.cuda.get_device_name(0), "torch", torch.__version__,
-      "triton", triton.__version__, "zstandard", zstandard.__version__, "cpus", os.cpu_count())
+import torch, triton, zstandard, datetime, os
+print(datetime.datetime.now(datetime.timezone.utc).isoformat(), [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+      "torch", torch.__version__, "triton", triton.__version__, "zstandard", zstandard.__version__, "cpus", os.cpu_count())
 PY
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,driver_version --format=csv 2>&1 | tee -a "$OUT/env.log"
-t0=$(date +%s)
-timeout ${TEST_TIMEOUT:-170} python3 -m pytest -q -m gpu tests/apply --maxfail=20 -p no:cacheprovider 2>&1 | tail -n 40 | tee "$OUT/pytest_gpu.log"
-echo "pytest: $(( $(date +%s) - t0 ))s"
-t0=$(date +%s)
-timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/apply_gpu.py --out "$OUT" ${APPLY_ARGS:-} 2>&1 | tail -n 60
-echo "apply_gpu: $(( $(date +%s) - t0 ))s"
-t0=$(date +%s)
-timeout ${TRAINER_TIMEOUT:-100} python3 benchmarks/trainer_gpu.py --out "$OUT" 2>&1 | tail -n 12
-echo "trainer_gpu: $(( $(date +%s) - t0 ))s"
+run() {  # name timeout command...
+  local name=$1 limit=$2; shift 2
+  local t0=$(date +%s)
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  echo "== $name: exit $? in $(( $(date +%s) - t0 )) s"
+  tail -n ${TAIL:-25} "$OUT/$name.log"
+}
+for stage in ${STAGES:-tests publish apply}; do
+  case $stage in
+    tests)   run pytest_gpu 150 python3 -m pytest -q -m gpu tests/apply tests/trainer --maxfail=20 -p no:cacheprovider ;;
+    publish) run publish_w1 240 python3 benchmarks/publish_gpu.py --out "$OUT" ${PUBLISH_ARGS:-}
+             run publish_w1_torch 180 python3 benchmarks/publish_gpu.py --backend torch --out "$OUT/torch" ${PUBLISH_ARGS:-} ;;
+    world2)  run publish_w2 420 python3 benchmarks/publish_gpu.py --world 2 --out "$OUT" ${PUBLISH_ARGS:-} ;;
+    apply)   run apply_gpu 420 python3 benchmarks/apply_gpu.py --models qwen3-8b,qwen3-30b-a3b --densities 0.01,0.03 --out "$OUT" ;;
+    trainer) run trainer_gpu 120 python3 benchmarks/trainer_gpu.py --out "$OUT" ;;
+    *) echo "unknown stage $stage" ;;
+  esac
+done
