@@ -58,6 +58,15 @@ USES = {
         version, tensors = replay(DeltaStore(root + "/r"), "latest")
         assert version == 0 and torch.equal(tensors["w"].view(torch.int16), w.view(torch.int16))
     """,
+    "ShardedTensor": """
+        import torch
+        from vllm_delta import DeltaStore, Publisher, replay
+        full = torch.arange(12, dtype=torch.bfloat16).reshape(4, 3)
+        with Publisher(root + "/h") as pub:  # one rank owning every row: the whole tensor
+            pub.publish({"w": ShardedTensor(full.clone(), (4, 3), 0)}, version=0)
+        _, tensors = replay(DeltaStore(root + "/h"), 0)
+        assert torch.equal(tensors["w"].view(torch.int16), full.view(torch.int16))
+    """,
     "__version__": """
         assert isinstance(__version__, str) and __version__.count(".") == 2
     """,
