@@ -98,11 +98,19 @@ class VersionHeader:
             raise FormatError(f"unknown kind {self.kind!r}", version=v)
         if self.kind == "delta" and (not isinstance(self.base, int) or self.base >= v or not self.codec):
             raise FormatError(f"delta needs a codec and a base below it (base={self.base!r})", version=v)
+        if not _is_hex16(self.checksum) or not (self.base_checksum is None or _is_hex16(self.base_checksum)):
+            raise FormatError("checksum and base_checksum must be 16 lower-case hex digits", version=v)
         for name, t in self.tensors.items():
+            if not _is_hex16(t.checksum):
+                raise FormatError("the checksum must be 16 lower-case hex digits", version=v, tensor=name)
             if t.dtype not in DTYPES:
                 raise FormatError(f"unsupported dtype {t.dtype!r}", version=v, tensor=name)
             if not all(isinstance(d, int) and d >= 0 for d in t.shape) or not 0 <= t.nnz <= t.numel:
                 raise FormatError(f"bad shape {t.shape} or nnz {t.nnz}", version=v, tensor=name)
+
+
+def _is_hex16(value: object) -> bool:
+    return isinstance(value, str) and len(value) == 16 and all(c in "0123456789abcdef" for c in value)
 
 
 def payload_key(name: str, part: str) -> str:

@@ -250,9 +250,12 @@ class DeltaReplica:
         return True
 
     def release(self, ticket: str) -> None:
+        """Drop a staged update. A staging still running (the API process gave up on it: a deadline) is
+        abandoned, not joined: it may be waiting on a store, and this runs between forward passes. It
+        ends on its own (store operations have deadlines); the engine stages one update at a time."""
         t = self.tickets.pop(ticket, None)
         if t is not None and t.thread is not None and t.thread.is_alive():
-            t.thread.join()
+            log.warning("vllm-delta: abandoning staging ticket %s (still running)", ticket)
 
     def _ticket(self, ticket: str) -> Ticket:
         try:
