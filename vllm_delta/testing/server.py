@@ -187,6 +187,21 @@ class VllmServer:
                     out.append(int(entry))
         return sorted(out)
 
+    def rss(self) -> dict[int, tuple[str, int]]:
+        """Resident memory of each of the server's processes: pid -> (name, bytes)."""
+        page = os.sysconf("SC_PAGE_SIZE")
+        out = {}
+        for pid in self.pids():
+            try:
+                with open(f"/proc/{pid}/statm") as f:
+                    pages = int(f.read().split()[1])
+                with open(f"/proc/{pid}/comm") as f:
+                    name = f.read().strip()
+            except OSError:
+                continue
+            out[pid] = (name, pages * page)
+        return out
+
     def log_tail(self, n: int = 60) -> str:
         try:
             with open(self.log_path, "rb") as f:
