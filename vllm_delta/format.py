@@ -9,7 +9,9 @@ each changed tensor's codec payload under `<hf name>::<part>`.
 from __future__ import annotations
 
 import json
+import mmap
 import os
+import struct
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -25,6 +27,17 @@ SEP = "::"
 
 DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+# Every safetensors dtype a version file's payload uses (codec parts: positions, blobs, values).
+_ST_DTYPES = {
+    **DTYPES,
+    "F64": torch.float64,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
 
 
 @dataclass
@@ -146,6 +159,9 @@ class VersionFile:
         if meta.get("format") != FORMAT_NAME or "header" not in meta:
             raise FormatError(f"{self.path} is not a vllm-delta version file", version=expect_version)
         self._keys = set(keys)
+        self._map: mmap.mmap | None = None  # our own private mapping of the payload (see `_tensor`)
+        self._entries: dict[str, dict] = {}
+        self._base = 0
         self._parts: dict[str, list[str]] = {}
         for k in keys:
             if SEP in k:
@@ -174,16 +190,40 @@ class VersionFile:
     def version(self) -> int:
         return self.header.version
 
+    def _tensor(self, key: str) -> torch.Tensor:
+        """One stored tensor, a view of a private (copy-on-write) mapping of the file.
+
+        Not `safe_open.get_tensor`: safetensors 0.8's torch path leaks two small Python objects per
+        call, which a server applying tens of thousands of versions would accumulate. The container
+        was validated by safe_open; its header gives each tensor's dtype, shape and byte range."""
+        if self._map is None:
+            with open(self.path, "rb") as f:
+                (n,) = struct.unpack("<Q", f.read(8))
+                self._entries = json.loads(f.read(n))
+                self._base = 8 + n
+                self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        entry = self._entries[key]
+        dtype = _ST_DTYPES.get(entry["dtype"])
+        if dtype is None:
+            return self._f.get_tensor(key)
+        start, end = entry["data_offsets"]
+        if end == start:
+            return torch.empty(entry["shape"], dtype=dtype)
+        raw = torch.frombuffer(self._map, dtype=torch.uint8, count=end - start, offset=self._base + start)
+        return raw.view(dtype).reshape(entry["shape"])
+
     def dense(self, name: str) -> torch.Tensor:
-        """An anchor's tensor (memory-mapped for local files)."""
-        return self._f.get_tensor(name)
+        """An anchor's tensor (memory-mapped)."""
+        return self._tensor(name)
 
     def parts(self, name: str) -> dict[str, torch.Tensor]:
         """A delta's payload for one tensor, by part name (empty if the tensor did not change)."""
-        return {k.split(SEP, 1)[1]: self._f.get_tensor(k) for k in self._parts.get(name, ())}
+        return {k.split(SEP, 1)[1]: self._tensor(k) for k in self._parts.get(name, ())}
 
     def close(self) -> None:
-        self._f = None  # type: ignore[assignment]  # the memory map goes with the last reference
+        # The memory maps go with the last reference (tensors handed out keep theirs alive).
+        self._f = None  # type: ignore[assignment]
+        self._map = None
 
     def __enter__(self):
         return self

@@ -79,9 +79,10 @@ def install_worker_methods() -> None:
 
 def watch_parent(name_pattern: re.Pattern[str] = VLLM_CHILD, grace_s: float = WATCHDOG_GRACE_S) -> bool:
     """In a process vLLM started through multiprocessing (by its name: EngineCore, VllmWorker-N), a daemon
-    thread that waits for the parent's death (its multiprocessing sentinel: EOF when the parent is gone,
-    however it died), then sends this process SIGTERM (vLLM's graceful shutdown, which stops the
-    workers too) and exits hard after `grace_s`. Returns whether a watchdog was started (once per pid)."""
+    thread that waits for the parent's death (its multiprocessing sentinel, EOF when the parent is gone
+    however it died; or this process being reparented), then sends this process SIGTERM (vLLM's
+    graceful shutdown, which stops the workers too) and exits hard after `grace_s`. Returns whether a
+    watchdog was started (once per pid)."""
     global _watching
     if _watching == os.getpid():
         return False
@@ -90,8 +91,13 @@ def watch_parent(name_pattern: re.Pattern[str] = VLLM_CHILD, grace_s: float = WA
         return False  # started from a shell or a supervisor, or not a vLLM child: nothing to watch
     _watching = os.getpid()
 
+    ppid = os.getppid()
+
     def watch() -> None:
-        multiprocessing.connection.wait([parent.sentinel])
+        # The sentinel reads EOF once the parent is gone. Under fork, a sibling forked later inherits the
+        # pipe's write end and keeps it open: the reparenting (getppid changes) is checked too.
+        while not multiprocessing.connection.wait([parent.sentinel], timeout=1.0) and os.getppid() == ppid:
+            pass
         log.warning("vllm-delta: parent process %s is gone: terminating %s", parent.pid, os.getpid())
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(grace_s)

@@ -4,7 +4,8 @@ The API process drives every rank through the same steps (collective_rpc, see wo
 
     prepare   probe + validate the layout once (main thread: it swaps torch.Tensor.copy_)
     stage     open and decode versions, gather the rollback buffer, compute checksum partials;
-              runs on a background thread so the worker keeps generating meanwhile
+              runs on the replica's one staging thread so the worker keeps generating meanwhile
+              (one long-lived thread, not one per update: no thread churn, one malloc arena)
     commit    inside the pause: write in place (the engine restores this rank itself on failure)
     rollback  undo a committed update (another rank failed)
     release   drop a staged update's buffers
@@ -20,6 +21,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -56,7 +58,7 @@ class Served:
 @dataclass
 class Ticket:
     versions: list[int]
-    thread: threading.Thread | None = None
+    future: Future | None = None  # the staging job on the replica's staging thread
     staged: StagedUpdate | None = None
     fallback: FallbackStage | None = None
     error: BaseException | None = None
@@ -77,6 +79,7 @@ class DeltaReplica:
         self.served = Served()
         self.tickets: dict[str, Ticket] = {}
         self._lock = threading.Lock()
+        self._stager: ThreadPoolExecutor | None = None
 
     # -- the layout (collective) ----------------------------------------------------------------
     @property
@@ -154,9 +157,10 @@ class DeltaReplica:
         if method not in METHODS:
             raise ValueError(f"unknown apply method {method!r}")
         t = Ticket(list(versions), method=method)
-        t.thread = threading.Thread(target=self._stage_into, args=(t, open_files), name=f"vllm-delta-stage-{ticket}")
+        if self._stager is None:
+            self._stager = ThreadPoolExecutor(1, thread_name_prefix="vllm-delta-stage")
         self.tickets[ticket] = t
-        t.thread.start()
+        t.future = self._stager.submit(self._stage_into, t, open_files)
 
     def _stage_into(self, t: Ticket, open_files: Callable[[], list[VersionFile]]) -> None:
         t0 = time.perf_counter()
@@ -175,7 +179,7 @@ class DeltaReplica:
     def poll(self, ticket: str) -> StageSummary | None:
         """None while staging runs; the summary when done; raises the staging error (and drops the ticket)."""
         t = self._ticket(ticket)
-        if t.thread is not None and t.thread.is_alive():
+        if t.future is not None and not t.future.done():
             return None
         if t.error is not None:
             self.tickets.pop(ticket, None)
@@ -254,7 +258,7 @@ class DeltaReplica:
         abandoned, not joined: it may be waiting on a store, and this runs between forward passes. It
         ends on its own (store operations have deadlines); the engine stages one update at a time."""
         t = self.tickets.pop(ticket, None)
-        if t is not None and t.thread is not None and t.thread.is_alive():
+        if t is not None and t.future is not None and not t.future.done():
             log.warning("vllm-delta: abandoning staging ticket %s (still running)", ticket)
 
     def _ticket(self, ticket: str) -> Ticket:
