@@ -10,8 +10,14 @@ Measured: pause_ms, apply_ms, stage_ms of every update (p50 / p99), the resident
 server process (API server, engine core, worker) and the download cache's size after every update;
 memory growth is the least-squares slope over the versions after `--warmup` (and end minus start).
 
-    python benchmarks/soak.py                          # 200 versions, results in benchmarks/results/
-    python benchmarks/soak.py --versions 40 --warmup 10 --out /tmp/soak
+Control (`--control N`, after the updates): N more trainer steps, published, but instead of applying
+them the server only does what vLLM does around every update, through its own dev routes: pause
+(`mode=keep`), reset the prefix cache with the running requests, resume. The streaming client runs
+the same. Growth in the control is vLLM's own (generation, preemption); the difference between the
+two slopes is what applying versions adds.
+
+    python benchmarks/soak.py                          # 200 versions + 100 control cycles
+    python benchmarks/soak.py --versions 40 --warmup 10 --control 0 --out /tmp/soak
 """
 
 from __future__ import annotations
@@ -54,8 +60,15 @@ def slope(xs: list[float], ys: list[float]) -> float:
     return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / den if den else 0.0
 
 
-def soak(versions: int, anchor_every: int, warmup: int, work: str, log_every: int = 10) -> dict:
-    rows = []
+def _sample(srv: VllmServer, folder: str) -> tuple[dict[str, int], int]:
+    rss: dict[str, int] = {}
+    for _pid, (name, size) in srv.rss().items():
+        rss[role(name)] = rss.get(role(name), 0) + size
+    return rss, sum(e.stat().st_size for e in os.scandir(folder) if e.is_file())
+
+
+def soak(versions: int, anchor_every: int, warmup: int, control: int, work: str, log_every: int = 10) -> dict:
+    rows, control_rows = [], []
     with S3Server() as s3:
         uri = s3.uri("soak")
         model_dir = os.path.join(work, "model")
@@ -64,20 +77,27 @@ def soak(versions: int, anchor_every: int, warmup: int, work: str, log_every: in
         cache = os.path.join(work, "cache")
         folder = DeltaStore(uri, s3.storage_options, cache_dir=cache)._download_dir()
         cfg = {"delta_storage_options": s3.storage_options, "delta_cache_dir": cache}
-        srv = VllmServer(
-            run.model_dir, store=uri, version=0, extra_loader_config=cfg, log_path=os.path.join(work, "server.log")
+        srv = VllmServer(  # dev mode for the control's pause/resume routes (127.0.0.1 only)
+            run.model_dir,
+            store=uri,
+            version=0,
+            extra_loader_config=cfg,
+            dev_mode=control > 0,
+            log_path=os.path.join(work, "server.log"),
         )
         with srv, StreamingClient(srv.base_url, srv.model) as stream:
             stream.wait_for_chunks(5)
             assert srv.status()["checksum"] == run.checksums[0]
             t_start = time.time()
             for i in range(1, versions + 1):
+                t0 = time.perf_counter()
                 info = run.step()
+                t1 = time.perf_counter()
                 res = srv.update(info.version)
+                t2 = time.perf_counter()
                 st = srv.status()
-                rss: dict[str, int] = {}
-                for _pid, (name, size) in srv.rss().items():
-                    rss[role(name)] = rss.get(role(name), 0) + size
+                t3 = time.perf_counter()
+                rss, cache_bytes = _sample(srv, folder)
                 rows.append(
                     {
                         "version": info.version,
@@ -89,8 +109,11 @@ def soak(versions: int, anchor_every: int, warmup: int, work: str, log_every: in
                         "stage_ms": res["stage_ms"],
                         "checksum_ok": st["checksum"] == run.checksums[info.version],
                         "rss": rss,
-                        "cache_bytes": sum(e.stat().st_size for e in os.scandir(folder) if e.is_file()),
+                        "cache_bytes": cache_bytes,
                         "time": time.time() - t_start,
+                        "train_publish_s": t1 - t0,
+                        "update_s": t2 - t1,
+                        "status_s": t3 - t2,
                     }
                 )
                 if i % log_every == 0:
@@ -101,9 +124,31 @@ def soak(versions: int, anchor_every: int, warmup: int, work: str, log_every: in
                         + f" MiB  cache {r['cache_bytes'] / 1024:.0f} KiB",
                         flush=True,
                     )
+            served = run.version
+            for i in range(1, control + 1):
+                run.step()
+                for path in ("/pause?mode=keep&clear_cache=true", "/resume"):
+                    r = srv.post(path, timeout=60)
+                    if r.status_code != 200:
+                        raise RuntimeError(f"{path} answered {r.status_code}: {r.text}")
+                st = srv.status()
+                assert st["version"] == served and st["checksum"] == run.checksums[served]
+                rss, cache_bytes = _sample(srv, folder)
+                control_rows.append({"cycle": i, "rss": rss, "time": time.time() - t_start})
+                if i % log_every == 0:
+                    print(
+                        f"  control {i:4d} rss " + " ".join(f"{k} {v / 2**20:7.1f}" for k, v in sorted(rss.items())),
+                        flush=True,
+                    )
             chunks, errors = len(stream.arrivals), list(stream.errors)
         run.close()
-    return {"rows": rows, "stream_chunks": chunks, "stream_errors": errors, "warmup": warmup}
+    return {
+        "rows": rows,
+        "control_rows": control_rows,
+        "stream_chunks": chunks,
+        "stream_errors": errors,
+        "warmup": warmup,
+    }
 
 
 def summarize(result: dict) -> dict:
@@ -120,6 +165,13 @@ def summarize(result: dict) -> dict:
             "growth_per_update_bytes": (ys[-1] - ys[0]) / max(1, len(ys) - 1),
             "slope_per_update_bytes": slope(xs, ys),
         }
+    control = result.get("control_rows") or []
+    if len(control) > 2:
+        cx = [float(r["cycle"]) for r in control]
+        for k in roles + ["total"]:
+            ys = [float(r["rss"].get(k, 0) if k != "total" else sum(r["rss"].values())) for r in control]
+            memory[k]["control_slope_per_cycle_bytes"] = slope(cx, ys)
+            memory[k]["updates_minus_control_bytes"] = memory[k]["slope_per_update_bytes"] - slope(cx, ys)
     cache = [r["cache_bytes"] for r in after]
     out = {
         "versions": len(rows),
@@ -128,6 +180,10 @@ def summarize(result: dict) -> dict:
         "stream_chunks": result["stream_chunks"],
         "stream_errors": len(result["stream_errors"]),
         "warmup": warmup,
+        "control_cycles": len(control),
+        "seconds_per_version": {
+            k: statistics.median(r[k] for r in rows) for k in ("train_publish_s", "update_s", "status_s")
+        },
         "memory": memory,
         "cache": {"start_bytes": cache[0], "end_bytes": cache[-1], "max_bytes": max(cache)},
     }
@@ -145,13 +201,16 @@ def table(s: dict) -> str:
         f"streamed chunks {s['stream_chunks']}, stream errors {s['stream_errors']}",
         "",
         f"| process | RSS after warm-up (v{s['warmup']}) | RSS at the end | growth / update (end - start) "
-        "| slope / update |",
-        "|---|---:|---:|---:|---:|",
+        f"| slope / update | control slope / cycle ({s['control_cycles']} cycles) | updates - control |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for k, m in s["memory"].items():
+        ctl = m.get("control_slope_per_cycle_bytes")
+        diff = m.get("updates_minus_control_bytes")
         lines.append(
             f"| {k} | {m['start_bytes'] / 2**20:.1f} MiB | {m['end_bytes'] / 2**20:.1f} MiB | "
-            f"{m['growth_per_update_bytes'] / 1024:+.2f} KiB | {m['slope_per_update_bytes'] / 1024:+.2f} KiB |"
+            f"{m['growth_per_update_bytes'] / 1024:+.2f} KiB | {m['slope_per_update_bytes'] / 1024:+.2f} KiB | "
+            + ("n/a | n/a |" if ctl is None else f"{ctl / 1024:+.2f} KiB | {diff / 1024:+.2f} KiB |")
         )
     c = s["cache"]
     lines += [
@@ -182,6 +241,13 @@ def plot(result: dict, path: str) -> None:
     axes[0].set_ylabel("RSS (MiB)")
     axes[0].legend()
     axes[0].axvline(result["warmup"], color="gray", ls=":")
+    control = result.get("control_rows") or []
+    if control:
+        cx = [xs[-1] + r["cycle"] for r in control]
+        for k in sorted({k for r in control for k in r["rss"]}):
+            axes[0].plot(cx, [r["rss"].get(k, 0) / 2**20 for r in control], ls="--", color="gray")
+        axes[0].axvline(xs[-1], color="gray", ls="-.")
+        axes[0].set_title("dashed: control (pause + prefix reset + resume, no update)", fontsize=9)
     axes[1].plot(xs, [r["cache_bytes"] / 1024 for r in rows])
     axes[1].set_ylabel("download cache (KiB)")
     for key in ("pause_ms", "apply_ms", "stage_ms"):
@@ -200,6 +266,7 @@ def main() -> None:
     ap.add_argument("--versions", type=int, default=200)
     ap.add_argument("--anchor-every", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=20, help="versions before memory is measured")
+    ap.add_argument("--control", type=int, default=100, help="control cycles (pause + prefix reset, no update)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     ap.add_argument("--name", default="soak_cpu")
     args = ap.parse_args()
@@ -208,7 +275,7 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     t0 = time.time()
     with tempfile.TemporaryDirectory(prefix="vllm-delta-soak-") as work:
-        result = soak(args.versions, args.anchor_every, args.warmup, work)
+        result = soak(args.versions, args.anchor_every, args.warmup, args.control, work)
     summary = summarize(result)
     summary["machine"] = f"{platform.node()} {platform.machine()}, {os.cpu_count()} cores, {platform.platform()}"
     summary["date"] = time.strftime("%Y-%m-%d %H:%M:%S %Z")

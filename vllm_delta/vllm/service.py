@@ -10,9 +10,10 @@
     reset     the prefix cache (its KV was computed with the old weights), only after a commit
     resume    always (finally)
 
-Updates and prefetches are serialized by one asyncio.Lock, so two updates never interleave. A
-status read takes the lock only when it is free: during an update it answers at once from the last
-state it read, and says what is in progress since when (a hung store must not hang the control plane).
+Updates and prefetches are serialized by one asyncio.Lock, so two updates never interleave. Status
+reads never take it: during an update a status answers at once from the last state it read, and says
+what is in progress since when (a hung store must not hang the control plane); a status that an
+update overtook while it read the workers answers the same way.
 
 Deadlines: every store operation is bounded by the store's `timeout_s` (store.py), and everything an
 update does before its pause by `update_timeout_s`; past it the update fails with StoreTimeoutError
@@ -93,6 +94,8 @@ class DeltaService:
         self._last_status: ServerStatus | None = None  # what status answers while an update runs
         self._chain: list[int] | None = None  # the served version's chain (kept in the cache)
         self._deadline = float("inf")  # time.monotonic() by which the running update must reach its pause
+        self._operations = 0  # updates and prefetches started (a status read notices one starting)
+        self._status_lock = asyncio.Lock()  # status reads, one at a time (never the update lock)
 
     @property
     def store(self) -> DeltaStore:
@@ -105,6 +108,7 @@ class DeltaService:
     async def _operation(self, name: str, version: int | str) -> AsyncIterator[None]:
         """Hold the lock for one update or prefetch: its deadline, in-progress state and metrics."""
         async with self.lock:
+            self._operations += 1
             self.in_progress = InProgress(name, version, time.time())
             self._deadline = time.monotonic() + self.spec.update_timeout_s
             m = metrics()
@@ -124,9 +128,9 @@ class DeltaService:
                 if m is not None:
                     m.in_progress.set(0)
 
-    def _left(self, what: str) -> float:
-        """Seconds left before the running update's deadline; StoreTimeoutError when none are."""
-        left = self._deadline - time.monotonic()
+    def _left(self, what: str, deadline: float | None = None) -> float:
+        """Seconds left before the running update's deadline (or `deadline`); StoreTimeoutError when none are."""
+        left = (self._deadline if deadline is None else deadline) - time.monotonic()
         if left <= 0:
             raise StoreTimeoutError(
                 f"the update did not reach its pause within {self.spec.update_timeout_s:.0f} s "
@@ -165,15 +169,17 @@ class DeltaService:
         if not served.prepared:
             await self._call("delta_prepare", Prepared.from_wire, store=self.spec.to_dict(), version=version)
 
-    async def _in_thread(self, fn: Callable[..., R], *args: Any) -> R:
-        """`fn(*args)` on a thread (store I/O stays off the event loop), bounded by the update's deadline.
-        A call past it is abandoned (its own store timeout ends it) and StoreTimeoutError is raised."""
+    async def _in_thread(self, fn: Callable[..., R], *args: Any, deadline: float | None = None) -> R:
+        """`fn(*args)` on a thread (store I/O stays off the event loop), bounded by the running update's
+        deadline (or `deadline`, a time.monotonic()). A call past it is abandoned (its own store timeout
+        ends it) and StoreTimeoutError is raised."""
         what = getattr(fn, "__name__", "a store operation")
+        until = self._deadline if deadline is None else deadline
         future = asyncio.get_running_loop().run_in_executor(None, fn, *args)
         try:
-            return await asyncio.wait_for(future, self._left(what) if self._deadline != float("inf") else None)
+            return await asyncio.wait_for(future, self._left(what, until) if until != float("inf") else None)
         except asyncio.TimeoutError:
-            self._left(what)  # raises: the deadline has passed
+            self._left(what, until)  # raises: the deadline has passed
             raise
 
     # -- staging --------------------------------------------------------------------------------
@@ -379,20 +385,24 @@ class DeltaService:
         return add_sums(p.sums for p in await self._call("delta_live_sums", RankSums.from_wire))
 
     async def status(self) -> ServerStatus:
-        if self.lock.locked():
+        if self.in_progress is not None:
             return self._status_while_busy()
-        async with self.lock:
+        async with self._status_lock:
+            started = self._operations
             served = await self._served()
             version = served.version
             if not served.prepared:
-                self._deadline = time.monotonic() + self.spec.update_timeout_s
-                try:
-                    target = version if version is not None else await self._in_thread(self.store.resolve, "latest")
-                finally:
-                    self._deadline = float("inf")
+                until = time.monotonic() + self.spec.update_timeout_s
+                target = (
+                    version
+                    if version is not None
+                    else await self._in_thread(self.store.resolve, "latest", deadline=until)
+                )
                 await self._prepare(served, target)
             sums = await self._live_sums()
             fallback = (await self._call("delta_status", WorkerStatus.from_wire))[0].fallback
+            if self._operations != started or self.in_progress is not None:
+                return self._status_while_busy()  # an update started meanwhile: what was read may be torn
             last, when = self.last_update if self.last_update is not None else (None, None)
             self._last_status = ServerStatus(
                 version=version,
