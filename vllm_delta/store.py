@@ -74,7 +74,7 @@ MAX_VERSION = 10**10 - 1  # ten digits keep names sorted as numbers
 DEFAULT_TIMEOUT_S = 60.0  # deadline of one store operation (a download: plus its size at MIN_RATE)
 DOWNLOAD_MIN_BYTES_PER_S = 5e6  # a download of n bytes may take timeout_s + n / this
 FULL_LISTING_S = 60.0  # latest(): a full listing at least this often (retention, rewritten stores)
-RECORD_CACHE = 1024  # parsed records kept per store (least recently used go first)
+RECORD_CACHE = 64  # parsed records (and verified cache files) kept per store; least recently used go first
 TMP_STALE_S = 600.0  # cache: a temp download untouched for this long is a leftover of a dead process
 # s3fs/botocore defaults retry a frozen server for ~7 minutes (5 botocore x 5 s3fs attempts x 15 s):
 # a few short attempts here, and every call also gets an asyncio deadline (`timeout=`).
