@@ -12,7 +12,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
+import subprocess
 import threading
 import time
 
@@ -277,6 +279,31 @@ def test_float16_version_into_a_bf16_server_is_refused(box):
     serving(srv, run, version + 1)
 
 
+def test_read_only_cache_then_writable_again(box):
+    srv, run = box.srv, box.run
+    served = run.version
+    info = run.step()
+    folder = box.cache_folder()
+    root = os.geteuid() == 0
+    if root and (shutil.which("chattr") is None or subprocess.run(["chattr", "+i", folder]).returncode):
+        pytest.skip("no chattr +i here: cannot make a folder read-only for root")
+    if not root:
+        os.chmod(folder, 0o555)
+    try:
+        r = update(srv, {"version": info.version})
+        assert r.status_code == 503, r.text
+        err = r.json()["error"]
+        assert err["type"] == "CacheError" and folder in err["message"], err
+        serving(srv, run, served)
+    finally:
+        if root:
+            subprocess.run(["chattr", "-i", folder], check=True)
+        else:
+            os.chmod(folder, 0o755)
+    assert srv.update(info.version)["applied"] == [info.version]
+    serving(srv, run, info.version)
+
+
 # -- metrics -------------------------------------------------------------------------------------------
 def _metric(text: str, name: str, **labels) -> float | None:
     for line in text.splitlines():
@@ -297,10 +324,11 @@ def test_metrics_on_vllms_own_endpoint(box):
     text = srv.get("/metrics").text
     assert _metric(text, "vllm_delta_served_version") == run.version
     applied = _metric(text, "vllm_delta_updates_total", outcome="applied")
-    assert applied is not None and applied >= 9
-    assert _metric(text, "vllm_delta_updates_total", outcome="failed") >= 5
+    assert applied is not None and applied >= 10
+    assert _metric(text, "vllm_delta_updates_total", outcome="failed") >= 6
     assert _metric(text, "vllm_delta_failures_total", operation="update", type="StoreUnavailableError", status=503)
     assert _metric(text, "vllm_delta_failures_total", operation="update", type="StoreTimeoutError", status=504)
+    assert _metric(text, "vllm_delta_failures_total", operation="update", type="CacheError", status=503)
     assert _metric(text, "vllm_delta_pause_seconds_count") == applied
     for name in ("apply_seconds", "stage_seconds", "update_bytes", "update_changed_elements"):
         assert _metric(text, f"vllm_delta_{name}_count") == applied, name
