@@ -6,6 +6,20 @@ know which is which.
 
 from __future__ import annotations
 
+import reprlib
+
+_REPR = reprlib.Repr()
+_REPR.maxstring = 60
+_REPR.maxother = 60
+_REPR.maxlist = _REPR.maxtuple = _REPR.maxset = _REPR.maxdict = 8
+_REPR.maxlevel = 2
+
+
+def short(value: object) -> str:
+    """repr() of client or file input for an error message: bounded length and depth (a 10 MB field is
+    quoted as its first few dozen characters)."""
+    return _REPR.repr(value)
+
 
 class DeltaError(Exception):
     """Base class of every error vllm-delta raises on purpose."""
@@ -80,9 +94,39 @@ class UnsupportedModelError(DeltaError):
 
 
 class BadRequestError(DeltaError):
-    """A malformed request: not JSON, unknown or invalid fields."""
+    """A malformed request: not JSON, nested too deeply, unknown or invalid fields."""
 
     http_status = 400
+
+
+class RequestTooLargeError(BadRequestError):
+    """A request body over the size limit (refused before it is read, where Content-Length says so)."""
+
+    http_status = 413
+
+
+class UnsupportedMediaTypeError(BadRequestError):
+    """A request body that says it is not JSON (Content-Type); a missing Content-Type is accepted."""
+
+    http_status = 415
+
+
+class StoreTimeoutError(DeltaError):
+    """A store operation (or a whole update) ran past its deadline: the store is slow or frozen."""
+
+    http_status = 504
+
+
+class StoreUnavailableError(DeltaError):
+    """The store could not be reached (connection refused, reset, DNS): try again once it is back."""
+
+    http_status = 503
+
+
+class CacheError(DeltaError):
+    """The local download cache can't be written (read-only, full, missing): nothing was applied."""
+
+    http_status = 503
 
 
 class PublishError(DeltaError):

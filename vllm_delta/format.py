@@ -16,7 +16,9 @@ version as one: readers see the same API (`header`, `pieces`, `dense`) for one f
 from __future__ import annotations
 
 import json
+import mmap
 import os
+import struct
 from dataclasses import asdict, dataclass, field
 from typing import Any, NamedTuple
 
@@ -36,6 +38,17 @@ _MASK64 = (1 << 64) - 1
 
 DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+# Every safetensors dtype a version file's payload uses (codec parts: positions, blobs, values).
+_ST_DTYPES = {
+    **DTYPES,
+    "F64": torch.float64,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
 
 
 def num_rows(shape: list[int] | tuple[int, ...]) -> int:
@@ -140,7 +153,11 @@ class VersionHeader:
             raise FormatError(f"unknown kind {self.kind!r}", version=v)
         if self.kind == "delta" and (not isinstance(self.base, int) or self.base >= v or not self.codec):
             raise FormatError(f"delta needs a codec and a base below it (base={self.base!r})", version=v)
+        if not _is_hex16(self.checksum) or not (self.base_checksum is None or _is_hex16(self.base_checksum)):
+            raise FormatError("checksum and base_checksum must be 16 lower-case hex digits", version=v)
         for name, t in self.tensors.items():
+            if not _is_hex16(t.checksum):
+                raise FormatError("the checksum must be 16 lower-case hex digits", version=v, tensor=name)
             if t.dtype not in DTYPES:
                 raise FormatError(f"unsupported dtype {t.dtype!r}", version=v, tensor=name)
             if not all(isinstance(d, int) and d >= 0 for d in t.shape) or not 0 <= t.nnz <= t.numel:
@@ -180,6 +197,10 @@ class VersionHeader:
 def _check_hex(text: Any, version: int) -> None:
     if not isinstance(text, str) or len(text) != 16 or any(c not in "0123456789abcdef" for c in text):
         raise FormatError(f"a checksum is 16 lower-case hex digits, not {text!r:.40}", version=version)
+
+
+def _is_hex16(value: object) -> bool:
+    return isinstance(value, str) and len(value) == 16 and all(c in "0123456789abcdef" for c in value)
 
 
 def payload_key(name: str, part: str) -> str:
@@ -228,6 +249,9 @@ class VersionFile:
         if meta.get("format") != FORMAT_NAME or "header" not in meta:
             raise FormatError(f"{self.path} is not a vllm-delta version file", version=expect_version)
         self._keys = set(keys)
+        self._map: mmap.mmap | None = None  # our own private mapping of the payload (see `_tensor`)
+        self._entries: dict[str, dict] = {}
+        self._base = 0
         self._parts: dict[str, list[str]] = {}
         for k in keys:
             if SEP in k:
@@ -273,10 +297,10 @@ class VersionFile:
 
     def stored(self, name: str) -> torch.Tensor:
         """An anchor's stored tensor: the whole tensor, or a part's rows of it (memory-mapped)."""
-        return self._f.get_tensor(name)
+        return self._tensor(name)
 
     def dense(self, name: str) -> torch.Tensor:
-        """An anchor's tensor (memory-mapped for local files)."""
+        """An anchor's tensor (memory-mapped)."""
         rows = self.rows(name)
         if rows != (0, num_rows(self.header.tensors[name].shape)):
             raise FormatError(
@@ -284,11 +308,33 @@ class VersionFile:
                 version=self.version,
                 tensor=name,
             )
-        return self._f.get_tensor(name)
+        return self._tensor(name)
+
+    def _tensor(self, key: str) -> torch.Tensor:
+        """One stored tensor, a view of a private (copy-on-write) mapping of the file.
+
+        Not `safe_open.get_tensor`: safetensors 0.8's torch path leaks two small Python objects per
+        call, which a server applying tens of thousands of versions would accumulate. The container
+        was validated by safe_open; its header gives each tensor's dtype, shape and byte range."""
+        if self._map is None:
+            with open(self.path, "rb") as f:
+                (n,) = struct.unpack("<Q", f.read(8))
+                self._entries = json.loads(f.read(n))
+                self._base = 8 + n
+                self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        entry = self._entries[key]
+        dtype = _ST_DTYPES.get(entry["dtype"])
+        if dtype is None:
+            return self._f.get_tensor(key)
+        start, end = entry["data_offsets"]
+        if end == start:
+            return torch.empty(entry["shape"], dtype=dtype)
+        raw = torch.frombuffer(self._map, dtype=torch.uint8, count=end - start, offset=self._base + start)
+        return raw.view(dtype).reshape(entry["shape"])
 
     def parts(self, name: str) -> dict[str, torch.Tensor]:
         """A delta's payload for one tensor, by part name (empty if the tensor did not change)."""
-        return {k.split(SEP, 1)[1]: self._f.get_tensor(k) for k in self._parts.get(name, ())}
+        return {k.split(SEP, 1)[1]: self._tensor(k) for k in self._parts.get(name, ())}
 
     def pieces(self, name: str) -> list[Piece]:
         """A delta's changes of one tensor: one piece, or none if it did not change here."""
@@ -303,7 +349,9 @@ class VersionFile:
         return [Piece(entry.nnz, entry.enc, self.parts(name), rows[0] * size, rows[1] * size)]
 
     def close(self) -> None:
-        self._f = None  # type: ignore[assignment]  # the memory map goes with the last reference
+        # The memory maps go with the last reference (tensors handed out keep theirs alive).
+        self._f = None  # type: ignore[assignment]
+        self._map = None
 
     def __enter__(self):
         return self

@@ -12,12 +12,22 @@ complete. Data file names carry a random token, so a stale or crashed writer nev
 committed data; whatever a crashed publish leaves behind is invisible and `retain` removes it later.
 A one-file version has a record of format 1 (`file`); a multi-part version (a sharded publisher:
 each rank uploads its part with `put_part`, then one coordinator `commit_parts`) a record of format 2
-that lists its parts (`parts`: file, bytes, checksum of each).
+that lists its parts (`parts`: file, bytes, checksum and sha256 of each).
+
+Reading (docs/FORMAT.md, "Reading"): a reader's view is never older than one call. Listings and
+reads of records and assets bypass fsspec's listing caches; decisions that depend on a record re-read
+it (`fresh=True`); `latest()` on S3 lists only the records after the newest one seen, with a full
+listing at least every FULL_LISTING_S. Every remote operation has a deadline (`timeout_s`); a
+timeout raises StoreTimeoutError (504), an unreachable store StoreUnavailableError (503), both
+naming the store. Downloads of remote stores land in a cache that verifies every file before use
+(size, and the record's sha256 of the file when it has one), heals (a bad copy is fetched again) and is pruned
+by the server (`prune_cache`).
 """
 
 from __future__ import annotations
 
 import builtins  # VersionRecord has a field named `bytes`
+import contextlib
 import errno
 import hashlib
 import json
@@ -30,14 +40,28 @@ import tempfile
 import threading
 import time
 import weakref
-from collections.abc import Iterable
-from dataclasses import asdict, dataclass, fields
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import MISSING, asdict, dataclass, fields
 from datetime import datetime
+from typing import Any
 
 import fsspec
+from fsspec.asyn import AsyncFileSystem
 from fsspec.implementations.local import LocalFileSystem
 
-from .errors import FormatError, IntegrityError, MissingBaseError, VersionExistsError, VersionNotFoundError
+from .errors import (
+    CacheError,
+    DeltaError,
+    FormatError,
+    IntegrityError,
+    MissingBaseError,
+    StoreTimeoutError,
+    StoreUnavailableError,
+    VersionExistsError,
+    VersionNotFoundError,
+    short,
+)
 from .format import KINDS, Version, VersionFile, VersionHeader, VersionLike
 
 log = logging.getLogger(__name__)
@@ -52,6 +76,19 @@ TMP_PREFIX = ".tmp-"  # never a committed name: readers skip it, retain removes 
 LEFTOVER_AGE_S = 3600.0  # a publish older than this is dead, not slow
 MAX_VERSION = 10**10 - 1  # ten digits keep names sorted as numbers
 
+DEFAULT_TIMEOUT_S = 60.0  # deadline of one store operation (a download: plus its size at MIN_RATE)
+DOWNLOAD_MIN_BYTES_PER_S = 5e6  # a download of n bytes may take timeout_s + n / this
+FULL_LISTING_S = 60.0  # latest(): a full listing at least this often (retention, rewritten stores)
+RECORD_CACHE = 64  # parsed records (and verified cache files) kept per store; least recently used go first
+TMP_STALE_S = 600.0  # cache: a temp download untouched for this long is a leftover of a dead process
+# s3fs/botocore defaults retry a frozen server for ~7 minutes (5 botocore x 5 s3fs attempts x 15 s):
+# a few short attempts here, and every call also gets an asyncio deadline (`timeout=`).
+S3_CONFIG: dict[str, Any] = {
+    "connect_timeout": 5,
+    "read_timeout": 20,
+    "retries": {"total_max_attempts": 3, "mode": "standard"},
+}
+
 # Files moved in from mkstemp are 0600; committed files get the mode a plain create would give them.
 _UMASK = os.umask(0o022)
 os.umask(_UMASK)
@@ -60,6 +97,8 @@ _FILE_MODE = 0o666 & ~_UMASK
 _RECORD_NAME = re.compile(r"^(\d{10})\.json$")
 _DATA_NAME = re.compile(r"^(\d{10})\.(anchor|delta)\.([0-9a-f]{16})(?:\.part(\d{5}))?\.safetensors$")
 MAX_PARTS = 10**5  # five digits of part index in a part file's name
+_HEX16 = re.compile(r"^[0-9a-f]{16}$")
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 
 def record_name(version: int) -> str:
@@ -76,7 +115,12 @@ def _is_int(x: object) -> bool:
 
 
 def _is_hex(x: object) -> bool:
-    return isinstance(x, str) and len(x) == 16 and all(c in "0123456789abcdef" for c in x)
+    return isinstance(x, str) and _HEX16.match(x) is not None
+
+
+def _check_sha256(value: object, what: str) -> None:
+    if value is not None and not (isinstance(value, str) and _SHA256.match(value)):
+        raise ValueError(f"{what} must be 64 lower-case hex digits, not {short(value)}")
 
 
 @dataclass(frozen=True)
@@ -86,10 +130,26 @@ class PartRecord:
     file: str  # data file path relative to the store root
     bytes: int  # its size
     checksum: str  # Σ_t key(t) · (partial sum of t over the part's elements): the parts add up to the whole
+    sha256: str | None = None  # hex digest of the part file
 
     @classmethod
     def from_dict(cls, doc: dict) -> PartRecord:
-        return cls(file=doc["file"], bytes=doc["bytes"], checksum=doc["checksum"])
+        return cls(file=doc["file"], bytes=doc["bytes"], checksum=doc["checksum"], sha256=doc.get("sha256"))
+
+    def to_dict(self) -> dict:
+        doc = asdict(self)
+        if self.sha256 is None:
+            del doc["sha256"]
+        return doc
+
+
+@dataclass(frozen=True)
+class DataFile:
+    """One data file of a version, as a reader checks it: where, how big, and its sha256 if known."""
+
+    file: str
+    bytes: int
+    sha256: str | None
 
 
 @dataclass(frozen=True)
@@ -110,6 +170,7 @@ class VersionRecord:
     checksum: str  # whole-model checksum at this version
     base_checksum: str | None
     created: float
+    sha256: str | None = None  # hex digest of the data file (optional: older records have none)
     parts: tuple[PartRecord, ...] = ()  # multi-part versions, in part order
 
     @property
@@ -119,17 +180,25 @@ class VersionRecord:
     @property
     def files(self) -> list[str]:
         """Every data file of the version (relative to the store root), in part order."""
-        return [self.file] if self.file is not None else [p.file for p in self.parts]
+        return [d.file for d in self.data_files]
 
     @property
     def sizes(self) -> list[int]:
-        return [self.bytes] if self.file is not None else [p.bytes for p in self.parts]
+        return [d.bytes for d in self.data_files]
+
+    @property
+    def data_files(self) -> list[DataFile]:
+        if self.file is not None:
+            return [DataFile(self.file, self.bytes, self.sha256)]
+        return [DataFile(p.file, p.bytes, p.sha256) for p in self.parts]
 
     def to_json(self) -> str:
         doc = asdict(self)
+        if doc["sha256"] is None:
+            del doc["sha256"]  # exactly what a reader without the field wrote
         if self.parts:
             del doc["file"]
-            doc["parts"] = [asdict(p) for p in self.parts]
+            doc["parts"] = [p.to_dict() for p in self.parts]
             doc = {"format": RECORD_FORMAT, "format_version": RECORD_PARTS_FORMAT_VERSION, **doc}
         else:
             del doc["parts"]  # exactly record format 1
@@ -145,8 +214,13 @@ class VersionRecord:
                 raise ValueError(
                     f"not a {RECORD_FORMAT} v{RECORD_FORMAT_VERSION} or v{RECORD_PARTS_FORMAT_VERSION} document"
                 )
-            # Unknown keys are ignored so that a later minor addition doesn't hide versions.
-            common = {f.name: doc[f.name] for f in fields(cls) if f.name not in ("file", "parts")}
+            # Unknown keys are ignored so that a later minor addition doesn't hide versions; optional
+            # fields (those with a default) may be absent.
+            common = {
+                f.name: doc[f.name]
+                for f in fields(cls)
+                if f.name not in ("file", "parts") and (f.name in doc or f.default is MISSING)
+            }
             if fv == RECORD_FORMAT_VERSION:
                 rec = cls(file=doc["file"], **common)
             else:
@@ -166,18 +240,26 @@ class VersionRecord:
             raise ValueError(f"unknown kind {self.kind!r}")
         if self.kind == "delta" and not (isinstance(self.base, int) and 0 <= self.base < self.version):
             raise ValueError(f"a delta needs a base below its version, got {self.base!r}")
-        if not isinstance(self.checksum, str) or not isinstance(self.created, (int, float)):
-            raise ValueError("bad checksum or created time")
+        if not isinstance(self.created, (int, float)) or isinstance(self.created, bool):
+            raise ValueError("bad created time")
+        for key in ("checksum", "base_checksum"):
+            value = getattr(self, key)
+            if (value is not None or key == "checksum") and not (isinstance(value, str) and _HEX16.match(value)):
+                raise ValueError(f"{key} must be 16 lower-case hex digits, not {short(value)}")
+        _check_sha256(self.sha256, "sha256")
         if self.file is not None:
             if self.parts:
                 raise ValueError("a record names one file or lists parts, not both")
             self._check_file(self.file, None)
             return
+        if self.sha256 is not None:
+            raise ValueError("a multi-part record has a sha256 per part, not one for the version")
         if not self.parts or len(self.parts) > MAX_PARTS:
             raise ValueError("a multi-part record lists its parts")
         for i, part in enumerate(self.parts):
             if not isinstance(part.file, str) or not _is_int(part.bytes) or not _is_hex(part.checksum):
-                raise ValueError(f"bad part {i}: {part!r:.200}")
+                raise ValueError(f"bad part {i}: {short(part)}")
+            _check_sha256(part.sha256, f"part {i}'s sha256")
             self._check_file(part.file, i)
         if len(set(self.files)) != len(self.parts) or sum(p.bytes for p in self.parts) != self.bytes:
             raise ValueError("parts must be distinct files whose sizes add up to bytes")
@@ -228,18 +310,90 @@ def _modified(entry: dict) -> float | None:
     return None
 
 
-class DeltaStore:
-    """Versions of one model in a directory, S3 prefix or Hugging Face bucket (any fsspec URI)."""
+_TIMEOUT_NAMES = frozenset(
+    {"FSTimeoutError", "ReadTimeoutError", "ConnectTimeoutError", "ReadTimeout", "ConnectTimeout", "TimeoutException"}
+)
+_UNAVAILABLE_NAMES = frozenset(
+    {
+        "EndpointConnectionError",
+        "ConnectionClosedError",
+        "ClientConnectorError",
+        "ServerDisconnectedError",
+        "ClientOSError",
+        "ClientPayloadError",
+        "ConnectError",
+        "RemoteProtocolError",
+        "ProxyConnectionError",
+    }
+)
+_CACHE_ERRNOS = frozenset({errno.ENOSPC, errno.EROFS, errno.EDQUOT, errno.EFBIG, errno.EACCES, errno.EPERM})
 
-    def __init__(self, uri: str, storage_options: dict | None = None, cache_dir: str | None = None):
+
+def store_error(exc: BaseException, uri: str, what: str) -> DeltaError | None:
+    """The DeltaError a failed store operation means (timeout 504, unreachable 503), or None if it is
+    none of those. Recognized by class name, so that neither botocore nor aiohttp need be imported."""
+    names = {c.__name__ for c in type(exc).__mro__}
+    if names & _TIMEOUT_NAMES or isinstance(exc, TimeoutError):
+        return StoreTimeoutError(f"store {uri} did not answer in time ({what}): {type(exc).__name__}: {str(exc)[:200]}")
+    if names & _UNAVAILABLE_NAMES or isinstance(exc, ConnectionError):
+        return StoreUnavailableError(f"store {uri} is unreachable ({what}): {type(exc).__name__}: {str(exc)[:200]}")
+    return None
+
+
+def _storage_options(uri: str, options: dict, timeout_s: float) -> dict:
+    """fsspec options as given, plus deadlines for S3 (the user's own keys win) and a private instance
+    for remote filesystems: fsspec shares instances (and their listing caches) between equal options."""
+    protocol = fsspec.core.split_protocol(uri)[0]
+    if protocol in (None, "file", "local"):
+        return dict(options)
+    out = {"skip_instance_cache": True, **options}
+    if protocol in ("s3", "s3a"):
+        config = {**S3_CONFIG, "read_timeout": min(20.0, max(1.0, timeout_s))}
+        out["config_kwargs"] = {**config, **dict(options.get("config_kwargs") or {})}
+    return out
+
+
+def file_sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+class DeltaStore:
+    """Versions of one model in a directory, S3 prefix or Hugging Face bucket (any fsspec URI).
+
+    `timeout_s` bounds every remote operation (a download gets `timeout_s + bytes / 5 MB/s`);
+    `cache_dir` is where remote version files are downloaded (default: a private temp dir)."""
+
+    def __init__(
+        self,
+        uri: str,
+        storage_options: dict | None = None,
+        cache_dir: str | None = None,
+        *,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+    ):
         self.uri = _normalize(uri)
         self.storage_options = dict(storage_options or {})
-        self.fs, self.root = fsspec.core.url_to_fs(self.uri, **self.storage_options)
+        self.timeout_s = float(timeout_s)
+        options = _storage_options(self.uri, self.storage_options, self.timeout_s)
+        self.fs, self.root = fsspec.core.url_to_fs(self.uri, **options)
         self.is_local = isinstance(self.fs, LocalFileSystem)
         self.root = self.root.rstrip("/") or self.root
+        # fsspec's asyncio deadline (`timeout=` on every call) exists for async filesystems only.
+        self._async = isinstance(self.fs, AsyncFileSystem)
+        self._s3 = hasattr(self.fs, "_call_s3")
+        if self._s3:
+            self.fs.retries = 1  # s3fs's own retry loop around botocore's (an attribute, not an option)
         self._cache_dir = cache_dir
         self._own_cache = False
-        self._records: dict[int, VersionRecord] = {}
+        self._records: OrderedDict[int, VersionRecord] = OrderedDict()  # LRU of parsed records
+        self._valid: set[int] = set()  # versions whose records parsed, as of the last listing
+        self._newest_key: str | None = None  # record name of the newest version seen (incremental listing)
+        self._full_at = -float("inf")  # time.monotonic() of the last full listing
+        self._verified: OrderedDict[str, tuple[int, int, int]] = OrderedDict()  # cache path -> stat it passed at
         self._warned: set[str] = set()
         self._lock = threading.Lock()
 
@@ -253,21 +407,51 @@ class DeltaStore:
     def _record_path(self, version: int) -> str:
         return self._path(VERSIONS_DIR, record_name(version))
 
+    # -- remote operations: fresh, bounded, with errors that name the store ---------------------
+    def _kw(self, timeout: float | None = None) -> dict:
+        return {"timeout": timeout or self.timeout_s} if self._async else {}
+
+    @contextlib.contextmanager
+    def _remote(self, what: str) -> Iterator[None]:
+        """Translate a timeout or an unreachable store into StoreTimeoutError / StoreUnavailableError."""
+        try:
+            yield
+        except (FileNotFoundError, DeltaError):
+            raise
+        except Exception as exc:
+            err = store_error(exc, self.uri, what)
+            if err is None:
+                raise
+            raise err from exc
+
+    def _cat(self, path: str, what: str) -> builtins.bytes:
+        """One object's bytes, read afresh (a stale parent listing would answer 'not found' unasked)."""
+        if self.is_local:
+            with open(path, "rb") as f:
+                return f.read()
+        with self._remote(what):
+            self.fs.invalidate_cache(path)
+            if self._s3:
+                return self.fs.cat_file(path, max_concurrency=1, **self._kw())  # one GET, no HEAD
+            return self.fs.cat_file(path, **self._kw())
+
     def _ls(self, folder: str) -> list[dict]:
         """Files directly in `folder`, listed afresh (fsspec caches listings of remote stores)."""
         path = self._path(folder)
-        self.fs.invalidate_cache(path)
-        try:
-            entries = self.fs.ls(path, detail=True)
-        except FileNotFoundError:
-            return []
+        with self._remote(f"listing {folder}/"):
+            self.fs.invalidate_cache(path)
+            try:
+                entries = self.fs.ls(path, detail=True, **self._kw())
+            except FileNotFoundError:
+                return []
         return [e for e in entries if e.get("type") == "file"]
 
     def _exists(self, path: str) -> bool:
         if self.is_local:
             return os.path.exists(path)
-        self.fs.invalidate_cache(path)
-        return self.fs.exists(path)
+        with self._remote(f"looking up {path}"):
+            self.fs.invalidate_cache(path)
+            return self.fs.exists(path, **self._kw())
 
     def _warn_once(self, key: str, message: str) -> None:
         with self._lock:
@@ -276,16 +460,34 @@ class DeltaStore:
             self._warned.add(key)
         log.warning("%s: %s", self.uri, message)
 
-    # -- reading -----------------------------------------------------------------------------
-    def _load_record(self, version: int) -> VersionRecord | None:
-        """The parsed record, from the cache or the store; None if absent or unreadable."""
-        cached = self._records.get(version)
-        if cached is not None:
-            return cached
+    # -- records -----------------------------------------------------------------------------
+    def _remember(self, rec: VersionRecord) -> None:
+        with self._lock:
+            self._records[rec.version] = rec
+            self._records.move_to_end(rec.version)
+            while len(self._records) > RECORD_CACHE:
+                self._records.popitem(last=False)
+            self._valid.add(rec.version)
+
+    def _forget(self, version: int) -> None:
+        with self._lock:
+            self._records.pop(version, None)
+            self._valid.discard(version)
+
+    def _load_record(self, version: int, fresh: bool = False) -> VersionRecord | None:
+        """The parsed record (from the cache, or from the store when `fresh` or not cached); None if
+        absent or unreadable."""
+        if not fresh:
+            with self._lock:
+                cached = self._records.get(version)
+                if cached is not None:
+                    self._records.move_to_end(version)
+                    return cached
         path = self._record_path(version)
         try:
-            text = self.fs.cat_file(path)
+            text = self._cat(path, f"reading {VERSIONS_DIR}/{record_name(version)}")
         except FileNotFoundError:
+            self._forget(version)
             return None
         try:
             rec = VersionRecord.from_json(text, where=path)
@@ -294,13 +496,13 @@ class DeltaStore:
         except FormatError as exc:
             # Not fatal: a foreign or damaged record must not hide the other versions.
             self._warn_once(path, f"ignoring {exc}")
+            self._forget(version)
             return None
-        with self._lock:
-            self._records[version] = rec
+        self._remember(rec)
         return rec
 
     def versions(self) -> list[int]:
-        """Committed versions, ascending (a fresh listing each call)."""
+        """Committed versions, ascending (a fresh listing each call; a record is parsed once)."""
         found = []
         for entry in self._ls(VERSIONS_DIR):
             name = _basename(entry["name"])
@@ -309,19 +511,51 @@ class DeltaStore:
                 if not name.startswith(TMP_PREFIX):
                     self._warn_once(name, f"ignoring {VERSIONS_DIR}/{name}: not a record name")
                 continue
-            if self._load_record(int(m.group(1))) is not None:
-                found.append(int(m.group(1)))
+            v = int(m.group(1))
+            if v in self._valid or self._load_record(v) is not None:
+                found.append(v)
+        found.sort()
         with self._lock:  # forget records that retention removed meanwhile
-            for gone in set(self._records) - set(found):
-                del self._records[gone]
-        return sorted(found)
+            for gone in self._valid - set(found):
+                self._records.pop(gone, None)
+            self._valid = set(found)
+            self._newest_key = record_name(found[-1]) if found else None
+            self._full_at = time.monotonic()
+        return found
 
     def latest(self) -> int | None:
+        """The newest committed version. On S3, between full listings (every FULL_LISTING_S), one
+        ListObjectsV2 of the records after the newest seen and one GET confirming it."""
+        if self._s3 and self._newest_key is not None and time.monotonic() - self._full_at < FULL_LISTING_S:
+            for name in self._list_records_after(self._newest_key):
+                m = _RECORD_NAME.match(name)
+                if m and self._load_record(int(m.group(1))) is not None:
+                    with self._lock:
+                        self._newest_key = max(self._newest_key or name, name)
+            with self._lock:
+                newest = max(self._valid, default=None)
+            if newest is not None and self._load_record(newest, fresh=True) is not None:
+                return newest
+            # The newest record seen is gone: the store was emptied or rewritten. List everything.
         versions = self.versions()
         return versions[-1] if versions else None
 
+    def _list_records_after(self, key: str) -> list[str]:
+        """Names in versions/ that sort after `key` (S3 ListObjectsV2 StartAfter, every page)."""
+        bucket, _, prefix = self.root.partition("/")
+        folder = f"{prefix}/{VERSIONS_DIR}/" if prefix else f"{VERSIONS_DIR}/"
+        names: list[str] = []
+        kwargs: dict = {"Bucket": bucket, "Prefix": folder, "StartAfter": folder + key}
+        with self._remote(f"listing {VERSIONS_DIR}/ after {key}"):
+            while True:
+                page = self.fs.call_s3("list_objects_v2", **kwargs, **self._kw())
+                names += [o["Key"][len(folder) :] for o in page.get("Contents", [])]
+                if not page.get("IsTruncated") or not page.get("NextContinuationToken"):
+                    return names
+                kwargs["ContinuationToken"] = page["NextContinuationToken"]
+
     def resolve(self, version: int | str) -> int:
-        """A committed version number from an int, a decimal string or "latest"."""
+        """A committed version number from an int, a decimal string or "latest" (read afresh)."""
         if version == "latest":
             latest = self.latest()
             if latest is None:
@@ -331,12 +565,15 @@ class DeltaStore:
             version = int(version)
         if isinstance(version, bool) or not isinstance(version, int):
             raise ValueError(f"a version is a non-negative integer or 'latest', not {version!r}")
-        if version not in self.versions():
+        if version > MAX_VERSION or self._load_record(version, fresh=True) is None:
             raise VersionNotFoundError(f"no version {version} in store {self.uri}", version=version)
         return version
 
-    def record(self, version: int) -> VersionRecord:
-        rec = self._load_record(version) if isinstance(version, int) and version >= 0 else None
+    def record(self, version: int, *, fresh: bool = False) -> VersionRecord:
+        """A version's commit record; `fresh` reads it from the store even if it was seen before (a
+        store wiped and refilled by another run reuses version numbers)."""
+        ok = isinstance(version, int) and not isinstance(version, bool) and 0 <= version <= MAX_VERSION
+        rec = self._load_record(version, fresh) if ok else None
         if rec is None:
             raise VersionNotFoundError(f"no version {version} in store {self.uri}", version=version)
         return rec
@@ -344,82 +581,73 @@ class DeltaStore:
     def records(self) -> list[VersionRecord]:
         return [rec for v in self.versions() if (rec := self._load_record(v)) is not None]
 
-    def chain(self, version: int) -> list[VersionRecord]:
+    def _base_of(self, child: VersionRecord, fresh: bool) -> VersionRecord:
+        assert child.base is not None  # validated: a delta has a base
+        base = self._load_record(child.base, fresh)
+        if base is None:
+            raise MissingBaseError(
+                f"version {child.version} is a delta on version {child.base}, which is not in store {self.uri}",
+                version=child.base,
+            )
+        if child.base_checksum is not None and base.checksum != child.base_checksum:
+            raise IntegrityError(
+                f"delta {child.version} expects base checksum {child.base_checksum}, "
+                f"version {base.version} has {base.checksum}",
+                version=child.version,
+            )
+        return base
+
+    def chain(self, version: int, *, fresh: bool = False) -> list[VersionRecord]:
         """Records to replay to build `version`: its anchor first, `version` last."""
-        chain = [self.record(version)]
+        chain = [self.record(version, fresh=fresh)]
         while chain[-1].kind == "delta":  # bases strictly decrease, so this ends
-            child = chain[-1]
-            assert child.base is not None  # validated: a delta has a base
-            base = self._load_record(child.base)
-            if base is None:
-                raise MissingBaseError(
-                    f"version {child.version} is a delta on version {child.base}, which is not in store {self.uri}",
-                    version=child.base,
-                )
-            if child.base_checksum is not None and base.checksum != child.base_checksum:
-                raise IntegrityError(
-                    f"delta {child.version} expects base checksum {child.base_checksum}, "
-                    f"version {base.version} has {base.checksum}",
-                    version=child.version,
-                )
-            chain.append(base)
+            chain.append(self._base_of(chain[-1], fresh))
         return chain[::-1]
 
-    def plan(self, held: int | None, target: int) -> list[VersionRecord]:
-        """What a reader holding `held` applies, in order, to reach `target`."""
+    def plan(self, held: int | None, target: int, *, fresh: bool = False) -> list[VersionRecord]:
+        """What a reader holding `held` applies, in order, to reach `target`: the deltas after `held`
+        when `held` is on `target`'s chain below it, else `target`'s whole chain. Reads only what the
+        answer depends on (with `fresh`, from the store)."""
         if held is not None and held == target:
-            self.record(target)  # an unknown target is an error even for a no-op
+            self.record(target, fresh=fresh)  # an unknown target is an error even for a no-op
             return []
-        chain = self.chain(target)
-        if held is not None and held < target:
-            for i, rec in enumerate(chain):
-                if rec.version == held:
-                    return chain[i + 1 :]
-        return chain
+        chain = [self.record(target, fresh=fresh)]
+        while chain[-1].kind == "delta":
+            if held is not None and chain[-1].base == held:
+                break  # held's record and what lies below it are not needed
+            chain.append(self._base_of(chain[-1], fresh))
+        return chain[::-1]
 
-    def local_path(self, version: int) -> str:
-        """A local file holding a one-file version's data: the file itself, or a checked download."""
-        rec = self.record(version)
+    # -- data files --------------------------------------------------------------------------
+    def local_path(self, version: int, *, record: VersionRecord | None = None) -> str:
+        """A local file holding a one-file version's data: the file itself, or a verified download (of
+        the file `record` names, when given: the record a caller's decision was made on)."""
+        rec = record if record is not None else self.record(version)
         if rec.file is None:
             raise ValueError(f"version {version} has {len(rec.parts)} parts: use local_paths() or open()")
-        return self._local_file(rec, rec.file, rec.bytes)
+        return self._local_file(rec, rec.data_files[0])
 
-    def local_paths(self, version: int) -> list[str]:
-        """Local files holding the version's data (one, or one per part in part order), each checked."""
-        rec = self.record(version)
-        return [self._local_file(rec, f, n) for f, n in zip(rec.files, rec.sizes)]
+    def local_paths(self, version: int, *, record: VersionRecord | None = None) -> list[str]:
+        """Local files holding the version's data (one, or one per part in part order), each verified."""
+        rec = record if record is not None else self.record(version)
+        return [self._local_file(rec, d) for d in rec.data_files]
 
-    def _local_file(self, rec: VersionRecord, file: str, nbytes: int) -> str:
-        if self.is_local:
-            path = self._path(file)
-            try:
-                size = os.path.getsize(path)
-            except FileNotFoundError:
-                raise self._missing_data(rec, file) from None
-            self._check_size(rec, file, size, nbytes)
-            return path
-        folder = self._download_dir()
-        final = os.path.join(folder, _basename(file))
-        if os.path.exists(final) and os.path.getsize(final) == nbytes:
-            return final
-        # A unique temp name, then a rename: concurrent readers never see a partial download.
-        tmp = os.path.join(folder, f"{TMP_PREFIX}{secrets.token_hex(8)}-{_basename(file)}")
+    def _local_file(self, rec: VersionRecord, data: DataFile) -> str:
+        if not self.is_local:
+            return self._cached(rec, data)
+        path = self._path(data.file)
         try:
-            self.fs.get_file(self._path(file), tmp)
-            self._check_size(rec, file, os.path.getsize(tmp), nbytes)
-            os.replace(tmp, final)
+            size = os.path.getsize(path)
         except FileNotFoundError:
-            raise self._missing_data(rec, file) from None
-        finally:
-            if os.path.exists(tmp):
-                os.remove(tmp)
-        return final
+            raise self._missing_data(rec, data.file) from None
+        self._check_size(rec, data, size)
+        return path
 
-    def open(self, version: int) -> VersionLike:
+    def open(self, version: int, *, record: VersionRecord | None = None, fresh: bool = False) -> VersionLike:
         """The version's data, checked against its record: a `VersionFile` (one file) or a `Version`
         (several parts); both give `header`, `pieces(name)` and `dense(name)`."""
-        rec = self.record(version)
-        paths = self.local_paths(version)
+        rec = record if record is not None else self.record(version, fresh=fresh)
+        paths = self.local_paths(version, record=rec)
         vf: VersionLike
         if rec.file is not None:
             vf = VersionFile(paths[0], expect_version=version)
@@ -428,12 +656,15 @@ class DeltaStore:
             for i, (f, part) in enumerate(zip(files, rec.parts)):
                 info = f.header.part
                 if info is None or info.index != i or info.count != len(rec.parts) or info.checksum != part.checksum:
+                    for g in files:
+                        g.close()
                     raise IntegrityError(
                         f"data file {part.file} is not part {i} of {len(rec.parts)} with checksum {part.checksum}",
                         version=version,
                     )
             vf = Version(files, expect_version=version)
         if vf.header.checksum != rec.checksum or vf.header.kind != rec.kind:
+            vf.close()
             raise IntegrityError(
                 f"data of version {version} holds {vf.header.kind} with checksum {vf.header.checksum}, "
                 f"its record says {rec.kind} with {rec.checksum}",
@@ -441,20 +672,20 @@ class DeltaStore:
             )
         return vf
 
-    def _check_size(self, rec: VersionRecord, file: str, size: int, nbytes: int) -> None:
-        if size != nbytes:
+    def _check_size(self, rec: VersionRecord, data: DataFile, size: int) -> None:
+        if size != data.bytes:
             raise IntegrityError(
-                f"data file {file} holds {size} bytes, its record says {nbytes} (truncated or replaced)",
+                f"data file {data.file} holds {size} bytes, its record says {data.bytes} (truncated or replaced)",
                 version=rec.version,
             )
 
     def _missing_data(self, rec: VersionRecord, file: str) -> Exception:
         if not self._exists(self._record_path(rec.version)):
-            with self._lock:
-                self._records.pop(rec.version, None)
+            self._forget(rec.version)
             return VersionNotFoundError(f"version {rec.version} was removed from store {self.uri}", version=rec.version)
         return IntegrityError(f"record names data file {file}, which is missing", version=rec.version)
 
+    # -- the download cache (remote stores) -----------------------------------------------------
     def _download_dir(self) -> str:
         with self._lock:
             if self._cache_dir is None:
@@ -466,8 +697,85 @@ class DeltaStore:
         else:
             # One folder per store, so that a cache_dir shared by several stores never mixes them.
             folder = os.path.join(self._cache_dir, hashlib.sha256(self.uri.encode()).hexdigest()[:16])
-        os.makedirs(folder, exist_ok=True)
+        try:
+            os.makedirs(folder, exist_ok=True)
+        except OSError as exc:
+            raise CacheError(f"cannot use the download cache {folder}: {exc.strerror or exc}") from None
         return folder
+
+    def _verified_copy(self, path: str, data: DataFile) -> bool:
+        """Whether `path` holds the data file: its size, and its sha256 when the record has one
+        (hashed once per process while the file's size, mtime and inode stay the same)."""
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            return False
+        if st.st_size != data.bytes:
+            return False
+        if data.sha256 is None:
+            return True
+        stamp = (st.st_size, st.st_mtime_ns, st.st_ino)
+        with self._lock:
+            if self._verified.get(path) == stamp:
+                self._verified.move_to_end(path)
+                return True
+        if file_sha256(path) != data.sha256:
+            return False
+        with self._lock:
+            self._verified[path] = stamp
+            while len(self._verified) > RECORD_CACHE:
+                self._verified.popitem(last=False)
+        return True
+
+    def _cached(self, rec: VersionRecord, data: DataFile) -> str:
+        """A verified copy of one of the record's files in the cache: the one there, or a fresh download."""
+        folder = self._download_dir()
+        final = os.path.join(folder, _basename(data.file))
+        if self._verified_copy(final, data):
+            return final
+        if os.path.exists(final):
+            log.warning("%s: cached %s does not match its record: fetching it again", self.uri, final)
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(final)
+        # A unique temp name, then a rename: concurrent readers never see a partial download.
+        tmp = os.path.join(folder, f"{TMP_PREFIX}{secrets.token_hex(8)}-{_basename(data.file)}")
+        try:
+            self._cache_write(tmp, lambda: open(tmp, "wb").close())  # a read-only cache fails here, clearly
+            src = self._path(data.file)
+            try:
+                with self._remote(f"downloading {data.file}"):
+                    self.fs.invalidate_cache(src)
+                    self.fs.get_file(src, tmp, **self._kw(self.timeout_s + data.bytes / DOWNLOAD_MIN_BYTES_PER_S))
+            except FileNotFoundError:
+                raise self._missing_data(rec, data.file) from None
+            except OSError as exc:
+                if exc.errno in _CACHE_ERRNOS:
+                    raise CacheError(f"cannot write the download cache {folder}: {exc.strerror or exc}") from None
+                raise
+            self._check_size(rec, data, os.path.getsize(tmp))
+            if data.sha256 is not None and file_sha256(tmp) != data.sha256:
+                raise IntegrityError(
+                    f"data file {data.file} does not have the sha256 its record says (damaged or replaced)",
+                    version=rec.version,
+                )
+            self._cache_write(final, lambda: os.replace(tmp, final))
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(tmp)
+        if data.sha256 is not None:
+            st = os.stat(final)
+            with self._lock:
+                self._verified[final] = (st.st_size, st.st_mtime_ns, st.st_ino)
+        return final
+
+    @staticmethod
+    def _cache_write(path: str, write: Callable[[], object]) -> None:
+        try:
+            write()
+        except OSError as exc:
+            raise CacheError(
+                f"cannot write the download cache at {path}: {exc.strerror or exc} (nothing was applied)"
+            ) from None
 
     # -- writing -----------------------------------------------------------------------------
     def publish(self, header: VersionHeader, local_path: str, *, move: bool = False) -> VersionRecord:
@@ -495,6 +803,7 @@ class DeltaStore:
             checksum=header.checksum,
             base_checksum=header.base_checksum,
             created=header.created or time.time(),
+            sha256=file_sha256(local_path),
         )
         consumed = self._put_data(v, file, local_path, rec.bytes, move, token)
         try:
@@ -504,8 +813,7 @@ class DeltaStore:
             raise
         if move and not consumed:
             os.remove(local_path)
-        with self._lock:
-            self._records[v] = rec
+        self._remember(rec)
         return rec
 
     def put_part(self, header: VersionHeader, local_path: str, *, move: bool = False) -> PartRecord:
@@ -524,10 +832,11 @@ class DeltaStore:
         token = secrets.token_hex(8)
         file = f"{DATA_DIR}/{data_name(v, header.kind, token, part.index)}"
         nbytes = os.path.getsize(local_path)
+        sha256 = file_sha256(local_path)
         consumed = self._put_data(v, file, local_path, nbytes, move, token)
         if move and not consumed:
             os.remove(local_path)
-        return PartRecord(file=file, bytes=nbytes, checksum=part.checksum)
+        return PartRecord(file=file, bytes=nbytes, checksum=part.checksum, sha256=sha256)
 
     def commit_parts(
         self,
@@ -577,8 +886,9 @@ class DeltaStore:
                 if self.is_local:
                     size = os.path.getsize(path)
                 else:
-                    self.fs.invalidate_cache(path)
-                    size = self.fs.info(path)["size"]
+                    with self._remote(f"checking {part.file}"):
+                        self.fs.invalidate_cache(path)
+                        size = self.fs.info(path, **self._kw())["size"]
             except FileNotFoundError:
                 raise IntegrityError(f"part {part.file} is not in the store", version=version) from None
             if size != part.bytes:
@@ -587,15 +897,14 @@ class DeltaStore:
             _fsync(self._path(DATA_DIR), directory=True)
             os.makedirs(self._path(VERSIONS_DIR), exist_ok=True)
         self._commit_record(rec, secrets.token_hex(8))
-        with self._lock:
-            self._records[version] = rec
+        self._remember(rec)
         return rec
 
     def discard_parts(self, parts: Iterable[PartRecord]) -> None:
         """Remove uploaded parts of a version that is not committed (best effort)."""
         try:
             self._remove_data(p.file for p in parts)
-        except OSError as exc:
+        except (OSError, DeltaError) as exc:
             log.warning("%s: could not remove uncommitted parts (retain removes them later): %s", self.uri, exc)
 
     def _check_file_holds(self, header: VersionHeader, local_path: str) -> None:
@@ -616,12 +925,15 @@ class DeltaStore:
         data = self._path(file)
         if not self.is_local:
             # An S3 object (and a bucket file) becomes visible only when its upload completes.
-            self.fs.put_file(src, data)
-            self.fs.invalidate_cache(data)
-            size = self.fs.info(data)["size"]
-            if size != nbytes:
-                self.fs.rm_file(data)
-                raise IntegrityError(f"store kept {size} of {nbytes} bytes of {file}", version=version)
+            with self._remote(f"uploading {file}"):
+                # The deadline matters most here: a PUT to a frozen server waits forever for its
+                # `100 Continue` otherwise (aiohttp arms no timer for it).
+                self.fs.put_file(src, data, **self._kw(self.timeout_s + nbytes / DOWNLOAD_MIN_BYTES_PER_S))
+                self.fs.invalidate_cache(data)
+                size = self.fs.info(data, **self._kw())["size"]
+                if size != nbytes:
+                    self.fs.rm_file(data, **self._kw())
+                    raise IntegrityError(f"store kept {size} of {nbytes} bytes of {file}", version=version)
             return False
         data_dir = self._path(DATA_DIR)
         os.makedirs(data_dir, exist_ok=True)
@@ -650,10 +962,8 @@ class DeltaStore:
 
     def _remove_data(self, files: Iterable[str]) -> None:
         for file in files:
-            try:
-                self.fs.rm_file(self._path(file))
-            except FileNotFoundError:
-                pass
+            with self._remote(f"removing {file}"), contextlib.suppress(FileNotFoundError):
+                self.fs.rm_file(self._path(file), **self._kw())
 
     def _commit_record(self, rec: VersionRecord, token: str) -> None:
         if self.is_local:
@@ -693,7 +1003,8 @@ class DeltaStore:
         # one version can still race inside this window; the design has one publisher per store.
         if self._exists(self._record_path(rec.version)):
             raise VersionExistsError(f"version {rec.version} already exists in store {self.uri}", version=rec.version)
-        self.fs.pipe_file(self._record_path(rec.version), rec.to_json().encode())
+        with self._remote(f"writing {VERSIONS_DIR}/{record_name(rec.version)}"):
+            self.fs.pipe_file(self._record_path(rec.version), rec.to_json().encode(), **self._kw())
 
     # -- retention ---------------------------------------------------------------------------
     def retain(self, keep_anchors: int) -> list[int]:
@@ -724,13 +1035,10 @@ class DeltaStore:
 
     def _delete(self, rec: VersionRecord) -> None:
         for path in (self._record_path(rec.version), *(self._path(f) for f in rec.files)):
-            try:
-                self.fs.rm_file(path)
-            except FileNotFoundError:
-                pass
+            with self._remote(f"deleting {path}"), contextlib.suppress(FileNotFoundError):
+                self.fs.rm_file(path, **self._kw())
             if path.endswith(".json"):
-                with self._lock:
-                    self._records.pop(rec.version, None)
+                self._forget(rec.version)
         self.prune_cache(keep=(), versions=[rec.version])
 
     def _remove_leftovers(self) -> None:
@@ -745,24 +1053,84 @@ class DeltaStore:
                 mtime = _modified(entry)
                 if mtime is not None and mtime < cutoff:
                     log.info("%s: removing leftover %s/%s", self.uri, folder, name)
-                    try:
-                        self.fs.rm_file(entry["name"])
-                    except FileNotFoundError:
-                        pass
+                    with self._remote(f"deleting {folder}/{name}"), contextlib.suppress(FileNotFoundError):
+                        self.fs.rm_file(entry["name"], **self._kw())
 
-    def prune_cache(self, keep: Iterable[int] = (), versions: Iterable[int] | None = None) -> list[str]:
-        """Delete downloaded copies (remote stores) of `versions` (default: all) except `keep`."""
+    def _cache_files(self) -> list[os.DirEntry]:
         if self.is_local or self._cache_dir is None:
             return []
-        folder = self._download_dir()
-        keep, only = set(keep), None if versions is None else set(versions)
-        removed = []
-        for name in os.listdir(folder):
-            m = _DATA_NAME.match(name)
-            if m and int(m.group(1)) not in keep and (only is None or int(m.group(1)) in only):
-                os.remove(os.path.join(folder, name))
-                removed.append(name)
+        try:
+            return [e for e in os.scandir(self._download_dir()) if e.is_file(follow_symlinks=False)]
+        except (FileNotFoundError, CacheError):
+            return []
+
+    def cache_bytes(self) -> int:
+        """Bytes this store's download cache holds (0 for local stores)."""
+        total = 0
+        for e in self._cache_files():
+            with contextlib.suppress(FileNotFoundError):
+                total += e.stat(follow_symlinks=False).st_size
+        return total
+
+    def prune_cache(
+        self,
+        keep: Iterable[int] = (),
+        versions: Iterable[int] | None = None,
+        *,
+        max_bytes: int | None = None,
+        protect: Iterable[int] = (),
+    ) -> list[str]:
+        """Delete downloaded copies (remote stores) of `versions` (default: all) except `keep`, and temp
+        downloads nobody has touched for TMP_STALE_S (a killed process's partial files). Then, with
+        `max_bytes`, delete kept copies too, oldest version first, until the cache fits, except those
+        of `protect` (a staged update's). Returns the deleted names."""
+        keep, protect, only = set(keep), set(protect), None if versions is None else set(versions)
+        removed, kept = [], []
+        stale = time.time() - TMP_STALE_S
+        for e in self._cache_files():
+            try:
+                st = e.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            m = _DATA_NAME.match(e.name)
+            if e.name.startswith(TMP_PREFIX):
+                drop = st.st_mtime < stale
+            elif m:
+                v = int(m.group(1))
+                drop = v not in keep and (only is None or v in only)
+                if not drop:
+                    kept.append((v, e.path, e.name, st.st_size))
+            else:
+                continue
+            if drop and self._unlink(e.path):
+                removed.append(e.name)
+        if max_bytes is not None:
+            total = sum(size for *_, size in kept)
+            for v, path, name, size in sorted(kept):
+                if total <= max_bytes:
+                    break
+                if v in protect:
+                    continue
+                if self._unlink(path):
+                    removed.append(name)
+                    total -= size
+            if total > max_bytes:
+                log.warning(
+                    "%s: the download cache holds %d bytes (cap %d): all of it is in use", self.uri, total, max_bytes
+                )
         return removed
+
+    def _unlink(self, path: str) -> bool:
+        try:
+            os.remove(path)
+        except FileNotFoundError:
+            return False
+        except OSError as exc:  # a read-only cache: nothing to prune, and nothing new lands there either
+            log.warning("%s: cannot prune %s: %s", self.uri, path, exc.strerror or exc)
+            return False
+        with self._lock:
+            self._verified.pop(path, None)
+        return True
 
     # -- assets ------------------------------------------------------------------------------
     def _asset_path(self, name: str) -> str:
@@ -775,7 +1143,8 @@ class DeltaStore:
         """Store a small file (config.json, tokenizer files) atomically, replacing an older one."""
         path = self._asset_path(name)
         if not self.is_local:
-            self.fs.pipe_file(path, bytes(data))
+            with self._remote(f"writing {ASSETS_DIR}/{name}"):
+                self.fs.pipe_file(path, bytes(data), **self._kw())
             return
         folder = os.path.dirname(path)
         os.makedirs(folder, exist_ok=True)
@@ -792,15 +1161,16 @@ class DeltaStore:
 
     def get_asset(self, name: str) -> bytes:
         try:
-            return self.fs.cat_file(self._asset_path(name))
+            return self._cat(self._asset_path(name), f"reading {ASSETS_DIR}/{name}")
         except FileNotFoundError:
             raise FileNotFoundError(f"no asset {name!r} in store {self.uri}") from None
 
     def assets(self) -> list[str]:
         folder = self._path(ASSETS_DIR)
-        self.fs.invalidate_cache(folder)
         try:
-            paths = self.fs.find(folder)
+            with self._remote(f"listing {ASSETS_DIR}/"):
+                self.fs.invalidate_cache(folder)
+                paths = self.fs.find(folder, **self._kw())
         except FileNotFoundError:
             return []
         names = [p[len(folder) + 1 :] for p in paths if p.startswith(folder + "/")]

@@ -344,3 +344,21 @@ def test_hf_view_roundtrip():
         apply_diffs(torch.tensor([32767], dtype=torch.int16), torch.tensor([1])),
         torch.tensor([-32768], dtype=torch.int16),
     )
+
+
+def test_a_version_of_another_dtype_is_refused_even_at_the_same_element_size(tmp_path):
+    """float16 bits written into bf16 parameters would pass an element-size check, and the checksum (over
+    bits) would agree with the version's header: the engine compares real dtypes."""
+    from vllm_delta.errors import ShapeMismatchError
+
+    shapes = {"w": (8, 16), "n": (16,)}
+    targets = {"w": torch.zeros(8, 16, dtype=torch.bfloat16), "n": torch.ones(16, dtype=torch.bfloat16)}
+    engine = ApplyEngine(targets, Layout.identity(shapes), torch.device("cpu"))
+    anchor = {"w": torch.randn(8, 16).to(torch.float16), "n": torch.ones(16, dtype=torch.float16)}
+    path = str(tmp_path / "f16.safetensors")
+    header = write_anchor(path, 1, anchor)
+    with pytest.raises(ShapeMismatchError, match=r"dtype F16 .* tensor 'w'"):
+        engine.check_header(header)
+    with pytest.raises(ShapeMismatchError, match="dtype F16"):
+        engine.stage([VersionFile(path)])
+    assert torch.equal(targets["w"], torch.zeros(8, 16, dtype=torch.bfloat16))  # nothing written

@@ -209,11 +209,18 @@ def task_plain_checkpoint(args: dict) -> dict:
 
 
 def task_refuse(args: dict) -> dict:
-    try:
-        make_llm(args["model"], args["store"], args["version"])
-    except Exception as exc:  # noqa: BLE001 - the point: what did start-up raise?
-        return {"started": False, "error": f"{type(exc).__name__}: {exc}"}
-    return {"started": True}
+    """One store, or several (`cases`: [{"store", "version"}, ...]) tried one after another in this process."""
+    cases = args.get("cases") or [{"store": args["store"], "version": args["version"]}]
+    results = []
+    for case in cases:
+        try:
+            make_llm(args["model"], case["store"], case["version"])
+        except Exception as exc:  # noqa: BLE001 - the point: what did start-up raise?
+            results.append({"started": False, "error": f"{type(exc).__name__}: {exc}"})
+        else:
+            results.append({"started": True})
+        gc.collect()
+    return results[0] if "cases" not in args else {"cases": results}
 
 
 def task_plain(args: dict) -> dict:

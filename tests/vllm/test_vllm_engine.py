@@ -3,14 +3,21 @@ tensors forced through vLLM's sparse path, and a start-up that must be refused."
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
+import torch
 from craft import flip_tail_bytes
-from vllm_helpers import private_store, run_engine_script
+from vllm_helpers import LLAMA, private_store, run_engine_script
 
+from vllm_delta.checksums import tensor_sum
+from vllm_delta.format import write
+from vllm_delta.reconstruct import replay
 from vllm_delta.store import DeltaStore
 from vllm_delta.testing.models import PROMPTS
+from vllm_delta.testing.runs import publish_run
+from vllm_delta.writer import encode_anchor
 
 pytestmark = pytest.mark.vllm
 
@@ -73,6 +80,32 @@ def test_a_damaged_version_refuses_to_start(llama_run, tmp_path):
     res = run_engine_script({"task": "refuse", "model": llama_run.model_dir, "store": store, "version": 5})
     assert res["started"] is False
     assert "ChecksumMismatchError" in res["error"] or "checksum" in res["error"], res["error"]
+
+
+def test_a_version_that_does_not_fit_the_model_refuses_to_start(llama_run, tmp_path):
+    """Another model's shapes (the model's own loader fails), or the same model in float16 (vLLM's loader
+    would convert it silently): refused with the store, the version and the tensor named."""
+    wider = publish_run(str(tmp_path / "wider"), dataclasses.replace(LLAMA, intermediate_size=384), steps=0)
+    f16_store = str(tmp_path / "f16")
+    _, tensors = replay(DeltaStore(llama_run.store), 2, progress=False)
+    tensors = {n: t.to(torch.float16) for n, t in tensors.items()}
+    header, payload = encode_anchor(7, tensors, {n: tensor_sum(t) for n, t in tensors.items()})
+    write(str(tmp_path / "f16.safetensors"), header, payload)
+    DeltaStore(f16_store).publish(header, str(tmp_path / "f16.safetensors"))
+    res = run_engine_script(
+        {
+            "task": "refuse",
+            "model": llama_run.model_dir,
+            "cases": [{"store": wider.store, "version": 0}, {"store": f16_store, "version": "latest"}],
+        }
+    )
+    shape, dtype = res["cases"]
+    assert shape["started"] is False and dtype["started"] is False
+    for case, store, version in ((shape, wider.store, 0), (dtype, f16_store, 7)):
+        assert "ShapeMismatchError" in case["error"], case["error"]
+        assert f"version {version} of store {store}" in case["error"], case["error"]
+        assert "tensor 'model." in case["error"], case["error"]
+    assert "dtype F16" in dtype["error"], dtype["error"]
 
 
 def test_plain_checkpoint_server_and_native_backend(llama_run, llama_fresh, tmp_path):

@@ -351,3 +351,46 @@ def test_quantized_models_are_refused():
     int_model.w = torch.nn.Parameter(torch.zeros(4, dtype=torch.int8), requires_grad=False)
     with pytest.raises(UnsupportedModelError, match="int8"):
         check_supported(int_model)
+
+
+# -- the service's deadline and status while busy (a fake engine, a slow store) ---------------------
+def test_update_deadline_and_status_while_busy(llama_run, tmp_path):
+    import asyncio
+    import time
+
+    from vllm_delta.errors import StoreTimeoutError
+    from vllm_delta.vllm.messages import RankSums, WorkerStatus
+    from vllm_delta.vllm.options import StoreSpec
+    from vllm_delta.vllm.service import DeltaService
+
+    class FakeEngine:
+        async def collective_rpc(self, name, timeout=None, kwargs=None):
+            if name == "delta_status":
+                return [WorkerStatus(0, 0, llama_run.checksums[0], True).to_wire()]
+            if name == "delta_live_sums":
+                return [RankSums(0, {"w": 7}).to_wire()]
+            raise AssertionError(f"unexpected RPC {name}")
+
+    class SlowStore(DeltaStore):
+        def local_path(self, version, *, record=None):
+            time.sleep(2.0)  # a store that answers, slowly
+            return super().local_path(version, record=record)
+
+    async def scenario():
+        svc = DeltaService(FakeEngine(), StoreSpec(llama_run.store, update_timeout_s=0.5))
+        svc._store = SlowStore(llama_run.store)
+        idle = await svc.status()
+        assert idle.version == 0 and idle.update_in_progress is None
+        task = asyncio.create_task(svc.update(UpdateRequest(1)))
+        await asyncio.sleep(0.1)
+        t0 = time.monotonic()
+        busy = await svc.status()  # answers at once, from the last state known
+        assert time.monotonic() - t0 < 0.1
+        assert busy.update_in_progress is not None and busy.update_in_progress.version == 1
+        assert (busy.version, busy.checksum) == (idle.version, idle.checksum)
+        with pytest.raises(StoreTimeoutError, match="did not reach its pause within"):
+            await task
+        assert svc.in_progress is None and svc.last_failure.status == 504
+        assert (await svc.status()).last_failure.type == "StoreTimeoutError"
+
+    asyncio.run(scenario())

@@ -197,12 +197,20 @@ class ApplyEngine:
                 f"shape {entry.shape} != model shape {list(shape)}", version=header.version, tensor=name
             )
         for seg in self.layout.segments.get(name, ()):
-            if self.flats[seg.target].element_size() != entry.torch_dtype.itemsize:
+            # Real dtypes, not element sizes: float16 bits written into a bf16 parameter would pass a
+            # size check, and the checksum (over bits) would agree with the version's header.
+            if self.targets[seg.target].dtype != entry.torch_dtype:
                 raise ShapeMismatchError(
                     f"dtype {entry.dtype} does not match the model's {self.targets[seg.target].dtype}",
                     version=header.version,
                     tensor=name,
                 )
+
+    def check_header(self, header: VersionHeader) -> None:
+        """Every tensor of a version fits the model (name, shape, dtype): ShapeMismatchError or
+        UnsupportedModelError naming the first that does not."""
+        for name, entry in header.tensors.items():
+            self._check_entry(header, name, entry)
 
     def _stream_ctx(self):
         return torch.cuda.stream(self._stream) if self._stream is not None else _nullctx()
@@ -220,8 +228,7 @@ class ApplyEngine:
             h = vf.header
             if h.kind == "delta":
                 codecs.get_codec(h.codec or "", {"version": h.version})
-            for name, entry in h.tensors.items():
-                self._check_entry(h, name, entry)
+            self.check_header(h)
         staged = StagedUpdate(
             versions=[vf.version for vf in files],
             header=files[-1].header,

@@ -67,3 +67,88 @@ def publish_run(
         run.kinds[info.version] = info.kind
         run.nnz[info.version] = info.nnz
     return run
+
+
+class LiveRun:
+    """A trainer that keeps publishing: a tiny model with fp32 master weights and one AdamW optimizer,
+    each `step()` one optimizer step on random tokens, published (and flushed) as the next version.
+
+        run = LiveRun(uri, TinyModelSpec(), model_dir=..., storage_options=..., anchor_every=4)
+        run.publish()          # version 0, the initial weights
+        info = run.step()      # version 1, ...
+        run.checksums[1]       # vllm_delta.checksum of the trainer's bf16 weights at version 1
+
+    Used by the fault tests and the soak benchmark (a server follows the run while it is published).
+    """
+
+    def __init__(
+        self,
+        uri: str,
+        spec: TinyModelSpec | None = None,
+        *,
+        model_dir: str | None = None,
+        storage_options: dict | None = None,
+        anchor_every: int = 4,
+        lr: float = 1e-6,
+        seed: int = 0,
+        codec: str = "compact",
+    ):
+        import torch
+
+        from ..trainer import Publisher
+        from .training import build_master_model
+
+        self.spec = spec or TinyModelSpec()
+        self.seed = seed
+        self.lr = lr
+        self.model = build_master_model(self.spec, seed=seed)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=0.01)
+        self.model_dir = model_dir
+        if model_dir is not None:
+            save_tiny_model(self.model, model_dir, weights=False)
+        self.publisher = Publisher(uri, anchor_every=anchor_every, codec=codec, storage_options=storage_options)
+        self.checksums: dict[int, str] = {}
+        self.kinds: dict[int, str] = {}
+        self.version: int | None = None  # the last published version
+        self.steps = 0
+
+    def publish(self, version: int | None = None):
+        """Publish the current weights (the next version, or `version`) and wait until it is visible."""
+        from ..checksums import checksum
+        from .training import bf16_image
+
+        info = self.publisher.publish(self.model, version=version)
+        self.publisher.flush()
+        expected = checksum(bf16_image(self.model))
+        if info.checksum != expected:
+            raise AssertionError(f"publisher checksum {info.checksum} != {expected}")
+        self.checksums[info.version] = info.checksum
+        self.kinds[info.version] = info.kind
+        self.version = info.version
+        return info
+
+    def step(self, version: int | None = None, lr: float | None = None):
+        """One AdamW step on random tokens, then `publish`."""
+        import torch
+
+        self.steps += 1
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + self.steps)
+        tokens = torch.randint(0, self.spec.vocab_size, (4, 32), generator=gen)
+        if lr is not None:
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+        self.model.train()
+        loss = self.model(input_ids=tokens, labels=tokens).loss
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        self.optimizer.step()
+        return self.publish(version)
+
+    def close(self) -> None:
+        self.publisher.close()
+
+    def __enter__(self) -> LiveRun:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -4,13 +4,21 @@
         store = DeltaStore(s3.uri("run1"), storage_options=s3.storage_options)
 
 The server serves a local directory (`s3.root`, a temp dir unless given); its bucket is a folder
-in it, created before the server starts. Nothing is fetched from the network.
+in it, created before the server starts. Nothing is fetched from the network. For fault tests the
+server can be taken down and brought back on the same port and directory (`down`, `up`), or frozen
+(`freeze`: SIGSTOP, connections are accepted but never answered; `thaw`: SIGCONT).
+
+rclone (1.75) returns the whole object's CRC32 on ranged GETs, which botocore refuses
+(FlexibleChecksumError) on every object that s3fs downloads in ranges (over 50 MiB): clients of this
+server (and of any S3 server with that bug) need
+`config_kwargs={"response_checksum_validation": "when_required"}`, as in `storage_options`.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -49,6 +57,7 @@ def free_port() -> int:
 
 def _stop_process(proc: subprocess.Popen, log) -> None:
     if proc.poll() is None:
+        proc.send_signal(signal.SIGCONT)  # a frozen process would not act on SIGTERM
         proc.terminate()
         try:
             proc.wait(timeout=10)
@@ -92,23 +101,35 @@ class S3Server:
             "key": self.access_key,
             "secret": self.secret_key,
             "client_kwargs": {"endpoint_url": self.endpoint_url, "region_name": "us-east-1"},
+            "config_kwargs": {"response_checksum_validation": "when_required"},
         }
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
 
     def uri(self, prefix: str = "") -> str:
         return f"s3://{self.bucket}/{prefix}".rstrip("/")
 
     def start(self) -> S3Server:
+        return self._start(None)
+
+    def _start(self, port: int | None) -> S3Server:
         if self._proc is not None:
             return self
         os.makedirs(os.path.join(self.root, self.bucket), exist_ok=True)
         rclone = find_rclone()
         # A config and cache of our own: never read or touch the user's rclone.conf or ~/.cache.
-        self._work = tempfile.mkdtemp(prefix="vllm-delta-rclone-")
+        if self._work is None:
+            self._work = tempfile.mkdtemp(prefix="vllm-delta-rclone-")
         config = os.path.join(self._work, "rclone.conf")
         open(config, "w").close()
         last_error = ""
-        for _attempt in range(3):  # the free port may be taken between probing and binding
-            self.port = free_port()
+        for attempt in range(3 if port is None else 20):  # the free port may be taken between probing and binding
+            if port is None:
+                self.port = free_port()
+            elif attempt:
+                time.sleep(0.25)  # the same port again: it may still be held briefly
             log = tempfile.TemporaryFile()
             proc = subprocess.Popen(
                 [
@@ -136,9 +157,33 @@ class S3Server:
             log.seek(0)
             last_error = log.read()[-2000:].decode(errors="replace")
             _stop_process(proc, log)
-        shutil.rmtree(self._work, ignore_errors=True)
-        self._work = None
+        if port is None:
+            shutil.rmtree(self._work, ignore_errors=True)
+            self._work = None
         raise RuntimeError(f"rclone serve s3 did not start: {last_error}")
+
+    # -- faults ---------------------------------------------------------------------------------
+    def down(self) -> None:
+        """Stop the server process; the directory and the port are kept for `up`."""
+        if self._finalizer is not None:
+            self._finalizer()
+            self._finalizer = None
+        self._proc = None
+
+    def up(self) -> S3Server:
+        """Start the server again on the same port, serving the same directory."""
+        if self.port is None:
+            return self.start()
+        return self._start(self.port)
+
+    def freeze(self) -> None:
+        """SIGSTOP: the listening socket keeps accepting connections, nothing is answered."""
+        if self._proc is not None:
+            os.kill(self._proc.pid, signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        if self._proc is not None:
+            os.kill(self._proc.pid, signal.SIGCONT)
 
     def _wait_ready(self, proc: subprocess.Popen) -> bool:
         deadline = time.monotonic() + self.startup_timeout

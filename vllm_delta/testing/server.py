@@ -36,6 +36,13 @@ class ServerError(RuntimeError):
     pass
 
 
+def _killpg(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass
+
+
 class VllmServer:
     def __init__(
         self,
@@ -127,7 +134,9 @@ class VllmServer:
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise ServerError(f"vLLM server exited with {self.proc.returncode} during start-up:\n{self.log_tail()}")
+                code = self.proc.returncode
+                self.stop()  # its engine core may still be alive
+                raise ServerError(f"vLLM server exited with {code} during start-up:\n{self.log_tail()}")
             try:
                 if self.get("/health", timeout=2).status_code == 200:
                     return self
@@ -140,19 +149,18 @@ class VllmServer:
     def stop(self, timeout: float = 30.0) -> None:
         if self.proc is None:
             return
+        # The server runs in its own session (start_new_session): its process group id is its pid, and
+        # its engine core and workers are in that group, even when the API server itself has died
+        # (a crash, a SIGKILL, a failed start-up): they are stopped in every case.
+        pgid = self.proc.pid
         if self.proc.poll() is None:
-            # The server's own session: its engine core and workers go with it.
-            pgid = os.getpgid(self.proc.pid)
-            os.killpg(pgid, signal.SIGTERM)
+            _killpg(pgid, signal.SIGTERM)
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
-                os.killpg(pgid, signal.SIGKILL)
+                _killpg(pgid, signal.SIGKILL)
                 self.proc.wait(10)
-            try:  # children that outlived the API server
-                os.killpg(pgid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        _killpg(pgid, signal.SIGKILL)  # children that outlived the API server
         self._log.close()
         self.proc = None
 
@@ -161,6 +169,38 @@ class VllmServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+    def pids(self) -> list[int]:
+        """The server's processes: the API server and everything in its process group (engine core,
+        workers, multiprocessing's resource tracker)."""
+        if self.proc is None:
+            return []
+        out = []
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    with open(f"/proc/{entry}/stat") as f:
+                        fields = f.read().rsplit(")", 1)[1].split()
+                except OSError:
+                    continue
+                if int(fields[2]) == self.proc.pid and fields[0] != "Z":  # pgrp; zombies are gone already
+                    out.append(int(entry))
+        return sorted(out)
+
+    def rss(self) -> dict[int, tuple[str, int]]:
+        """Resident memory of each of the server's processes: pid -> (name, bytes)."""
+        page = os.sysconf("SC_PAGE_SIZE")
+        out = {}
+        for pid in self.pids():
+            try:
+                with open(f"/proc/{pid}/statm") as f:
+                    pages = int(f.read().split()[1])
+                with open(f"/proc/{pid}/comm") as f:
+                    name = f.read().strip()
+            except OSError:
+                continue
+            out[pid] = (name, pages * page)
+        return out
 
     def log_tail(self, n: int = 60) -> str:
         try:

@@ -14,6 +14,7 @@ every native backend (vLLM's /pause and /resume, or `LLM` being synchronous).
 
 from __future__ import annotations
 
+import logging
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,11 +27,14 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from ..checksums import Sums, verify_partials
+from ..errors import http_status
 from . import dist
 from .options import StoreSpec, server_store
 from .plan import plan_update
 from .replica import replica_of
 from .worker import open_store
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -75,11 +79,16 @@ class DeltaWeightTransferEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateI
         replica = replica_of(self.model)
         target = store.resolve(update_info.version)
         if not replica.prepared:  # every rank gets here together: the probe's exchange is collective
-            replica.prepare({n: tuple(e.shape) for n, e in store.open(target).header.tensors.items()})
+            replica.prepare({n: tuple(e.shape) for n, e in store.open(target, fresh=True).header.tensors.items()})
         plan = plan_update(store, replica.served.version, replica.served.checksum, target, update_info.allow_reanchor)
         if not plan.versions:
             return
-        files = [store.open(v) for v in plan.versions]
+        try:
+            files = [store.open(r.version, record=r) for r in plan.records]
+        except Exception as exc:
+            if http_status(exc) == 422:  # a damaged copy must not stay in the cache
+                store.prune_cache(versions=plan.versions)
+            raise
         ticket = uuid.uuid4().hex
         # Stage everywhere, then agree: every rank raises the same error if any rank failed.
         error: BaseException | None = None
@@ -105,5 +114,15 @@ class DeltaWeightTransferEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateI
             if not all(dist.all_gather_object(ok)):
                 replica.rollback(ticket)
                 raise error or RuntimeError("the update failed on another rank; every rank rolled back")
+        except Exception as exc:
+            if http_status(exc) == 422:
+                store.prune_cache(versions=plan.versions)
+            raise
         finally:
             replica.release(ticket)
+        if replica.rank == 0:  # the ranks of a host share the cache: keep the served version's chain
+            try:
+                keep = [r.version for r in store.chain(plan.target)]
+                store.prune_cache(keep, max_bytes=self.spec.cache_max_bytes)
+            except Exception as exc:  # noqa: BLE001 - pruned next time
+                log.warning("vllm-delta: pruning the download cache failed: %s", exc)

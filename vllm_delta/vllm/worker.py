@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..errors import UnsupportedModelError
+from ..store import VersionRecord
 from .messages import (
     Committed,
     Json,
@@ -91,7 +92,7 @@ def delta_prepare(self: Any, store: dict[str, Any], version: int) -> Json:
     r = _replica(self)
     if r.prepared:
         return Prepared(r.fallback_names).to_wire()
-    header = open_store(store).open(version).header
+    header = open_store(store).open(version, fresh=True).header
     shapes = {n: tuple(e.shape) for n, e in header.tensors.items()}
     fallback = r.prepare(shapes)
     if fallback:
@@ -117,11 +118,24 @@ def delta_served_sums(self: Any) -> Json:
 
 @_reports_errors
 def delta_stage_start(
-    self: Any, ticket: str, store: dict[str, Any], versions: list[int], method: str = "delta"
+    self: Any,
+    ticket: str,
+    store: dict[str, Any],
+    versions: list[int],
+    method: str = "delta",
+    records: list[str] | None = None,
 ) -> Json:
+    """Stage `versions` on a background thread. `records`: their commit records (JSON) as the API process
+    read them for this update's decision; each file is opened and checked against them."""
     r = _replica(self)
     st = open_store(store)
-    r.stage_start(ticket, versions, lambda: [st.open(v) for v in versions], method=method)
+    if records is not None:
+        recs = [VersionRecord.from_json(text) for text in records]
+        if [rec.version for rec in recs] != list(versions):
+            raise ValueError(f"records of versions {[rec.version for rec in recs]} for versions {versions}")
+        r.stage_start(ticket, versions, lambda: [st.open(rec.version, record=rec) for rec in recs], method=method)
+    else:
+        r.stage_start(ticket, versions, lambda: [st.open(v, fresh=True) for v in versions], method=method)
     return StageStarted(ticket).to_wire()
 
 

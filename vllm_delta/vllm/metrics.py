@@ -1,0 +1,90 @@
+"""Prometheus metrics of the plugin, served on vLLM's own `/metrics` (API process only).
+
+vLLM's `/metrics` exports prometheus_client's default `REGISTRY` (with `PROMETHEUS_MULTIPROC_DIR`,
+i.e. several API servers, the multiprocess files: Gauges say `multiprocess_mode`). The metrics are
+created once per process, on first use (creating one twice raises in prometheus_client). Names start
+with `vllm_delta_`, never `vllm:` (vLLM unregisters every collector named `vllm:*` when its stat
+logger starts). Labels carry error class names and status codes only: `/metrics` is not behind
+`--api-key`, so no store URI, path or secret goes into a label.
+
+    vllm_delta_served_version                     gauge: the store version the server serves
+    vllm_delta_updates_total{outcome}             applied | unchanged (already served) | failed
+    vllm_delta_failures_total{operation,type,status}   update | stage; error class; HTTP status
+    vllm_delta_update_in_progress                 gauge: 1 while an update or prefetch runs
+    vllm_delta_pause_seconds, _apply_seconds, _stage_seconds   histograms (applied updates)
+    vllm_delta_update_bytes, _update_changed_elements          histograms (applied updates)
+    vllm_delta_cache_bytes                        gauge: the download cache of the server's store
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+_TIME_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
+_SIZE_BUCKETS = tuple(float(4**k) for k in range(4, 18))  # 256 .. 2^34
+
+
+class Metrics:
+    def __init__(self) -> None:
+        from prometheus_client import Counter, Gauge, Histogram
+
+        self.served_version = Gauge(
+            "vllm_delta_served_version", "Store version the server serves", multiprocess_mode="mostrecent"
+        )
+        self.updates = Counter("vllm_delta_updates", "update_weights calls by outcome", ["outcome"])
+        self.failures = Counter(
+            "vllm_delta_failures", "Failed updates and prefetches by error type", ["operation", "type", "status"]
+        )
+        self.in_progress = Gauge(
+            "vllm_delta_update_in_progress", "1 while an update or prefetch runs", multiprocess_mode="mostrecent"
+        )
+        self.pause = Histogram("vllm_delta_pause_seconds", "Pause to resume of applied updates", buckets=_TIME_BUCKETS)
+        self.apply = Histogram("vllm_delta_apply_seconds", "In-place writes (slowest rank)", buckets=_TIME_BUCKETS)
+        self.stage = Histogram("vllm_delta_stage_seconds", "Staging before the pause", buckets=_TIME_BUCKETS)
+        self.bytes = Histogram("vllm_delta_update_bytes", "File bytes of the applied versions", buckets=_SIZE_BUCKETS)
+        self.elements = Histogram(
+            "vllm_delta_update_changed_elements", "Changed elements the applied versions record", buckets=_SIZE_BUCKETS
+        )
+        self.cache_bytes = Gauge(
+            "vllm_delta_cache_bytes",
+            "Bytes in the download cache of the server's store",
+            multiprocess_mode="mostrecent",
+        )
+        for outcome in ("applied", "unchanged", "failed"):
+            self.updates.labels(outcome=outcome)  # exported at 0 from the start
+
+    def applied(self, result: Any) -> None:
+        self.updates.labels(outcome="applied").inc()
+        self.served_version.set(result.version)
+        self.pause.observe(result.pause_ms / 1e3)
+        self.apply.observe(result.apply_ms / 1e3)
+        self.stage.observe(result.stage_ms / 1e3)
+        self.bytes.observe(result.bytes)
+        self.elements.observe(result.nnz)
+
+    def failed(self, operation: str, type_name: str, status: int) -> None:
+        if operation == "update":
+            self.updates.labels(outcome="failed").inc()
+        self.failures.labels(operation=operation, type=type_name, status=str(status)).inc()
+
+
+_metrics: Metrics | None = None
+_unavailable = False
+_lock = threading.Lock()
+
+
+def metrics() -> Metrics | None:
+    """The process's metrics, created on first call; None without prometheus_client (never raises)."""
+    global _metrics, _unavailable
+    with _lock:
+        if _metrics is None and not _unavailable:
+            try:
+                _metrics = Metrics()
+            except Exception as exc:  # noqa: BLE001 - metrics must never break an update
+                _unavailable = True
+                log.warning("vllm-delta: no Prometheus metrics: %s", exc)
+        return _metrics
