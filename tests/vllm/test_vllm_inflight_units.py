@@ -74,7 +74,9 @@ def vllm_objects(llama_run, tmp_path_factory):
     kv_dir = tmp_path_factory.mktemp("kv")
     connector = config(
         kv_transfer_config=KVTransferConfig(
-            kv_connector="ExampleConnector", kv_role="kv_both", kv_connector_extra_config={"shared_storage_path": str(kv_dir)}
+            kv_connector="ExampleConnector",
+            kv_role="kv_both",
+            kv_connector_extra_config={"shared_storage_path": str(kv_dir)},
         )
     )
     spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=64, dtype=torch.bfloat16)
@@ -83,7 +85,9 @@ def vllm_objects(llama_run, tmp_path_factory):
     )
     hash_fn = get_hash_fn_by_name(plain.cache_config.prefix_caching_hash_algo)
     init_none_hash(hash_fn)
-    return SimpleNamespace(plain=plain, connector=connector, kv_config=kv_config, hasher=get_request_block_hasher(BLOCK, hash_fn))
+    return SimpleNamespace(
+        plain=plain, connector=connector, kv_config=kv_config, hasher=get_request_block_hasher(BLOCK, hash_fn)
+    )
 
 
 def make_core(objs, *, connector=False, executor=None, batch_queue=None):
