@@ -17,8 +17,9 @@ Every update is staged first (POST /v1/delta/stage, then a pause of `settle` sec
 CPU machine staging competes with the forward passes for the cores (on a GPU it runs on a side
 stream), so the window measured is the update call itself, which reuses the staged update.
 
-For each update: the largest gap between two streamed chunks of any stream that overlaps the request
-(next to the chunk intervals outside updates), the tokens per second all streams received from the
+For each update: the largest gap between two streamed chunks of one request, over all streams, that
+overlaps the update request (next to the chunk intervals outside updates; the wait between two
+requests of a stream is not counted), the tokens per second all streams received from the
 request's start to 0.5 s after its end, the requests preempted (vLLM's /metrics), and the server's own
 pause_ms / apply_ms / stage_ms. Per kind: the median / p99 / max of those gaps.
 
@@ -65,14 +66,6 @@ class Sample:
     server: dict
     preempted: float
     stage_ms: float | None = None
-
-
-def _gaps(arrivals: list[float], windows: list[tuple[float, float]], margin: float = 0.2) -> list[float]:
-    return [
-        (b - a) * 1e3
-        for a, b in zip(arrivals, arrivals[1:])
-        if all(b < t0 - margin or a > t1 + margin for t0, t1 in windows)
-    ]
 
 
 def _pick(values: list[float], q: float) -> float | None:
@@ -149,7 +142,7 @@ def measure(
         for c in clients:
             c.stop()
     windows = [(s.t0, s.t1 + AFTER_S) for s in samples]
-    steady = sorted(g for c in clients for g in _gaps(c.arrivals, windows))
+    steady = sorted(g for c in clients for g in c.steady_gaps_ms(windows))
     start = min(c.arrivals[0] for c in clients)
     end = max(c.arrivals[-1] for c in clients)
     outside = (end - start) - sum(t1 - t0 for t0, t1 in windows)
@@ -267,24 +260,43 @@ def save_png(result: dict, path: str) -> None:
     print(f"saved {path}")
 
 
-def spawn_and_measure(size: str, repeats: int, workdir: str, streams: int) -> dict:
+def published(size: str, steps: int, workdir: str):
+    """The benchmark's run: published into `workdir`, or reused from there (run.json)."""
     from vllm_delta.testing.models import TinyModelSpec
-    from vllm_delta.testing.runs import publish_run
-    from vllm_delta.testing.server import VllmServer
+    from vllm_delta.testing.runs import PublishedRun, publish_run
 
     spec = TinyModelSpec(arch="llama", **SIZES[size])
+    root, meta = os.path.join(workdir, "run"), os.path.join(workdir, "run.json")
+    if os.path.exists(meta):
+        with open(meta) as f:
+            saved = json.load(f)
+        if saved["size"] == size and len(saved["checksums"]) > steps:
+            run = PublishedRun(root, os.path.join(root, "model"), os.path.join(root, "store"), spec)
+            run.checksums = {int(k): v for k, v in saved["checksums"].items()}
+            run.nnz = {int(k): v for k, v in saved["nnz"].items()}
+            print(f"reusing {len(run.versions)} versions of a {size} model from {workdir}")
+            return run
     t0 = time.time()
+    run = publish_run(root, spec, steps=steps, anchor_every=10**6, lr=1e-6, seed=3)
+    print(f"published {len(run.versions)} versions of a {size} model in {time.time() - t0:.0f} s")
+    with open(meta, "w") as f:
+        json.dump({"size": size, "checksums": run.checksums, "nnz": run.nnz}, f)
+    return run
+
+
+def spawn_and_measure(size: str, repeats: int, workdir: str, streams: int) -> dict:
+    from vllm_delta.testing.server import VllmServer
+
     updates = sum(1 for k in KINDS if k in UPDATES)
-    run = publish_run(os.path.join(workdir, "run"), spec, steps=updates * repeats, anchor_every=10**6, lr=1e-6, seed=3)
-    print(
-        f"published {len(run.versions)} versions of a {size} model in {time.time() - t0:.0f} s; "
-        f"density {statistics.median(run.nnz[v] for v in run.versions[1:]) / run.nnz[0]:.2%}"
-    )
-    with VllmServer(run.model_dir, store=run.store, version=0, dev_mode=True, max_model_len=512) as srv:
-        result = measure(srv.base_url, run.model_dir, run.versions[1:], streams=streams)
+    run = published(size, updates * repeats, workdir)
+    versions = run.versions[1 : 1 + updates * repeats]
+    print(f"density {statistics.median(run.nnz[v] for v in versions) / run.nnz[0]:.2%}")
+    srv = VllmServer(run.model_dir, store=run.store, version=0, dev_mode=True, max_model_len=512, startup_timeout=900)
+    with srv:
+        result = measure(srv.base_url, run.model_dir, versions, streams=streams)
         status = srv.status()
-    if status["checksum"] != run.checksums[run.versions[-1]]:
-        raise AssertionError(f"server checksum {status['checksum']} != trainer's {run.checksums[run.versions[-1]]}")
+    if status["checksum"] != run.checksums[versions[-1]]:
+        raise AssertionError(f"server checksum {status['checksum']} != trainer's {run.checksums[versions[-1]]}")
     result["size"] = size
     result["params"] = run.nnz[0]
     return result
@@ -299,6 +311,7 @@ def main(argv=None) -> int:
     ap.add_argument("--size", choices=sorted(SIZES), default="small")
     ap.add_argument("--repeats", type=int, default=5, help="updates of each kind (without --url)")
     ap.add_argument("--streams", type=int, default=4, help="concurrent streaming clients")
+    ap.add_argument("--workdir", help="keep the published run here and reuse it on the next run")
     ap.add_argument("--json", help="write the raw result here")
     ap.add_argument("--png", default="pause_latency.png")
     args = ap.parse_args(argv)
@@ -312,8 +325,12 @@ def main(argv=None) -> int:
         versions = [int(v) for v in args.versions.split(",")]
         result = measure(args.url, model, versions, api_key=args.api_key, streams=args.streams)
     else:
-        with tempfile.TemporaryDirectory(prefix="pause-latency-") as workdir:
-            result = spawn_and_measure(args.size, args.repeats, workdir, args.streams)
+        if args.workdir:
+            os.makedirs(args.workdir, exist_ok=True)
+            result = spawn_and_measure(args.size, args.repeats, args.workdir, args.streams)
+        else:
+            with tempfile.TemporaryDirectory(prefix="pause-latency-") as workdir:
+                result = spawn_and_measure(args.size, args.repeats, workdir, args.streams)
     summary = summarize(result)
     result["summary"] = summary
     result["verdict"] = verdict(result, summary)

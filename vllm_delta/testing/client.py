@@ -31,23 +31,31 @@ class StreamedCompletion:
     finished: float = 0.0
 
 
-def max_gap_ms(arrivals: list[float], t0: float, t1: float) -> float:
-    """The longest interval between consecutive chunks that overlaps [t0, t1], in ms."""
+def _intervals(arrivals: list[float], firsts: set[int] | None) -> list[tuple[float, float]]:
+    """Consecutive chunk pairs, without those that span two requests (`firsts`: indices of the first
+    chunk of each request): the wait for a new request is not a stall of a running one."""
+    return [(a, b) for i, (a, b) in enumerate(zip(arrivals, arrivals[1:])) if not firsts or i + 1 not in firsts]
+
+
+def max_gap_ms(arrivals: list[float], t0: float, t1: float, firsts: set[int] | None = None) -> float:
+    """The longest interval between consecutive chunks (of one request) that overlaps [t0, t1], in ms."""
     best = 0.0
-    for a, b in zip(arrivals, arrivals[1:]):
+    for a, b in _intervals(arrivals, firsts):
         if b >= t0 and a <= t1:
             best = max(best, b - a)
     return best * 1e3
 
 
-def steady_gaps_ms(arrivals: list[float], windows: list[tuple[float, float]], margin: float = 0.2) -> dict[str, float]:
+def steady_gaps_ms(
+    arrivals: list[float], windows: list[tuple[float, float]], margin: float = 0.2, firsts: set[int] | None = None
+) -> dict[str, float]:
     """Chunk intervals away from every window (ms): the noise floor that update gaps stand on.
 
     Chunks often arrive several per network read, so the median is near zero; p99 and max say how
-    long the stream stalls by itself (scheduling noise, a new request's prefill)."""
+    long the stream stalls by itself (scheduling noise, other requests' prefills)."""
     out = sorted(
         (b - a) * 1e3
-        for a, b in zip(arrivals, arrivals[1:])
+        for a, b in _intervals(arrivals, firsts)
         if all(b < t0 - margin or a > t1 + margin for t0, t1 in windows)
     )
     if not out:
@@ -84,6 +92,7 @@ class StreamingClient:
         }
         self.arrivals: list[float] = []
         self.chunk_tokens: list[int] = []  # output tokens in each chunk (parallel to arrivals)
+        self.firsts: set[int] = set()  # indices into arrivals of each request's first chunk
         self.completed: list[StreamedCompletion] = []
         self.current: StreamedCompletion | None = None  # the request in progress
         self.errors: list[str] = []
@@ -120,7 +129,16 @@ class StreamingClient:
             time.sleep(0.05)
 
     def max_gap_ms(self, t0: float, t1: float) -> float:
-        return max_gap_ms(self.arrivals, t0, t1)
+        """The longest stall of a running request overlapping [t0, t1] (intervals between requests excluded)."""
+        return max_gap_ms(self.arrivals, t0, t1, self.firsts)
+
+    def steady_gaps_ms(self, windows: list[tuple[float, float]], margin: float = 0.2) -> list[float]:
+        """Chunk intervals within requests, away from every window (ms)."""
+        return [
+            (b - a) * 1e3
+            for a, b in _intervals(self.arrivals, self.firsts)
+            if all(b < t0 - margin or a > t1 + margin for t0, t1 in windows)
+        ]
 
     def tokens_between(self, t0: float, t1: float) -> int:
         """Output tokens that arrived in [t0, t1]."""
@@ -154,10 +172,14 @@ class StreamingClient:
                         time.sleep(0.2)
                         continue
                     self.current = cur = StreamedCompletion("", started=time.perf_counter())
+                    first = True
                     for line in r.iter_lines():
                         if line.startswith(b"data: ") and line != b"data: [DONE]":
                             now = time.perf_counter()
                             self.chunk_tokens.append(self._chunk(cur, line[6:]))
+                            if first:
+                                self.firsts.add(len(self.arrivals))
+                                first = False
                             self.arrivals.append(now)
                         if self._stop.is_set():
                             return
