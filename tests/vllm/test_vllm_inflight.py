@@ -127,7 +127,7 @@ def test_no_stale_prefix_hits_after_an_inflight_update(server, llama_run):
     staged = server.post("/v1/delta/stage", {"version": target, "allow_reanchor": True})
     assert staged.status_code == 200, staged.text  # so that the update below is just the commit
     assert greedy(server, [LONG_PROMPT, LONG_PROMPT])[1]["cached"] == 128
-    r_prompt = list(range(44, 144))  # 100 token ids
+    r_prompt = list(range(44, 108))  # 64 token ids: R's first block fills at its 64th output token
     r = StreamingClient(server.base_url, server.model, prompt=r_prompt, max_tokens=150)
     p0 = preemptions(server)
     r.start()
@@ -140,7 +140,7 @@ def test_no_stale_prefix_hits_after_an_inflight_update(server, llama_run):
         rid = f"{r.current.id}-0"
         assert rid in state["tainted"]
         switch = server.get("/v1/delta/timeline").json()["history"][-1]["switch"][rid]
-        assert 0 < switch < 28, "R's first block must fill after the update"
+        assert 0 < switch < 64, "R's first block must fill after the update"
         # LONG_PROMPT's cached first block was computed before the update: never read again.
         after = greedy(server, [LONG_PROMPT, LONG_PROMPT])
         assert [a["cached"] for a in after] == [0, 128]
@@ -150,8 +150,8 @@ def test_no_stale_prefix_hits_after_an_inflight_update(server, llama_run):
     assert not r.errors and len(r.completed) == 1
     done = r.completed[0]
     assert done.weight_versions == [[base, 0, switch], [target, switch, 150]]
-    # R's first block (prompt + 28 tokens) filled after the update: it must not be in the cache.
-    probe = r_prompt + done.tokens[:40]
+    # R's first block (prompt + 64 tokens) filled after the update: it must not be in the cache.
+    probe = r_prompt + done.tokens[:70]
     assert [g["cached"] for g in greedy(server, [probe, probe], max_tokens=1)] == [0, 128]
     assert preemptions(server) == p0
 

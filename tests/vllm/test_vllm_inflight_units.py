@@ -13,6 +13,7 @@ is built from the tiny Llama's config; the workers are a fake executor that scri
 
 from __future__ import annotations
 
+import json
 from collections import deque
 from types import SimpleNamespace
 
@@ -143,6 +144,47 @@ def test_preflight_refuses_a_kv_connector(vllm_objects):
     assert "KV connector" in reply["error"]["message"]
     assert core.model_executor.calls == []  # refused before any rank wrote anything
     assert enginecore.preflight(make_core(vllm_objects)) == []
+
+
+def test_a_refusal_reaches_the_client_as_409(vllm_objects, llama_run):
+    """The engine core's refusal, through the reserved name, the service and the route wrapper."""
+    import asyncio
+
+    from starlette.requests import Request as HttpRequest
+
+    from vllm_delta.errors import InflightRefusedError
+    from vllm_delta.vllm.api import route
+    from vllm_delta.vllm.options import StoreSpec
+    from vllm_delta.vllm.plan import UpdatePlan
+    from vllm_delta.vllm.service import DeltaService, Prefetched
+
+    class Core:  # the engine core as vLLM's utility dispatch sees it
+        def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+            raise AssertionError("a reserved name must not reach the workers")
+
+        def _attach_weight_version(self, outputs):
+            pass
+
+    enginecore.patch_engine_core(Core)
+    core = Core()
+    core.__dict__.update(make_core(vllm_objects, connector=True).__dict__)
+
+    class Client:  # EngineClient.collective_rpc -> EngineCore.collective_rpc
+        async def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+            return core.collective_rpc(method, timeout, args, kwargs)
+
+    service = DeltaService(Client(), StoreSpec(llama_run.store))
+    staged = Prefetched(0, UpdatePlan(1, [1], False), "t", "delta", [], 0.0)
+
+    @route
+    async def handler(request):
+        return await service.commit_inflight(staged)
+
+    answer = asyncio.run(handler(HttpRequest({"type": "http", "method": "POST", "path": "/", "headers": []})))
+    body = json.loads(answer.body)
+    assert answer.status_code == 409 and body["error"]["type"] == InflightRefusedError.__name__
+    assert "in-flight update refused" in body["error"]["message"] and "KV connector" in body["error"]["message"]
+    assert core.model_executor.calls == [] and core._weight_version == "3"
 
 
 def test_commit_drops_hashes_keeps_running_blocks_and_taints(vllm_objects):

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..checksums import Sums, add_sums, combine, to_hex, verify_partials
-from ..errors import DeltaError
+from ..errors import DeltaError, InflightRefusedError
 from . import enginecore
 from .messages import (
     INFLIGHT,
@@ -274,6 +274,8 @@ class DeltaService:
         )
         error = reply_error(replies[0])
         if error is not None:
+            if error.type == InflightRefusedError.__name__:
+                raise InflightRefusedError(error.message)
             raise error.to_error(None)
         return InflightCommitted.from_wire(replies[0])
 
