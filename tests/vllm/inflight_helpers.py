@@ -82,10 +82,14 @@ def updates_under_load(
     try:
         for c in clients:
             c.wait_for_tokens(4, timeout=120)
-        for version, extra in plan:
+        for i, (version, extra) in enumerate(plan):
+            if i % 2 == 0:  # every other update is prefetched: the update call is then just the commit
+                staged = server.post("/v1/delta/stage", {"version": version, **extra})
+                assert staged.status_code == 200, staged.text
             wait_until(mid_request, timeout=120, what="streams in the middle of their requests")
             res = server.update(version, mode="inflight", **extra)
             assert res["version"] == version and res["mode"] == "inflight", res
+            assert res["prefetched"] == (i % 2 == 0), res
             st = server.status()
             assert st["checksum"] == checksums[version], f"live weights differ from the trainer's at {version}"
             got = [g["text"] for g in greedy(server, prompts)]

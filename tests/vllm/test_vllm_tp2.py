@@ -102,7 +102,7 @@ def test_tp2_inflight_updates_while_clients_stream(server, qwen_run):
     assert not report.errors, report.errors
     assert not report.mismatches, report.mismatches
     assert report.preemptions == 0
-    assert sum(1 for res in report.updates if res["inflight"]["requests_running"]) >= len(plan) - 1
+    assert sum(1 for res in report.updates if res["inflight"]["requests_running"]) >= len(plan) - 2
     assert check_attribution(report) >= len(plan) // 2
     assert_serving(server, qwen_run, 5)
 

@@ -78,6 +78,7 @@ class StreamingClient:
         headers: dict[str, str] | None = None,
         prompt: str | list[int] = "once upon a time there was a",
         max_tokens: int = 48,
+        once: bool = False,
     ):
         self.base_url, self.model = base_url, model
         self.headers = dict(headers or {})
@@ -98,6 +99,8 @@ class StreamingClient:
         self.errors: list[str] = []
         self._stop = threading.Event()  # stop now, even in the middle of a request
         self._drain = threading.Event()  # start no new request
+        if once:  # one request, then stop
+            self._drain.set()
         self._thread = threading.Thread(target=self._run, name="streaming-client", daemon=True)
 
     def start(self) -> StreamingClient:
@@ -164,7 +167,9 @@ class StreamingClient:
         import requests
 
         url = self.base_url + "/v1/completions"
-        while not (self._stop.is_set() or self._drain.is_set()):
+        first_request = True
+        while not self._stop.is_set() and (first_request or not self._drain.is_set()):
+            first_request = False
             try:
                 with requests.post(url, json=self.body, headers=self.headers, stream=True, timeout=120) as r:
                     if r.status_code != 200:
