@@ -93,6 +93,12 @@ class UnsupportedModelError(DeltaError):
     http_status = 422
 
 
+class InflightRefusedError(DeltaError):
+    """An in-flight update (mode "inflight") cannot be made safe on this server; the message says why."""
+
+    http_status = 409
+
+
 class BadRequestError(DeltaError):
     """A malformed request: not JSON, nested too deeply, unknown or invalid fields."""
 

@@ -7,9 +7,8 @@ or in-process engines in a subprocess. Servers are shared per module to keep the
 from __future__ import annotations
 
 import pytest
-from vllm_helpers import LLAMA, LLAMA_LRS, MOE_LRS, QWEN_LRS, QWEN_MOE, QWEN_TIED, run_engine_script
+from vllm_helpers import FRESH_PROMPTS, LLAMA, LLAMA_LRS, MOE_LRS, QWEN_LRS, QWEN_MOE, QWEN_TIED, run_engine_script
 
-from vllm_delta.testing.models import PROMPTS
 from vllm_delta.testing.runs import PublishedRun, publish_run
 
 
@@ -37,6 +36,6 @@ def llama_fresh(llama_run) -> dict:
             "model": llama_run.model_dir,
             "store": llama_run.store,
             "versions": llama_run.versions,
-            "prompts": list(PROMPTS),
+            "prompts": FRESH_PROMPTS,  # PROMPTS, then LONG_PROMPT
         }
     )

@@ -130,4 +130,4 @@ def test_plain_checkpoint_server_and_native_backend(llama_run, llama_fresh, tmp_
     assert reanchored["checksum"] == llama_run.checksums[3]
     assert forward["error"] is None and forward["checksum"] == llama_run.checksums[5]
     assert "NotSuccessorError" in backwards["error"] and backwards["checksum"] == llama_run.checksums[5]
-    assert res["outputs"] == llama_fresh["5"]["outputs"]
+    assert res["outputs"] == llama_fresh["5"]["outputs"][: len(PROMPTS)]

@@ -1,16 +1,19 @@
 """Tensor parallelism 2 on a real vLLM server: Qwen3 with tied embeddings and one KV head (replicated
 on both ranks), vocab 500 (padded and split across ranks). Checksums are sums over both ranks'
 owned elements; an update is verified over both ranks before either writes; a failure on rank 1
-after rank 0 committed rolls back both. Greedy outputs are compared with a fresh TP=2 server.
+after rank 0 committed rolls back both. In-flight updates (mode "inflight") while 4 clients stream:
+both ranks commit between the same two steps, nothing is preempted, attribution matches the update
+timeline; a failed in-flight commit on rank 1 rolls back both and keeps the prefix cache. Greedy
+outputs are compared with a fresh TP=2 server.
 """
 
 from __future__ import annotations
 
 import pytest
 from craft import publish_delta
-from vllm_helpers import private_store
+from inflight_helpers import check_attribution, greedy, updates_under_load
+from vllm_helpers import FRESH_PROMPTS, LONG_PROMPT, private_store
 
-from vllm_delta.testing.models import PROMPTS
 from vllm_delta.testing.server import VllmServer
 
 pytestmark = pytest.mark.vllm
@@ -26,7 +29,12 @@ def store(qwen_run, tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def server(qwen_run, store):
     srv = VllmServer(
-        qwen_run.model_dir, store=store, version=0, tensor_parallel_size=2, env={"VLLM_DELTA_TEST_FAULTS": "1"}
+        qwen_run.model_dir,
+        store=store,
+        version=0,
+        tensor_parallel_size=2,
+        env={"VLLM_DELTA_TEST_FAULTS": "1"},
+        extra_args=["--enable-prompt-tokens-details"],
     )
     with srv:
         yield srv
@@ -43,6 +51,7 @@ def assert_serving(server, run, version: int) -> None:
 
 def test_tp2_starts_verified(server, qwen_run):
     assert_serving(server, qwen_run, 0)
+    outputs[0] = server.completions(FRESH_PROMPTS)
 
 
 def test_tp2_every_version(server, qwen_run):
@@ -51,7 +60,7 @@ def test_tp2_every_version(server, qwen_run):
         res = server.update(v)
         assert res["applied"] == [v] and res["reanchored"] == (v == 3)
         assert_serving(server, qwen_run, v)
-        outputs[v] = server.completions(PROMPTS)
+        outputs[v] = server.completions(FRESH_PROMPTS)
     assert outputs[5] != outputs[4], "the large last step should change greedy outputs"
 
 
@@ -61,7 +70,7 @@ def test_tp2_failure_on_one_rank_rolls_back_both(server, qwen_run, store):
     r = server.post("/v1/delta/update_weights", {"version": 6, "fault": "commit@1"})
     assert r.status_code == 500 and "rolled back" in r.text, r.text
     assert_serving(server, qwen_run, 5)
-    assert server.completions(PROMPTS) == outputs[5]
+    assert server.completions(FRESH_PROMPTS) == outputs[5]
     server.update(6)
     st = server.status()
     assert st["checksum"] == rec["checksum"] == st["version_checksum"]
@@ -81,7 +90,36 @@ def test_tp2_checksum_mismatch_is_caught_before_writing(server, store):
     assert server.status()["checksum"] == rec["checksum"]
 
 
+def test_tp2_inflight_updates_while_clients_stream(server, qwen_run):
+    """From the crafted version 8 back into the run and along it twice: 11 in-flight updates. The
+    reference at each version is this server's own output after a keep-mode update (prefix cache
+    reset, checksums verified); the one at version 5 is also checked against a fresh server below."""
+    run = qwen_run.versions[1:]  # 1..5: deltas, the anchor 3, deltas
+    plan = [(0, {"allow_reanchor": True}), *[(v, {}) for v in run], (1, {"allow_reanchor": True})]
+    plan += [(v, {}) for v in run[1:]]
+    assert len(plan) >= 10
+    report = updates_under_load(server, plan, qwen_run.checksums, outputs, FRESH_PROMPTS, max_tokens=64)
+    assert not report.errors, report.errors
+    assert not report.mismatches, report.mismatches
+    assert report.preemptions == 0
+    assert sum(1 for res in report.updates if res["inflight"]["requests_running"]) >= len(plan) - 2
+    assert check_attribution(report) >= len(plan) // 2
+    assert_serving(server, qwen_run, 5)
+
+
+def test_tp2_failed_inflight_commit_rolls_back_both_ranks(server, qwen_run, store):
+    assert greedy(server, [LONG_PROMPT, LONG_PROMPT])[1]["cached"] == 128
+    rec = publish_delta(store, 5, 9, tensor="model.embed_tokens.weight", positions=[7, 128 * 300 + 9])
+    r = server.post("/v1/delta/update_weights", {"version": 9, "mode": "inflight", "fault": "commit@1"})
+    assert r.status_code == 500 and "rolled back on every rank" in r.text, r.text
+    assert_serving(server, qwen_run, 5)
+    after = greedy(server, [LONG_PROMPT])[0]
+    assert after["cached"] == 128 and [s[0] for s in after["spans"]] == [5]  # prefix cache and label untouched
+    res = server.update(9, mode="inflight")
+    assert res["inflight"]["label"] == "9" and server.status()["checksum"] == rec["checksum"]
+
+
 def test_tp2_outputs_equal_a_fresh_tp2_server(qwen_run):
     with VllmServer(qwen_run.model_dir, store=qwen_run.store, version=5, tensor_parallel_size=2) as fresh:
         assert fresh.status()["checksum"] == qwen_run.checksums[5]
-        assert fresh.completions(PROMPTS) == outputs[5]
+        assert fresh.completions(FRESH_PROMPTS) == outputs[5]

