@@ -399,6 +399,13 @@ def test_backend_names(monkeypatch):
     assert not FlatSnapshot().bitmask
     with pytest.raises(ValueError, match="triton-chunked"):
         FlatSnapshot(backend="cuda")
+    # the kernels make bf16 images only: fp16 images take the torch path (by default) or are refused
+    monkeypatch.delenv("VLLM_DELTA_DETECT_BACKEND")
+    assert not FlatSnapshot(torch.float16)._use_triton(torch.device("cuda"))
+    if kernels.triton is not None:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        with pytest.raises(ValueError, match="bf16 images only"):
+            FlatSnapshot(torch.float16, backend="triton")._use_triton(torch.device("cpu"))
 
 
 def test_publisher_backends_publish_the_same_versions(tmp_path):

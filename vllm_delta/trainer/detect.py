@@ -217,10 +217,13 @@ class FlatSnapshot:
         if self.backend == "torch":
             return False
         if self.backend == "triton":
-            if not kernels.available(dev):
-                raise ValueError(f"the triton detection backend can't run on {dev} (CPU: set TRITON_INTERPRET=1)")
+            if not kernels.available(dev, self.dtype):
+                raise ValueError(
+                    f"the triton detection backend can't make {self.dtype} images on {dev} "
+                    "(bf16 images only; CPU: set TRITON_INTERPRET=1)"
+                )
             return True
-        return dev.type == "cuda" and kernels.available(dev)
+        return dev.type == "cuda" and kernels.available(dev, self.dtype)  # the kernels make bf16 images only
 
     def _addressing(self, c: int, owned: list[Owned], dev: torch.device) -> kernels.ChunkAddressing:
         """Chunk `c`'s block table (cached while the sources stay where they are)."""
