@@ -234,6 +234,14 @@ if triton is not None:
             tl.store(bsum_ptr + pid, tl.sum(acc, axis=0))
 
 
+def _resolve(device: torch.device | str) -> torch.device:
+    """`cuda` names the current CUDA device: tensors say `cuda:0`, and torch.device("cuda") != that."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 class ChunkAddressing:
     """Where a chunk's elements come from: its segments' sources as element offsets from one base
     tensor, and a block table (source offset, chunk offset, length per BLOCK elements) on the device.
@@ -242,6 +250,7 @@ class ChunkAddressing:
     is False when the kernels can't address them (mixed or unsupported dtypes, misaligned views)."""
 
     def __init__(self, segments: list[tuple[torch.Tensor, int, int, int]], device: torch.device):
+        device = _resolve(device)
         srcs = [s[0] for s in segments]
         self.dtype = srcs[0].dtype
         width = srcs[0].element_size()
@@ -283,6 +292,7 @@ class DetectTable:
     def __init__(
         self, segments: list[tuple[torch.Tensor, int, int, int]], device: torch.device, block: int | None = None
     ):
+        device = _resolve(device)
         block = block or DETECT_BLOCK
         if block < 32 or block & (block - 1):
             raise ValueError(f"the detection block is a power of two >= 32 (not {block})")
