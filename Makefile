@@ -27,6 +27,7 @@ test: install lint
 	TRITON_INTERPRET=1 $(VPY) -m pytest -q -m "not gpu" tests
 	TRITON_INTERPRET=1 $(VPY) benchmarks/apply_gpu.py --smoke
 	$(VPY) benchmarks/publish_gpu.py --smoke
+	$(VPY) benchmarks/detect_gpu.py --smoke
 
 # On a machine with a CUDA GPU (the lent device): the GPU tests only.
 test-gpu:

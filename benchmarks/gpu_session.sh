@@ -6,6 +6,7 @@
 #   world2    benchmarks/publish_gpu.py --world 2 (FSDP2 over NCCL; a 2-GPU machine)   [issue 9]
 #   apply     benchmarks/apply_gpu.py qwen3-8b + qwen3-30b-a3b at 1% and 3%           [issue 11]
 #   trainer   benchmarks/trainer_gpu.py (detection + prepare alone)
+#   detect    benchmarks/detect_gpu.py (FlatSnapshot.changes: bitmask path vs chunked paths, 2^28/2^30)
 # Wheels missing on the machine (zstandard) travel in .whl (gitignored; carry it).
 set -u
 OUT=${OUT:-/tmp/out}
@@ -36,6 +37,7 @@ for stage in ${STAGES:-tests publish apply}; do
     world2)  run publish_w2 420 python3 benchmarks/publish_gpu.py --world 2 --out "$OUT" ${PUBLISH_ARGS:-} ;;
     apply)   run apply_gpu 420 python3 benchmarks/apply_gpu.py --models qwen3-8b,qwen3-30b-a3b --densities 0.01,0.03 --out "$OUT" ;;
     trainer) run trainer_gpu 120 python3 benchmarks/trainer_gpu.py --out "$OUT" ;;
+    detect)  run detect_gpu 300 python3 benchmarks/detect_gpu.py --out "$OUT" ${DETECT_ARGS:-} ;;
     *) echo "unknown stage $stage" ;;
   esac
 done

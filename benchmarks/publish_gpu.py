@@ -391,7 +391,7 @@ def main() -> int:
     ap.add_argument("--world", type=int, default=1, help="ranks (FSDP2 over NCCL, one GPU each)")
     ap.add_argument("--threads", type=int, default=min(16, os.cpu_count() or 1), help="zstd packing threads")
     ap.add_argument("--chunk-elems", type=int, default=1 << 28)
-    ap.add_argument("--backend", choices=["triton", "torch"], default=None, help="detection backend")
+    ap.add_argument("--backend", choices=["triton", "triton-chunked", "torch"], default=None, help="detection backend")
     ap.add_argument("--store", default=None, help="store directory (default: a fresh one in /dev/shm or /tmp)")
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU, W=1 then W=2 (gloo); checks only")

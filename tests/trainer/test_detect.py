@@ -14,7 +14,7 @@ import torch
 from vllm_delta import codec as codecs
 from vllm_delta.store import DeltaStore
 from vllm_delta.trainer import kernels
-from vllm_delta.trainer.detect import FlatSnapshot
+from vllm_delta.trainer.detect import Detected, FlatSnapshot
 from vllm_delta.trainer.shard import Owned
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -165,7 +165,7 @@ def test_prepare_batch_equals_prepare(codec):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("backend", ["triton", "triton-chunked", "torch"])
 def test_publisher_on_cuda_replays_bit_exact(tmp_path, backend):
     """The whole publish path on a GPU (side stream, kernels, batched prepare, pinned copies)."""
     if not torch.cuda.is_available():
@@ -191,3 +191,289 @@ def test_publisher_on_cuda_replays_bit_exact(tmp_path, backend):
     for v, want in images.items():
         _, got = replay(store, v)
         assert all(torch.equal(got[n].view(torch.int16), want[n].view(torch.int16)) for n in want), v
+
+
+# -- the bitmask path (kernels.bitmask_ / compact_, FlatSnapshot._changes_bitmask) ----------------------
+
+
+def _tensors(dev: torch.device, sizes, dtype=torch.float32, seed=0) -> list[torch.Tensor]:
+    """Separately allocated flat tensors of special floats (NaN, inf, ±0, denormals, ties)."""
+    gen = torch.Generator().manual_seed(seed)
+    pool = special_floats(max(sizes) + 600, gen)
+    out = []
+    for n in sizes:
+        x = pool[torch.randperm(pool.numel(), generator=gen)[:n]]
+        out.append(x.to(dtype).to(dev) if dtype != torch.float32 else x.to(dev))
+    return out
+
+
+def _move(tensors: list[torch.Tensor], density: float, seed: int) -> int:
+    """Change the bf16 image of about `density` of the elements (plus sign flips of zeros, NaN payload
+    changes, which keep the image, and ties); returns how many elements were written."""
+    gen = torch.Generator().manual_seed(seed)
+    written = 0
+    for x in tensors:
+        pick = torch.rand(x.numel(), generator=gen) < density
+        idx = pick.nonzero().reshape(-1).to(x.device)
+        if not idx.numel():
+            continue
+        v = x[idx].float()
+        kind = torch.randint(0, 6, (idx.numel(),), generator=gen).to(x.device)
+        v = torch.where(kind == 0, -v, v)  # ±0 flips, sign changes
+        v = torch.where(kind == 1, v * 1.5 + 1e-3, v)
+        v = torch.where(kind == 2, torch.full_like(v, float("nan")), v)
+        v = torch.where(kind == 3, v + v.abs() * 2**-8, v)  # one bf16 ULP or a tie
+        v = torch.where(kind == 4, torch.full_like(v, float("inf")), v)
+        x[idx] = v.to(x.dtype)
+        written += idx.numel()
+    return written
+
+
+def _as_owned(tensors: list[torch.Tensor], starts=None) -> list[Owned]:
+    out = []
+    for i, x in enumerate(tensors):
+        r0 = 0 if starts is None else starts[i]
+        out.append(Owned(f"t{i}", x, (r0 + x.numel(),), r0, r0 + x.numel()))
+    return out
+
+
+def _compare(owned: list[Owned], snaps: dict[str, FlatSnapshot]) -> Detected:
+    """Every snapshot's `changes` equals the "torch" one's, bit for bit (int16 bit views, int64
+    positions); the snapshots end equal; the bitmask path ran where expected. Returns torch's."""
+    got = {b: s.changes(owned) for b, s in snaps.items()}
+    ref = got.pop("torch")
+    for b, g in got.items():
+        assert g.counts == ref.counts and g.sums == ref.sums, b
+        for field in ("positions", "new", "old", "seg"):
+            assert getattr(g, field).dtype == getattr(ref, field).dtype, (b, field)
+            assert torch.equal(getattr(g, field), getattr(ref, field)), (b, field)
+        assert torch.equal(snaps[b].bits, snaps["torch"].bits), b
+        assert ("words" in snaps[b]._scratch) == snaps[b].bitmask, b  # the path under test ran
+    return ref
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bitmask_kernel_words_and_counts(device):
+    dev = _device(device)
+    xs = _tensors(dev, [200, 0, 64, 33, 1000])
+    snap = torch.cat([x.to(torch.bfloat16).view(torch.int16) for x in xs])
+    gen = torch.Generator().manual_seed(3)
+    flip = (torch.rand(snap.numel(), generator=gen) < 0.3).to(dev)
+    snap = torch.where(flip, snap ^ 1, snap)
+    offs = [0]
+    for x in xs:
+        offs.append(offs[-1] + x.numel())
+    table = kernels.DetectTable([(x, offs[i], x.numel(), 5) for i, x in enumerate(xs)], dev, block=64)
+    assert table.ok and table.n_blocks == 4 + 0 + 1 + 1 + 16
+    words = torch.full((table.n_blocks * 2,), -7, dtype=torch.int32, device=dev)  # poisoned
+    counts = torch.full((table.n_blocks,), -7, dtype=torch.int32, device=dev)
+    kernels.bitmask_(table, 0, table.n_blocks, snap, words, counts)
+    # the reference: per block, its flags padded to 64, packed 32 to a word (bit j = element 32k + j)
+    want_words, want_counts = [], []
+    for i, x in enumerate(xs):
+        f = flip[offs[i] : offs[i + 1]].cpu()
+        for a in range(0, x.numel(), 64):
+            blk = torch.zeros(64, dtype=torch.int64)
+            blk[: min(64, x.numel() - a)] = f[a : a + 64].long()
+            w = (blk.view(2, 32) << torch.arange(32)).sum(1)
+            want_words += [int(v) - (1 << 32) if v >= 1 << 31 else int(v) for v in w]
+            want_counts.append(int(blk.sum()))
+    assert words.cpu().tolist() == want_words
+    assert counts.cpu().tolist() == want_counts
+    assert table.first.cpu().tolist() == [0, 4, 4, 5, 6, 22]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("density", [0.0, 1e-4, 0.01, 0.5, 1.0])
+def test_bitmask_path_equals_torch(device, density, monkeypatch):
+    """Uneven tensors (empty ones, sizes not multiples of 32 or of the block), two publishes in a row;
+    the passes and chunks end inside tensors."""
+    dev = _device(device)
+    monkeypatch.setattr(kernels, "DETECT_BLOCK", 256)
+    sizes = [1000, 0, 31, 256, 4096, 1, 513, 0, 2000]
+    xs = _tensors(dev, sizes, seed=int(density * 1000))
+    owned = _as_owned(xs, starts=[0, 0, 7, 0, 0, 3, 0, 0, 100])
+    snaps = {
+        "torch": FlatSnapshot(backend="torch", chunk_elems=1500),
+        "triton": FlatSnapshot(backend="triton"),
+        "split": FlatSnapshot(backend="triton", fused=False, pass_elems=1000),  # 4-block passes, 2 launches
+        "chunked": FlatSnapshot(backend="triton-chunked", chunk_elems=1500),  # the int8-mask path
+    }
+    for s in snaps.values():
+        s.anchor(owned)
+    assert snaps["triton"]._detect_table(owned, dev).aligned is False  # odd sizes: unaligned flat offsets
+    for step in range(2):
+        n = _move(xs, density, seed=10 * step + 1)
+        found = sum(_compare(owned, snaps).counts)
+        assert found <= n
+        if density >= 0.5:
+            assert found > n // 3
+    image = torch.cat([x.to(torch.bfloat16).view(torch.int16) for x in xs])
+    assert torch.equal(snaps["triton"].bits, image)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("source", [torch.float32, torch.bfloat16, torch.float16])
+def test_bitmask_path_aligned_blocks(device, source, monkeypatch):
+    """Sizes that are multiples of 16 and separately allocated sources: the 16-byte-load variant,
+    full and partial blocks, several passes."""
+    dev = _device(device)
+    monkeypatch.setattr(kernels, "DETECT_BLOCK", 512)
+    xs = _tensors(dev, [1024, 16, 512 + 48, 512, 0, 2048 + 16], dtype=source, seed=4)
+    owned = _as_owned(xs)
+    snaps = {
+        "torch": FlatSnapshot(backend="torch"),
+        "triton": FlatSnapshot(backend="triton"),
+        "passes": FlatSnapshot(backend="triton", pass_elems=1024),
+    }
+    for s in snaps.values():
+        s.anchor(owned)
+    table = snaps["triton"]._detect_table(owned, dev)
+    assert table.ok and table.aligned
+    for step, density in enumerate([0.01, 0.3, 0.0, 1.0]):
+        _move(xs, density, seed=step)
+        _compare(owned, snaps)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("source", [torch.bfloat16, torch.float16, torch.float32])
+def test_bitmask_path_edge_bits(device, source, monkeypatch):
+    """Every element changes (the snapshot's low bit flipped), then NaN payloads of both signs, ±0
+    and infinities written over random bit patterns: the positions and bits the image gives, exactly."""
+    dev = _device(device)
+    monkeypatch.setattr(kernels, "DETECT_BLOCK", 64)
+    gen = torch.Generator().manual_seed(7)
+    sizes = [130, 64, 1, 0, 97]
+    width = 16 if source != torch.float32 else 32
+    xs = []
+    for n in sizes:  # random bit patterns of the source dtype: many NaNs with payloads, denormals, ±0
+        bits = torch.randint(-(2 ** (width - 1)), 2 ** (width - 1) - 1, (n,), generator=gen, dtype=torch.int64)
+        int_dtype = torch.int16 if width == 16 else torch.int32
+        xs.append(bits.to(int_dtype).view(source).to(dev))
+    owned = _as_owned(xs, starts=[0, 3, 0, 0, 11])
+    snaps = {
+        "torch": FlatSnapshot(backend="torch", chunk_elems=100),
+        "triton": FlatSnapshot(backend="triton"),
+        "chunked": FlatSnapshot(backend="triton-chunked", chunk_elems=100),
+    }
+    for s in snaps.values():
+        s.anchor(owned)
+    image = torch.cat([x.to(torch.bfloat16).view(torch.int16) for x in xs])
+    for s in snaps.values():
+        assert s.bits is not None
+        s.bits.bitwise_xor_(1)
+    found = _compare(owned, snaps)  # all change
+    assert sum(found.counts) == sum(sizes) and torch.equal(found.new, image) and torch.equal(found.old, image ^ 1)
+    assert torch.equal(snaps["triton"].bits, image)
+    assert sum(_compare(owned, snaps).counts) == 0  # no change
+
+    # NaNs with payloads (both signs), ±0, ±inf (bf16: 0x7F80, 0xFF80; fp16: 0x7C00, 0xFC00), ±denormals
+    specials = [0x7FC1, 0x7F81, 0x7FFF, -0x0001, -0x007F, 0x0000, -0x8000, 0x7F80, -0x0080, 0x7C00, -0x0400, 1, -0x7FFF]
+    if width == 16:
+        pool = torch.tensor(specials, dtype=torch.int16).view(source)
+    else:  # the same high halves with a low half: NaN payloads, rounding; then exact ±0 and ±inf
+        pool = (torch.tensor(specials, dtype=torch.int32) << 16 | 0x1234).view(torch.float32)
+        pool = torch.cat([pool, torch.tensor([0.0, -0.0, float("inf"), -float("inf")])])
+    offsets = torch.tensor([0, *sizes], device=dev).cumsum(0)[:-1]
+    starts = torch.tensor([o.start for o in owned], device=dev)
+    for step in range(2):
+        for x in xs:
+            pick = (torch.rand(x.numel(), generator=gen) < 0.4).nonzero().reshape(-1)
+            vals = pool[torch.randint(0, pool.numel(), (pick.numel(),), generator=gen)]
+            x[pick.to(dev)] = vals.to(dev)
+        new_image = torch.cat([x.to(torch.bfloat16).view(torch.int16) for x in xs])
+        want = (new_image != image).nonzero().reshape(-1)
+        found = _compare(owned, snaps)
+        assert torch.equal(offsets[found.seg] + found.positions - starts[found.seg], want), step
+        assert torch.equal(found.new, new_image[want]) and torch.equal(found.old, image[want]), step
+        assert torch.equal(snaps["triton"].bits, new_image), step
+        image = new_image
+
+
+def test_backend_names(monkeypatch):
+    monkeypatch.delenv("VLLM_DELTA_DETECT_BACKEND", raising=False)
+    assert FlatSnapshot(backend="triton").bitmask and FlatSnapshot().bitmask
+    chunked = FlatSnapshot(backend="triton-chunked")
+    assert chunked.backend == "triton" and not chunked.bitmask
+    monkeypatch.setenv("VLLM_DELTA_DETECT_BACKEND", "triton-chunked")
+    assert not FlatSnapshot().bitmask
+    with pytest.raises(ValueError, match="triton-chunked"):
+        FlatSnapshot(backend="cuda")
+    # the kernels make bf16 images only: fp16 images take the torch path (by default) or are refused
+    monkeypatch.delenv("VLLM_DELTA_DETECT_BACKEND")
+    assert not FlatSnapshot(torch.float16)._use_triton(torch.device("cuda"))
+    if kernels.triton is not None:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        with pytest.raises(ValueError, match="bf16 images only"):
+            FlatSnapshot(torch.float16, backend="triton")._use_triton(torch.device("cpu"))
+
+
+def test_publisher_backends_publish_the_same_versions(tmp_path):
+    """The Publisher on CPU (kernels interpreted): the bitmask path, the chunked path and torch publish
+    the same versions (kinds, change counts, checksums, replayed bits)."""
+    _device("cpu")
+    from vllm_delta import Publisher, replay
+
+    gen = torch.Generator().manual_seed(0)
+    params = {f"w{i}": torch.randn(s, generator=gen) * 0.02 for i, s in enumerate([(40, 30), (7,), (129, 5), ()])}
+    params["w1"][:3] = float("nan")
+    seen: dict[str, list] = {}
+    for backend in ("torch", "triton", "triton-chunked"):
+        ps = {n: t.clone() for n, t in params.items()}
+        g = torch.Generator().manual_seed(1)
+        root = str(tmp_path / backend)
+        with Publisher(root, detect_backend=backend, chunk_elems=1000, anchor_every=3) as pub:
+            assert pub.snapshot.bitmask is (backend != "triton-chunked")  # "torch" never runs the kernels
+            infos = []
+            for v in range(4):
+                for t in ps.values():
+                    t.add_(torch.randn(t.shape, generator=g) * 2e-5)
+                infos.append(pub.publish(ps, version=v))
+            assert ("words" in pub.snapshot._scratch) is (backend == "triton")  # the bitmask path ran
+        store = DeltaStore(root)
+        images = [{n: t.view(torch.int16) for n, t in replay(store, v)[1].items()} for v in range(4)]
+        seen[backend] = [[(i.kind, i.base, i.nnz, i.checksum) for i in infos], images]
+    want_infos, want_images = seen.pop("torch")
+    assert [k for k, *_ in want_infos] == ["anchor", "delta", "delta", "anchor"] and want_infos[1][2] > 0
+    for backend, (infos, images) in seen.items():
+        assert infos == want_infos, backend
+        for v, (got, want) in enumerate(zip(images, want_images)):
+            assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want), (backend, v)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bitmask_path_default_block_and_shards(device):
+    """The default block on the sharded fixture (row offsets, a 0-d tensor), as the Publisher calls it."""
+    dev = _device(device)
+    owned = _owned(dev)
+    snaps = {"torch": FlatSnapshot(backend="torch"), "triton": FlatSnapshot(backend="triton")}
+    for s in snaps.values():
+        s.anchor(owned)
+    for step in range(2):
+        _step(owned, step)
+        assert sum(_compare(owned, snaps).counts) > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("density", [0.01, 0.3])
+@pytest.mark.parametrize("fused", [True, False])
+def test_bitmask_path_large_on_cuda(density, fused):
+    """Millions of elements in the default block (many full blocks, aligned and not) on CUDA."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    shapes = [(4096, 1024), (4096,), (1024, 4096), (151, 4096), (12288, 512)]
+    xs = [torch.randn(s, generator=gen, device=dev).mul_(0.02).reshape(-1) for s in shapes]
+    odd = torch.randn(3_000_001, generator=gen, device=dev)[1:]  # a view 4 bytes off: unaligned
+    for case in (xs, [*xs, odd]):
+        owned = _as_owned(case)
+        snaps = {"torch": FlatSnapshot(backend="torch"), "triton": FlatSnapshot(backend="triton", fused=fused)}
+        for s in snaps.values():
+            s.anchor(owned)
+        assert snaps["triton"]._detect_table(owned, dev).aligned is (case is xs)
+        for _ in range(3):
+            for x in case:
+                pick = torch.rand(x.numel(), generator=gen, device=dev) < density
+                x.add_(torch.where(pick, x.abs() * 2**-7 + 1e-6, torch.zeros_like(x)))
+            assert sum(_compare(owned, snaps).counts) > 0

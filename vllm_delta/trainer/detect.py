@@ -13,6 +13,13 @@ the compaction) and once at the end (per-tensor counts and checksum sums); nothi
 tensor on the host. On CUDA the work runs on a side stream that waits for the caller's stream (the
 optimizer step), and the conversion and comparison are one Triton kernel that never writes the image
 (kernels.py; backend "triton", the default on CUDA; "torch" elsewhere, or VLLM_DELTA_DETECT_BACKEND).
+
+With "triton" and the snapshot on the parameters' device, the chunks give way to the whole-model
+bitmask path (`_changes_bitmask`): one kernel converts, compares and writes one bit per element and a
+count per block, a cumsum sizes the outputs (one host wait per pass), and a second kernel compacts
+and finishes the changed elements (positions, new and old bits, snapshot update, checksum partials).
+It reads 6 B per fp32 element and writes 1/8 B plus the changes, where the chunked path also writes
+and re-reads an int8 mask and runs `nonzero`. Its outputs are the chunked path's, bit for bit.
 """
 
 from __future__ import annotations
@@ -32,6 +39,8 @@ from .names import checkpoint_tensors
 from .shard import Owned, ShardedTensor, local_tensor
 
 CHUNK_ELEMS = 1 << 28  # elements compared per chunk: bounds the temporaries (2 B image + 1 B mask each)
+BACKENDS = (None, "torch", "triton", "triton-chunked")
+PASS_ELEMS = 1 << 34  # elements per pass of the bitmask path (1/8 B each): one pass for any model that fits
 
 
 def named_tensors(source: nn.Module | Mapping[str, object] | Iterable[tuple[str, object]]):
@@ -95,12 +104,26 @@ class FlatSnapshot:
         pin: bool = False,
         chunk_elems: int = CHUNK_ELEMS,
         backend: str | None = None,
+        pass_elems: int = PASS_ELEMS,
+        bitmask: bool = True,
+        fused: bool = True,
     ):
-        """`backend`: "triton" (fused convert-and-compare kernel; CUDA, or CPU under TRITON_INTERPRET=1)
-        or "torch"; None: VLLM_DELTA_DETECT_BACKEND, else "triton" on CUDA when available."""
+        """`backend`: "triton" (fused convert-and-compare kernels; CUDA, or CPU under TRITON_INTERPRET=1),
+        "triton-chunked" (the same kernels on the chunked int8-mask path only: `bitmask=False`) or
+        "torch"; None: VLLM_DELTA_DETECT_BACKEND, else "triton" on CUDA when available.
+
+        With "triton" and the snapshot on the parameters' device, `changes` runs the bitmask path
+        (kernels.py: `bitmask_`, one cumsum and host wait, `compact_`) over all tensors in passes of
+        at most `pass_elems` elements (temporaries: 1/8 B per element of a pass). It falls back to the
+        chunked int8-mask path (per chunk `mask_`, `nonzero`, `gather_image`) when the snapshot lives
+        elsewhere (host memory) or the kernels can't address the sources (mixed dtypes), and
+        `bitmask=False` selects that path always. All paths give the same bits, positions and sums.
+        `fused=False` runs the bitmask path's compaction in two launches instead of one."""
         backend = backend or os.environ.get("VLLM_DELTA_DETECT_BACKEND") or None
-        if backend not in (None, "torch", "triton"):
-            raise ValueError(f"detection backends: torch, triton (not {backend!r})")
+        if backend not in BACKENDS:
+            raise ValueError(f"detection backends: {', '.join(b for b in BACKENDS if b)} (not {backend!r})")
+        if backend == "triton-chunked":
+            backend, bitmask = "triton", False
         self.backend = backend
         self.dtype = dtype
         self.int_dtype = INT_DTYPE[torch.empty((), dtype=dtype).element_size()]
@@ -117,6 +140,11 @@ class FlatSnapshot:
         self._mask: torch.Tensor | None = None  # reused chunk mask buffer (triton backend)
         self._addr: dict[int, tuple[tuple[int, ...], kernels.ChunkAddressing]] = {}
         self._stream: Any = None  # torch.cuda.Stream once used on CUDA
+        self.pass_elems = max(1, int(pass_elems))
+        self.bitmask = bitmask
+        self.fused = fused
+        self._table: tuple[tuple[int, ...], kernels.DetectTable] | None = None
+        self._scratch: dict[str, torch.Tensor] = {}  # reused buffers of the bitmask path
 
     # -- layout ----------------------------------------------------------------------------------
     def matches(self, owned: list[Owned]) -> bool:
@@ -150,6 +178,7 @@ class FlatSnapshot:
             at += sizes[-1]
         self._chunk_starts, self._chunk_sizes = starts, sizes
         self._addr = {}
+        self._table = None
 
     @staticmethod
     def compute_device(owned: list[Owned]) -> torch.device:
@@ -188,10 +217,13 @@ class FlatSnapshot:
         if self.backend == "torch":
             return False
         if self.backend == "triton":
-            if not kernels.available(dev):
-                raise ValueError(f"the triton detection backend can't run on {dev} (CPU: set TRITON_INTERPRET=1)")
+            if not kernels.available(dev, self.dtype):
+                raise ValueError(
+                    f"the triton detection backend can't make {self.dtype} images on {dev} "
+                    "(bf16 images only; CPU: set TRITON_INTERPRET=1)"
+                )
             return True
-        return dev.type == "cuda" and kernels.available(dev)
+        return dev.type == "cuda" and kernels.available(dev, self.dtype)  # the kernels make bf16 images only
 
     def _addressing(self, c: int, owned: list[Owned], dev: torch.device) -> kernels.ChunkAddressing:
         """Chunk `c`'s block table (cached while the sources stay where they are)."""
@@ -202,6 +234,22 @@ class FlatSnapshot:
             segs = [(owned[i].source, a, b - a, dst) for i, a, b, dst in chunk]
             cached = self._addr[c] = (key, kernels.ChunkAddressing(segs, dev))
         return cached[1]
+
+    def _detect_table(self, owned: list[Owned], dev: torch.device) -> kernels.DetectTable:
+        """The whole-model block table (cached while the sources stay where they are)."""
+        key = tuple(o.source.data_ptr() for o in owned)
+        if self._table is None or self._table[0] != key or self._table[1].base.device != dev:
+            self._table = None
+            segs = [(o.source, off, o.count, o.start) for o, off in zip(owned, self._offsets)]
+            self._table = (key, kernels.DetectTable(segs, dev))
+        return self._table[1]
+
+    def _buffer(self, name: str, n: int, dtype: torch.dtype, dev: torch.device) -> torch.Tensor:
+        buf = self._scratch.get(name)
+        if buf is None or buf.device != dev or buf.dtype != dtype or buf.numel() < n:
+            self._scratch.pop(name, None)
+            buf = self._scratch[name] = torch.empty(n, dtype=dtype, device=dev)
+        return buf[:n]
 
     # -- anchors ---------------------------------------------------------------------------------
     @torch.no_grad()
@@ -238,6 +286,11 @@ class FlatSnapshot:
         assert self.bits is not None
         dev = self.compute_device(owned)
         triton_path = self._use_triton(dev)
+        if triton_path and self.bitmask and self.bits.device == dev:
+            table = self._detect_table(owned, dev)
+            if table.ok:
+                with self._stream_ctx(dev):
+                    return self._changes_bitmask(table, len(owned), dev)
         with self._stream_ctx(dev):
             found: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
             for c, start in enumerate(self._chunk_starts):
@@ -284,6 +337,56 @@ class FlatSnapshot:
             sums=[v & MASK64 for v in host[t:]],
         )
 
+    def _changes_bitmask(self, table: kernels.DetectTable, t: int, dev: torch.device) -> Detected:
+        """`changes` by the bitmask path: per pass, `bitmask_`, a cumsum of the block counts, the
+        pass's one host wait (its total), `compact_`; then one host wait for the per-tensor counts and
+        sums (differences of cumsums over the blocks' counts and partials, mod 2^64)."""
+        assert self.bits is not None
+        nb, wpb = table.n_blocks, table.words_per_block
+        counts = self._buffer("counts", nb, torch.int32, dev)
+        bsums = self._buffer("bsums", nb, torch.int64, dev)
+        found: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        for b0, b1 in table.passes(self.pass_elems):
+            words = self._buffer("words", (b1 - b0) * wpb, torch.int32, dev)
+            kernels.bitmask_(table, b0, b1, self.bits, words, counts[b0:b1])
+            incl = torch.cumsum(counts[b0:b1], 0, dtype=torch.int64)
+            total = int(incl[-1])  # the one host wait of a pass: the size of its outputs
+            out = (
+                torch.empty(total, dtype=torch.int64, device=dev),
+                torch.empty(total, dtype=torch.int64, device=dev),
+                torch.empty(total, dtype=self.int_dtype, device=dev),
+                torch.empty(total, dtype=self.int_dtype, device=dev),
+            )
+            if total:
+                kernels.compact_(
+                    table, b0, b1, self.bits, words, counts[b0:b1], incl, out, bsums[b0:b1], fused=self.fused
+                )
+            else:
+                bsums[b0:b1].zero_()
+            found.append(out)
+        if len(found) == 1:
+            positions, seg, new, old = found[0]
+        elif found:
+            positions, seg, new, old = (torch.cat([f[i] for f in found]) for i in range(4))
+        else:
+            positions, seg = (torch.zeros(0, dtype=torch.int64, device=dev) for _ in range(2))
+            new, old = (torch.zeros(0, dtype=self.int_dtype, device=dev) for _ in range(2))
+        # per tensor: the blocks [first[i], first[i+1]) are tensor i's; sums of a range are differences
+        # of inclusive cumsums (int64 wrapping: exact mod 2^64)
+        acc = torch.zeros(2, nb + 1, dtype=torch.int64, device=dev)
+        torch.cumsum(counts, 0, dtype=torch.int64, out=acc[0, 1:])
+        torch.cumsum(bsums, 0, out=acc[1, 1:])
+        ends = acc[:, table.first]
+        host = (ends[:, 1:] - ends[:, :-1]).cpu().tolist()  # the final host wait
+        return Detected(
+            positions=positions,
+            new=new,
+            old=old,
+            seg=seg,
+            counts=host[0][:t],
+            sums=[v & MASK64 for v in host[1][:t]],
+        )
+
 
 class _nullctx:
     def __enter__(self):
@@ -293,4 +396,4 @@ class _nullctx:
         return False
 
 
-__all__ = ["CHUNK_ELEMS", "AnchorImage", "Detected", "FlatSnapshot", "named_tensors"]
+__all__ = ["BACKENDS", "CHUNK_ELEMS", "AnchorImage", "Detected", "FlatSnapshot", "named_tensors"]
