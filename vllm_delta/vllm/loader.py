@@ -89,11 +89,15 @@ class DeltaModelLoader(DefaultModelLoader):
         header = files[-1].header
         t0 = time.perf_counter()
         replica = DeltaReplica(model)
-        fallback = replica.prepare(
-            {n: tuple(e.shape) for n, e in header.tensors.items()},
-            validate=self.options.validate,
-            force_fallback=self.options.fallback,
-        )
+        try:
+            fallback = replica.prepare(
+                {n: tuple(e.shape) for n, e in header.tensors.items()},
+                validate=self.options.validate,
+                force_fallback=self.options.fallback,
+            )
+        except ShapeMismatchError as exc:  # the model's loader took it (e.g. narrowed it), the layout did not
+            where = f"version {header.version} of store {self.store.uri}"
+            raise ShapeMismatchError(f"{where} does not fit: {exc}") from None
         assert replica.fallback is not None and replica.engine is not None
         try:
             replica.engine.check_header(header)  # dtypes (the model's loader converts silently)

@@ -29,7 +29,7 @@ import torch
 
 from ..apply.layout import Layout, Segment, hf_2d
 from ..bits import bit_view
-from ..errors import UnsupportedModelError
+from ..errors import ShapeMismatchError, UnsupportedModelError
 
 log = logging.getLogger(__name__)
 
@@ -272,8 +272,8 @@ def finalize_layout(
                 if not hits:
                     owned.append(box)
         rows, cols = hf_2d(shape)
-        if sum(b[1] * b[3] for b in owned) != rows * cols:
-            raise UnsupportedModelError(
+        if sum(b[1] * b[3] for b in owned) != rows * cols:  # another model's shape: the version does not fit
+            raise ShapeMismatchError(
                 f"the workers' parameters hold {sum(b[1] * b[3] for b in owned)} of its {rows * cols} elements",
                 tensor=name,
             )
