@@ -79,6 +79,12 @@ class UnsupportedModelError(DeltaError):
     http_status = 422
 
 
+class StalenessTimeoutError(DeltaError):
+    """`Publisher(max_staleness=K, min_replicas=R)`: too few replicas caught up in time."""
+
+    http_status = 504
+
+
 class BadRequestError(DeltaError):
     """A malformed request: not JSON, unknown or invalid fields."""
 

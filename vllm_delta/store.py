@@ -490,8 +490,10 @@ class DeltaStore:
         self.fs.pipe_file(self._record_path(rec.version), rec.to_json().encode())
 
     # -- retention ---------------------------------------------------------------------------
-    def retain(self, keep_anchors: int) -> list[int]:
-        """Keep the newest `keep_anchors` anchors and everything from the oldest of them on.
+    def retain(self, keep_anchors: int, *, protect: Iterable[int] = ()) -> list[int]:
+        """Keep the newest `keep_anchors` anchors and everything from the oldest of them on, plus the
+        versions in `protect` and every version a live replica of the ledger reports serving
+        (`vllm_delta.ledger`), each with its chain.
 
         Returns the deleted versions. Versions are deleted newest first, record before data, so
         that every visible record keeps its data and its whole chain at every moment. Leftovers of
@@ -499,12 +501,17 @@ class DeltaStore:
         """
         if keep_anchors < 1:
             raise ValueError("keep_anchors must be at least 1")
+        from .ledger import Ledger  # the ledger reads this store: imported here, not at module level
+
+        ledger = Ledger(self)
+        ledger.expire()
+        protected = set(protect) | ledger.live_versions()
         recs = {r.version: r for r in self.records()}
         anchors = sorted(v for v, r in recs.items() if r.kind == "anchor")
         deleted = []
         if len(anchors) > keep_anchors:
             oldest_kept = anchors[-keep_anchors]
-            keep = {v for v in recs if v >= oldest_kept}
+            keep = {v for v in recs if v >= oldest_kept} | (protected & set(recs))
             # A kept delta whose chain reaches below the oldest kept anchor keeps that chain.
             for v in list(keep):
                 while (b := recs[v].base) is not None and recs[v].kind == "delta" and b in recs and b not in keep:
@@ -567,9 +574,19 @@ class DeltaStore:
 
     def put_asset(self, name: str, data: bytes) -> None:
         """Store a small file (config.json, tokenizer files) atomically, replacing an older one."""
-        path = self._asset_path(name)
+        self._write_small(self._asset_path(name), data)
+
+    def get_asset(self, name: str) -> bytes:
+        try:
+            return self._read_small(self._asset_path(name))
+        except FileNotFoundError:
+            raise FileNotFoundError(f"no asset {name!r} in store {self.uri}") from None
+
+    # -- small mutable objects (assets, the replica ledger) ----------------------------------------
+    def _write_small(self, path: str, data: bytes) -> None:
+        """Write a small object atomically, replacing an older one (readers see old or new, whole)."""
         if not self.is_local:
-            self.fs.pipe_file(path, bytes(data))
+            self.fs.pipe_file(path, bytes(data))  # an object store PUT is atomic
             return
         folder = os.path.dirname(path)
         os.makedirs(folder, exist_ok=True)
@@ -584,11 +601,37 @@ class DeltaStore:
             if os.path.exists(tmp):
                 os.remove(tmp)
 
-    def get_asset(self, name: str) -> bytes:
+    def _read_small(self, path: str) -> bytes:
+        """A small object as it is now (listing caches bypassed: it may have changed or just appeared)."""
+        if not self.is_local:
+            self.fs.invalidate_cache(path)
+        return bytes(self.fs.cat_file(path))
+
+    def write_object(self, folder: str, name: str, data: bytes) -> None:
+        """A small mutable object at `<folder>/<name>` under the store root (e.g. `replicas/<id>.json`)."""
+        self._write_small(self._object_path(folder, name), data)
+
+    def read_object(self, folder: str, name: str) -> bytes:
+        return self._read_small(self._object_path(folder, name))
+
+    def list_objects(self, folder: str) -> list[str]:
+        """Names of the committed objects directly in `folder` (temporary files skipped), listed afresh."""
+        self._object_path(folder, "x")
+        names = (_basename(e["name"]) for e in self._ls(folder))
+        return sorted(n for n in names if not n.startswith(TMP_PREFIX))
+
+    def delete_object(self, folder: str, name: str) -> None:
         try:
-            return self.fs.cat_file(self._asset_path(name))
+            self.fs.rm_file(self._object_path(folder, name))
         except FileNotFoundError:
-            raise FileNotFoundError(f"no asset {name!r} in store {self.uri}") from None
+            pass
+
+    def _object_path(self, folder: str, name: str) -> str:
+        if folder in (VERSIONS_DIR, DATA_DIR) or not folder.isidentifier():
+            raise ValueError(f"bad object folder {folder!r}")
+        if not name or "/" in name or "\\" in name or name in (".", "..") or name.startswith(TMP_PREFIX):
+            raise ValueError(f"bad object name {name!r}")
+        return self._path(folder, name)
 
     def assets(self) -> list[str]:
         folder = self._path(ASSETS_DIR)

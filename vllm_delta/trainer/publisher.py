@@ -34,6 +34,7 @@ from ..format import DTYPE_NAMES, VersionHeader, write
 from ..store import DeltaStore, VersionRecord
 from ..writer import PreparedTensor, assemble_delta, encode_anchor
 from .detect import Snapshot, named_tensors
+from .staleness import StalenessGate, StalenessPolicy
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +85,9 @@ class Publisher:
         keep_anchors: int | None = None,
         storage_options: dict | None = None,
         pack_threads: int | None = None,
+        max_staleness: int | None = None,
+        min_replicas: int = 1,
+        staleness_timeout_s: float = 600.0,
     ):
         if anchor_every < 1:
             raise ValueError("anchor_every must be >= 1")
@@ -95,6 +99,12 @@ class Publisher:
         self.dtype = dtype
         self.keep_anchors = keep_anchors
         self.snapshot = Snapshot(device=snapshot_device, pin=pin_snapshot)
+        # Bounded staleness: publish waits until enough reporting replicas caught up (staleness.py).
+        self._gate = (
+            None
+            if max_staleness is None
+            else StalenessGate(self.store, StalenessPolicy(max_staleness, min_replicas, staleness_timeout_s))
+        )
         self._sums: dict[str, int] = {}  # per-tensor positional sums of the snapshot
         self._shapes: dict[str, tuple[int, ...]] = {}
         self._last: int | None = self.store.latest()
@@ -121,6 +131,8 @@ class Publisher:
         if self._closed:
             raise RuntimeError("Publisher is closed")
         version = self._next_version(version)
+        if self._gate is not None:
+            self._gate.wait(version)
         t0 = time.perf_counter()
         tensors = named_tensors(model_or_tensors)
         if not tensors:
@@ -241,8 +253,13 @@ class Publisher:
         self._assets_done = True
         config = getattr(source, "config", None)
         if config is not None and hasattr(config, "to_dict"):
+            doc = config.to_dict()
+            if not doc.get("architectures") and isinstance(source, torch.nn.Module):
+                # A model built with `from_config` has no `architectures`: name its class, so that a
+                # server (or `from_pretrained` on a materialized directory) can pick the model class.
+                doc["architectures"] = [type(source).__name__]
             try:
-                self.store.put_asset("config.json", json.dumps(config.to_dict(), indent=2, default=str).encode())
+                self.store.put_asset("config.json", json.dumps(doc, indent=2, default=str).encode())
             except Exception as exc:  # noqa: BLE001 - assets are a convenience, never fatal
                 log.warning("could not store config.json: %s", exc)
 
