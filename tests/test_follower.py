@@ -5,8 +5,10 @@ server's DeltaService runs). Real servers following a store are tested in tests/
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 
+import pytest
 import torch
 
 from vllm_delta import DeltaStore, Publisher, checksum, replay
@@ -16,6 +18,8 @@ from vllm_delta.checksums import verify_partials
 from vllm_delta.errors import DeltaError
 from vllm_delta.ledger import Ledger
 from vllm_delta.vllm.follower import Follower, FollowOptions, next_target
+from vllm_delta.vllm.messages import FollowStatus
+from vllm_delta.vllm.options import LoaderOptions, server_options, split_extra_config
 from vllm_delta.vllm.plan import plan_update
 
 
@@ -174,3 +178,101 @@ def test_store_faults_are_retried(tmp_path):
     assert replica.version == 0 and follower.state.last_error and not follower.state.skipped
     run(follower.poll_once())
     assert replica.version == 1 and checksum(replica.tensors) == checksum(w)
+
+
+def test_an_update_a_client_made_first_is_not_applied_again(tmp_path):
+    """The service answers None when the served version is already at or past the target (a client's
+    /v1/delta/update_weights won the lock): the follower counts no update, records no error."""
+    store = DeltaStore(str(tmp_path / "store"))
+    w = make_weights(4)
+    with Publisher(store.uri, anchor_every=100) as pub:
+        for v in range(0, 3):
+            step(w, v)
+            pub.publish(w, version=v)
+    replica = Replica(store, 0)
+
+    async def client_got_there_first(version: int) -> float | None:
+        await replica.apply(version)  # the client's update, under the lock
+        return None  # ... so the follower's own finds nothing to do
+
+    follower = Follower(
+        store,
+        FollowOptions(follow=True),
+        served=replica.served,
+        apply=client_got_there_first,
+        checksums=replica.checksums,
+    )
+    run(follower.poll_once())
+    status = follower.status
+    assert replica.applied == [[1, 2]] and status.served == 2 and status.lag == 0
+    assert status.updates == 0 and status.last_error is None and not status.skipped
+
+
+def test_report_only_never_applies(tmp_path):
+    store = DeltaStore(str(tmp_path / "store"))
+    w = make_weights(5)
+    with Publisher(store.uri, anchor_every=100) as pub:
+        pub.publish(w, version=0)
+        step(w, 1)
+        pub.publish(w, version=1)
+    replica = Replica(store, 0)
+    follower = Follower(
+        store,
+        FollowOptions(follow=False, report=True, replica_id="pushed-0"),
+        served=replica.served,
+        apply=replica.apply,
+        checksums=replica.checksums,
+    )
+    run(follower.poll_once())
+    assert replica.applied == [] and follower.status.lag == 1 and not follower.status.following
+    (report,) = Ledger(store).reports()
+    assert (report.replica_id, report.served_version, report.newest_seen) == ("pushed-0", 0, 1)
+
+
+def test_follow_options_from_the_loader_config():
+    opts = LoaderOptions.from_extra_config(
+        {
+            "delta_store": "/s",
+            "delta_follow": True,
+            "delta_poll_s": 0.5,
+            "delta_follow_mode": "wait",
+            "delta_chain_cap": 8,
+            "delta_report": True,
+            "delta_report_s": 3,
+            "delta_replica_id": "rollout-0",
+        }
+    )
+    assert opts.follow == FollowOptions(True, 0.5, "wait", 8, True, 3, "rollout-0")
+    assert LoaderOptions.from_extra_config({"delta_store": "/s"}).follow == FollowOptions()
+    ours, rest = split_extra_config({"delta_store": "/s", "delta_follow": True, "num_threads": 2})
+    assert ours == {"delta_store": "/s", "delta_follow": True} and rest == {"num_threads": 2}
+    options = server_options("delta", '{"delta_store": "/s", "delta_report": true}')
+    assert options is not None and options.follow.report and not options.follow.follow
+    bad = {
+        "delta_follow": "yes",
+        "delta_poll_s": 0,
+        "delta_report_s": "10",
+        "delta_follow_mode": "later",
+        "delta_chain_cap": 0,
+        "delta_replica_id": "../etc",
+    }
+    for key, value in bad.items():
+        with pytest.raises(ValueError, match=key):
+            LoaderOptions.from_extra_config({"delta_store": "/s", key: value})
+
+
+def test_follow_status_json_round_trip(tmp_path):
+    store = DeltaStore(str(tmp_path / "store"))
+    follower = Follower(
+        store,
+        FollowOptions(follow=True, report=True, replica_id="r-9"),
+        served=lambda: None,  # type: ignore[arg-type,return-value]
+        apply=lambda v: None,  # type: ignore[arg-type,return-value]
+        checksums=lambda: None,  # type: ignore[arg-type,return-value]
+    )
+    follower.state.skipped[7] = "IntegrityError: damaged"
+    follower.state.newest_seen, follower.state.served, follower.state.last_pause_ms = 9, 6, 12.5
+    status = follower.status
+    doc = json.loads(json.dumps(status.to_json()))
+    assert doc["lag"] == 3 and doc["skipped"] == {"7": "IntegrityError: damaged"}
+    assert FollowStatus.from_json(doc) == status

@@ -34,6 +34,11 @@ EXPIRE_AFTER_S = 24 * 3600.0  # older than this: the report is deleted
 _ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
+def valid_replica_id(replica_id: object) -> bool:
+    """1-128 letters, digits, '.', '_' or '-', not starting with a punctuation mark (a safe object name)."""
+    return isinstance(replica_id, str) and _ID.match(replica_id) is not None
+
+
 @dataclass(frozen=True)
 class ReplicaReport:
     """What one server says about itself (one JSON object under `replicas/`)."""
@@ -75,7 +80,7 @@ class ReplicaReport:
         return report
 
     def validate(self) -> None:
-        if not isinstance(self.replica_id, str) or not _ID.match(self.replica_id):
+        if not valid_replica_id(self.replica_id):
             raise ValueError(f"bad replica id {self.replica_id!r:.80}")
         for name in ("served_version", "newest_seen"):
             v = getattr(self, name)

@@ -4,7 +4,8 @@
         store = DeltaStore(s3.uri("run1"), storage_options=s3.storage_options)
 
 The server serves a local directory (`s3.root`, a temp dir unless given); its bucket is a folder
-in it, created before the server starts. Nothing is fetched from the network.
+in it, created before the server starts. Nothing is fetched from the network. `down()` and `up()`
+stop and restart it on the same port with the same data (clients keep their endpoint URL).
 """
 
 from __future__ import annotations
@@ -103,12 +104,13 @@ class S3Server:
         os.makedirs(os.path.join(self.root, self.bucket), exist_ok=True)
         rclone = find_rclone()
         # A config and cache of our own: never read or touch the user's rclone.conf or ~/.cache.
-        self._work = tempfile.mkdtemp(prefix="vllm-delta-rclone-")
+        self._work = self._work or tempfile.mkdtemp(prefix="vllm-delta-rclone-")
         config = os.path.join(self._work, "rclone.conf")
         open(config, "w").close()
         last_error = ""
+        fixed = self.port  # a restart (up()) keeps its port: clients hold the endpoint URL
         for _attempt in range(3):  # the free port may be taken between probing and binding
-            self.port = free_port()
+            self.port = fixed or free_port()
             log = tempfile.TemporaryFile()
             proc = subprocess.Popen(
                 [
@@ -136,6 +138,8 @@ class S3Server:
             log.seek(0)
             last_error = log.read()[-2000:].decode(errors="replace")
             _stop_process(proc, log)
+            if fixed:
+                time.sleep(1.0)  # the old listener's port may take a moment to free
         shutil.rmtree(self._work, ignore_errors=True)
         self._work = None
         raise RuntimeError(f"rclone serve s3 did not start: {last_error}")
@@ -154,6 +158,17 @@ class S3Server:
             except OSError:
                 time.sleep(0.05)
         return False
+
+    def down(self) -> None:
+        """Stop serving, keeping the data and the port (a store outage, for tests)."""
+        if self._finalizer is not None:
+            self._finalizer()
+            self._finalizer = None
+        self._proc = None
+
+    def up(self) -> S3Server:
+        """Serve again after `down()`, on the same port, from the same data."""
+        return self.start()
 
     def stop(self) -> None:
         if self._finalizer is not None:

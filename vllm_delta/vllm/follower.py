@@ -32,35 +32,21 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from ..errors import DeltaError, http_status
 from ..ledger import Ledger, ReplicaReport
 from ..store import DeltaStore
+from .messages import FollowStatus
+from .options import FollowOptions
+
+__all__ = ["FollowOptions", "FollowState", "Follower", "default_replica_id", "next_target"]
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class FollowOptions:
-    follow: bool = False
-    poll_s: float = 2.0
-    chain_cap: int = 64
-    mode: str = "keep"  # how updates ride through: the update_weights modes
-    report: bool = False
-    report_s: float = 10.0
-    replica_id: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.poll_s <= 0 or self.report_s <= 0:
-            raise ValueError("delta_poll_s and delta_report_s must be positive")
-        if self.chain_cap < 1:
-            raise ValueError("delta_chain_cap must be >= 1")
-
-
 @dataclass
 class FollowState:
-    """What status shows about following (JSON-ready through `to_json`)."""
+    """The follower's own bookkeeping; `snapshot()` is what status shows (messages.FollowStatus)."""
 
     store: str
     newest_seen: int | None = None
@@ -81,22 +67,25 @@ class FollowState:
             return None
         return max(0, self.newest_seen - self.served)
 
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "store": self.store,
-            "served": self.served,
-            "newest_seen": self.newest_seen,
-            "lag": self.lag,
-            "last_error": self.last_error,
-            "last_error_version": self.last_error_version,
-            "last_error_time": self.last_error_time,
-            "skipped": {str(v): why for v, why in sorted(self.skipped.items())},
-            "polls": self.polls,
-            "updates": self.updates,
-            "last_pause_ms": self.last_pause_ms,
-            "reporting": self.reporting,
-            "replica_id": self.replica_id,
-        }
+    def snapshot(self, options: FollowOptions) -> FollowStatus:
+        return FollowStatus(
+            following=options.follow,
+            store=self.store,
+            served=self.served,
+            newest_seen=self.newest_seen,
+            lag=self.lag,
+            last_error=self.last_error,
+            last_error_version=self.last_error_version,
+            last_error_time=self.last_error_time,
+            skipped=dict(sorted(self.skipped.items())),
+            polls=self.polls,
+            updates=self.updates,
+            last_pause_ms=self.last_pause_ms,
+            reporting=self.reporting,
+            replica_id=self.replica_id,
+            poll_s=options.poll_s,
+            mode=options.mode,
+        )
 
 
 MAX_SKIPPED = 32  # remembered bad targets (older ones are forgotten: they are behind anyway)
@@ -106,9 +95,12 @@ class Follower:
     """Polls the store and applies new versions.
 
     The server is reached through three coroutines of the service, injected so that the follower
-    is testable without vLLM: `served()` -> the served version, `apply(version)` -> pause_ms (one
-    update under the service's lock), `checksums()` -> (live checksum, the served version's
-    recorded checksum), read only for ledger reports."""
+    is testable without vLLM: `served()` -> the served version, `apply(version)` -> pause_ms of one
+    update under the service's lock, or None when the server already serves that version or a newer
+    one (a client's /v1/delta/update_weights got there first), `checksums()` -> (live checksum, the
+    served version's recorded checksum), read only for ledger reports.
+
+    With `follow` off and `report` on, the loop only reports (a pushed server in the ledger)."""
 
     def __init__(
         self,
@@ -116,7 +108,7 @@ class Follower:
         options: FollowOptions,
         *,
         served: Callable[[], Awaitable[int | None]],
-        apply: Callable[[int], Awaitable[float]],
+        apply: Callable[[int], Awaitable[float | None]],
         checksums: Callable[[], Awaitable[tuple[str | None, str | None]]],
     ):
         self.store = store
@@ -146,7 +138,12 @@ class Follower:
             except (asyncio.CancelledError, Exception):  # noqa: BLE001 - stopping
                 pass
 
+    @property
+    def status(self) -> FollowStatus:
+        return self.state.snapshot(self.options)
+
     async def _run(self) -> None:
+        period = self.options.poll_s if self.options.follow else self.options.report_s
         while not self._stop.is_set():
             try:
                 await self.poll_once()
@@ -155,7 +152,7 @@ class Follower:
             except Exception as exc:  # noqa: BLE001 - the loop never dies: report and poll again
                 self._error(None, exc)
             try:
-                await asyncio.wait_for(self._stop.wait(), timeout=self.options.poll_s)
+                await asyncio.wait_for(self._stop.wait(), timeout=period)
             except asyncio.TimeoutError:
                 pass
 
@@ -167,21 +164,37 @@ class Follower:
         st.newest_seen = newest
         served = st.served = await self._served()
         changed = False
-        if newest is not None and (served is None or newest > served) and newest not in st.skipped:
-            target = await asyncio.to_thread(next_target, self.store, served, newest, self.options.chain_cap)
-            try:
-                st.last_pause_ms = await self._apply(target)
-                st.updates += 1
-                changed = True
-                log.info("vllm-delta: following %s: now serving version %d", self.store.uri, target)
-            except DeltaError as exc:
-                self._error(target, exc)
-                if http_status(exc) < 500:  # the version itself is bad: never applied, never retried
-                    st.skipped[target] = str(exc)[:300]
-                    while len(st.skipped) > MAX_SKIPPED:
-                        del st.skipped[min(st.skipped)]
+        if self.options.follow and newest is not None and (served is None or newest > served):
+            changed = await self._advance(served, newest)
             if changed:
                 st.served = await self._served()
+        await self._maybe_report(changed)
+
+    async def _advance(self, served: int | None, newest: int) -> bool:
+        """One update on the way to `newest`; True if the served version changed (by us or a client)."""
+        st = self.state
+        if newest in st.skipped:
+            return False
+        target = await asyncio.to_thread(next_target, self.store, served, newest, self.options.chain_cap)
+        if target in st.skipped:  # an intermediate step of a long chain that already failed
+            return False
+        try:
+            pause_ms = await self._apply(target)
+        except DeltaError as exc:
+            self._error(target, exc)
+            if http_status(exc) < 500:  # the version itself is bad: never applied, never retried
+                st.skipped[target] = str(exc)[:300]
+                while len(st.skipped) > MAX_SKIPPED:
+                    del st.skipped[min(st.skipped)]
+            return False
+        if pause_ms is not None:
+            st.last_pause_ms = pause_ms
+            st.updates += 1
+            log.info("vllm-delta: following %s: now serving version %d", self.store.uri, target)
+        return True
+
+    async def _maybe_report(self, changed: bool) -> None:
+        st = self.state
         due = changed or time.monotonic() - self._last_report >= self.options.report_s
         if st.reporting and due:
             checksum, version_checksum = await self._checksums()

@@ -11,7 +11,8 @@
     resume    always (finally)
 
 Updates, prefetches and status reads are serialized by one asyncio.Lock, so a status never sees
-a half-applied update and two updates never interleave.
+a half-applied update and two updates never interleave. The follower (follower.py, follow mode)
+updates through `follow_update`, the same steps under the same lock as /v1/delta/update_weights.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from ..checksums import Sums, add_sums, combine, to_hex, verify_partials
 from ..errors import DeltaError
 from .messages import (
     Committed,
+    FollowStatus,
     Prepared,
     RankSums,
     ServerStatus,
@@ -75,6 +77,7 @@ class DeltaService:
         self.lock = asyncio.Lock()
         self.prefetched: Prefetched | None = None
         self.last_update: tuple[UpdateResult, float] | None = None  # and when it was applied
+        self.follow_status: Callable[[], FollowStatus] | None = None  # set when a follower runs beside
 
     @property
     def store(self) -> DeltaStore:
@@ -193,35 +196,59 @@ class DeltaService:
 
     async def update(self, request: UpdateRequest) -> UpdateResult:
         async with self.lock:
+            return await self._update(await self._served(), request)
+
+    async def follow_update(self, version: int, mode: str) -> UpdateResult | None:
+        """The follower's update: as /v1/delta/update_weights, unless the server already serves `version`
+        or a newer one (a client's update got there first between the follower's poll and this lock):
+        then None, and nothing is staged or applied. A follower never moves a server backwards."""
+        async with self.lock:
             served = await self._served()
-            previous = served.version
-            staged = await self._stage(served, request)
-            if staged is None:
-                target = await self._in_thread(self.store.resolve, request.version)
-                return UpdateResult(target, previous, 0.0, 0.0, 0.0, 0, 0, [], request.mode, request.method)
-            try:
-                pause_ms, apply_ms = await self._commit(staged, request)
-            finally:
-                await self._release(staged.ticket)
-            out = UpdateResult(
-                version=staged.plan.target,
-                previous_version=previous,
-                pause_ms=pause_ms,
-                apply_ms=apply_ms,
-                stage_ms=staged.stage_ms,
-                nnz=staged.plan.nnz,
-                bytes=staged.plan.bytes,
-                applied=staged.plan.versions,
-                mode=request.mode,
-                method=request.method,
-                reanchored=staged.plan.reanchor,
-                prefetched=staged.from_prefetch,
-                elements_written=sum(s.nnz for s in staged.summaries),
-                staged_bytes=sum(s.bytes for s in staged.summaries),
-                timings=staged.summaries[0].timings,
-            )
-            self.last_update = (out, time.time())
-            return out
+            if served.version is not None and served.version >= version:
+                return None
+            return await self._update(served, UpdateRequest(version, mode=mode))
+
+    async def served_version(self) -> int | None:
+        async with self.lock:
+            return (await self._served()).version
+
+    async def checksums(self) -> tuple[str, str | None]:
+        """(live checksum over all ranks, the served version's recorded checksum), for ledger reports."""
+        async with self.lock:
+            served = await self._served()
+            await self._ensure_prepared(served)
+            return to_hex(combine((await self._live_sums()).items())), served.checksum
+
+    async def _update(self, served: WorkerStatus, request: UpdateRequest) -> UpdateResult:
+        """One update from `served` (read under the lock, which the caller holds)."""
+        previous = served.version
+        staged = await self._stage(served, request)
+        if staged is None:
+            target = await self._in_thread(self.store.resolve, request.version)
+            return UpdateResult(target, previous, 0.0, 0.0, 0.0, 0, 0, [], request.mode, request.method)
+        try:
+            pause_ms, apply_ms = await self._commit(staged, request)
+        finally:
+            await self._release(staged.ticket)
+        out = UpdateResult(
+            version=staged.plan.target,
+            previous_version=previous,
+            pause_ms=pause_ms,
+            apply_ms=apply_ms,
+            stage_ms=staged.stage_ms,
+            nnz=staged.plan.nnz,
+            bytes=staged.plan.bytes,
+            applied=staged.plan.versions,
+            mode=request.mode,
+            method=request.method,
+            reanchored=staged.plan.reanchor,
+            prefetched=staged.from_prefetch,
+            elements_written=sum(s.nnz for s in staged.summaries),
+            staged_bytes=sum(s.bytes for s in staged.summaries),
+            timings=staged.summaries[0].timings,
+        )
+        self.last_update = (out, time.time())
+        return out
 
     async def _commit(self, staged: Prefetched, request: UpdateRequest) -> tuple[float, float]:
         t0 = time.perf_counter()
@@ -255,13 +282,17 @@ class DeltaService:
     async def _live_sums(self) -> Sums:
         return add_sums(p.sums for p in await self._call("delta_live_sums", RankSums.from_wire))
 
+    async def _ensure_prepared(self, served: WorkerStatus) -> None:
+        if not served.prepared:
+            version = served.version
+            target = version if version is not None else await self._in_thread(self.store.resolve, "latest")
+            await self._prepare(served, target)
+
     async def status(self) -> ServerStatus:
         async with self.lock:
             served = await self._served()
             version = served.version
-            if not served.prepared:
-                target = version if version is not None else await self._in_thread(self.store.resolve, "latest")
-                await self._prepare(served, target)
+            await self._ensure_prepared(served)
             sums = await self._live_sums()
             fallback = (await self._call("delta_status", WorkerStatus.from_wire))[0].fallback
             last, when = self.last_update if self.last_update is not None else (None, None)
@@ -274,4 +305,5 @@ class DeltaService:
                 last_update=last,
                 last_update_time=when,
                 tensors_via_vllm_path=fallback,
+                follow=self.follow_status() if self.follow_status is not None else None,
             )
