@@ -204,6 +204,10 @@ class DeltaStore:
         if cached is not None:
             return cached
         path = self._record_path(version)
+        if not self.is_local:
+            # s3fs's cat_file asks _info, which answers from a cached listing of versions/ when there is
+            # one: a record committed by another process after that listing would look absent forever.
+            self.fs.invalidate_cache(path)
         try:
             text = self.fs.cat_file(path)
         except FileNotFoundError:
@@ -316,6 +320,7 @@ class DeltaStore:
         # A unique temp name, then a rename: concurrent readers never see a partial download.
         tmp = os.path.join(folder, f"{TMP_PREFIX}{secrets.token_hex(8)}-{_basename(rec.file)}")
         try:
+            self.fs.invalidate_cache(self._path(rec.file))  # as in _load_record: never a stale listing
             self.fs.get_file(self._path(rec.file), tmp)
             self._check_size(rec, os.path.getsize(tmp))
             os.replace(tmp, final)
