@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 # The CPU torch wheel first, so that nothing later pulls a multi-GB CUDA build.
 TORCH   ?= torch==2.13.0
 
-.PHONY: install demo test test-gpu lint bench-payload clean
+.PHONY: install demo example test test-gpu lint bench-payload clean
 
 install: $(STAMP)
 
@@ -22,6 +22,11 @@ $(STAMP): setup.py
 
 demo: install
 	$(VPY) -m vllm_delta.demo
+
+# Asynchronous GRPO: a trainer and a rollout server in follow mode that share only a store
+# (examples/async_grpo.py, docs/DEPLOY.md). Each run works in a fresh temporary directory.
+example: install
+	$(VPY) examples/async_grpo.py
 
 test: install lint
 	TRITON_INTERPRET=1 $(VPY) -m pytest -q -m "not gpu" tests

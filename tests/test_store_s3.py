@@ -106,3 +106,16 @@ def test_server_fixture_starts_and_stops(tmp_path):
     with pytest.raises(OSError):
         socket.create_connection(("127.0.0.1", port), timeout=1).close()
     assert os.path.isdir(root)  # a given root belongs to the caller
+
+
+def test_a_reader_sees_versions_committed_by_another_process_after_its_listing(s3_server, history, tmp_path):
+    """A reader whose filesystem listed versions/ before a writer (another process: its own s3fs instance)
+    committed a version must still read that version's record and data (a follower's workers do)."""
+    uri = s3_server.uri("other-writer")
+    fresh = {**s3_server.storage_options, "skip_instance_cache": True}  # as in a separate process
+    writer = DeltaStore(uri, fresh)
+    reader = DeltaStore(uri, fresh, cache_dir=str(tmp_path / "cache"))
+    publish_history(writer, history, str(tmp_path), [(0, None)])
+    assert reader.versions() == [0]  # the reader's filesystem now holds a listing of versions/
+    publish_history(writer, history, str(tmp_path), [(1, 0)])
+    assert reader.record(1).version == 1 and reader.open(1).header.version == 1

@@ -71,6 +71,39 @@ def cmd_materialize(args) -> int:
     return 0
 
 
+def cmd_fleet(args) -> int:
+    from .ledger import Ledger
+
+    ledger = Ledger(_store(args), stale_after_s=args.stale_after)
+    states = ledger.states()
+    if args.json:
+        rows = []
+        for s in states:
+            row = asdict(s.report)
+            row.update(age_s=round(s.age_s, 1), stale=s.stale, lag=s.lag, checksum_ok=s.checksum_ok)
+            rows.append(row)
+        print(json.dumps(rows, indent=2))
+        return 0
+    if not states:
+        print(f'{ledger.store.uri}: no replica reports (servers report with "delta_report": true)')
+        return 0
+    print(
+        f"{'replica':24} {'host':16} {'version':>8} {'lag':>4} {'checksum':9} {'heartbeat':>10} {'pause_ms':>9}  error"
+    )
+    for s in states:
+        r = s.report
+        ok = {True: "ok", False: "MISMATCH", None: "?"}[s.checksum_ok]
+        beat = f"{s.age_s:.0f}s ago" + (" STALE" if s.stale else "")
+        pause = f"{r.last_pause_ms:.1f}" if r.last_pause_ms is not None else "-"
+        version = r.served_version if r.served_version is not None else "-"
+        lag = s.lag if s.lag is not None else "-"
+        print(
+            f"{r.replica_id[:24]:24} {r.host[:16]:16} {version:>8} {lag:>4} {ok:9} {beat:>10} {pause:>9}  "
+            f"{(r.last_error or '')[:60]}"
+        )
+    return 0
+
+
 def cmd_retain(args) -> int:
     deleted = _store(args).retain(args.keep_anchors)
     print(f"deleted {len(deleted)} version(s): {deleted}")
@@ -155,6 +188,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--version", default="latest", help="a number or 'latest' (default)")
     sp.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
     sp.add_argument("--quiet", action="store_true", help="no progress bar")
+
+    sp = add("fleet", cmd_fleet, "replicas following the store: version, lag, checksum, heartbeat (the ledger)")
+    sp.add_argument("--json", action="store_true", help="machine-readable output")
+    sp.add_argument("--stale-after", type=float, default=60.0, help="seconds after which a heartbeat is stale")
 
     sp = add("retain", cmd_retain, "delete all but the newest K anchors and the deltas that need them")
     sp.add_argument("--keep-anchors", type=int, required=True)

@@ -99,6 +99,12 @@ class InflightRefusedError(DeltaError):
     http_status = 409
 
 
+class StalenessTimeoutError(DeltaError):
+    """`Publisher(max_staleness=K, min_replicas=R)`: too few replicas caught up in time."""
+
+    http_status = 504
+
+
 class BadRequestError(DeltaError):
     """A malformed request: not JSON, nested too deeply, unknown or invalid fields."""
 

@@ -484,6 +484,10 @@ class DeltaStore:
                     self._records.move_to_end(version)
                     return cached
         path = self._record_path(version)
+        if not self.is_local:
+            # s3fs's cat_file asks _info, which answers from a cached listing of versions/ when there is
+            # one: a record committed by another process after that listing would look absent forever.
+            self.fs.invalidate_cache(path)
         try:
             text = self._cat(path, f"reading {VERSIONS_DIR}/{record_name(version)}")
         except FileNotFoundError:
@@ -1007,8 +1011,10 @@ class DeltaStore:
             self.fs.pipe_file(self._record_path(rec.version), rec.to_json().encode(), **self._kw())
 
     # -- retention ---------------------------------------------------------------------------
-    def retain(self, keep_anchors: int) -> list[int]:
-        """Keep the newest `keep_anchors` anchors and everything from the oldest of them on.
+    def retain(self, keep_anchors: int, *, protect: Iterable[int] = ()) -> list[int]:
+        """Keep the newest `keep_anchors` anchors and everything from the oldest of them on, plus the
+        versions in `protect` and every version a live replica of the ledger reports serving
+        (`vllm_delta.ledger`), each with its chain.
 
         Returns the deleted versions. Versions are deleted newest first, record before data, so
         that every visible record keeps its data and its whole chain at every moment. Leftovers of
@@ -1016,12 +1022,17 @@ class DeltaStore:
         """
         if keep_anchors < 1:
             raise ValueError("keep_anchors must be at least 1")
+        from .ledger import Ledger  # the ledger reads this store: imported here, not at module level
+
+        ledger = Ledger(self)
+        ledger.expire()
+        protected = set(protect) | ledger.live_versions()
         recs = {r.version: r for r in self.records()}
         anchors = sorted(v for v, r in recs.items() if r.kind == "anchor")
         deleted = []
         if len(anchors) > keep_anchors:
             oldest_kept = anchors[-keep_anchors]
-            keep = {v for v in recs if v >= oldest_kept}
+            keep = {v for v in recs if v >= oldest_kept} | (protected & set(recs))
             # A kept delta whose chain reaches below the oldest kept anchor keeps that chain.
             for v in list(keep):
                 while (b := recs[v].base) is not None and recs[v].kind == "delta" and b in recs and b not in keep:
@@ -1141,10 +1152,20 @@ class DeltaStore:
 
     def put_asset(self, name: str, data: bytes) -> None:
         """Store a small file (config.json, tokenizer files) atomically, replacing an older one."""
-        path = self._asset_path(name)
+        self._write_small(self._asset_path(name), data)
+
+    def get_asset(self, name: str) -> bytes:
+        try:
+            return self._read_small(self._asset_path(name))
+        except FileNotFoundError:
+            raise FileNotFoundError(f"no asset {name!r} in store {self.uri}") from None
+
+    # -- small mutable objects (assets, the replica ledger) ----------------------------------------
+    def _write_small(self, path: str, data: bytes) -> None:
+        """Write a small object atomically, replacing an older one (readers see old or new, whole)."""
         if not self.is_local:
-            with self._remote(f"writing {ASSETS_DIR}/{name}"):
-                self.fs.pipe_file(path, bytes(data), **self._kw())
+            with self._remote(f"writing {path}"):
+                self.fs.pipe_file(path, bytes(data), **self._kw())  # an object store PUT is atomic
             return
         folder = os.path.dirname(path)
         os.makedirs(folder, exist_ok=True)
@@ -1159,11 +1180,33 @@ class DeltaStore:
             if os.path.exists(tmp):
                 os.remove(tmp)
 
-    def get_asset(self, name: str) -> bytes:
-        try:
-            return self._cat(self._asset_path(name), f"reading {ASSETS_DIR}/{name}")
-        except FileNotFoundError:
-            raise FileNotFoundError(f"no asset {name!r} in store {self.uri}") from None
+    def _read_small(self, path: str) -> bytes:
+        """A small object as it is now (listing caches bypassed: it may have changed or just appeared)."""
+        return self._cat(path, f"reading {path}")
+
+    def write_object(self, folder: str, name: str, data: bytes) -> None:
+        """A small mutable object at `<folder>/<name>` under the store root (e.g. `replicas/<id>.json`)."""
+        self._write_small(self._object_path(folder, name), data)
+
+    def read_object(self, folder: str, name: str) -> bytes:
+        return self._read_small(self._object_path(folder, name))
+
+    def list_objects(self, folder: str) -> list[str]:
+        """Names of the committed objects directly in `folder` (temporary files skipped), listed afresh."""
+        self._object_path(folder, "x")
+        names = (_basename(e["name"]) for e in self._ls(folder))
+        return sorted(n for n in names if not n.startswith(TMP_PREFIX))
+
+    def delete_object(self, folder: str, name: str) -> None:
+        with self._remote(f"deleting {folder}/{name}"), contextlib.suppress(FileNotFoundError):
+            self.fs.rm_file(self._object_path(folder, name), **self._kw())
+
+    def _object_path(self, folder: str, name: str) -> str:
+        if folder in (VERSIONS_DIR, DATA_DIR) or not folder.isidentifier():
+            raise ValueError(f"bad object folder {folder!r}")
+        if not name or "/" in name or "\\" in name or name in (".", "..") or name.startswith(TMP_PREFIX):
+            raise ValueError(f"bad object name {name!r}")
+        return self._path(folder, name)
 
     def assets(self) -> list[str]:
         folder = self._path(ASSETS_DIR)

@@ -45,12 +45,13 @@ import torch
 
 from .. import codec as codecs
 from ..checksums import MASK64, combine, to_hex
-from ..errors import PublishError, ShardingError
+from ..errors import PublishError, ShardingError, StalenessTimeoutError
 from ..format import DTYPE_NAMES, PartInfo, VersionHeader, write
 from ..store import DeltaStore, PartRecord, VersionRecord
 from ..writer import PreparedTensor, assemble_delta, encode_anchor, encode_anchor_part
 from .detect import CHUNK_ELEMS, FlatSnapshot, named_tensors
 from .shard import Owned, Ownership, check_layouts, describe_mismatch, resolve
+from .staleness import StalenessGate, StalenessPolicy
 
 log = logging.getLogger(__name__)
 
@@ -148,6 +149,9 @@ class Publisher:
         timeout: datetime.timedelta | float = DEFAULT_TIMEOUT,
         chunk_elems: int = CHUNK_ELEMS,
         detect_backend: str | None = None,
+        max_staleness: int | None = None,
+        min_replicas: int = 1,
+        staleness_timeout_s: float = 600.0,
     ):
         """`group`: a torch.distributed process group (or `torch.distributed.group.WORLD`) whose
         ranks publish together, each its own part of every version (created collectively: every rank
@@ -174,6 +178,12 @@ class Publisher:
         self._partials: dict[str, int] = {}  # per tensor: positional sum over the owned elements
         self._fingerprint: str | None = None
         self._layouts: list[str] | None = None  # every rank's layout fingerprint, as last validated
+        # Bounded staleness: publish waits until enough reporting replicas caught up (staleness.py).
+        self._gate = (
+            None
+            if max_staleness is None
+            else StalenessGate(self.store, StalenessPolicy(max_staleness, min_replicas, staleness_timeout_s))
+        )
         self._last: int | None = self.store.latest()
         self._last_anchor: int | None = None
         self._needs_anchor = True  # nothing to diff against until the first anchor
@@ -204,11 +214,13 @@ class Publisher:
         if self._groups is None:
             self._raise_pending()
             version = self._next_version(version)
+            self._wait_for_replicas(version)
             own = self._ownership(model_or_tensors)
             anchor = self._wants_anchor(version, own)
             self._fingerprint = own.fingerprint
         else:
             version, own, anchor = self._agree(model_or_tensors, version)
+            self._wait_for_replicas(version)
         timings = {"agree": (time.perf_counter() - t0) * 1e3}
         t1 = time.perf_counter()
         self._maybe_store_assets(model_or_tensors)
@@ -455,6 +467,25 @@ class Publisher:
             self._needs_anchor = True  # the chain is broken: start a new one
             raise PublishError(f"upload failed: {exc}", version=version) from exc
 
+    def _wait_for_replicas(self, version: int) -> None:
+        """Bounded staleness (staleness.py): wait until enough reporting replicas serve a version within
+        `max_staleness` of `version`. Sharded, rank 0 reads the ledger and every rank learns the outcome
+        (all publish, or all raise StalenessTimeoutError)."""
+        if self._gate is None:
+            return
+        if self._groups is None:
+            self._gate.wait(version)
+            return
+        error = None
+        if self.rank == 0:
+            try:
+                self._gate.wait(version)
+            except StalenessTimeoutError as exc:
+                error = str(exc)
+        errors = [e for e in self._groups.gather(error) if e is not None]  # the control group (training thread)
+        if errors:
+            raise StalenessTimeoutError(errors[0])
+
     def _set_error(self, version: int, exc: BaseException) -> None:
         with self._lock:
             if version in self._raised or self._error is not None:
@@ -467,11 +498,13 @@ class Publisher:
         self._assets_done = True
         config = getattr(source, "config", None)
         if config is not None and hasattr(config, "to_dict"):
+            doc = config.to_dict()
+            if not doc.get("architectures") and isinstance(source, torch.nn.Module):
+                # A model built with `from_config` has no `architectures`: name its class, so that a
+                # server (or `from_pretrained` on a materialized directory) can pick the model class.
+                doc["architectures"] = [type(source).__name__]
             try:
-                data = config.to_dict()
-                if not data.get("architectures"):  # a model built with from_config: name its class
-                    data["architectures"] = [type(source).__name__]
-                self.store.put_asset("config.json", json.dumps(data, indent=2, default=str).encode())
+                self.store.put_asset("config.json", json.dumps(doc, indent=2, default=str).encode())
             except Exception as exc:  # noqa: BLE001 - assets are a convenience, never fatal
                 log.warning("could not store config.json: %s", exc)
 

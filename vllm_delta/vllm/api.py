@@ -2,7 +2,9 @@
 /v1/delta/timeline; and `choices[i].weight_versions` on completions (attribution.py).
 
 Under /v1 so that vLLM's --api-key guards them. Clients send versions, never paths or URIs: the
-store is fixed when the server starts (options.py). Errors answer with {"error": {...}} and the
+store is fixed when the server starts (options.py). With "delta_follow" (or "delta_report") a
+Follower (follower.py) runs beside the service in the server's event loop, from `init_state` until
+the app shuts down. Errors answer with {"error": {...}} and the
 status of the exception (errors.py): 400 malformed, 404 unknown version, 409 not a successor,
 413 body too large, 415 not JSON by its Content-Type, 422 integrity failure, 503 store unreachable or
 cache unwritable, 504 store too slow; the server keeps serving the previous version in every case.
@@ -15,9 +17,10 @@ deep nesting and non-JSON are 400, and error messages quote at most a short pref
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
@@ -25,9 +28,10 @@ from fastapi.responses import JSONResponse
 
 from ..errors import BadRequestError, DeltaError, RequestTooLargeError, UnsupportedMediaTypeError, http_status, short
 from .attribution import AttributionMiddleware, SpanStore, spans_for_response, wrap_generate
+from .follower import Follower
 from .messages import StageRequest, UpdateRequest
 from .metrics import metrics
-from .options import server_store
+from .options import FollowOptions, server_options
 from .service import DeltaService
 
 log = logging.getLogger(__name__)
@@ -109,7 +113,12 @@ class DeltaEndpointPlugin:
     name = "vllm_delta_api"
     required_tasks = ("generate",)  # needs an engine: not on the render-only server
 
+    def __init__(self) -> None:
+        self.follower: Follower | None = None
+
     def attach_router(self, app: FastAPI) -> None:
+        self._stop_follower_on_shutdown(app)
+
         @app.post(f"{PREFIX}/update_weights")
         @route
         async def update_weights(request: Request) -> JsonAnswer:
@@ -145,20 +154,57 @@ class DeltaEndpointPlugin:
             wrap_generate(engine_client, spans)
         load = getattr(getattr(engine_client, "vllm_config", None), "load_config", None)
         if load is not None:
-            spec = server_store(load.load_format, load.model_loader_extra_config)
+            options = server_options(load.load_format, load.model_loader_extra_config)
         else:
-            spec = server_store(getattr(args, "load_format", None), getattr(args, "model_loader_extra_config", None))
-        if spec is None:
+            options = server_options(
+                getattr(args, "load_format", None), getattr(args, "model_loader_extra_config", None)
+            )
+        if options is None:
             log.warning("vllm-delta: no store configured; /v1/delta/* will answer 500 until one is")
             return
-        service = DeltaService(engine_client, spec)
+        service = DeltaService(engine_client, options.store)
         setattr(state, STATE_KEY, service)
         metrics()  # on /metrics from the start (once per process)
-        log.info("vllm-delta: /v1/delta/* serve versions of %s", spec.uri)
+        log.info("vllm-delta: /v1/delta/* serve versions of %s", options.store.uri)
         try:  # label outputs with the served version from the first request on (vLLM says "default")
             await asyncio.wait_for(service.sync_label(), LABEL_TIMEOUT_S)
         except Exception as exc:  # noqa: BLE001 - attribution would say "default" until the first update
             log.warning("vllm-delta: could not set the weight-version label at start-up: %s", exc)
+        if options.follow.follow or options.follow.report:
+            self.follower = start_follower(service, options.follow)
+
+    def _stop_follower_on_shutdown(self, app: FastAPI) -> None:
+        """Wrap the app's lifespan (vLLM's) so that the follower stops before the engine goes away:
+        Starlette runs no shutdown handlers of its own once an app has a lifespan."""
+        inner = app.router.lifespan_context
+
+        @contextlib.asynccontextmanager
+        async def lifespan(a: Any) -> AsyncIterator[Any]:
+            async with inner(a) as value:
+                try:
+                    yield value
+                finally:
+                    if self.follower is not None:
+                        await self.follower.stop()
+                        self.follower = None
+
+        app.router.lifespan_context = lifespan
+
+
+def start_follower(service: DeltaService, options: FollowOptions) -> Follower:
+    """A Follower whose every update goes through the service (its lock, staging, verification,
+    two-phase commit and rollback), started as a task of the running event loop."""
+
+    async def apply(version: int) -> float | None:
+        result = await service.follow_update(version, options.mode)
+        return None if result is None else result.pause_ms
+
+    follower = Follower(service.store, options, served=service.served_version, apply=apply, checksums=service.checksums)
+    service.follow_status = lambda: follower.status
+    follower.start()
+    what = "following" if options.follow else "reporting to the ledger of"
+    log.info("vllm-delta: %s %s (poll every %.1f s)", what, service.store.uri, options.poll_s)
+    return follower
 
 
 LABEL_TIMEOUT_S = 120.0

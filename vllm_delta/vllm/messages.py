@@ -222,9 +222,75 @@ class Failure:
 
 
 @dataclass(frozen=True)
+class FollowStatus:
+    """The `follow` part of GET /v1/delta/status: where a following (or reporting) server stands.
+
+    `from_json` is for clients (the example, tests): they read the answer through this type."""
+
+    following: bool  # delta_follow: the server applies new versions on its own
+    store: str
+    served: int | None
+    newest_seen: int | None  # the store's newest version at the last poll
+    lag: int | None  # newest_seen - served
+    last_error: str | None
+    last_error_version: int | None  # the version that failed (None: a store fault, not a version)
+    last_error_time: float | None
+    skipped: dict[int, str]  # bad versions never applied (and not retried): version -> why
+    polls: int
+    updates: int  # updates the follower applied
+    last_pause_ms: float | None
+    reporting: bool  # writing this replica's report to the store's ledger
+    replica_id: str | None
+    poll_s: float
+    mode: str
+
+    def to_json(self) -> Json:
+        return {
+            "following": self.following,
+            "store": self.store,
+            "served": self.served,
+            "newest_seen": self.newest_seen,
+            "lag": self.lag,
+            "last_error": self.last_error,
+            "last_error_version": self.last_error_version,
+            "last_error_time": self.last_error_time,
+            "skipped": {str(v): why for v, why in sorted(self.skipped.items())},
+            "polls": self.polls,
+            "updates": self.updates,
+            "last_pause_ms": None if self.last_pause_ms is None else round(self.last_pause_ms, 3),
+            "reporting": self.reporting,
+            "replica_id": self.replica_id,
+            "poll_s": self.poll_s,
+            "mode": self.mode,
+        }
+
+    @classmethod
+    def from_json(cls, doc: Mapping[str, Any]) -> FollowStatus:
+        return cls(
+            following=bool(doc["following"]),
+            store=str(doc["store"]),
+            served=doc["served"],
+            newest_seen=doc["newest_seen"],
+            lag=doc["lag"],
+            last_error=doc["last_error"],
+            last_error_version=doc["last_error_version"],
+            last_error_time=doc["last_error_time"],
+            skipped={int(v): str(why) for v, why in doc["skipped"].items()},
+            polls=int(doc["polls"]),
+            updates=int(doc["updates"]),
+            last_pause_ms=doc["last_pause_ms"],
+            reporting=bool(doc["reporting"]),
+            replica_id=doc["replica_id"],
+            poll_s=float(doc["poll_s"]),
+            mode=str(doc["mode"]),
+        )
+
+
+@dataclass(frozen=True)
 class ServerStatus:
     """200 answer of GET /v1/delta/status. While an update runs, the answer is the state known before it
-    (`as_of`: when that was read from the workers) and `update_in_progress` says what runs."""
+    (`as_of`: when that was read from the workers) and `update_in_progress` says what runs. `follow` is
+    null unless the server follows or reports."""
 
     version: int | None
     store: str
@@ -238,6 +304,7 @@ class ServerStatus:
     as_of: float | None = None
     update_in_progress: InProgress | None = None
     last_failure: Failure | None = None
+    follow: FollowStatus | None = None
 
     def to_json(self) -> Json:
         last = None
@@ -255,6 +322,7 @@ class ServerStatus:
             "as_of": self.as_of,
             "update_in_progress": None if self.update_in_progress is None else self.update_in_progress.to_json(),
             "last_failure": None if self.last_failure is None else self.last_failure.to_json(),
+            "follow": None if self.follow is None else self.follow.to_json(),
         }
 
 

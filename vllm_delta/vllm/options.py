@@ -27,7 +27,16 @@ LOADER_KEYS = (
     "delta_update_timeout_s",  # deadline of a whole update or prefetch before its pause (default 600)
     "delta_validate",  # check the probed layout against vLLM's sparse path on start-up (default true)
     "delta_fallback",  # HF names forced through vLLM's sparse path (diagnostics, tests)
+    # Follow mode (follower.py, docs/DEPLOY.md):
+    "delta_follow",  # poll the store and apply every newer version on its own (default false)
+    "delta_poll_s",  # seconds between polls (default 2)
+    "delta_follow_mode",  # how in-flight requests ride through a follower's update: keep | wait | abort
+    "delta_chain_cap",  # at most this many versions per update; longer chains are walked in steps (64)
+    "delta_report",  # write this replica's report to the store's ledger (default false)
+    "delta_report_s",  # heartbeat period of the report (default 10)
+    "delta_replica_id",  # the report's name, replicas/<id>.json (default host-pid-random)
 )
+FOLLOW_MODES = ("keep", "wait", "abort")  # vLLM's pause modes (messages.MODES)
 
 
 def default_cache_dir() -> str:
@@ -94,12 +103,62 @@ class StoreSpec:
         )
 
 
-@dataclass
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+@dataclass(frozen=True)
+class FollowOptions:
+    """Follow mode and ledger reports, from the `delta_follow*` / `delta_report*` keys. Checked here, at
+    server start, so that a typo fails the start-up instead of a follower that silently does nothing."""
+
+    follow: bool = False
+    poll_s: float = 2.0
+    mode: str = "keep"  # how updates ride through: the update_weights modes
+    chain_cap: int = 64
+    report: bool = False
+    report_s: float = 10.0
+    replica_id: str | None = None
+
+    def __post_init__(self) -> None:
+        for key, flag in (("delta_follow", self.follow), ("delta_report", self.report)):
+            if not isinstance(flag, bool):
+                raise ValueError(f"{key} must be true or false, not {flag!r}")
+        for key, seconds in (("delta_poll_s", self.poll_s), ("delta_report_s", self.report_s)):
+            if not _is_number(seconds) or not seconds > 0:
+                raise ValueError(f"{key} must be a positive number of seconds, not {seconds!r}")
+        if self.mode not in FOLLOW_MODES:
+            raise ValueError(f"delta_follow_mode must be one of {', '.join(FOLLOW_MODES)}, not {self.mode!r}")
+        if not isinstance(self.chain_cap, int) or isinstance(self.chain_cap, bool) or self.chain_cap < 1:
+            raise ValueError(f"delta_chain_cap must be an integer >= 1, not {self.chain_cap!r}")
+        from ..ledger import valid_replica_id
+
+        if self.replica_id is not None and not valid_replica_id(self.replica_id):
+            raise ValueError(
+                f"delta_replica_id must be 1-128 letters, digits, '.', '_' or '-' (not first), not {self.replica_id!r}"
+            )
+
+    @classmethod
+    def from_extra_config(cls, extra: dict[str, Any]) -> FollowOptions:
+        d = cls()
+        return cls(
+            follow=extra.get("delta_follow", d.follow),
+            poll_s=extra.get("delta_poll_s", d.poll_s),
+            mode=extra.get("delta_follow_mode", d.mode),
+            chain_cap=extra.get("delta_chain_cap", d.chain_cap),
+            report=extra.get("delta_report", d.report),
+            report_s=extra.get("delta_report_s", d.report_s),
+            replica_id=extra.get("delta_replica_id", d.replica_id),
+        )
+
+
+@dataclass(frozen=True)
 class LoaderOptions:
     store: StoreSpec
     version: int | str = "latest"
     validate: bool = True
     fallback: tuple[str, ...] = ()
+    follow: FollowOptions = field(default_factory=FollowOptions)
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any]) -> LoaderOptions:
@@ -117,6 +176,7 @@ class LoaderOptions:
             int(version) if str(version).isdigit() else "latest",
             bool(extra.get("delta_validate", True)),
             tuple(fallback),
+            FollowOptions.from_extra_config(extra),
         )
 
 
@@ -127,13 +187,23 @@ def split_extra_config(extra: dict[str, Any] | None) -> tuple[dict, dict]:
     return ours, extra
 
 
-def server_store(load_format: str | None, extra: dict | str | None) -> StoreSpec | None:
-    """The store a server was started with (see the module docstring); None if it has none."""
+@dataclass(frozen=True)
+class ServerOptions:
+    """What the API process needs: the store, and whether (and how) to follow it."""
+
+    store: StoreSpec
+    follow: FollowOptions = field(default_factory=FollowOptions)
+
+
+def server_options(load_format: str | None, extra: dict | str | None) -> ServerOptions | None:
+    """The store a server was started with (see the module docstring) and its follow options; None if it
+    has no store. Follow mode is set in --model-loader-extra-config only (load format "delta")."""
     if isinstance(extra, str):
         extra = json.loads(extra) if extra.strip() else {}
     ours, _ = split_extra_config(extra if isinstance(extra, dict) else {})
     if load_format == "delta" and ours.get("delta_store"):
-        return LoaderOptions.from_extra_config(ours).store
+        opts = LoaderOptions.from_extra_config(ours)
+        return ServerOptions(opts.store, opts.follow)
     uri = os.environ.get("VLLM_DELTA_STORE")
     if not uri:
         return None
@@ -143,4 +213,10 @@ def server_store(load_format: str | None, extra: dict | str | None) -> StoreSpec
         value = os.environ.get("VLLM_" + key.upper())
         if value:
             env[key] = float(value)
-    return StoreSpec.from_extra(env, uri, opts, None)
+    return ServerOptions(StoreSpec.from_extra(env, uri, opts, None))
+
+
+def server_store(load_format: str | None, extra: dict | str | None) -> StoreSpec | None:
+    """The store a server was started with; None if it has none."""
+    options = server_options(load_format, extra)
+    return None if options is None else options.store

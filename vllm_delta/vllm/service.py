@@ -24,7 +24,8 @@ Deadlines: every store operation is bounded by the store's `timeout_s` (store.py
 update does before its pause by `update_timeout_s`; past it the update fails with StoreTimeoutError
 (504) and nothing is written. After an applied update the download cache keeps the served version's
 chain (and a prefetched one) and drops the rest; a staging that failed an integrity check drops the
-cached copies of its versions, so the next try fetches them again.
+cached copies of its versions, so the next try fetches them again. The follower (follower.py, follow mode)
+updates through `follow_update`: the same steps under the same lock as /v1/delta/update_weights.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from .messages import (
     INFLIGHT,
     Committed,
     Failure,
+    FollowStatus,
     InflightCommitted,
     InProgress,
     Prepared,
@@ -104,6 +106,7 @@ class DeltaService:
         self._deadline = float("inf")  # time.monotonic() by which the running update must reach its pause
         self._operations = 0  # updates and prefetches started (a status read notices one starting)
         self._status_lock = asyncio.Lock()  # status reads, one at a time (never the update lock)
+        self.follow_status: Callable[[], FollowStatus] | None = None  # set when a follower runs beside
 
     @property
     def store(self) -> DeltaStore:
@@ -287,63 +290,87 @@ class DeltaService:
 
     async def update(self, request: UpdateRequest) -> UpdateResult:
         async with self._operation("update", request.version):
+            return await self._update(await self._served(), request)
+
+    async def follow_update(self, version: int, mode: str) -> UpdateResult | None:
+        """The follower's update: as /v1/delta/update_weights, unless the server already serves `version`
+        or a newer one (a client's update got there first between the follower's poll and this lock):
+        then None, and nothing is staged or applied. A follower never moves a server backwards."""
+        async with self._operation("update", version):
             served = await self._served()
-            previous = served.version
-            staged = await self._stage(served, request)
-            if staged is None:
-                target = await self._in_thread(self.store.resolve, request.version)
-                m = metrics()
-                if m is not None:
-                    m.updates.labels(outcome="unchanged").inc()
-                return UpdateResult(target, previous, 0.0, 0.0, 0.0, 0, 0, [], request.mode, request.method)
-            self._deadline = float("inf")  # the pause is not cut short: commit and roll back run to the end
-            inflight = None
-            try:
-                if request.mode == INFLIGHT:
-                    inflight = await self.commit_inflight(staged, fault=request.fault)
-                    pause_ms, apply_ms = inflight.engine_ms, inflight.apply_ms
-                else:
-                    pause_ms, apply_ms = await self._commit(staged, request)
-            finally:
-                await self._release(staged.ticket)
-            out = UpdateResult(
-                version=staged.plan.target,
-                previous_version=previous,
-                pause_ms=pause_ms,
-                apply_ms=apply_ms,
-                stage_ms=staged.stage_ms,
-                nnz=staged.plan.nnz,
-                bytes=staged.plan.bytes,
-                applied=staged.plan.versions,
-                mode=request.mode,
-                method=request.method,
-                reanchored=staged.plan.reanchor,
-                prefetched=staged.from_prefetch,
-                elements_written=sum(s.nnz for s in staged.summaries),
-                staged_bytes=sum(s.bytes for s in staged.summaries),
-                timings=staged.summaries[0].timings,
-                inflight=inflight,
-            )
-            self.last_update = (out, time.time())
-            if staged.plan.reanchor:
-                self._chain = list(staged.plan.versions)
-            elif self._chain is not None:
-                self._chain += staged.plan.versions
-            if self._last_status is not None:
-                # What the commit verified: the target's sums (status reads the live ones when idle).
-                verified = staged.plan.records[-1].checksum
-                self._last_status = dataclasses.replace(
-                    self._last_status,
-                    version=out.version,
-                    checksum=verified,
-                    version_checksum=verified,
-                    as_of=time.time(),
-                )
+            if served.version is not None and served.version >= version:
+                return None
+            return await self._update(served, UpdateRequest(version, mode=mode))
+
+    async def served_version(self) -> int | None:
+        async with self.lock:
+            return (await self._served()).version
+
+    async def checksums(self) -> tuple[str, str | None]:
+        """(live checksum over all ranks, the served version's recorded checksum), for ledger reports."""
+        async with self.lock:
+            served = await self._served()
+            await self._ensure_prepared(served)
+            return to_hex(combine((await self._live_sums()).items())), served.checksum
+
+    async def _update(self, served: WorkerStatus, request: UpdateRequest) -> UpdateResult:
+        """One update from `served` (read under the lock, which the caller holds through _operation)."""
+        previous = served.version
+        staged = await self._stage(served, request)
+        if staged is None:
+            target = await self._in_thread(self.store.resolve, request.version)
             m = metrics()
             if m is not None:
-                m.applied(out)
-            await self._prune_cache(out.version)
-            return out
+                m.updates.labels(outcome="unchanged").inc()
+            return UpdateResult(target, previous, 0.0, 0.0, 0.0, 0, 0, [], request.mode, request.method)
+        self._deadline = float("inf")  # the pause is not cut short: commit and roll back run to the end
+        inflight = None
+        try:
+            if request.mode == INFLIGHT:
+                inflight = await self.commit_inflight(staged, fault=request.fault)
+                pause_ms, apply_ms = inflight.engine_ms, inflight.apply_ms
+            else:
+                pause_ms, apply_ms = await self._commit(staged, request)
+        finally:
+            await self._release(staged.ticket)
+        out = UpdateResult(
+            version=staged.plan.target,
+            previous_version=previous,
+            pause_ms=pause_ms,
+            apply_ms=apply_ms,
+            stage_ms=staged.stage_ms,
+            nnz=staged.plan.nnz,
+            bytes=staged.plan.bytes,
+            applied=staged.plan.versions,
+            mode=request.mode,
+            method=request.method,
+            reanchored=staged.plan.reanchor,
+            prefetched=staged.from_prefetch,
+            elements_written=sum(s.nnz for s in staged.summaries),
+            staged_bytes=sum(s.bytes for s in staged.summaries),
+            timings=staged.summaries[0].timings,
+            inflight=inflight,
+        )
+        self.last_update = (out, time.time())
+        if staged.plan.reanchor:
+            self._chain = list(staged.plan.versions)
+        elif self._chain is not None:
+            self._chain += staged.plan.versions
+        if self._last_status is not None:
+            # What the commit verified: the target's sums (status reads the live ones when idle).
+            verified = staged.plan.records[-1].checksum
+            self._last_status = dataclasses.replace(
+                self._last_status,
+                version=out.version,
+                checksum=verified,
+                version_checksum=verified,
+                as_of=time.time(),
+            )
+        m = metrics()
+        if m is not None:
+            m.applied(out)
+        await self._prune_cache(out.version)
+        return out
 
     async def _prune_cache(self, served: int | None) -> None:
         """Keep the served version's chain and the prefetched versions in the download cache, drop the
@@ -442,6 +469,15 @@ class DeltaService:
     async def _live_sums(self) -> Sums:
         return add_sums(p.sums for p in await self._call("delta_live_sums", RankSums.from_wire))
 
+    async def _ensure_prepared(self, served: WorkerStatus) -> None:
+        if not served.prepared:
+            until = time.monotonic() + self.spec.update_timeout_s
+            version = served.version
+            target = (
+                version if version is not None else await self._in_thread(self.store.resolve, "latest", deadline=until)
+            )
+            await self._prepare(served, target)
+
     async def status(self) -> ServerStatus:
         if self.in_progress is not None:
             return self._status_while_busy()
@@ -449,14 +485,7 @@ class DeltaService:
             started = self._operations
             served = await self._served()
             version = served.version
-            if not served.prepared:
-                until = time.monotonic() + self.spec.update_timeout_s
-                target = (
-                    version
-                    if version is not None
-                    else await self._in_thread(self.store.resolve, "latest", deadline=until)
-                )
-                await self._prepare(served, target)
+            await self._ensure_prepared(served)
             sums = await self._live_sums()
             rank0 = (await self._call("delta_status", WorkerStatus.from_wire))[0]
             if self._operations != started or self.in_progress is not None:
@@ -474,6 +503,7 @@ class DeltaService:
                 coverage=rank0.coverage,
                 as_of=time.time(),
                 last_failure=self.last_failure,
+                follow=self.follow_status() if self.follow_status is not None else None,
             )
             m = metrics()
             if m is not None and version is not None:
@@ -496,4 +526,6 @@ class DeltaService:
             as_of=known.as_of if known else None,
             update_in_progress=self.in_progress,
             last_failure=self.last_failure,
+            coverage=known.coverage if known else None,
+            follow=self.follow_status() if self.follow_status is not None else None,
         )
