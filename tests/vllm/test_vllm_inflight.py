@@ -141,8 +141,11 @@ def test_no_stale_prefix_hits_after_an_inflight_update(server, llama_run):
         state = engine_prefix_state(server)
         assert state["hashed_blocks"] == 0 and res["inflight"]["dropped_blocks"] >= 1
         rid = f"{r.current.id}-0"
-        assert rid in state["tainted"]
-        switch = server.get("/v1/delta/timeline").json()["history"][-1]["switch"][rid]
+        # R held KV at the commit: the commit tainted it (prefix_state lists it only while it runs,
+        # and on a loaded machine it may be done by now).
+        switches = server.get("/v1/delta/timeline").json()["history"][-1]["switch"]
+        assert rid in switches, (switches, state)
+        switch = switches[rid]
         assert 0 < switch < 120, "R's first block must fill after the update"
         # LONG_PROMPT's cached first block was computed before the update: never read again.
         after = greedy(server, [LONG_PROMPT, LONG_PROMPT])

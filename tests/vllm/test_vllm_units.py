@@ -7,7 +7,13 @@ import pytest
 import torch
 
 from vllm_delta.apply.layout import Segment
-from vllm_delta.errors import BadRequestError, NotSuccessorError, UnsupportedModelError, VersionNotFoundError
+from vllm_delta.errors import (
+    BadRequestError,
+    NotSuccessorError,
+    ShapeMismatchError,
+    UnsupportedModelError,
+    VersionNotFoundError,
+)
 from vllm_delta.store import DeltaStore
 from vllm_delta.vllm.messages import StageRequest, UpdateRequest
 from vllm_delta.vllm.options import LoaderOptions, server_store, split_extra_config
@@ -112,7 +118,7 @@ def test_finalize_layout_owners_and_coverage():
     assert "norm" in finalize_layout(rank1, 1, boxes_fb).fallback
     assert "norm" not in finalize_layout(rank1, 1, boxes_fb).layout.segments
     # Half a tensor held nowhere: refused, naming the tensor.
-    with pytest.raises(UnsupportedModelError, match="16 of its 32"):
+    with pytest.raises(ShapeMismatchError, match="16 of its 32"):
         finalize_layout(rank0, 0, [boxes[0], ({"norm": [(0, 4, 0, 1)]}, [])])
     # A box partly overlapping a lower rank's: refused.
     with pytest.raises(UnsupportedModelError, match="partly overlaps"):
