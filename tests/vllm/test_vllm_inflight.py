@@ -122,14 +122,22 @@ def test_inflight_updates_while_clients_stream(server, llama_run, llama_fresh):
 
 def test_no_stale_prefix_hits_after_an_inflight_update(server, llama_run):
     """Block size 128: LONG_PROMPT's first block is cached; R is a running request whose first block
-    fills only after the update (its KV mixes both versions)."""
+    fills only after the update (its KV mixes both versions). On a loaded machine the client can read
+    R's stream so late that R is done before the update commits: then the premise did not hold, and
+    the attempt is repeated with a new R (at most 3 times; never passed without the checks)."""
+    for _ in range(3):
+        if _prefix_attempt(server, llama_run):
+            return
+    pytest.fail("R finished before the in-flight commit in 3 attempts: this machine is too slow for the test")
+
+
+def _prefix_attempt(server, llama_run) -> bool:
     base = server.status()["version"]
     target = base - 1  # a re-anchor: any update will do
     staged = server.post("/v1/delta/stage", {"version": target, "allow_reanchor": True})
     assert staged.status_code == 200, staged.text  # so that the update below is just the commit
     assert greedy(server, [LONG_PROMPT, LONG_PROMPT])[1]["cached"] == 128
-    # 8 token ids: R's first block fills at its 120th output token, long after the update even when
-    # this client reads the stream late (a loaded machine).
+    # 8 token ids: R's first block fills at its 120th output token, long after the update.
     r_prompt = list(range(44, 52))
     r = StreamingClient(server.base_url, server.model, prompt=r_prompt, max_tokens=200, once=True)
     p0 = preemptions(server)
@@ -141,10 +149,10 @@ def test_no_stale_prefix_hits_after_an_inflight_update(server, llama_run):
         state = engine_prefix_state(server)
         assert state["hashed_blocks"] == 0 and res["inflight"]["dropped_blocks"] >= 1
         rid = f"{r.current.id}-0"
-        # R held KV at the commit: the commit tainted it (prefix_state lists it only while it runs,
-        # and on a loaded machine it may be done by now).
+        # R held KV at the commit: the commit tainted it (prefix_state lists it only while it runs).
         switches = server.get("/v1/delta/timeline").json()["history"][-1]["switch"]
-        assert rid in switches, (switches, state)
+        if rid not in switches:
+            return False  # R was done before the commit: try again
         switch = switches[rid]
         assert 0 < switch < 120, "R's first block must fill after the update"
         # LONG_PROMPT's cached first block was computed before the update: never read again.
@@ -160,6 +168,7 @@ def test_no_stale_prefix_hits_after_an_inflight_update(server, llama_run):
     probe = r_prompt + done.tokens[:130]
     assert [g["cached"] for g in greedy(server, [probe, probe], max_tokens=1)] == [0, 128]
     assert preemptions(server) == p0
+    return True
 
 
 def test_failed_inflight_commit_rolls_back_and_keeps_the_prefix_cache(server, llama_run):
