@@ -87,13 +87,18 @@ class Batch:
 
 
 class BatchSections:
-    """Per-tensor Sections of a Batch, once the device-to-host copies are done: `split()` waits for
-    them (an event on CUDA) and returns one Sections per tensor (None where nothing changed)."""
+    """Per-tensor Sections of a Batch, once the device-to-host copies are done: `wait()` waits for
+    them (an event on CUDA); `split()` waits too and returns one Sections per tensor (None where
+    nothing changed)."""
 
-    def __init__(self, split: Callable[[], list[Sections | None]]):
-        self._split = split
+    def __init__(self, split: Callable[[], list[Sections | None]], wait: Callable[[], None] = lambda: None):
+        self._split, self._wait = split, wait
+
+    def wait(self) -> None:
+        self._wait()
 
     def split(self) -> list[Sections | None]:
+        self._wait()
         return self._split()
 
 
@@ -350,7 +355,7 @@ class RawCodec:
                 at += n
             return out
 
-        return BatchSections(split)
+        return BatchSections(split, host.wait)
 
     def pack(self, sections: Sections, dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         val = torch.from_numpy(sections.arrays["val"]).view(dtype)
@@ -476,7 +481,7 @@ class CompactCodec:
                 a += count
             return out
 
-        return BatchSections(split)
+        return BatchSections(split, host.wait)
 
     def pack(self, sections: Sections, dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """Host work: split into frames, byte-plane the gaps, zstd each frame."""
