@@ -456,7 +456,9 @@ class CompactCodec:
         g_h = host.add(g16)
         d_h = host.add(d8)
         e_h = host.add(esc) if esc is not None else None
-        f_h = host.add(pos[torch.tensor(last_of_frame, dtype=torch.int64, device=dev)]) if last_of_frame else None
+        # (Built on the host, copied without waiting: a tensor made on the device would sync the stream.)
+        f_at = torch.tensor(last_of_frame, dtype=torch.int64).to(dev, non_blocking=True) if last_of_frame else None
+        f_h = host.add(pos[f_at]) if f_at is not None else None
         host.done()
 
         def split() -> list[Sections | None]:
