@@ -87,13 +87,18 @@ class Batch:
 
 
 class BatchSections:
-    """Per-tensor Sections of a Batch, once the device-to-host copies are done: `split()` waits for
-    them (an event on CUDA) and returns one Sections per tensor (None where nothing changed)."""
+    """Per-tensor Sections of a Batch, once the device-to-host copies are done: `wait()` waits for
+    them (an event on CUDA); `split()` waits too and returns one Sections per tensor (None where
+    nothing changed)."""
 
-    def __init__(self, split: Callable[[], list[Sections | None]]):
-        self._split = split
+    def __init__(self, split: Callable[[], list[Sections | None]], wait: Callable[[], None] = lambda: None):
+        self._split, self._wait = split, wait
+
+    def wait(self) -> None:
+        self._wait()
 
     def split(self) -> list[Sections | None]:
+        self._wait()
         return self._split()
 
 
@@ -122,16 +127,9 @@ class _HostCopy:
 
 
 def _compact_sections(
-    gaps16: np.ndarray, d8: np.ndarray, gap_esc: np.ndarray, diff_esc: np.ndarray, start: int, width: int, frame: int
+    gaps16: np.ndarray, d8: np.ndarray, gap_esc: np.ndarray, diff_esc: np.ndarray, starts: list[int], width: int
 ) -> Sections:
-    """One tensor's compact Sections from its host arrays; frame starts from the gap chain."""
-    n = gaps16.size
-    starts = [start]
-    if n > frame:
-        real = gaps16.astype(np.int64)
-        real[gaps16 == GAP_ESCAPE] = gap_esc
-        positions = start + np.cumsum(real + 1) - 1
-        starts += [int(positions[f - 1]) + 1 for f in range(frame, n, frame)]
+    """One tensor's compact Sections from its host arrays and its frame starts."""
     return Sections(
         {"gaps16": gaps16, "d8": d8, "gap_esc": gap_esc.astype(np.int64), "diff_esc": diff_esc},
         {"starts": starts, "width": 8 * width},
@@ -350,7 +348,7 @@ class RawCodec:
                 at += n
             return out
 
-        return BatchSections(split)
+        return BatchSections(split, host.wait)
 
     def pack(self, sections: Sections, dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         val = torch.from_numpy(sections.arrays["val"]).view(dtype)
@@ -429,7 +427,8 @@ class CompactCodec:
         """`prepare` for many tensors' changes at once (the trainer's detection output), vectorized:
         the same Sections per tensor, from a few device kernels, one synchronization (the escape
         count) and device-to-host copies that the returned `split` waits for (an event on CUDA, so
-        the caller's thread is not held while they run). Frame starts are computed on the host."""
+        the caller's thread is not held while they run). Frame starts (the position after each
+        frame's last element) are gathered on the device, a few per tensor."""
         pos, seg = batch.positions, batch.seg
         dev, n = pos.device, pos.numel()
         width = int_view(batch.new).element_size()
@@ -449,21 +448,28 @@ class CompactCodec:
         d8 = torch.where(small, diffs, torch.full_like(diffs, DIFF_ESCAPE)).to(torch.int8)
         at = (gesc | ~small).nonzero().reshape(-1)  # escapes are rare: one small synchronization
         esc = torch.stack([seg[at], gaps[at], diffs[at], gesc[at].to(torch.int64)]) if at.numel() else None
+        frame = self.frame_elems
+        counts = np.asarray(batch.counts, dtype=np.int64)
+        first_at = np.cumsum(counts) - counts
+        last_of_frame = [int(a + f - 1) for a, c in zip(first_at, counts) for f in range(frame, int(c), frame)]
         host = _HostCopy(dev)
         g_h = host.add(g16)
         d_h = host.add(d8)
         e_h = host.add(esc) if esc is not None else None
+        # (Built on the host, copied without waiting: a tensor made on the device would sync the stream.)
+        f_at = torch.tensor(last_of_frame, dtype=torch.int64).to(dev, non_blocking=True) if last_of_frame else None
+        f_h = host.add(pos[f_at]) if f_at is not None else None
         host.done()
-        frame = self.frame_elems
 
         def split() -> list[Sections | None]:
             host.wait()
             g_all = g_h.numpy().view(np.uint16)
             d_all = d_h.numpy()
             e = e_h.numpy() if e_h is not None else np.zeros((4, 0), dtype=np.int64)
+            later = (f_h.numpy() + 1).tolist() if f_h is not None else []  # frame starts after the first
             bounds = np.searchsorted(e[0], np.arange(len(batch.counts) + 1))
             out: list[Sections | None] = []
-            a = 0
+            a = f = 0
             for t, (count, start) in enumerate(zip(batch.counts, batch.starts)):
                 if not count:
                     out.append(None)
@@ -472,11 +478,13 @@ class CompactCodec:
                 et = e[:, bounds[t] : bounds[t + 1]]
                 gap_esc = np.ascontiguousarray(et[1][et[3] == 1])
                 diff_esc = et[2][(et[2] < -127) | (et[2] > 127)].astype(NP_INT[width])
-                out.append(_compact_sections(g, d, gap_esc, diff_esc, start, width, frame))
+                frames = (count - 1) // frame  # frames after the first
+                out.append(_compact_sections(g, d, gap_esc, diff_esc, [start, *later[f : f + frames]], width))
                 a += count
+                f += frames
             return out
 
-        return BatchSections(split)
+        return BatchSections(split, host.wait)
 
     def pack(self, sections: Sections, dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """Host work: split into frames, byte-plane the gaps, zstd each frame."""
@@ -491,8 +499,17 @@ class CompactCodec:
             g = a["gaps16"][lo:hi]
             ge = a["gap_esc"][(gap_esc_at >= lo) & (gap_esc_at < hi)]
             de = a["diff_esc"][(diff_esc_at >= lo) & (diff_esc_at < hi)]
-            planes = g.view(np.uint8).reshape(-1, 2).T  # [low bytes | high bytes]
-            raw = b"".join([planes.tobytes(), a["d8"][lo:hi].tobytes(), ge.astype("<i8").tobytes(), de.tobytes()])
+            # [low bytes | high bytes | d8 | gap escapes | diff escapes], assembled by numpy copies
+            # (they release the GIL: the packing threads run this part in parallel too).
+            m = hi - lo
+            ge8, de8 = ge.astype("<i8").view(np.uint8), np.ascontiguousarray(de).view(np.uint8)
+            raw = np.empty(3 * m + ge8.size + de8.size, dtype=np.uint8)
+            gb = g.view(np.uint8)
+            raw[:m] = gb[0::2]
+            raw[m : 2 * m] = gb[1::2]
+            raw[2 * m : 3 * m] = a["d8"][lo:hi].view(np.uint8)
+            raw[3 * m : 3 * m + ge8.size] = ge8
+            raw[3 * m + ge8.size :] = de8
             blob = cctx.compress(raw)
             blobs.append(blob)
             frames.append(list(Frame(len(blob), hi - lo, start, int(ge.size), int(de.size))))

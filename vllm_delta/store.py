@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import builtins  # VersionRecord has a field named `bytes`
 import contextlib
+import dataclasses
 import errno
 import hashlib
 import json
@@ -42,6 +43,7 @@ import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import MISSING, asdict, dataclass, fields
 from datetime import datetime
 from typing import Any
@@ -807,9 +809,9 @@ class DeltaStore:
             checksum=header.checksum,
             base_checksum=header.base_checksum,
             created=header.created or time.time(),
-            sha256=file_sha256(local_path),
         )
-        consumed = self._put_data(v, file, local_path, rec.bytes, move, token)
+        consumed, sha256 = self._put_digested(v, file, local_path, rec.bytes, move, token)
+        rec = dataclasses.replace(rec, sha256=sha256)
         try:
             self._commit_record(rec, token)
         except VersionExistsError:
@@ -836,8 +838,7 @@ class DeltaStore:
         token = secrets.token_hex(8)
         file = f"{DATA_DIR}/{data_name(v, header.kind, token, part.index)}"
         nbytes = os.path.getsize(local_path)
-        sha256 = file_sha256(local_path)
-        consumed = self._put_data(v, file, local_path, nbytes, move, token)
+        consumed, sha256 = self._put_digested(v, file, local_path, nbytes, move, token)
         if move and not consumed:
             os.remove(local_path)
         return PartRecord(file=file, bytes=nbytes, checksum=part.checksum, sha256=sha256)
@@ -923,6 +924,20 @@ class DeltaStore:
             header.part,
         ):
             raise IntegrityError(f"{local_path} does not hold the version its header describes", version=v)
+
+    def _put_digested(
+        self, version: int, file: str, src: str, nbytes: int, move: bool, token: str
+    ) -> tuple[bool, str | None]:
+        """`_put_data`, and the file's sha256 for a remote store, hashed on a thread while the file
+        uploads (remote readers verify their downloaded copies with it; hashing ~1 GB/s would otherwise
+        add to every publish). A local store's readers use the file itself (checked by size, and by
+        the staging checksums): no digest, and nothing added to the time to live."""
+        if self.is_local:
+            return self._put_data(version, file, src, nbytes, move, token), None
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-delta-sha256") as pool:
+            digest = pool.submit(file_sha256, src)  # hashlib releases the GIL on large reads
+            consumed = self._put_data(version, file, src, nbytes, move, token)
+            return consumed, digest.result()
 
     def _put_data(self, version: int, file: str, src: str, nbytes: int, move: bool, token: str) -> bool:
         """Put `src` at `file` (relative to the root), durable. True if `src` was renamed into place."""

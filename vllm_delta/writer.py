@@ -14,6 +14,7 @@ nnz and payload).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from concurrent.futures import Executor
 from dataclasses import dataclass
@@ -67,9 +68,11 @@ def assemble_delta(
     created: float = 0.0,
     checksum: str | None = None,
     part: PartInfo | None = None,
+    busy_ms: list[float] | None = None,
 ) -> tuple[VersionHeader, dict[str, torch.Tensor]]:
     """Pack every changed tensor (on `pool` if given: zstd releases the GIL) into a delta's header
-    and payload. The whole-model checksum is combined from the tensors' sums unless given.
+    and payload. The whole-model checksum is combined from the tensors' sums unless given. With
+    `busy_ms`, each tensor's packing time is appended (their sum over the wall time: the parallelism).
 
     A part file (`part`): `tensors` lists every tensor of the version with its whole-tensor checksum
     and this part's changes (nnz, sections); pass the whole version's `checksum`."""
@@ -78,7 +81,11 @@ def assemble_delta(
     def pack(name: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         sections = tensors[name].sections
         assert sections is not None
-        return codec.pack(sections, tensors[name].dtype)
+        t0 = time.perf_counter()
+        out = codec.pack(sections, tensors[name].dtype)
+        if busy_ms is not None:
+            busy_ms.append((time.perf_counter() - t0) * 1e3)
+        return out
 
     packed = dict(zip(changed, pool.map(pack, changed) if pool is not None else map(pack, changed)))
     entries, payload = {}, {}

@@ -551,8 +551,10 @@ class Publisher:
             )
         assert job.sections is not None and job.base is not None
         t0 = time.perf_counter()
-        sections = job.sections.split()  # waits for the device-to-host copies
-        self._note(job.version, "d2h", t0)
+        job.sections.wait()  # the device work queued before the copies, and the copies
+        t0 = self._note(job.version, "d2h", t0)
+        sections = job.sections.split()  # per tensor, on the host
+        self._note(job.version, "split", t0)
         owned = {o.name: (n, s) for o, n, s in zip(job.owned, job.counts, sections)}
         prepared = {
             name: PreparedTensor(shape, self.dtype, job.sums[name], *owned.get(name, (0, None)))
@@ -560,6 +562,7 @@ class Publisher:
         }
         # zstd releases the GIL: compress tensors in parallel (8B, 1%: ~1 s on one thread).
         t0 = time.perf_counter()
+        busy: list[float] = []
         try:
             return assemble_delta(
                 version=job.version,
@@ -571,9 +574,11 @@ class Publisher:
                 created=job.created,
                 checksum=job.checksum if job.part is not None else None,
                 part=job.part,
+                busy_ms=busy,
             )
         finally:
             self._note(job.version, "pack", t0)
+            self.upload_timings.setdefault(job.version, {})["pack_busy"] = sum(busy)
 
     def _note(self, version: int, phase: str, t0: float) -> float:
         t1 = time.perf_counter()
