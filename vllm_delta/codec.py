@@ -29,7 +29,7 @@ from .bits import INT_DTYPE, NP_INT, int_view, wrap_add, wrap_diff
 from .errors import CodecError, DeltaError, PositionError
 
 FRAME_ELEMS = 1 << 22
-ZSTD_LEVEL = 1  # level 3: +0.5-0.7% smaller payloads at ~2x the packing time (docs/PERFORMANCE.md)
+ZSTD_LEVEL = 3
 GAP_ESCAPE = 0xFFFF
 DIFF_ESCAPE = -128
 
