@@ -115,7 +115,8 @@ def server_a(s3, trainer, cache_dir) -> Iterator[VllmServer]:
 
 @pytest.fixture(scope="module")
 def server_c(s3, trainer, cache_dir, server_a) -> Iterator[VllmServer]:
-    with follower_server(s3, trainer, cache_dir, "follower-c", "latest") as srv:
+    # C follows in mode "inflight": new weights between two engine steps, no pause.
+    with follower_server(s3, trainer, cache_dir, "follower-c", "latest", delta_follow_mode="inflight") as srv:
         yield srv
 
 
@@ -180,6 +181,7 @@ def test_followers_converge_while_the_trainer_publishes(server_a, server_c, trai
     publisher.join()
     assert not errors, errors
     converge([server_a, server_c], trainer, 5)
+    assert server_c.status()["last_update"]["mode"] == "inflight"
     for srv in (server_a, server_c):
         f = follow_of(srv)
         assert (f.served, f.newest_seen, f.lag, f.last_error, f.skipped) == (5, 5, 0, None, {})

@@ -30,13 +30,13 @@ LOADER_KEYS = (
     # Follow mode (follower.py, docs/DEPLOY.md):
     "delta_follow",  # poll the store and apply every newer version on its own (default false)
     "delta_poll_s",  # seconds between polls (default 2)
-    "delta_follow_mode",  # how in-flight requests ride through a follower's update: keep | wait | abort
+    "delta_follow_mode",  # how in-flight requests ride through a follower's update: keep | wait | abort | inflight
     "delta_chain_cap",  # at most this many versions per update; longer chains are walked in steps (64)
     "delta_report",  # write this replica's report to the store's ledger (default false)
     "delta_report_s",  # heartbeat period of the report (default 10)
     "delta_replica_id",  # the report's name, replicas/<id>.json (default host-pid-random)
 )
-FOLLOW_MODES = ("keep", "wait", "abort")  # vLLM's pause modes (messages.MODES)
+FOLLOW_MODES = ("keep", "wait", "abort", "inflight")  # the update_weights modes (messages.UPDATE_MODES)
 
 
 def default_cache_dir() -> str:

@@ -106,6 +106,7 @@ class DeltaService:
         self._deadline = float("inf")  # time.monotonic() by which the running update must reach its pause
         self._operations = 0  # updates and prefetches started (a status read notices one starting)
         self._status_lock = asyncio.Lock()  # status reads, one at a time (never the update lock)
+        self._inflight_refused: str | None = None  # why this engine refused an in-flight update (follow mode)
         self.follow_status: Callable[[], FollowStatus] | None = None  # set when a follower runs beside
 
     @property
@@ -300,7 +301,16 @@ class DeltaService:
             served = await self._served()
             if served.version is not None and served.version >= version:
                 return None
-            return await self._update(served, UpdateRequest(version, mode=mode))
+            if mode == INFLIGHT and self._inflight_refused is not None:
+                mode = "keep"
+            try:
+                return await self._update(served, UpdateRequest(version, mode=mode))
+            except InflightRefusedError as exc:
+                # This engine can't take in-flight updates (the reason does not change while it runs):
+                # the follower goes on in keep mode, instead of skipping a good version as refused.
+                log.warning("vllm-delta: follow mode falls back from inflight to keep: %s", exc)
+                self._inflight_refused = str(exc)
+                return await self._update(await self._served(), UpdateRequest(version, mode="keep"))
 
     async def served_version(self) -> int | None:
         async with self.lock:
