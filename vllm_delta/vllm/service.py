@@ -74,6 +74,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+SEEN_S = 30.0  # the follower's polls and reports reuse what was read from the workers this recently
+
 POLL_S = 0.005  # staging poll interval: each poll is one cheap RPC between forward passes
 RPC_TIMEOUT_S = float(os.environ.get("VLLM_DELTA_RPC_TIMEOUT_S", "600"))
 
@@ -106,6 +108,8 @@ class DeltaService:
         self._deadline = float("inf")  # time.monotonic() by which the running update must reach its pause
         self._operations = 0  # updates and prefetches started (a status read notices one starting)
         self._status_lock = asyncio.Lock()  # status reads, one at a time (never the update lock)
+        self._served_seen: tuple[int | None, float] | None = None  # (version, when: monotonic) last read or applied
+        self._checksums_seen: tuple[int | None, str, str | None, float] | None = None  # for ledger reports
         self._inflight_refused: str | None = None  # why this engine refused an in-flight update (follow mode)
         self.follow_status: Callable[[], FollowStatus] | None = None  # set when a follower runs beside
 
@@ -175,6 +179,7 @@ class DeltaService:
         m = metrics()
         if m is not None and ranks[0].version is not None:
             m.served_version.set(ranks[0].version)
+        self._served_seen = (ranks[0].version, time.monotonic())
         return ranks[0]
 
     async def _prepare(self, served: WorkerStatus, version: int) -> None:
@@ -313,15 +318,29 @@ class DeltaService:
                 return await self._update(await self._served(), UpdateRequest(version, mode="keep"))
 
     async def served_version(self) -> int | None:
+        """The served version, for the follower's polls: as last read or applied, re-read from the workers
+        at most every SEEN_S. Every RPC keeps vLLM's worker message queue spinning for a second (its
+        idle mode starts after 1 s without messages): asking the workers at every 0.5-2 s poll would
+        keep a core per worker busy. What a poll decides is re-read under the lock by follow_update."""
+        seen = self._served_seen
+        if seen is not None and time.monotonic() - seen[1] < SEEN_S:
+            return seen[0]
         async with self.lock:
             return (await self._served()).version
 
     async def checksums(self) -> tuple[str, str | None]:
-        """(live checksum over all ranks, the served version's recorded checksum), for ledger reports."""
+        """(live checksum over all ranks, the served version's recorded checksum), for ledger reports:
+        computed when the served version changed, else at most every SEEN_S (see served_version)."""
+        known = self._checksums_seen
+        version = self._served_seen[0] if self._served_seen is not None else None
+        if known is not None and known[0] == version and time.monotonic() - known[3] < SEEN_S:
+            return known[1], known[2]
         async with self.lock:
             served = await self._served()
             await self._ensure_prepared(served)
-            return to_hex(combine((await self._live_sums()).items())), served.checksum
+            live = to_hex(combine((await self._live_sums()).items()))
+            self._checksums_seen = (served.version, live, served.checksum, time.monotonic())
+            return live, served.checksum
 
     async def _update(self, served: WorkerStatus, request: UpdateRequest) -> UpdateResult:
         """One update from `served` (read under the lock, which the caller holds through _operation)."""
@@ -362,6 +381,7 @@ class DeltaService:
             inflight=inflight,
         )
         self.last_update = (out, time.time())
+        self._served_seen = (out.version, time.monotonic())
         if staged.plan.reanchor:
             self._chain = list(staged.plan.versions)
         elif self._chain is not None:
