@@ -37,9 +37,10 @@ import queue
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -54,6 +55,7 @@ from .shard import Owned, Ownership, check_layouts, describe_mismatch, resolve
 from .staleness import StalenessGate, StalenessPolicy
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
 
@@ -605,15 +607,21 @@ class Publisher:
             raise
         return path
 
-    def _upload(self, job: _Job) -> VersionRecord:
+    def _put_encoded(self, job: _Job, put: Callable[[VersionHeader, str], T], phase: str) -> T:
+        """Encode the job's file, hand it to `put` (store.publish or store.put_part, with move=True),
+        time it as `phase`; the temporary file is gone afterwards whatever happened."""
         header, path = self._encoded_file(job)
         t0 = time.perf_counter()
         try:
-            record = self.store.publish(header, path, move=True)
-            self._note(job.version, "commit", t0)
+            out = put(header, path)
+            self._note(job.version, phase, t0)
+            return out
         finally:
             if os.path.exists(path):
                 os.unlink(path)
+
+    def _upload(self, job: _Job) -> VersionRecord:
+        record = self._put_encoded(job, lambda h, p: self.store.publish(h, p, move=True), "commit")
         if self.keep_anchors and job.kind == "anchor":
             self.store.retain(self.keep_anchors)
         return record
@@ -628,14 +636,7 @@ class Publisher:
         error: str | None = "base failed" if base_failed else None
         if error is None:
             try:
-                header, path = self._encoded_file(job)
-                t0 = time.perf_counter()
-                try:
-                    part = self.store.put_part(header, path, move=True)
-                    self._note(job.version, "put_part", t0)
-                finally:
-                    if os.path.exists(path):
-                        os.unlink(path)
+                part = self._put_encoded(job, lambda h, p: self.store.put_part(h, p, move=True), "put_part")
             except Exception as exc:  # noqa: BLE001 - reported to every rank
                 log.error("rank %d: part of version %d failed: %s", self.rank, job.version, exc)
                 error = f"{type(exc).__name__}: {exc}"
