@@ -28,10 +28,10 @@ from .staleness import StalenessPolicy
 @dataclass(frozen=True)
 class DetectOptions:
     """Change detection (detect.FlatSnapshot): which kernels compare, and where the last published
-    image (2 bytes per owned element) lives."""
+    image (2 bytes per owned element) lives. `backend`: "triton", "triton-chunked" or "torch"
+    (detect.BACKENDS, checked by FlatSnapshot); None: $VLLM_DELTA_DETECT_BACKEND, else "triton" on CUDA."""
 
-    backend: str | None = None  # "triton" | "triton-chunked" | "torch"; None: VLLM_DELTA_DETECT_BACKEND, else
-    # "triton" on CUDA (detect.BACKENDS; checked by FlatSnapshot)
+    backend: str | None = None
     chunk_elems: int = CHUNK_ELEMS  # elements compared per chunk on the chunked paths (bounds temporaries)
     snapshot_device: str | torch.device | None = None  # None: the parameters' device
     pin_snapshot: bool = False  # pinned host memory, with snapshot_device="cpu"
