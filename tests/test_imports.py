@@ -20,7 +20,8 @@ ROOT = Path(__file__).resolve().parent.parent / PACKAGE
 # Lowest first. A module may import modules of its own layer (if that makes no cycle) or lower ones.
 LAYERS: list[tuple[str, ...]] = [
     ("errors", "bits", "attribution"),  # leaves
-    ("checksums", "format", "codec"),  # the wire: checksum definition, version files, codecs
+    ("checksums",),  # the checksum definition
+    ("format", "codec"),  # the wire: version files, codecs
     ("writer", "records", "replicas"),  # building versions; commit records and replica reports
     ("storefs", "cache", "retention"),  # the store's filesystem access, download cache, retention policy
     ("store",),  # DeltaStore

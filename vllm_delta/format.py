@@ -20,12 +20,13 @@ import mmap
 import os
 import struct
 from dataclasses import asdict, dataclass, field
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save, save_file
 
+from .checksums import is_hex, sum_of_parts
 from .errors import FormatError, ShapeMismatchError
 
 FORMAT_NAME = "vllm-delta"
@@ -34,7 +35,6 @@ PART_FORMAT_VERSION = 2  # part files of multi-part versions
 READ_FORMAT_VERSIONS = (FORMAT_VERSION, PART_FORMAT_VERSION)
 KINDS = ("anchor", "delta")
 SEP = "::"
-_MASK64 = (1 << 64) - 1
 
 DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
@@ -153,10 +153,10 @@ class VersionHeader:
             raise FormatError(f"unknown kind {self.kind!r}", version=v)
         if self.kind == "delta" and (not isinstance(self.base, int) or self.base >= v or not self.codec):
             raise FormatError(f"delta needs a codec and a base below it (base={self.base!r})", version=v)
-        if not _is_hex16(self.checksum) or not (self.base_checksum is None or _is_hex16(self.base_checksum)):
+        if not is_hex(self.checksum) or not (self.base_checksum is None or is_hex(self.base_checksum)):
             raise FormatError("checksum and base_checksum must be 16 lower-case hex digits", version=v)
         for name, t in self.tensors.items():
-            if not _is_hex16(t.checksum):
+            if not is_hex(t.checksum):
                 raise FormatError("the checksum must be 16 lower-case hex digits", version=v, tensor=name)
             if t.dtype not in DTYPES:
                 raise FormatError(f"unsupported dtype {t.dtype!r}", version=v, tensor=name)
@@ -170,7 +170,8 @@ class VersionHeader:
         ok = all(isinstance(x, int) and not isinstance(x, bool) for x in (part.index, part.count))
         if not ok or not 0 <= part.index < part.count or not isinstance(part.rows, dict):
             raise FormatError(f"bad part description {part.index!r} of {part.count!r}", version=v)
-        _check_hex(part.checksum, v)
+        if not is_hex(part.checksum):
+            raise FormatError(f"a checksum is 16 lower-case hex digits, not {part.checksum!r:.40}", version=v)
         for name, entry in self.tensors.items():
             rows = part.rows.get(name)
             if rows is None:
@@ -192,15 +193,6 @@ class VersionHeader:
         unknown = set(part.rows) - set(self.tensors)
         if unknown:
             raise FormatError(f"part {part.index} owns rows of unknown tensors {sorted(unknown)[:3]}", version=v)
-
-
-def _check_hex(text: Any, version: int) -> None:
-    if not isinstance(text, str) or len(text) != 16 or any(c not in "0123456789abcdef" for c in text):
-        raise FormatError(f"a checksum is 16 lower-case hex digits, not {text!r:.40}", version=version)
-
-
-def _is_hex16(value: object) -> bool:
-    return isinstance(value, str) and len(value) == 16 and all(c in "0123456789abcdef" for c in value)
 
 
 def payload_key(name: str, part: str) -> str:
@@ -423,9 +415,9 @@ class Version:
             self._owners[name] = owners
             nnz = sum(p.header.tensors[name].nnz for p in self.parts)
             tensors[name] = TensorEntry(shape=list(entry.shape), dtype=entry.dtype, checksum=entry.checksum, nnz=nnz)
-        total = sum(int(info.checksum, 16) for info in infos if info is not None) & _MASK64
-        if f"{total:016x}" != first.checksum:
-            raise FormatError(f"the parts' checksums add up to {total:016x}, not {first.checksum}", version=v)
+        total = sum_of_parts(info.checksum for info in infos if info is not None)
+        if total != first.checksum:
+            raise FormatError(f"the parts' checksums add up to {total}, not {first.checksum}", version=v)
         self.header = VersionHeader(
             version=v,
             kind=first.kind,

@@ -14,6 +14,7 @@ import json
 import re
 from dataclasses import MISSING, asdict, dataclass, fields
 
+from .checksums import is_hex, sum_of_parts
 from .errors import FormatError, IntegrityError, short
 from .format import KINDS
 
@@ -30,7 +31,6 @@ MAX_PARTS = 10**5  # five digits of part index in a part file's name
 RECORD_NAME_RE = re.compile(r"^(\d{10})\.json$")
 # groups: version, kind, token, part index (None for a one-file version)
 DATA_NAME_RE = re.compile(r"^(\d{10})\.(anchor|delta)\.([0-9a-f]{16})(?:\.part(\d{5}))?\.safetensors$")
-_HEX16 = re.compile(r"^[0-9a-f]{16}$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 
@@ -45,10 +45,6 @@ def data_name(version: int, kind: str, token: str, part: int | None = None) -> s
 
 def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and x >= 0
-
-
-def _is_hex(x: object) -> bool:
-    return isinstance(x, str) and _HEX16.match(x) is not None
 
 
 def _check_sha256(value: object, what: str) -> None:
@@ -177,7 +173,7 @@ class VersionRecord:
             raise ValueError("bad created time")
         for key in ("checksum", "base_checksum"):
             value = getattr(self, key)
-            if (value is not None or key == "checksum") and not (isinstance(value, str) and _HEX16.match(value)):
+            if (value is not None or key == "checksum") and not is_hex(value):
                 raise ValueError(f"{key} must be 16 lower-case hex digits, not {short(value)}")
         _check_sha256(self.sha256, "sha256")
         if self.file is not None:
@@ -190,17 +186,15 @@ class VersionRecord:
         if not self.parts or len(self.parts) > MAX_PARTS:
             raise ValueError("a multi-part record lists its parts")
         for i, part in enumerate(self.parts):
-            if not isinstance(part.file, str) or not _is_int(part.bytes) or not _is_hex(part.checksum):
+            if not isinstance(part.file, str) or not _is_int(part.bytes) or not is_hex(part.checksum):
                 raise ValueError(f"bad part {i}: {short(part)}")
             _check_sha256(part.sha256, f"part {i}'s sha256")
             self._check_file(part.file, i)
         if len(set(self.files)) != len(self.parts) or sum(p.bytes for p in self.parts) != self.bytes:
             raise ValueError("parts must be distinct files whose sizes add up to bytes")
-        total = 0
-        for part in self.parts:
-            total = (total + int(part.checksum, 16)) & ((1 << 64) - 1)
-        if f"{total:016x}" != self.checksum:
-            raise ValueError(f"the parts' checksums add up to {total:016x}, not {self.checksum}")
+        total = sum_of_parts(p.checksum for p in self.parts)
+        if total != self.checksum:
+            raise ValueError(f"the parts' checksums add up to {total}, not {self.checksum}")
 
     def _check_file(self, file: str, part: int | None) -> None:
         folder, _, name = file.partition("/")
