@@ -20,7 +20,7 @@ import mmap
 import os
 import struct
 from dataclasses import asdict, dataclass, field
-from typing import NamedTuple
+from typing import Literal, NamedTuple, TypeGuard, get_args
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -33,7 +33,8 @@ FORMAT_NAME = "vllm-delta"
 FORMAT_VERSION = 1  # one-file versions
 PART_FORMAT_VERSION = 2  # part files of multi-part versions
 READ_FORMAT_VERSIONS = (FORMAT_VERSION, PART_FORMAT_VERSION)
-KINDS = ("anchor", "delta")
+VersionKind = Literal["anchor", "delta"]  # what a version is: a full image, or the changes since its base
+KINDS: tuple[VersionKind, ...] = get_args(VersionKind)
 SEP = "::"
 
 DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
@@ -49,6 +50,11 @@ _ST_DTYPES = {
     "U8": torch.uint8,
     "BOOL": torch.bool,
 }
+
+
+def is_kind(value: object) -> TypeGuard[VersionKind]:
+    """Whether `value` is a version kind (the check where a kind comes in as a plain string)."""
+    return value in KINDS
 
 
 def num_rows(shape: list[int] | tuple[int, ...]) -> int:
@@ -97,7 +103,7 @@ class PartInfo:
 @dataclass
 class VersionHeader:
     version: int
-    kind: str  # "anchor" | "delta"
+    kind: VersionKind
     tensors: dict[str, TensorEntry]
     checksum: str  # whole-model checksum at this version
     base: int | None = None  # deltas: the version they apply to
@@ -149,7 +155,7 @@ class VersionHeader:
         v = self.version
         if not isinstance(v, int) or v < 0:
             raise FormatError(f"bad version number {v!r}")
-        if self.kind not in KINDS:
+        if not is_kind(self.kind):
             raise FormatError(f"unknown kind {self.kind!r}", version=v)
         if self.kind == "delta" and (not isinstance(self.base, int) or self.base >= v or not self.codec):
             raise FormatError(f"delta needs a codec and a base below it (base={self.base!r})", version=v)

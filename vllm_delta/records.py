@@ -16,7 +16,7 @@ from dataclasses import MISSING, asdict, dataclass, fields
 
 from .checksums import is_hex, sum_of_parts
 from .errors import FormatError, IntegrityError, short
-from .format import KINDS
+from .format import VersionKind, is_kind
 
 RECORD_FORMAT = "vllm-delta-record"
 RECORD_FORMAT_VERSION = 1  # one-file versions
@@ -38,7 +38,7 @@ def record_name(version: int) -> str:
     return f"{version:010d}.json"
 
 
-def data_name(version: int, kind: str, token: str, part: int | None = None) -> str:
+def data_name(version: int, kind: VersionKind, token: str, part: int | None = None) -> str:
     suffix = "" if part is None else f".part{part:05d}"
     return f"{version:010d}.{kind}.{token}{suffix}.safetensors"
 
@@ -89,7 +89,7 @@ class VersionRecord:
     format 2) have `file` None and list their parts in `parts` (`bytes` is then the parts' total)."""
 
     version: int
-    kind: str  # "anchor" | "delta"
+    kind: VersionKind
     base: int | None
     codec: str | None
     file: str | None  # data file path relative to the store root (one-file versions)
@@ -165,7 +165,7 @@ class VersionRecord:
         ints = (self.version, self.bytes, self.nnz, self.numel)
         if not all(_is_int(x) for x in ints):
             raise ValueError("version, bytes, nnz and numel must be non-negative integers")
-        if self.kind not in KINDS:
+        if not is_kind(self.kind):
             raise ValueError(f"unknown kind {self.kind!r}")
         if self.kind == "delta" and not (isinstance(self.base, int) and 0 <= self.base < self.version):
             raise ValueError(f"a delta needs a base below its version, got {self.base!r}")

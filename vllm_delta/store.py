@@ -49,7 +49,7 @@ from .errors import (
     VersionExistsError,
     VersionNotFoundError,
 )
-from .format import Version, VersionFile, VersionHeader, VersionLike
+from .format import Version, VersionFile, VersionHeader, VersionLike, is_kind
 from .records import (
     ASSETS_DIR,
     DATA_DIR,
@@ -457,7 +457,7 @@ class DeltaStore:
         self,
         *,
         version: int,
-        kind: str,
+        kind: str,  # a VersionKind, checked here (the Publisher's jobs carry a plain str)
         base: int | None,
         codec: str | None,
         nnz: int,
@@ -473,6 +473,8 @@ class DeltaStore:
         record is written like a one-file version's (atomic, never replaced: VersionExistsError).
         The parts' checksums must add up to `checksum`. Nothing is deleted on failure: the caller
         decides (`discard_parts`)."""
+        if not is_kind(kind):
+            raise FormatError(f"bad multi-part record: unknown kind {kind!r}", version=version)
         rec = VersionRecord(
             version=version,
             kind=kind,
