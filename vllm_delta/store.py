@@ -385,10 +385,9 @@ class DeltaStore:
         max_bytes: int | None = None,
         protect: Iterable[int] = (),
     ) -> list[str]:
-        """Delete downloaded copies (remote stores) of `versions` (default: all) except `keep`, and temp
-        downloads nobody has touched for TMP_STALE_S (a killed process's partial files). Then, with
-        `max_bytes`, delete kept copies too, oldest version first, until the cache fits, except those
-        of `protect` (a staged update's). Returns the deleted names (`cache.DownloadCache.prune`)."""
+        """Prune the download cache of a remote store (`cache.DownloadCache.prune`: copies of `versions`
+        but `keep`, dead temp files, then the oldest beyond `max_bytes` but `protect`); returns the
+        deleted names. A local store has no cache: nothing to do."""
         if self.is_local:
             return []
         return self._cache.prune(keep, versions, max_bytes=max_bytes, protect=protect)
