@@ -20,7 +20,7 @@ import mmap
 import os
 import struct
 from dataclasses import asdict, dataclass, field
-from typing import Literal, NamedTuple, TypeGuard, get_args
+from typing import Any, Literal, NamedTuple, TypeGuard, get_args
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -76,7 +76,7 @@ class TensorEntry:
     dtype: str  # "BF16" | "F16" | "F32"
     checksum: str  # per-tensor positional sum of the whole tensor at this version (16 hex digits)
     nnz: int = 0  # changed elements (deltas); stored elements for anchors (numel in one-file versions)
-    enc: dict = field(default_factory=dict)  # codec metadata (deltas, changed tensors only)
+    enc: dict[str, Any] = field(default_factory=dict)  # codec metadata (deltas, changed tensors only)
 
     @property
     def numel(self) -> int:
@@ -111,7 +111,7 @@ class VersionHeader:
     codec: str | None = None  # deltas
     format_version: int = FORMAT_VERSION
     created: float = 0.0
-    extra: dict = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
     part: PartInfo | None = None  # part files only
 
     @property
@@ -226,7 +226,7 @@ class Piece(NamedTuple):
     tensor hold disjoint positions and come in position order."""
 
     nnz: int
-    enc: dict
+    enc: dict[str, Any]
     payload: dict[str, torch.Tensor]
     start: int = 0
     stop: int = 0
@@ -236,7 +236,7 @@ class VersionFile:
     """A local version file (one-file version, or one part of a multi-part version), memory-mapped.
     Validates the container and header on open."""
 
-    def __init__(self, path: str | os.PathLike, *, expect_version: int | None = None):
+    def __init__(self, path: str | os.PathLike[str], *, expect_version: int | None = None):
         self.path = os.fspath(path)
         try:
             self._f = safe_open(self.path, framework="pt", device="cpu")
@@ -248,7 +248,7 @@ class VersionFile:
             raise FormatError(f"{self.path} is not a vllm-delta version file", version=expect_version)
         self._keys = set(keys)
         self._map: mmap.mmap | None = None  # our own private mapping of the payload (see `_tensor`)
-        self._entries: dict[str, dict] = {}
+        self._entries: dict[str, dict[str, Any]] = {}
         self._base = 0
         self._parts: dict[str, list[str]] = {}
         for k in keys:
@@ -323,7 +323,8 @@ class VersionFile:
         entry = self._entries[key]
         dtype = _ST_DTYPES.get(entry["dtype"])
         if dtype is None:
-            return self._f.get_tensor(key)
+            stored: torch.Tensor = self._f.get_tensor(key)
+            return stored
         start, end = entry["data_offsets"]
         if end == start:
             return torch.empty(entry["shape"], dtype=dtype)
@@ -351,10 +352,10 @@ class VersionFile:
         self._f = None  # type: ignore[assignment]
         self._map = None
 
-    def __enter__(self):
+    def __enter__(self) -> VersionFile:
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 
@@ -459,10 +460,10 @@ class Version:
         for p in self.parts:
             p.close()
 
-    def __enter__(self):
+    def __enter__(self) -> Version:
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 

@@ -13,6 +13,7 @@ import builtins  # VersionRecord has a field named `bytes`
 import json
 import re
 from dataclasses import MISSING, asdict, dataclass, fields
+from typing import Any
 
 from .checksums import is_hex, sum_of_parts
 from .errors import FormatError, IntegrityError, short
@@ -62,10 +63,10 @@ class PartRecord:
     sha256: str | None = None  # hex digest of the part file
 
     @classmethod
-    def from_dict(cls, doc: dict) -> PartRecord:
+    def from_dict(cls, doc: dict[str, Any]) -> PartRecord:
         return cls(file=doc["file"], bytes=doc["bytes"], checksum=doc["checksum"], sha256=doc.get("sha256"))
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         doc = asdict(self)
         if self.sha256 is None:
             del doc["sha256"]

@@ -98,7 +98,7 @@ class DeltaStore:
     def __init__(
         self,
         uri: str,
-        storage_options: dict | None = None,
+        storage_options: dict[str, Any] | None = None,
         cache_dir: str | None = None,
         *,
         timeout_s: float = DEFAULT_TIMEOUT_S,
@@ -139,7 +139,7 @@ class DeltaStore:
     def _record_path(self, version: int) -> str:
         return self._path(VERSIONS_DIR, record_name(version))
 
-    def _ls(self, folder: str) -> list[dict]:
+    def _ls(self, folder: str) -> list[dict[str, Any]]:
         """Files directly in `folder`, listed afresh (fsspec caches listings of remote stores)."""
         return self.io.ls(folder)
 
