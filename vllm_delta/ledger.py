@@ -4,7 +4,7 @@ A server started with `"delta_report": true` (it needs write access to the store
 JSON object, `replicas/<replica id>.json`, when its served version changes and as a heartbeat. A
 trainer that cannot reach any server reads the ledger through the store alone: `vllm-delta fleet
 URI`, `Publisher(max_staleness=K, min_replicas=R)`, and `retain`, which never deletes a version a
-live replica serves. Layout and fields: docs/FORMAT.md ("Replica ledger").
+live replica serves. Layout and fields: docs/FORMAT.md ("Replica reports").
 
 Reports are advisory: a garbage or foreign object is skipped with a warning (it must never hide the
 other replicas or break a trainer), and a report whose heartbeat is older than `stale_after_s` is

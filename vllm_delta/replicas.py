@@ -1,6 +1,6 @@
 """Replica reports: what one server writes about itself into the store it follows, and reading them.
 
-A report is one small JSON object, `replicas/<replica id>.json` (docs/FORMAT.md, "Replica ledger").
+A report is one small JSON object, `replicas/<replica id>.json` (docs/FORMAT.md, "Replica reports").
 This module is the report's schema and the reading every consumer shares: the ledger's fleet view
 (`ledger.py`) and retention (`DeltaStore.retain` protects what live replicas serve). It reaches the
 store through the small-object calls alone (`ReportObjects`), so the store can use it without a
