@@ -496,20 +496,23 @@ class DeltaStore:
             raise ValueError(f"version {version} exceeds {MAX_VERSION}")
         if self.io.exists(self._record_path(version)):
             raise VersionExistsError(f"version {version} already exists in store {self.uri}", version=version)
-        for part in parts:
-            path = self._path(part.file)
-            try:
-                size = self.io.size(path, f"checking {part.file}")
-            except FileNotFoundError:
-                raise IntegrityError(f"part {part.file} is not in the store", version=version) from None
-            if size != part.bytes:
-                raise IntegrityError(f"part {part.file} holds {size} bytes, not {part.bytes}", version=version)
+        self._check_parts_stored(parts, version)
         if self.is_local:
             fsync(self._path(DATA_DIR), directory=True)
             os.makedirs(self._path(VERSIONS_DIR), exist_ok=True)
         self._commit_record(rec, secrets.token_hex(8))
         self._remember(rec)
         return rec
+
+    def _check_parts_stored(self, parts: Iterable[PartRecord], version: int) -> None:
+        """Every part is in the store with its recorded size (one stat each), or IntegrityError."""
+        for part in parts:
+            try:
+                size = self.io.size(self._path(part.file), f"checking {part.file}")
+            except FileNotFoundError:
+                raise IntegrityError(f"part {part.file} is not in the store", version=version) from None
+            if size != part.bytes:
+                raise IntegrityError(f"part {part.file} holds {size} bytes, not {part.bytes}", version=version)
 
     def discard_parts(self, parts: Iterable[PartRecord]) -> None:
         """Remove uploaded parts of a version that is not committed (best effort)."""
