@@ -160,6 +160,7 @@ def test_rpc_messages_cross_vllms_msgpack_boundary():
     """Worker replies are plain values through vLLM's own serializer; sums are exact 64-bit ints."""
     from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
+    from vllm_delta.checksums import MASK64
     from vllm_delta.errors import WorkerError
     from vllm_delta.vllm.messages import (
         Committed,
@@ -175,7 +176,7 @@ def test_rpc_messages_cross_vllms_msgpack_boundary():
     def wire(value):
         return MsgpackDecoder().decode(MsgpackEncoder().encode(value.to_wire()))
 
-    summary = StageSummary([3, 4], {"a": (1 << 64) - 1, "b": 0}, nnz=7, bytes=96, stage_ms=1.5, timings={"total": 1.0})
+    summary = StageSummary([3, 4], {"a": MASK64, "b": 0}, nnz=7, bytes=96, stage_ms=1.5, timings={"total": 1.0})
     assert StagePoll.from_wire(wire(StagePoll(summary))).summary == summary
     assert StagePoll.from_wire(wire(StagePoll(None))) == StagePoll(None)
     assert wire(summary)["partials"] == {"a": "ffffffffffffffff", "b": "0000000000000000"}

@@ -37,6 +37,7 @@ NotSuccessorError (stage again).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 import time
@@ -213,7 +214,7 @@ class ApplyEngine:
             self._check_entry(header, name, entry)
 
     def _stream_ctx(self):
-        return torch.cuda.stream(self._stream) if self._stream is not None else _nullctx()
+        return torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
 
     def _sync_stream(self) -> None:
         if self._stream is not None:
@@ -472,14 +473,6 @@ class ApplyEngine:
     def close(self) -> None:
         """Stop the staging thread pool (the engine stays usable: it restarts on the next stage)."""
         self._decoder.close()
-
-
-class _nullctx:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _span(timings: dict, key: str, t0: float) -> float:
