@@ -49,7 +49,7 @@ from .errors import (
     VersionExistsError,
     VersionNotFoundError,
 )
-from .format import Version, VersionFile, VersionHeader, VersionLike, is_kind
+from .format import Version, VersionFile, VersionHeader, VersionKind, VersionLike, is_kind
 from .records import (
     ASSETS_DIR,
     DATA_DIR,
@@ -456,7 +456,7 @@ class DeltaStore:
         self,
         *,
         version: int,
-        kind: str,  # a VersionKind, checked here (the Publisher's jobs carry a plain str)
+        kind: VersionKind,  # checked again here: it may come from another rank
         base: int | None,
         codec: str | None,
         nnz: int,

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..codec import BatchSections
-from ..format import PartInfo
+from ..format import PartInfo, VersionKind
 from ..store import VersionRecord
 from .shard import Owned
 
@@ -22,7 +22,7 @@ class UploadJob:
     """One version (or this rank's part of it) on its way to the store."""
 
     version: int
-    kind: str  # "anchor" | "delta"
+    kind: VersionKind
     base: int | None
     base_checksum: str | None
     checksum: str  # whole-model checksum

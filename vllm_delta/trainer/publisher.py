@@ -38,7 +38,7 @@ import torch
 from .. import codec as codecs
 from ..checksums import MASK64, combine, to_hex
 from ..errors import PublishError
-from ..format import DTYPE_NAMES
+from ..format import DTYPE_NAMES, VersionKind
 from ..store import DeltaStore, VersionRecord
 from .detect import FlatSnapshot, named_tensors
 from .encode import VersionEncoder
@@ -61,7 +61,7 @@ Source = torch.nn.Module | Mapping[str, object] | Iterable[tuple[str, object]]
 @dataclass
 class PublishInfo:
     version: int
-    kind: str  # "anchor" | "delta"
+    kind: VersionKind
     base: int | None
     nnz: int  # changed elements (all elements for an anchor), over every rank
     numel: int
