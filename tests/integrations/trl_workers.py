@@ -113,5 +113,70 @@ def sharded_rank(rank: int, world: int, model_dir: str, store: str, server_url: 
         "num_processes": state.num_processes,
         "synced": [(r.version, r.checksum, r.published, r.kind, [s.checksum for s in r.live]) for r in synced],
         "weights": witness.weights,
+        "final": checksum(bf16_image(trainer.model)),
         "served": witness.served,
     }
+
+
+# -- TRL's asynchronous trainer on CPU ------------------------------------------------------------------
+# TRL 1.16's AsyncGRPOTrainer needs CUDA in two places, neither of them about weight sync: its packed
+# "tree" attention is FlashAttention-3 fetched from the Hub (`kernels`, CUDA only; no network here), and
+# its constructor asks CUDA for the device name to look its peak FLOPs up. The test replaces the first
+# with the same varlen causal attention written with SDPA (checked against the model's own attention),
+# and the second with "unknown device" (MFU metrics off).
+
+
+def tree_attention_cpu(
+    module: Any,
+    query: Any,
+    key: Any,
+    value: Any,
+    attention_mask: Any,
+    *,
+    tree_kv_index: Any,
+    tree_cu_seqlens_q: Any,
+    tree_cu_seqlens_k: Any,
+    scaling: float | None = None,
+    **_: Any,
+) -> tuple[Any, None]:
+    """`flash_attn_varlen_func(causal=True)` over TRL's packed trie: segment s attends to the keys of
+    its root-to-segment path (`tree_kv_index`), causal aligned bottom-right (the segment's own tokens
+    end the path)."""
+    import torch
+    import torch.nn.functional as F
+
+    q = query[0]  # (heads, tokens, dim)
+    k = key[0].index_select(1, tree_kv_index)
+    v = value[0].index_select(1, tree_kv_index)
+    if q.shape[0] != k.shape[0]:  # grouped-query attention
+        k = k.repeat_interleave(q.shape[0] // k.shape[0], 0)
+        v = v.repeat_interleave(q.shape[0] // v.shape[0], 0)
+    cq, ck = tree_cu_seqlens_q.tolist(), tree_cu_seqlens_k.tolist()
+    outs = []
+    for s in range(len(cq) - 1):
+        lq, lk = cq[s + 1] - cq[s], ck[s + 1] - ck[s]
+        mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(diagonal=lk - lq)
+        outs.append(
+            F.scaled_dot_product_attention(
+                q[:, cq[s] : cq[s + 1]], k[:, ck[s] : ck[s + 1]], v[:, ck[s] : ck[s + 1]], attn_mask=mask, scale=scaling
+            )
+        )
+    return torch.cat(outs, dim=1).transpose(0, 1).unsqueeze(0), None
+
+
+def chat_tokenizer() -> Any:
+    """The tiny tokenizer with Qwen3's chat template (TRL's async worker renders chat prompts and
+    parses responses with the template's response schema)."""
+    from trl.chat_template_utils import qwen3_chat_template
+
+    tok = build_tokenizer(SPEC.vocab_size)
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tok.chat_template = qwen3_chat_template
+    assert len(tok) <= SPEC.vocab_size
+    return tok
+
+
+def chat_dataset(n: int = 64) -> Any:
+    from datasets import Dataset
+
+    return Dataset.from_dict({"prompt": [[{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}] for i in range(n)]})

@@ -88,7 +88,9 @@ class RolloutSyncOptions:
     follow the store, `"delta_follow": true`; the trainer only waits for them). `update_mode`: how
     running requests ride through a pushed update. `servers`: servers to keep live beside the one
     the trainer generates from. `anchor_every`, `codec`: the Publisher's. `max_staleness`,
-    `min_replicas`, `staleness_timeout_s`: the Publisher's ledger gate (asynchronous trainers)."""
+    `min_replicas`, `staleness_timeout_s`: the Publisher's ledger gate (asynchronous trainers).
+    `wait_live`: in mode "follow", False publishes and returns without waiting for the servers
+    (asynchronous trainers whose rollouts carry the version that produced them)."""
 
     store: str
     storage_options: dict[str, Any] | None = None
@@ -105,6 +107,7 @@ class RolloutSyncOptions:
     max_staleness: int | None = None
     min_replicas: int = 1
     staleness_timeout_s: float = 600.0
+    wait_live: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in SYNC_MODES:
@@ -181,7 +184,7 @@ class RolloutSync:
         record = self._publish(source, version)
         outcome: _Outcome | None = None
         failure: RolloutSyncError | None = None
-        if self.rank == 0:
+        if self.rank == 0 and (self.options.wait_live or self.options.mode == "push"):
             try:
                 record.live = [self._make_live(url, record) for url in self.servers]
             except RolloutSyncError as exc:

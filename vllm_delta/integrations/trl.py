@@ -62,7 +62,7 @@ class DeltaVLLMClient(VLLMClient):
     def __init__(self, base_url: str, *, connection_timeout: float = 240.0, api_key: str | None = None):
         self._api_key = api_key
         self.expected: int | None = None
-        self.attributed: Counter[int | str] = Counter()  # completions per producing version (this sync)
+        self.attributed: Counter[int | str] = Counter()  # completions per producing version
         self._violation: str | None = None
         super().__init__(base_url=base_url, connection_timeout=connection_timeout)
 
@@ -72,7 +72,6 @@ class DeltaVLLMClient(VLLMClient):
     def expect(self, version: int) -> None:
         """From now on every completion must come from `version` alone."""
         self.expected = version
-        self.attributed = Counter()
 
     def take_violation(self) -> str | None:
         """The first completion since the last call that did not come from the expected version."""
@@ -165,14 +164,20 @@ class DeltaVLLMGeneration(VLLMGeneration):
         return out
 
 
-class _CloseSync(TrainerCallback):
-    """Waits for uploads in flight when training ends."""
+class _FinalSync(TrainerCallback):
+    """When training ends: sync the final weights (TRL syncs before each generation, so the last
+    optimizer step is not on the servers yet), then wait for the uploads in flight."""
 
-    def __init__(self, sync: RolloutSync):
-        self.sync = sync
+    def __init__(self, generation: DeltaVLLMGeneration):
+        self.generation = generation
 
     def on_train_end(self, args, state, control, **kwargs):  # noqa: ANN001 - transformers' API
-        self.sync.close()
+        synced = self.generation.synced
+        try:
+            if not synced or synced[-1].version != state.global_step:
+                self.generation.sync_weights()
+        finally:
+            self.generation.sync.close()
 
 
 class DeltaGRPOTrainer(GRPOTrainer):
@@ -180,7 +185,8 @@ class DeltaGRPOTrainer(GRPOTrainer):
 
     Takes GRPOTrainer's arguments, with `GRPOConfig(use_vllm=True, vllm_mode="server")`, plus
     `delta`: the store URI, or `RolloutSyncOptions` (mode push|follow, timeouts, more servers).
-    `delta_api_key`: the servers' `--api-key`. `trainer.vllm_generation.synced` lists every sync."""
+    `delta_api_key`: the servers' `--api-key`. `trainer.vllm_generation.synced` lists every sync;
+    the last one, when training ends, puts the final weights on the servers."""
 
     def __init__(self, *args: Any, delta: str | RolloutSyncOptions, delta_api_key: str | None = None, **kwargs: Any):
         bound = inspect.signature(GRPOTrainer.__init__).bind(self, *args, **kwargs)
@@ -232,7 +238,7 @@ class DeltaGRPOTrainer(GRPOTrainer):
             generation_kwargs=a.generation_kwargs,
         )
         self._last_loaded_step = -1
-        self.add_callback(_CloseSync(self.delta_sync))
+        self.add_callback(_FinalSync(self.vllm_generation))
 
 
 __all__ = [
