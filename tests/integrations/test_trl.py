@@ -20,6 +20,7 @@ import pytest
 import requests
 import torch
 import trl_workers as W
+from safetensors.torch import save_file
 
 from vllm_delta import DeltaStore, Publisher, checksum
 from vllm_delta.integrations.rollout_sync import (
@@ -33,7 +34,7 @@ from vllm_delta.integrations.rollout_sync import (
     VersionRefusedError,
 )
 from vllm_delta.integrations.trl import AttributionError, DeltaGRPOTrainer, DeltaVLLMClient, DeltaVLLMGeneration
-from vllm_delta.testing.models import build_tokenizer, save_tiny_model
+from vllm_delta.testing.models import build_tokenizer, hf_state_dict, save_tiny_model
 from vllm_delta.testing.server import VllmServer, free_port
 from vllm_delta.testing.sharded import run_ranks
 from vllm_delta.testing.training import bf16_image, build_master_model
@@ -179,7 +180,10 @@ def test_async_grpo_trainer_syncs_through_the_store_and_tags_rollouts(rollout, t
     from vllm_delta.integrations.trl_async import DeltaAsyncGRPOTrainer, DeltaAsyncRolloutWorker
 
     monkeypatch.setattr(async_trainer, "get_peak_flops_per_device", lambda *args, **kwargs: None)
-    model_dir = save_tiny_model(next_model(12), str(tmp_path / "model"))  # the async trainer loads a path
+    # TRL's async trainer loads its model from a path, and its rollout worker names the model by that path
+    # in every request: the server's model directory, with weights added (the server loads from the store).
+    save_file(hf_state_dict(next_model(12)), os.path.join(rollout.model_dir, "model.safetensors"))
+    model_dir = rollout.model_dir
     base = DeltaStore(rollout.store).latest()
     weights: dict[int, str] = {}
     seen_logs: list[dict] = []
