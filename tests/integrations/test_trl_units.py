@@ -8,11 +8,12 @@ import pytest
 import torch
 import trl_workers as W
 
+from vllm_delta import DeltaStore, Publisher, checksum
 from vllm_delta.attribution import parse_spans
-from vllm_delta.integrations.rollout_sync import RolloutSyncOptions
-from vllm_delta.integrations.trl import AttributionError
+from vllm_delta.integrations.rollout_sync import LiveMismatchError, RolloutSync, RolloutSyncError, RolloutSyncOptions
+from vllm_delta.integrations.trl import AttributionError, DeltaGRPOTrainer
 from vllm_delta.integrations.trl_async import rollout_version
-from vllm_delta.testing.training import build_master_model
+from vllm_delta.testing.training import bf16_image, build_master_model, train_steps
 
 
 def spans(*items):
@@ -85,3 +86,42 @@ def test_cpu_tree_attention_matches_the_model_attention():
     got = hidden[packed["token_index"]]
     assert got.shape == want.shape
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+def test_versions_are_published_once_and_a_store_ahead_is_refused(tmp_path):
+    """RolloutSync's publishing side (no server to keep live): version numbers are the trainer's
+    steps, a step synced twice is published once, a store that is ahead or holds another run's
+    weights under the trainer's starting version is refused before anything is published."""
+    store = str(tmp_path / "store")
+    model = build_master_model(W.SPEC, seed=1)
+    sync = RolloutSync(RolloutSyncOptions(store=store), servers=[])
+    first = sync.sync(model, 0)
+    assert (first.published, first.kind) == (True, "anchor")
+    assert sync.sync(model, 0).published is False  # TRL asked twice at the same step
+    for _ in train_steps(model, 1, lr=1e-3):
+        pass
+    second = sync.sync(model, 1)
+    assert (second.published, second.kind) == (True, "delta")
+    assert second.checksum == checksum(bf16_image(model)) == DeltaStore(store).record(1).checksum
+    sync.close()
+
+    resumed = RolloutSync(RolloutSyncOptions(store=store), servers=[])
+    assert resumed.sync(model, 1).published is False  # a run resumed at the store's last step: checked
+    with pytest.raises(RolloutSyncError, match="already holds versions up to 1"):
+        RolloutSync(RolloutSyncOptions(store=store), servers=[]).sync(model, 0)
+    other = str(tmp_path / "other")
+    with Publisher(other) as pub:
+        pub.publish(build_master_model(W.SPEC, seed=2), version=0)
+    with pytest.raises(LiveMismatchError, match="published by another run"):
+        RolloutSync(RolloutSyncOptions(store=other), servers=[]).sync(model, 0)
+    assert DeltaStore(other).versions() == [0]
+
+
+def test_trainer_arguments_are_checked(tmp_path):
+    from trl import GRPOConfig
+
+    common = dict(output_dir=str(tmp_path), use_cpu=True, report_to=[], per_device_train_batch_size=8)
+    model = build_master_model(W.SPEC, seed=8)
+    for args in (GRPOConfig(**common), GRPOConfig(use_vllm=True, vllm_mode="colocate", **common)):
+        with pytest.raises(ValueError, match="use_vllm=True, vllm_mode='server'"):
+            DeltaGRPOTrainer(model=model, reward_funcs=W.parity_reward, args=args, delta=str(tmp_path))

@@ -214,6 +214,9 @@ class RolloutSync:
 
     # -- publishing -------------------------------------------------------------------------------
     def _publish(self, source: torch.nn.Module | dict[str, torch.Tensor], version: int) -> SyncRecord:
+        last = self.records[-1] if self.records else None
+        if last is not None and last.version == version:  # synced already: a version is published once
+            return SyncRecord(version, last.checksum, False)
         if self.publisher is None:
             start = self._starting_point(source, version)
             if start is not None:

@@ -184,7 +184,8 @@ class DeltaGRPOTrainer(GRPOTrainer):
     """`trl.GRPOTrainer` whose vLLM server mode syncs weights through a vllm-delta store.
 
     Takes GRPOTrainer's arguments, with `GRPOConfig(use_vllm=True, vllm_mode="server")`, plus
-    `delta`: the store URI, or `RolloutSyncOptions` (mode push|follow, timeouts, more servers).
+    `delta`: the store URI (each version is pushed to the server), or `RolloutSyncOptions` (mode
+    push|follow, timeouts, more servers).
     `delta_api_key`: the servers' `--api-key`. `trainer.vllm_generation.synced` lists every sync;
     the last one, when training ends, puts the final weights on the servers."""
 

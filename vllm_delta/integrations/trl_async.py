@@ -190,7 +190,8 @@ class DeltaAsyncRolloutWorker(AsyncRolloutWorker):
 class DeltaAsyncGRPOTrainer(AsyncGRPOTrainer):
     """`AsyncGRPOTrainer` with weights through a vllm-delta store and version-tagged rollouts.
 
-    Takes AsyncGRPOTrainer's arguments plus `delta`: the store URI or `RolloutSyncOptions`.
+    Takes AsyncGRPOTrainer's arguments plus `delta`: the store URI (the servers follow it; each sync
+    waits until they serve the version) or `RolloutSyncOptions`.
     `trainer.weight_transfer.synced` lists every sync (rank 0)."""
 
     def __init__(self, *args: Any, delta: str | RolloutSyncOptions, **kwargs: Any):
