@@ -47,7 +47,21 @@ from .rollout_sync import RolloutSync, RolloutSyncError, RolloutSyncOptions, Syn
 
 log = logging.getLogger(__name__)
 
+TESTED_TRL = ("1.16.0",)  # the TRL versions this integration was tested with (docs/DEPLOY.md, "TRL")
 COMPLETION_ROUTES = ("/v1/completions", "/v1/chat/completions")
+
+
+def warn_if_untested() -> None:
+    """One warning when the installed TRL is not a version this integration was tested with: it relies
+    on a few of TRL's internals (module docstring)."""
+    import trl
+
+    if trl.__version__ not in TESTED_TRL:
+        log.warning(
+            "vllm-delta: TRL %s is installed; the TRL integration was tested with %s only",
+            trl.__version__,
+            ", ".join(TESTED_TRL),
+        )
 
 
 class AttributionError(RolloutSyncError):
@@ -197,6 +211,7 @@ class DeltaGRPOTrainer(GRPOTrainer):
                 "DeltaGRPOTrainer generates on vLLM servers: pass args=GRPOConfig(use_vllm=True, vllm_mode='server', "
                 "vllm_server_base_url=...)"
             )
+        warn_if_untested()
         options = delta if isinstance(delta, RolloutSyncOptions) else RolloutSyncOptions(store=delta)
         # TRL builds its NCCL-synced VLLMGeneration in __init__ when use_vllm is on: build without it,
         # then attach ours with the arguments TRL passes (trl/trainer/grpo_trainer.py, 1.16).

@@ -52,7 +52,7 @@ from trl.experimental.async_grpo.async_rollout_worker import AsyncRolloutWorker,
 
 from ..attribution import Attribution, attribution_of
 from .rollout_sync import RolloutSync, RolloutSyncError, RolloutSyncOptions, SyncRecord
-from .trl import AttributionError
+from .trl import AttributionError, warn_if_untested
 
 log = logging.getLogger(__name__)
 
@@ -195,6 +195,7 @@ class DeltaAsyncGRPOTrainer(AsyncGRPOTrainer):
     `trainer.weight_transfer.synced` lists every sync (rank 0)."""
 
     def __init__(self, *args: Any, delta: str | RolloutSyncOptions, **kwargs: Any):
+        warn_if_untested()
         options = delta if isinstance(delta, RolloutSyncOptions) else RolloutSyncOptions(store=delta, mode="follow")
         config = kwargs.get("args") if "args" in kwargs else (args[2] if len(args) > 2 else None)
         if config is None:
