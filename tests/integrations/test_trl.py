@@ -165,8 +165,9 @@ def test_sharded_grpo_run_publishes_per_rank(rollout):
 def test_async_grpo_trainer_syncs_through_the_store_and_tags_rollouts(rollout, tmp_path, monkeypatch):
     """TRL's AsyncGRPOTrainer (trl.experimental in 1.16): a rollout worker process streams completions
     from the server while the trainer consumes them; every `weight_sync_steps` the trainer publishes
-    through DeltaWeightTransfer and the following server takes the version (checksum-verified); every
-    sample is tagged with the version that produced it (its spans), which TRL's staleness filter reads.
+    through DeltaWeightTransfer and pushes the version, applied in flight (checksum-verified); every
+    sample is tagged with the oldest version that produced it (its spans), which TRL's staleness
+    filter reads.
 
     Two CPU stand-ins, for TRL pieces that need CUDA and have nothing to do with weight sync
     (trl_workers.py): the FlashAttention-3 tree attention, and the CUDA peak-FLOPs lookup."""
@@ -221,7 +222,8 @@ def test_async_grpo_trainer_syncs_through_the_store_and_tags_rollouts(rollout, t
         train_dataset=W.chat_dataset(),
         processing_class=W.chat_tokenizer(),
         callbacks=[Recorder()],
-        delta=RolloutSyncOptions(store=rollout.store, mode="follow", live_timeout_s=120),
+        # pushed in flight: running requests continue on the new weights, a completion may span two versions
+        delta=RolloutSyncOptions(store=rollout.store, mode="push", update_mode="inflight", live_timeout_s=120),
     )
     assert isinstance(trainer.rollout_worker, DeltaAsyncRolloutWorker)
     AttentionInterface.register(TREE_ATTENTION, W.tree_attention_cpu)  # after TRL registered its own
@@ -245,6 +247,8 @@ def test_async_grpo_trainer_syncs_through_the_store_and_tags_rollouts(rollout, t
         if key.startswith(("delta/", "sample/"))
     }
     assert merged.get("delta/attributed_rollouts_total", 0) >= steps * W.GENERATIONS  # every rollout tagged
+    assert 0 <= merged["delta/mixed_version_rollouts_total"] <= merged["delta/attributed_rollouts_total"]
+    assert rollout.server.status()["last_update"]["mode"] == "inflight"
     assert 0 <= merged["delta/rollout_version_min"] and merged["delta/rollout_version_max"] <= steps + 1
     assert merged["sample/staleness_max"] <= args.max_staleness  # TRL's bound, on the spans' versions
 

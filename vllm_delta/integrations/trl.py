@@ -130,14 +130,13 @@ class DeltaVLLMGeneration(VLLMGeneration):
     """TRL's `VLLMGeneration` in server mode, with the weight sync going through the store.
 
     `sync`: the RolloutSync (every rank has one). `version_fn`: the version of the next sync (the
-    trainer's `global_step`). `api_key`: vLLM's `--api-key` of the server."""
+    trainer's `global_step`). The server's `--api-key`, if any, is `sync.options.api_key`."""
 
     vllm_client: DeltaVLLMClient  # the main process's
 
-    def __init__(self, *, sync: RolloutSync, version_fn: Callable[[], int], api_key: str | None = None, **kwargs: Any):
+    def __init__(self, *, sync: RolloutSync, version_fn: Callable[[], int], **kwargs: Any):
         self.sync = sync
         self.version_fn = version_fn
-        self.api_key = api_key
         self.synced: list[SyncRecord] = []  # every sync of this trainer, in order
         super().__init__(**kwargs)
 
@@ -146,7 +145,7 @@ class DeltaVLLMGeneration(VLLMGeneration):
             raise ValueError(f"vllm-delta generates on vLLM servers: vllm_mode must be 'server', not {self.mode!r}")
         if self.accelerator.is_main_process:
             self.vllm_client = DeltaVLLMClient(
-                self.base_url, connection_timeout=self.server_timeout, api_key=self.api_key
+                self.base_url, connection_timeout=self.server_timeout, api_key=self.sync.options.api_key
             )
         self.accelerator.wait_for_everyone()
 
@@ -200,10 +199,11 @@ class DeltaGRPOTrainer(GRPOTrainer):
     Takes GRPOTrainer's arguments, with `GRPOConfig(use_vllm=True, vllm_mode="server")`, plus
     `delta`: the store URI (each version is pushed to the server), or `RolloutSyncOptions` (mode
     push|follow, timeouts, more servers).
-    `delta_api_key`: the servers' `--api-key`. `trainer.vllm_generation.synced` lists every sync;
+    `RolloutSyncOptions.api_key`: the servers' `--api-key` (generation and sync both send it).
+    `trainer.vllm_generation.synced` lists every sync;
     the last one, when training ends, puts the final weights on the servers."""
 
-    def __init__(self, *args: Any, delta: str | RolloutSyncOptions, delta_api_key: str | None = None, **kwargs: Any):
+    def __init__(self, *args: Any, delta: str | RolloutSyncOptions, **kwargs: Any):
         bound = inspect.signature(GRPOTrainer.__init__).bind(self, *args, **kwargs)
         config = bound.arguments.get("args")
         if config is None or not config.use_vllm or config.vllm_mode != "server":
@@ -234,7 +234,6 @@ class DeltaGRPOTrainer(GRPOTrainer):
         self.vllm_generation = DeltaVLLMGeneration(
             sync=self.delta_sync,
             version_fn=lambda: self.state.global_step,
-            api_key=delta_api_key,
             model=self.model,
             accelerator=self.accelerator,
             processing_class=self.processing_class,
