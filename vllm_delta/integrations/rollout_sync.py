@@ -42,8 +42,10 @@ from ..checksums import combine, tensor_sum, to_hex
 from ..errors import DeltaError, StalenessTimeoutError
 from ..store import DeltaStore
 from ..trainer.detect import named_tensors
+from ..trainer.options import PublisherOptions
 from ..trainer.publisher import Publisher, PublishInfo
 from ..trainer.shard import ShardedTensor
+from ..trainer.staleness import StalenessPolicy
 from ..vllm.messages import FollowStatus
 
 log = logging.getLogger(__name__)
@@ -267,9 +269,11 @@ class RolloutSync:
             anchor_every=o.anchor_every,
             codec=o.codec,
             group=self.group,
-            max_staleness=o.max_staleness,
-            min_replicas=o.min_replicas,
-            staleness_timeout_s=o.staleness_timeout_s,
+            options=PublisherOptions(
+                staleness=None
+                if o.max_staleness is None
+                else StalenessPolicy(o.max_staleness, o.min_replicas, timeout_s=o.staleness_timeout_s)
+            ),
         )
 
     def _drop_publisher(self) -> None:

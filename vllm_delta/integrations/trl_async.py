@@ -214,7 +214,12 @@ class DeltaAsyncGRPOTrainer(AsyncGRPOTrainer):
             )
         transfer.version_fn = lambda: self.model_version + 1  # TRL bumps model_version after each send
         worker = self.rollout_worker
-        if self.accelerator.is_main_process and type(worker) is AsyncRolloutWorker:
+        # exactly TRL's worker: a user's own subclass is left alone
+        if (
+            self.accelerator.is_main_process
+            and isinstance(worker, AsyncRolloutWorker)
+            and type(worker) is AsyncRolloutWorker
+        ):
             loop_kwargs = dict(worker._loop_kwargs)
             queue_maxsize = loop_kwargs.pop("queue_maxsize")
             self.rollout_worker = DeltaAsyncRolloutWorker(
