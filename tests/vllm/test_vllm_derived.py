@@ -12,6 +12,7 @@ from vllm_delta.errors import UnsupportedModelError
 from vllm_delta.vllm import derived
 from vllm_delta.vllm.derived import check_targets, observe, report_of, snapshot
 from vllm_delta.vllm.handlers import Handler, register_handler, unregister_handler
+from vllm_delta.vllm.messages import to_wire
 
 pytestmark = pytest.mark.vllm
 
@@ -202,7 +203,7 @@ def test_a_recompute_handler_keeps_the_derived_copy_current(tmp_path):
     try:
         replica.prepare({n: tuple(e.shape) for n, e in files[-1].header.tensors.items()})
         replica.served = served_cls.from_header(files[-1].header)
-        cov = replica.coverage()
+        cov = to_wire(replica.coverage())
         assert cov["recomputed"] == {"tensors": 1, "elements": 24, "names": ["w_t"], "handlers": ["toy-transpose"]}
         assert cov["in_place"]["tensors"] == 2 and not cov["fully_in_place"]
         assert {"name": "toy-transpose", "cost": "O(w) copy per update"} in cov["handlers"]

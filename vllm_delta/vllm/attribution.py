@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..attribution import parse_label
+from .messages import ChoiceSpans
 
 Json = dict[str, Any]
 SpanList = list[list[Any]]  # [[version, start, end], ...]
@@ -119,16 +120,17 @@ def spans_for_choice(store: SpanStore, response_id: str, path: str, index: int) 
     return None if rec is None else rec.outputs.get(output)
 
 
-def spans_for_response(store: SpanStore, response_id: str) -> tuple[list[str], list[Json]]:
-    """(the generate() ids, [{"index", "weight_versions"}, ...]) of a response id (completion or chat)."""
+def spans_for_response(store: SpanStore, response_id: str) -> tuple[list[str], list[ChoiceSpans]]:
+    """(the generate() ids, the spans of each choice) of a response id (completion or chat)."""
     rec = store.get(response_id)
     if rec is not None:  # chat: one generate() per response
-        return [response_id], [{"index": i, "weight_versions": rec.outputs[i]} for i in sorted(rec.outputs)]
-    ids, choices = [], []
+        return [response_id], [ChoiceSpans(i, rec.outputs[i]) for i in sorted(rec.outputs)]
+    ids: list[str] = []
+    choices: list[ChoiceSpans] = []
     prompt = 0
     while (rec := store.get(f"{response_id}-{prompt}")) is not None:
         ids.append(f"{response_id}-{prompt}")
-        choices += [{"index": prompt * rec.n + i, "weight_versions": rec.outputs[i]} for i in sorted(rec.outputs)]
+        choices += [ChoiceSpans(prompt * rec.n + i, rec.outputs[i]) for i in sorted(rec.outputs)]
         prompt += 1
     return ids, choices
 

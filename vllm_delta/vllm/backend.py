@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from vllm.distributed.weight_transfer.base import (
@@ -26,13 +26,19 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from ..checksums import Sums, verify_partials
-from ..errors import http_status
-from . import dist
+from ..checksums import Sums
+from ..errors import CommitFailedError, RollbackFailedError
+from ..format import VersionHeader, VersionLike
+from . import dist, rpc
+from .commit import AllCommitted, AllRolledBack, CommitOptions, Staged, TwoPhaseCommit, Update, commit_all, run_sync
+from .messages import Committed, Method, RolledBack, StageSummary
 from .options import StoreSpec, server_store
-from .plan import plan_update
-from .replica import replica_of
+from .plan import UpdatePlan, plan_update
+from .replica import DeltaReplica, replica_of
 from .worker import open_store
+
+if TYPE_CHECKING:
+    from ..store import DeltaStore
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +46,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class DeltaInitInfo(WeightTransferInitInfo):
     store: str | None = None
-    storage_options: dict = field(default_factory=dict)
+    storage_options: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -75,7 +81,7 @@ class DeltaWeightTransferEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateI
     def receive_weights(self, update_info: DeltaUpdateInfo) -> None:
         if self.spec is None:
             raise ValueError("no store: start with --load-format delta or pass init_info {'store': URI}")
-        store = open_store(self.spec.to_dict())
+        store = open_store(self.spec)
         replica = replica_of(self.model)
         target = store.resolve(update_info.version)
         if not replica.prepared:  # every rank gets here together: the probe's exchange is collective
@@ -83,46 +89,78 @@ class DeltaWeightTransferEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateI
         plan = plan_update(store, replica.served.version, replica.served.checksum, target, update_info.allow_reanchor)
         if not plan.versions:
             return
-        try:
-            files = [store.open(r.version, record=r) for r in plan.records]
-        except Exception as exc:
-            if http_status(exc) == 422:  # a damaged copy must not stay in the cache
-                store.prune_cache(versions=plan.versions)
-            raise
-        ticket = uuid.uuid4().hex
-        # Stage everywhere, then agree: every rank raises the same error if any rank failed.
-        error: BaseException | None = None
-        partials: Sums | None = None
-        try:
-            partials = replica.stage(ticket, files).partials
-        except Exception as exc:  # noqa: BLE001 - every rank must reach the gather below, or the others hang
-            error = exc
-        gathered: list[Sums | None] = dist.all_gather_object(partials)
-        try:
-            if error is not None:
-                raise error
-            ranks = [p for p in gathered if p is not None]
-            if len(ranks) != len(gathered):
-                raise RuntimeError("staging failed on another rank")
-            current = replica.served.sums if replica.served.version is not None else replica.live_sums_all_ranks()
-            verify_partials(current, ranks, files[-1].header)
-            ok = True
-            try:
-                replica.commit(ticket)
-            except Exception as exc:  # noqa: BLE001 - reported to every rank, then re-raised
-                ok, error = False, exc
-            if not all(dist.all_gather_object(ok)):
-                replica.rollback(ticket)
-                raise error or RuntimeError("the update failed on another rank; every rank rolled back")
-        except Exception as exc:
-            if http_status(exc) == 422:
-                store.prune_cache(versions=plan.versions)
-            raise
-        finally:
-            replica.release(ticket)
+        steps = RankUpdate(replica, store, plan)
+        run_sync(steps.apply(Update(uuid.uuid4().hex, plan.versions, plan.target), CommitOptions()))
         if replica.rank == 0:  # the ranks of a host share the cache: keep the served version's chain
             try:
                 keep = [r.version for r in store.chain(plan.target)]
                 store.prune_cache(keep, max_bytes=self.spec.cache_max_bytes)
             except Exception as exc:  # noqa: BLE001 - pruned next time
                 log.warning("vllm-delta: pruning the download cache failed: %s", exc)
+
+
+class GatheredRanks:
+    """Every rank at once, seen from one worker rank: this rank's reply, exchanged with the others'
+    (a collective: every rank makes the same calls in the same order)."""
+
+    def __init__(self, replica: DeltaReplica):
+        self.replica = replica
+
+    async def commit(self, ticket: str, method: Method = "delta", fault: str | None = None) -> rpc.Replies[Committed]:
+        fn = lambda: Committed(self.replica.commit(ticket, fault=fault, method=method))  # noqa: E731
+        return rpc.Replies.decode(Committed, dist.all_gather_object(rpc.answer(rpc.COMMIT.name, fn)))
+
+    async def rollback(self, ticket: str) -> rpc.Replies[RolledBack]:
+        fn = lambda: RolledBack(self.replica.rollback(ticket))  # noqa: E731
+        return rpc.Replies.decode(RolledBack, dist.all_gather_object(rpc.answer(rpc.ROLLBACK.name, fn)))
+
+
+class RankUpdate(TwoPhaseCommit[None]):
+    """The protocol's steps on one worker rank (vLLM's weight-transfer backend): every rank stages
+    its share synchronously, the ranks exchange their summaries and verify them against the version
+    header before anyone writes, all commit, and all roll back if one fails. The caller pauses."""
+
+    def __init__(self, replica: DeltaReplica, store: DeltaStore, plan: UpdatePlan):
+        self.replica = replica
+        self.store = store
+        self.plan = plan
+        self.files: list[VersionLike] = []
+
+    async def stage_ranks(self, update: Update) -> rpc.Replies[StageSummary]:
+        def stage() -> StageSummary:
+            # Opened inside the exchanged step: a rank that can't read a file reports it to every rank.
+            self.files = [self.store.open(r.version, record=r) for r in self.plan.records]
+            return self.replica.stage(update.ticket, self.files)
+
+        return rpc.Replies.decode(StageSummary, dist.all_gather_object(rpc.answer("staging", stage)))
+
+    async def verification_basis(self, update: Update) -> tuple[Sums, VersionHeader]:
+        served = self.replica.served  # the same on every rank: the served version's header
+        current = served.sums if served.version is not None else self.replica.live_sums_all_ranks()
+        return current, self.files[-1].header
+
+    async def commit_ranks(self, staged: Staged, options: CommitOptions) -> None:
+        outcome = await commit_all(
+            GatheredRanks(self.replica), staged.update.ticket, method=staged.update.method, after_writes=_nothing
+        )
+        if isinstance(outcome, AllCommitted):
+            return
+        version = staged.update.target
+        if isinstance(outcome, AllRolledBack):
+            raise CommitFailedError(
+                f"update to version {version} failed and was rolled back on every rank: {outcome.failure}"
+            )
+        raise RollbackFailedError(
+            f"update to version {version} failed ({outcome.failure}) and could not be rolled back: "
+            f"{outcome.rollback_failure}"
+        )
+
+    async def release(self, ticket: str) -> None:
+        self.replica.release(ticket)
+
+    async def drop_cached(self, versions: list[int]) -> None:
+        self.store.prune_cache(versions=versions)
+
+
+def _nothing(apply_ms: float) -> None:
+    return None

@@ -1,16 +1,19 @@
-"""The typed boundary between the API process and the workers, and the HTTP bodies.
+"""The typed boundary between the API process, the engine core and the workers, and the HTTP bodies.
 
-Two kinds of values live here:
+Every value that crosses a process boundary or leaves as JSON is one of these dataclasses, and every
+one converts through the generic codec (wire.py) with the two functions of this module:
 
-* HTTP: the requests (`StageRequest`, `UpdateRequest`, parsed and checked by `from_body`) and the
-  answers (`StageResult`, `UpdateResult`, `ServerStatus`, `to_json`).
-* RPC: what a worker rank returns to `collective_rpc("delta_...")` (worker.py). Results cross
-  vLLM's msgpack boundary (API process -> engine core -> workers), which carries plain values only
-  (anything else needs VLLM_ALLOW_INSECURE_SERIALIZATION, vllm/v1/serial_utils.py), so each type
-  has a plain wire form: `to_wire` on the worker, `from_wire` in the API process. 64-bit checksum
-  sums are ints in Python and 16 hex digits on the wire. A failing rank answers
-  `{"error": ErrorPayload}` instead (`error_reply`, `reply_error`).
+    to_wire(message)       -> plain values (RPC: vLLM's msgpack boundary; HTTP: the JSON answer)
+    from_wire(cls, data)   -> the message, checked against its type hints
 
+* HTTP: the requests (`StageRequest`, `UpdateRequest`: a 400 names the first problem, `check_wire`)
+  and the answers (`StageResult`, `UpdateResult`, `ServerStatus`, `Timeline`).
+* RPC: what a worker rank answers (`WorkerStatus`, `StageSummary`, ...; the calls are declared in
+  rpc.py) and what the engine core answers (`CommittedAll`, `LabelSet`, `Timeline`).
+  64-bit checksum sums are ints in Python and 16 hex digits on the wire (`HexSums`). A failing rank
+  answers `ErrorReply` instead (rpc.py tells the two apart).
+
+The vocabularies (update modes, commit methods, operations) are `Literal` aliases defined here once.
 Nothing outside this module reads a payload by key.
 """
 
@@ -18,39 +21,46 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal, TypeVar, get_args
 
-from ..checksums import to_hex
 from ..errors import BadRequestError, WorkerError, http_status, short
+from . import wire
+from .wire import HexSums, Millis, omit_none
 
-MODES = ("keep", "wait", "abort")  # vLLM's pause modes
-INFLIGHT = "inflight"  # no pause: the commit runs between two engine steps (enginecore.py)
-UPDATE_MODES = (*MODES, INFLIGHT)
-METHODS = ("delta", "vllm")  # our scatter | vLLM's load_checkpoint_weight_patches (vllm_path.py)
+PauseMode = Literal["keep", "wait", "abort"]  # vLLM's pause modes
+UpdateMode = Literal["keep", "wait", "abort", "inflight"]  # "inflight": no pause (engine_core)
+Method = Literal["delta", "vllm"]  # our scatter | vLLM's load_checkpoint_weight_patches (vllm_path.py)
+Operation = Literal["update", "stage"]
+LabelCause = Literal["keep", "wait", "abort", "inflight", "startup", "pause"]  # why the label changed
+
+UPDATE_MODES: tuple[UpdateMode, ...] = get_args(UpdateMode)
+PAUSE_MODES: tuple[PauseMode, ...] = get_args(PauseMode)
+METHODS: tuple[Method, ...] = get_args(Method)
 
 # Test hook: with VLLM_DELTA_TEST_FAULTS=1 an update may name a fault ("commit@<rank>") that makes
 # that rank fail right after its writes, to prove the cross-rank rollback on a real server.
 FAULTS_ENV = "VLLM_DELTA_TEST_FAULTS"
 
 Json = dict[str, Any]
+M = TypeVar("M")
 
 
-def _hex_sums(sums: Mapping[str, int]) -> dict[str, str]:
-    return {name: to_hex(value) for name, value in sums.items()}
+def to_wire(message: Any) -> Any:
+    """The plain form of a message: what crosses vLLM's msgpack boundary, or the HTTP answer's JSON."""
+    return wire.encode(message)
 
 
-def _int_sums(sums: Mapping[str, str]) -> dict[str, int]:
-    return {name: int(value, 16) for name, value in sums.items()}
+def from_wire(cls: type[M], data: Any) -> M:
+    """A message from its plain form (an RPC reply or argument, an HTTP body, a client's JSON)."""
+    return wire.decode(cls, data)
 
 
 # -- HTTP requests ---------------------------------------------------------------------------------
-def _check_body(body: Any, *, update: bool) -> Mapping[str, Any]:
+def _check_body(body: Any, known: set[str]) -> None:
     """The request's fields, checked in a fixed order (the first problem is the 400's message)."""
     if not isinstance(body, dict):
         raise BadRequestError("the body must be a JSON object")
-    known = {"version", "allow_reanchor", "method"} | ({"mode", "fault"} if update else set())
     unknown = set(body) - known
     if unknown:
         raise BadRequestError(f"unknown fields {short(sorted(map(str, unknown)))} (known: {sorted(known)})")
@@ -69,7 +79,6 @@ def _check_body(body: Any, *, update: bool) -> Mapping[str, Any]:
         raise BadRequestError(f'"method" must be one of {", ".join(METHODS)}, not {short(method)}')
     if body.get("fault") is not None and os.environ.get(FAULTS_ENV) != "1":
         raise BadRequestError(f'"fault" is a test hook, enabled only with {FAULTS_ENV}=1')
-    return body
 
 
 @dataclass(frozen=True)
@@ -78,13 +87,11 @@ class StageRequest:
 
     version: int | str  # a version number or "latest"
     allow_reanchor: bool = False
-    method: str = "delta"
+    method: Method = "delta"
 
     @classmethod
-    def from_body(cls, body: Any) -> StageRequest:
-        """Parse a JSON body; BadRequestError (400) names the first problem."""
-        b = _check_body(body, update=False)
-        return cls(b["version"], b.get("allow_reanchor", False), b.get("method", "delta"))
+    def check_wire(cls, body: Any) -> None:
+        _check_body(body, {f.name for f in fields(cls)})
 
 
 @dataclass(frozen=True)
@@ -93,139 +100,108 @@ class UpdateRequest:
 
     version: int | str  # a version number or "latest"
     allow_reanchor: bool = False
-    mode: str = "keep"
-    method: str = "delta"
+    mode: UpdateMode = "keep"
+    method: Method = "delta"
     fault: str | None = None  # test hook (FAULTS_ENV)
 
     @classmethod
-    def from_body(cls, body: Any) -> UpdateRequest:
-        """Parse a JSON body; BadRequestError (400) names the first problem."""
-        b = _check_body(body, update=True)
-        return cls(
-            b["version"],
-            b.get("allow_reanchor", False),
-            b.get("mode", "keep"),
-            b.get("method", "delta"),
-            b.get("fault"),
-        )
+    def check_wire(cls, body: Any) -> None:
+        _check_body(body, {f.name for f in fields(cls)})
 
 
 # -- HTTP answers ----------------------------------------------------------------------------------
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class StageResult:
     """200 answer of /v1/delta/stage. `target`, `nnz` and `bytes` only when something was staged."""
 
     version: int | None  # the served version
     staged: list[int]
-    stage_ms: float = 0.0
-    target: int | None = None
-    nnz: int | None = None
-    bytes: int | None = None
-
-    def to_json(self) -> Json:
-        if not self.staged:
-            return {"version": self.version, "staged": [], "stage_ms": round(self.stage_ms, 3)}
-        return {
-            "version": self.version,
-            "staged": list(self.staged),
-            "target": self.target,
-            "stage_ms": round(self.stage_ms, 3),
-            "nnz": self.nnz,
-            "bytes": self.bytes,
-        }
+    target: int | None = omit_none()
+    stage_ms: Millis = 0.0
+    nnz: int | None = omit_none()
+    bytes: int | None = omit_none()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
+class InflightAnswer:
+    """The `inflight` part of an in-flight update's answer: what the engine core did (CommittedAll
+    without the per-request switch indices, which are in the timeline)."""
+
+    label: str
+    previous_label: str
+    engine_step: int
+    engine_ms: Millis
+    apply_ms: Millis
+    dropped_blocks: int
+    dropped_blocks_in_use: int
+    tainted: int
+    batches_in_flight: int
+    requests_running: int
+
+
+@dataclass(frozen=True, kw_only=True)
 class UpdateResult:
     """200 answer of /v1/delta/update_weights (docs/VLLM.md). The fields after `method` are present only
     when versions were applied: an update to the version already served answers without them."""
 
     version: int
     previous_version: int | None
-    pause_ms: float
-    apply_ms: float
-    stage_ms: float
+    pause_ms: Millis
+    apply_ms: Millis
+    stage_ms: Millis
     nnz: int  # changed elements the applied versions record
     bytes: int  # file bytes of the applied versions
     applied: list[int]
-    mode: str
-    method: str
-    reanchored: bool | None = None
-    prefetched: bool | None = None
-    elements_written: int | None = None  # summed over ranks
-    staged_bytes: int | None = None  # summed over ranks
-    timings: dict[str, float] | None = None  # staging stages of rank 0, ms
-    inflight: InflightCommitted | None = None  # mode "inflight": what the engine core did
+    mode: UpdateMode
+    method: Method
+    reanchored: bool | None = omit_none()
+    prefetched: bool | None = omit_none()
+    elements_written: int | None = omit_none()  # summed over ranks
+    staged_bytes: int | None = omit_none()  # summed over ranks
+    timings: dict[str, float] | None = omit_none()  # staging stages of rank 0, ms
+    inflight: InflightAnswer | None = omit_none()  # mode "inflight": what the engine core did
 
-    def to_json(self) -> Json:
-        out: Json = {
-            "version": self.version,
-            "previous_version": self.previous_version,
-            "pause_ms": round(self.pause_ms, 3),
-            "apply_ms": round(self.apply_ms, 3),
-            "stage_ms": round(self.stage_ms, 3),
-            "nnz": self.nnz,
-            "bytes": self.bytes,
-            "applied": list(self.applied),
-            "mode": self.mode,
-            "method": self.method,
-        }
-        extra = {
-            "reanchored": self.reanchored,
-            "prefetched": self.prefetched,
-            "elements_written": self.elements_written,
-            "staged_bytes": self.staged_bytes,
-            "timings": None if self.timings is None else dict(self.timings),
-            "inflight": None if self.inflight is None else self.inflight.to_json(),
-        }
-        out.update((k, v) for k, v in extra.items() if v is not None)
-        return out
+
+@dataclass(frozen=True, kw_only=True)
+class AppliedUpdate(UpdateResult):
+    """The last applied update in GET /v1/delta/status: its answer, and when it was applied."""
+
+    time: float
+
+    @classmethod
+    def of(cls, result: UpdateResult, when: float) -> AppliedUpdate:
+        return cls(**{f.name: getattr(result, f.name) for f in fields(result)}, time=when)
 
 
 @dataclass(frozen=True)
 class InProgress:
     """An update or prefetch running now (GET /v1/delta/status answers without waiting for it)."""
 
-    operation: str  # "update" | "stage"
+    operation: Operation
     version: int | str  # as requested: a number or "latest"
     since: float  # unix time it started
+    seconds: Millis = 0.0  # how long it has run, as of the answer
 
-    def to_json(self) -> Json:
-        return {
-            "operation": self.operation,
-            "version": self.version,
-            "since": self.since,
-            "seconds": round(max(0.0, time.time() - self.since), 3),
-        }
+    def as_of_now(self) -> InProgress:
+        return InProgress(self.operation, self.version, self.since, max(0.0, time.time() - self.since))
 
 
 @dataclass(frozen=True)
 class Failure:
     """The last update or prefetch that failed (what it answered)."""
 
-    operation: str
+    operation: Operation
     version: int | str
     type: str
     status: int
     message: str
     time: float
 
-    def to_json(self) -> Json:
-        return {
-            "operation": self.operation,
-            "version": self.version,
-            "type": self.type,
-            "status": self.status,
-            "message": self.message,
-            "time": self.time,
-        }
 
-
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class FollowStatus:
     """The `follow` part of GET /v1/delta/status: where a following (or reporting) server stands.
-
-    `from_json` is for clients (the example, tests): they read the answer through this type."""
+    Clients (the example, tests) read it with `from_wire(FollowStatus, status["follow"])`."""
 
     following: bool  # delta_follow: the server applies new versions on its own
     store: str
@@ -238,55 +214,61 @@ class FollowStatus:
     skipped: dict[int, str]  # bad versions never applied (and not retried): version -> why
     polls: int
     updates: int  # updates the follower applied
-    last_pause_ms: float | None
+    last_pause_ms: Millis | None
     reporting: bool  # writing this replica's report to the store's ledger
     replica_id: str | None
     poll_s: float
-    mode: str
+    mode: UpdateMode
 
-    def to_json(self) -> Json:
-        return {
-            "following": self.following,
-            "store": self.store,
-            "served": self.served,
-            "newest_seen": self.newest_seen,
-            "lag": self.lag,
-            "last_error": self.last_error,
-            "last_error_version": self.last_error_version,
-            "last_error_time": self.last_error_time,
-            "skipped": {str(v): why for v, why in sorted(self.skipped.items())},
-            "polls": self.polls,
-            "updates": self.updates,
-            "last_pause_ms": None if self.last_pause_ms is None else round(self.last_pause_ms, 3),
-            "reporting": self.reporting,
-            "replica_id": self.replica_id,
-            "poll_s": self.poll_s,
-            "mode": self.mode,
-        }
 
-    @classmethod
-    def from_json(cls, doc: Mapping[str, Any]) -> FollowStatus:
-        return cls(
-            following=bool(doc["following"]),
-            store=str(doc["store"]),
-            served=doc["served"],
-            newest_seen=doc["newest_seen"],
-            lag=doc["lag"],
-            last_error=doc["last_error"],
-            last_error_version=doc["last_error_version"],
-            last_error_time=doc["last_error_time"],
-            skipped={int(v): str(why) for v, why in doc["skipped"].items()},
-            polls=int(doc["polls"]),
-            updates=int(doc["updates"]),
-            last_pause_ms=doc["last_pause_ms"],
-            reporting=bool(doc["reporting"]),
-            replica_id=doc["replica_id"],
-            poll_s=float(doc["poll_s"]),
-            mode=str(doc["mode"]),
-        )
+# -- the coverage report (DeltaReplica.coverage, in WorkerStatus and GET /v1/delta/status) ---------
+@dataclass(frozen=True)
+class Counted:
+    tensors: int
+    elements: int
 
 
 @dataclass(frozen=True)
+class ViaVllm:
+    """Tensors through vLLM's sparse path: O(tensor size) per update, with the probe's reason."""
+
+    tensors: int
+    elements: int
+    names: list[str]
+    reasons: dict[str, str]
+
+
+@dataclass(frozen=True)
+class Recomputed:
+    """vLLM-side tensors a handler rebuilds after every update."""
+
+    tensors: int
+    elements: int
+    names: list[str]
+    handlers: list[str]
+
+
+@dataclass(frozen=True)
+class HandlerInfo:
+    name: str
+    cost: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class Coverage:
+    """How the served model's tensors take updates: in place, through vLLM's sparse path, recomputed."""
+
+    tensors: int
+    elements: int
+    in_place: Counted
+    vllm_path: ViaVllm
+    recomputed: Recomputed
+    fully_in_place: bool
+    handlers: list[HandlerInfo]
+    post_processing: dict[str, int] | None  # what vLLM's post-processing did, by category
+
+
+@dataclass(frozen=True, kw_only=True)
 class ServerStatus:
     """200 answer of GET /v1/delta/status. While an update runs, the answer is the state known before it
     (`as_of`: when that was read from the workers) and `update_in_progress` says what runs. `follow` is
@@ -297,39 +279,20 @@ class ServerStatus:
     checksum: str | None  # of the live parameters, summed over ranks (None: not known yet)
     version_checksum: str | None  # what the served version's header records
     staged: list[int]  # the prefetched update's versions
-    last_update: UpdateResult | None
-    last_update_time: float | None
+    last_update: AppliedUpdate | None
     tensors_via_vllm_path: list[str]
-    coverage: Json | None = None  # in place / vLLM's sparse path / recomputed (DeltaReplica.coverage)
+    coverage: Coverage | None = None
     as_of: float | None = None
     update_in_progress: InProgress | None = None
     last_failure: Failure | None = None
     follow: FollowStatus | None = None
 
-    def to_json(self) -> Json:
-        last = None
-        if self.last_update is not None:
-            last = {**self.last_update.to_json(), "time": self.last_update_time}
-        return {
-            "version": self.version,
-            "store": self.store,
-            "checksum": self.checksum,
-            "version_checksum": self.version_checksum,
-            "staged": list(self.staged),
-            "last_update": last,
-            "tensors_via_vllm_path": list(self.tensors_via_vllm_path),
-            "coverage": self.coverage,
-            "as_of": self.as_of,
-            "update_in_progress": None if self.update_in_progress is None else self.update_in_progress.to_json(),
-            "last_failure": None if self.last_failure is None else self.last_failure.to_json(),
-            "follow": None if self.follow is None else self.follow.to_json(),
-        }
-
 
 # -- RPC replies of one worker rank ----------------------------------------------------------------
 @dataclass(frozen=True)
 class ErrorPayload:
-    """An exception raised in a worker, carried across the RPC boundary with its HTTP status."""
+    """An exception raised in a worker or the engine core, carried across the RPC boundary with its
+    HTTP status."""
 
     type: str
     status: int
@@ -339,32 +302,23 @@ class ErrorPayload:
     def from_exception(cls, exc: BaseException) -> ErrorPayload:
         return cls(type(exc).__name__, http_status(exc), str(exc))
 
-    def to_wire(self) -> Json:
-        return {"type": self.type, "status": self.status, "message": self.message}
-
-    @classmethod
-    def from_wire(cls, data: Mapping[str, Any]) -> ErrorPayload:
-        return cls(str(data.get("type", "Error")), int(data.get("status", 500)), str(data.get("message", "")))
-
     def to_error(self, rank: int | None) -> WorkerError:
         return WorkerError(self.message, status=self.status, rank=rank, type_name=self.type)
 
-
-def error_reply(exc: BaseException) -> Json:
-    """What a worker method returns instead of raising."""
-    return {"error": ErrorPayload.from_exception(exc).to_wire()}
+    def describe(self, rank: int) -> str:
+        return f"rank {rank}: {self.type}: {self.message}"
 
 
-def reply_error(reply: Any) -> ErrorPayload | None:
-    """The error a rank's reply carries, or None for a result."""
-    if isinstance(reply, dict) and "error" in reply:
-        return ErrorPayload.from_wire(reply["error"])
-    return None
+@dataclass(frozen=True)
+class ErrorReply:
+    """What a worker method (or a reserved engine-core call) answers instead of raising."""
+
+    error: ErrorPayload
 
 
 @dataclass(frozen=True)
 class WorkerStatus:
-    """delta_status: what one rank serves."""
+    """rpc.STATUS: what one rank serves."""
 
     rank: int
     version: int | None
@@ -372,61 +326,24 @@ class WorkerStatus:
     prepared: bool  # the layout has been probed
     fallback: list[str] = field(default_factory=list)  # tensors through vLLM's sparse path
     tickets: list[str] = field(default_factory=list)  # staged updates held
-    # The coverage report (DeltaReplica.coverage), passed through to /v1/delta/status as is.
-    coverage: Json | None = None
-
-    def to_wire(self) -> Json:
-        return {
-            "rank": self.rank,
-            "version": self.version,
-            "checksum": self.checksum,
-            "prepared": self.prepared,
-            "fallback": list(self.fallback),
-            "tickets": list(self.tickets),
-            "coverage": self.coverage,
-        }
-
-    @classmethod
-    def from_wire(cls, data: Mapping[str, Any]) -> WorkerStatus:
-        return cls(
-            data["rank"],
-            data["version"],
-            data["checksum"],
-            data["prepared"],
-            list(data["fallback"]),
-            list(data["tickets"]),
-            data.get("coverage"),
-        )
+    coverage: Coverage | None = None
+    live_sums: HexSums | None = None  # this rank's share of the live per-tensor sums, when asked for
 
 
 @dataclass(frozen=True)
 class Prepared:
-    """delta_prepare: the tensors the probe sent through vLLM's sparse path."""
+    """rpc.PREPARE: the tensors the probe sent through vLLM's sparse path."""
 
     fallback: list[str]
-
-    def to_wire(self) -> Json:
-        return {"fallback": list(self.fallback)}
-
-    @classmethod
-    def from_wire(cls, data: Mapping[str, Any]) -> Prepared:
-        return cls(list(data["fallback"]))
 
 
 @dataclass(frozen=True)
 class RankSums:
-    """delta_live_sums (this rank's share of the live per-tensor sums) and delta_served_sums (the sums
+    """rpc.LIVE_SUMS (this rank's share of the live per-tensor sums) and rpc.SERVED_SUMS (the sums
     the served version's header records): HF name -> sum mod 2^64."""
 
     version: int | None  # the served version
-    sums: dict[str, int]
-
-    def to_wire(self) -> Json:
-        return {"version": self.version, "sums": _hex_sums(self.sums)}
-
-    @classmethod
-    def from_wire(cls, data: Mapping[str, Any]) -> RankSums:
-        return cls(data.get("version"), _int_sums(data["sums"]))
+    sums: HexSums
 
 
 @dataclass(frozen=True)
@@ -434,112 +351,59 @@ class StageSummary:
     """A rank's staged update: its checksum partials Σ w(p)(new - old) per tensor (owned elements)."""
 
     versions: list[int]
-    partials: dict[str, int]
+    partials: HexSums
     nnz: int  # elements this rank will write
     bytes: int  # staged device bytes
     stage_ms: float
     timings: dict[str, float] = field(default_factory=dict)  # ms per staging phase
 
-    def to_wire(self) -> Json:
-        return {
-            "versions": list(self.versions),
-            "partials": _hex_sums(self.partials),
-            "nnz": self.nnz,
-            "bytes": self.bytes,
-            "stage_ms": self.stage_ms,
-            "timings": dict(self.timings),
-        }
-
-    @classmethod
-    def from_wire(cls, data: Mapping[str, Any]) -> StageSummary:
-        return cls(
-            list(data["versions"]),
-            _int_sums(data["partials"]),
-            data["nnz"],
-            data["bytes"],
-            data["stage_ms"],
-            dict(data.get("timings") or {}),
-        )
-
 
 @dataclass(frozen=True)
 class StageStarted:
-    """delta_stage_start: staging runs on the worker's background thread."""
+    """rpc.STAGE_START: staging runs on the worker's background thread."""
 
     started: str  # the ticket
-
-    def to_wire(self) -> Json:
-        return {"started": self.started}
-
-    @classmethod
-    def from_wire(cls, data: Mapping[str, Any]) -> StageStarted:
-        return cls(data["started"])
 
 
 @dataclass(frozen=True)
 class StagePoll:
-    """delta_stage_poll: the summary once staging is done."""
+    """rpc.STAGE_POLL: the summary once staging is done."""
 
-    summary: StageSummary | None
-
-    @property
-    def done(self) -> bool:
-        return self.summary is not None
-
-    def to_wire(self) -> Json:
-        return {"done": self.done, "summary": None if self.summary is None else self.summary.to_wire()}
+    done: bool
+    summary: StageSummary | None = None
 
     @classmethod
-    def from_wire(cls, data: Mapping[str, Any]) -> StagePoll:
-        return cls(StageSummary.from_wire(data["summary"]) if data["done"] else None)
+    def of(cls, summary: StageSummary | None) -> StagePoll:
+        return cls(summary is not None, summary)
 
 
 @dataclass(frozen=True)
 class Committed:
-    """delta_commit: the rank's in-place writes took `apply_ms`."""
+    """rpc.COMMIT: the rank's in-place writes took `apply_ms`."""
 
     apply_ms: float
-
-    def to_wire(self) -> Json:
-        return {"apply_ms": self.apply_ms}
-
-    @classmethod
-    def from_wire(cls, data: Mapping[str, Any]) -> Committed:
-        return cls(data["apply_ms"])
 
 
 @dataclass(frozen=True)
 class RolledBack:
-    """delta_rollback: False when the rank had nothing committed to undo."""
+    """rpc.ROLLBACK: False when the rank had nothing committed to undo."""
 
     rolled_back: bool
-
-    def to_wire(self) -> Json:
-        return {"rolled_back": self.rolled_back}
-
-    @classmethod
-    def from_wire(cls, data: Mapping[str, Any]) -> RolledBack:
-        return cls(data["rolled_back"])
 
 
 @dataclass(frozen=True)
 class Released:
-    """delta_release: the ticket's buffers are dropped."""
+    """rpc.RELEASE: the ticket's buffers are dropped."""
 
     released: str
 
-    def to_wire(self) -> Json:
-        return {"released": self.released}
 
-    @classmethod
-    def from_wire(cls, data: Mapping[str, Any]) -> Released:
-        return cls(data["released"])
-
-
-# -- engine-core replies (enginecore.py: reserved collective_rpc names) ----------------------------
-@dataclass(frozen=True)
-class InflightCommitted:
-    """delta_inflight_commit: every rank committed between two engine steps."""
+# -- engine-core replies (engine_core: reserved collective_rpc names) ------------------------------
+@dataclass(frozen=True, kw_only=True)
+class CommittedAll:
+    """rpc.COMMIT_ALL: every rank committed, in a pause or (mode "inflight") between two engine steps,
+    and the label changed. The prefix-cache and request numbers are those of an in-flight commit (0 in
+    a pause: the API process resets the prefix cache itself)."""
 
     version: int
     label: str  # vLLM's weight-version label from now on
@@ -554,66 +418,101 @@ class InflightCommitted:
     switch: dict[str, int]  # generate() request id -> index of its first output token on the new weights
     time: float  # wall clock (time.time()) at the commit
 
-    def to_wire(self) -> Json:
-        return {
-            "version": self.version,
-            "label": self.label,
-            "previous_label": self.previous_label,
-            "engine_step": self.engine_step,
-            "engine_ms": self.engine_ms,
-            "apply_ms": self.apply_ms,
-            "dropped_blocks": self.dropped_blocks,
-            "dropped_blocks_in_use": self.dropped_blocks_in_use,
-            "tainted": self.tainted,
-            "batches_in_flight": self.batches_in_flight,
-            "switch": dict(self.switch),
-            "time": self.time,
-        }
-
-    @classmethod
-    def from_wire(cls, data: Mapping[str, Any]) -> InflightCommitted:
-        return cls(
-            data["version"],
-            data["label"],
-            data["previous_label"],
-            data["engine_step"],
-            data["engine_ms"],
-            data["apply_ms"],
-            data["dropped_blocks"],
-            data["dropped_blocks_in_use"],
-            data["tainted"],
-            data["batches_in_flight"],
-            dict(data["switch"]),
-            data["time"],
+    def answer(self) -> InflightAnswer:
+        """The HTTP answer's `inflight` part."""
+        return InflightAnswer(
+            label=self.label,
+            previous_label=self.previous_label,
+            engine_step=self.engine_step,
+            engine_ms=self.engine_ms,
+            apply_ms=self.apply_ms,
+            dropped_blocks=self.dropped_blocks,
+            dropped_blocks_in_use=self.dropped_blocks_in_use,
+            tainted=self.tainted,
+            batches_in_flight=self.batches_in_flight,
+            requests_running=len(self.switch),
         )
 
-    def to_json(self) -> Json:
-        """In the HTTP answer of update_weights (the per-request switch indices are in the timeline)."""
-        out = self.to_wire()
-        del out["switch"], out["time"], out["version"]
-        out["engine_ms"] = round(self.engine_ms, 3)
-        out["apply_ms"] = round(self.apply_ms, 3)
-        out["requests_running"] = len(self.switch)
-        return out
 
-
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LabelSet:
-    """delta_set_label: the weight-version label after an update inside a pause (or at start-up)."""
+    """rpc.SET_LABEL: the weight-version label set at start-up (or by hand)."""
 
     label: str
     previous_label: str
     engine_step: int
     time: float
 
-    def to_wire(self) -> Json:
-        return {
-            "label": self.label,
-            "previous_label": self.previous_label,
-            "engine_step": self.engine_step,
-            "time": self.time,
-        }
 
-    @classmethod
-    def from_wire(cls, data: Mapping[str, Any]) -> LabelSet:
-        return cls(data["label"], data["previous_label"], data["engine_step"], data["time"])
+@dataclass(frozen=True)
+class PrefixCleared:
+    """What dropping the prefix-cache hashes found (engine_core.drop_prefix_hashes)."""
+
+    hash_keys: int
+    blocks: int
+    blocks_in_use: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class HistoryEntry:
+    """One label change in the engine core's history: an update in a pause (or the start-up label), or
+    an in-flight commit (the fields from `engine_ms` to `switch`)."""
+
+    mode: LabelCause
+    version: int | None
+    label: str
+    previous_label: str
+    engine_step: int
+    engine_ms: float | None = omit_none()
+    apply_ms: float | None = omit_none()
+    dropped_blocks: int | None = omit_none()
+    dropped_blocks_in_use: int | None = omit_none()
+    tainted: int | None = omit_none()
+    batches_in_flight: int | None = omit_none()
+    switch: dict[str, int] | None = omit_none()
+    time: float
+
+
+@dataclass(frozen=True)
+class ChoiceSpans:
+    """The spans of one choice of a response: [[version, start, end], ...] (api_server attribution)."""
+
+    index: int
+    weight_versions: list[list[Any]]
+
+
+@dataclass(frozen=True, kw_only=True)
+class CommitSwitch:
+    """A commit a response lived through, with its requests' switch indices (timeline by id)."""
+
+    version: int | None
+    label: str
+    engine_step: int
+    time: float
+    switch: dict[str, int]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Timeline:
+    """rpc.ENGINE_TIMELINE (the engine core's label history) and GET /v1/delta/timeline, which adds, for
+    ?id=<response id>, the spans of that response's choices and the commits it lived through."""
+
+    label: str
+    engine_step: int
+    inconsistent: str | None
+    history: list[HistoryEntry]
+    history_limit: int
+    id: str | None = omit_none()
+    choices: list[ChoiceSpans] | None = omit_none()
+    commits: list[CommitSwitch] | None = omit_none()
+
+
+@dataclass(frozen=True)
+class PrefixState:
+    """rpc.PREFIX_STATE: how many blocks carry a prefix hash, which requests are tainted (tests)."""
+
+    hash_keys: int
+    hashed_blocks: int
+    tainted: list[str]
+    async_scheduling: bool
+    batch_queue: int | None

@@ -1,19 +1,21 @@
-"""The update protocol, run in the API server process against every worker rank (collective_rpc).
+"""The update protocol as the API server process runs it (commit.TwoPhaseCommit over rpc.py's calls).
 
     plan      which versions to apply (plan.py: successor rule, 404 / 409)
+    fetch     download the versions' files once into the host's cache, each checked against the
+              record the plan was decided on (the workers of this host find them there)
     prepare   probe the layout on every rank, once
     stage     every rank decodes its share on a background thread; the server keeps generating
     verify    the ranks' checksum partials added to the served version's sums must give the target
               header's sums, per tensor (422 on mismatch: nothing has been written)
     pause     pause scheduling (mode keep | wait | abort)
-    commit    every rank writes in place; if any rank fails, every rank rolls back
+    commit    ONE engine-core call (rpc.COMMIT_ALL, engine_core): every rank writes in place; if any
+              rank fails, every rank rolls back; the weight-version label := the new version
     reset     the prefix cache (its KV was computed with the old weights), only after a commit
-    label     vLLM's weight-version label := the new version (enginecore.SET_LABEL)
-    resume    always (finally)
+    resume    always (finally), unless a rollback failed: then the engine core stopped scheduling
+    release   the staged buffers, on every rank
 
-Mode "inflight" replaces pause .. resume by ONE engine-core call (enginecore.INFLIGHT_COMMIT) that
-runs between two engine steps: commit on every rank, roll back every rank if one failed, drop the
-prefix-cache hashes and taint running requests, set the label. No pause, nothing preempted.
+Mode "inflight" makes the same engine-core call with no pause: it runs between two engine steps and
+also drops the prefix-cache hashes and taints running requests. Nothing is preempted.
 
 Updates and prefetches are serialized by one asyncio.Lock, so two updates never interleave. Status
 reads never take it: during an update a status answers at once from the last state it read, and says
@@ -24,8 +26,15 @@ Deadlines: every store operation is bounded by the store's `timeout_s` (store.py
 update does before its pause by `update_timeout_s`; past it the update fails with StoreTimeoutError
 (504) and nothing is written. After an applied update the download cache keeps the served version's
 chain (and a prefetched one) and drops the rest; a staging that failed an integrity check drops the
-cached copies of its versions, so the next try fetches them again. The follower (follower.py, follow mode)
-updates through `follow_update`: the same steps under the same lock as /v1/delta/update_weights.
+cached copies of its versions, so the next try fetches them again.
+
+Follow mode (follower.py): `start_follower` runs a Follower beside the service, which updates through
+`follow_update` (the same steps under the same lock as /v1/delta/update_weights); its state is part of
+GET /v1/delta/status.
+
+What the service knows of the workers without asking them (`Served`): the served version and checksum
+as last read or applied, and the served version's per-tensor sums (what staged partials add to; they
+are those of its header, so they stay valid while the workers report the same version and checksum).
 """
 
 from __future__ import annotations
@@ -38,80 +47,168 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from ..checksums import Sums, add_sums, combine, to_hex, verify_partials
-from ..errors import DeltaError, InflightRefusedError, StoreTimeoutError, WorkerError, http_status
-from . import enginecore
+from ..checksums import Sums, add_sums, combine, to_hex
+from ..errors import (
+    DeltaError,
+    InflightRefusedError,
+    RollbackFailedError,
+    StoreTimeoutError,
+    WorkerError,
+    http_status,
+)
+from ..format import VersionHeader
+from . import rpc
+from .commit import CommitOptions, Staged, TwoPhaseCommit, Update
 from .messages import (
-    INFLIGHT,
-    Committed,
+    PAUSE_MODES,
+    AppliedUpdate,
+    CommittedAll,
     Failure,
     FollowStatus,
-    InflightCommitted,
     InProgress,
-    Prepared,
-    RankSums,
+    Operation,
     ServerStatus,
-    StagePoll,
     StageRequest,
     StageResult,
-    StageStarted,
     StageSummary,
+    UpdateMode,
     UpdateRequest,
     UpdateResult,
     WorkerStatus,
-    reply_error,
 )
 from .metrics import metrics
-from .options import StoreSpec
+from .options import FollowOptions, StoreSpec
 from .plan import UpdatePlan, plan_update
 
 if TYPE_CHECKING:
-    from ..store import DeltaStore
+    from ..store import DeltaStore, VersionRecord
+    from .follower import Follower
 
 log = logging.getLogger(__name__)
 
 SEEN_S = 30.0  # the follower's polls and reports reuse what was read from the workers this recently
 
-POLL_S = 0.005  # staging poll interval: each poll is one cheap RPC between forward passes
+POLL_S = 0.005  # first staging poll interval (each poll is one cheap RPC between forward passes) ...
+POLL_MAX_S = 0.04  # ... growing to this: a long staging is not polled 200 times a second
 RPC_TIMEOUT_S = float(os.environ.get("VLLM_DELTA_RPC_TIMEOUT_S", "600"))
 
 R = TypeVar("R")
 
 
+@dataclass(frozen=True)
+class Applied:
+    """What a commit took, as the API process sees it."""
+
+    pause_ms: float  # pause to resume; in flight: the engine loop's stall
+    apply_ms: float  # the in-place writes, slowest rank
+    inflight: CommittedAll | None = None  # mode "inflight": what the engine core did
+
+
 @dataclass
 class Prefetched:
+    """A staged, verified update, held until its commit (or dropped)."""
+
     served: int | None
     plan: UpdatePlan
-    ticket: str
-    method: str
-    summaries: list[StageSummary]  # one per rank
-    stage_ms: float
+    staged: Staged
+    steps: WorkerUpdate  # the protocol that staged it, which commits it
     from_prefetch: bool = False  # staged by an earlier /v1/delta/stage
+
+    @property
+    def ticket(self) -> str:
+        return self.staged.update.ticket
+
+
+@dataclass
+class Served:
+    """The served version as last read from the workers (or applied), and its recorded sums."""
+
+    version: int | None = None
+    checksum: str | None = None
+    seen: float = float("-inf")  # time.monotonic() of the read or the commit
+    sums: Sums | None = None  # the served version's per-tensor sums (its header's), when known
+
+
+class WorkerUpdate(TwoPhaseCommit[Applied]):
+    """The protocol's steps in the API process, for one plan made against `served`."""
+
+    def __init__(self, service: DeltaService, served: WorkerStatus, plan: UpdatePlan):
+        self.service = service
+        self.served = served
+        self.plan = plan
+        self.target_header: VersionHeader | None = None
+        self._sent: set[str] = set()  # tickets some rank may hold (staging was asked for)
+
+    async def stage_ranks(self, update: Update) -> rpc.Replies[StageSummary]:
+        svc = self.service
+        # Fetch once here (a cache shared with the workers of this host), off the event loop, each file
+        # checked against the record this plan was decided on; the target's header is kept to verify.
+        for rec in self.plan.records:
+            self.target_header = await svc.in_thread(functools.partial(_header_of, svc.store, rec))
+        await svc.prepare(self.served, update.target)
+        args = rpc.StageArgs(
+            ticket=update.ticket,
+            store=svc.spec,
+            versions=update.versions,
+            method=update.method,
+            records=[r.to_json() for r in self.plan.records],
+        )
+        self._sent.add(update.ticket)
+        (await svc.workers.stage_start(args)).all()
+        return await svc.wait_staged(update.ticket)
+
+    async def verification_basis(self, update: Update) -> tuple[Sums, VersionHeader]:
+        assert self.target_header is not None
+        return await self.service.served_sums(self.served), self.target_header
+
+    async def commit_ranks(self, staged: Staged, options: CommitOptions) -> Applied:
+        return await self.service.commit_staged(staged, options)
+
+    async def release(self, ticket: str) -> None:
+        if ticket in self._sent:  # best effort: errors are the workers' to log
+            self._sent.discard(ticket)
+            await self.service.workers.release(ticket)
+
+    async def drop_cached(self, versions: list[int]) -> None:
+        store = self.service.store
+        await self.service.in_thread(functools.partial(store.prune_cache, versions=versions))
+
+
+def _header_of(store: DeltaStore, rec: VersionRecord) -> VersionHeader:
+    """Download (or find in the cache) a version's files, checked against `rec`; its header."""
+    vf = store.open(rec.version, record=rec)
+    try:
+        return vf.header
+    finally:
+        vf.close()
 
 
 class DeltaService:
     def __init__(self, engine_client: Any, spec: StoreSpec):
         self.engine = engine_client
         self.spec = spec
+        transport = rpc.engine_client_transport(engine_client, RPC_TIMEOUT_S)
+        self.workers = rpc.Workers(transport)
+        self.engine_core = rpc.EngineCore(transport)
         self._store: DeltaStore | None = None
         self.lock = asyncio.Lock()
         self.prefetched: Prefetched | None = None
-        self.last_update: tuple[UpdateResult, float] | None = None  # and when it was applied
+        self.last_update: AppliedUpdate | None = None
         self.in_progress: InProgress | None = None
         self.last_failure: Failure | None = None
+        self.follower: Follower | None = None
+        self._served = Served()
         self._last_status: ServerStatus | None = None  # what status answers while an update runs
         self._chain: list[int] | None = None  # the served version's chain (kept in the cache)
         self._deadline = float("inf")  # time.monotonic() by which the running update must reach its pause
         self._operations = 0  # updates and prefetches started (a status read notices one starting)
         self._status_lock = asyncio.Lock()  # status reads, one at a time (never the update lock)
-        self._served_seen: tuple[int | None, float] | None = None  # (version, when: monotonic) last read or applied
         self._checksums_seen: tuple[int | None, str, str | None, float] | None = None  # for ledger reports
         self._inflight_refused: str | None = None  # why this engine refused an in-flight update (follow mode)
-        self.follow_status: Callable[[], FollowStatus] | None = None  # set when a follower runs beside
 
     @property
     def store(self) -> DeltaStore:
@@ -121,7 +218,7 @@ class DeltaService:
 
     # -- one operation at a time, with a deadline ---------------------------------------------
     @contextlib.asynccontextmanager
-    async def _operation(self, name: str, version: int | str) -> AsyncIterator[None]:
+    async def _operation(self, name: Operation, version: int | str) -> AsyncIterator[None]:
         """Hold the lock for one update or prefetch: its deadline, in-progress state and metrics."""
         async with self.lock:
             self._operations += 1
@@ -154,159 +251,148 @@ class DeltaService:
             )
         return left
 
-    # -- RPC helpers ----------------------------------------------------------------------------
-    async def _replies(self, _name: str, **kwargs: Any) -> list[Any]:
-        """Every rank's raw reply (a result's wire form or an error reply), in rank order."""
-        return await self.engine.collective_rpc(_name, timeout=RPC_TIMEOUT_S, kwargs=kwargs)
-
-    async def _call(self, _name: str, reply: Callable[[Mapping[str, Any]], R], **kwargs: Any) -> list[R]:
-        """Every rank's result, typed by `reply` (a from_wire); the first rank's error is raised as WorkerError."""
-        replies = await self._replies(_name, **kwargs)
-        for rank, r in enumerate(replies):
-            error = reply_error(r)
-            if error is not None:
-                raise error.to_error(rank)
-        return [reply(r) for r in replies]
-
-    async def _release(self, ticket: str) -> None:
-        await self._replies("delta_release", ticket=ticket)  # best effort: errors are the workers' to log
-
-    async def _served(self) -> WorkerStatus:
-        ranks = await self._call("delta_status", WorkerStatus.from_wire)
-        versions = {(r.version, r.checksum) for r in ranks}
-        if len(versions) != 1:
-            raise DeltaError(f"worker ranks disagree on the served version: {sorted(versions, key=str)}")
-        m = metrics()
-        if m is not None and ranks[0].version is not None:
-            m.served_version.set(ranks[0].version)
-        self._served_seen = (ranks[0].version, time.monotonic())
-        return ranks[0]
-
-    async def _prepare(self, served: WorkerStatus, version: int) -> None:
-        if not served.prepared:
-            await self._call("delta_prepare", Prepared.from_wire, store=self.spec.to_dict(), version=version)
-
-    async def _in_thread(self, fn: Callable[..., R], *args: Any, deadline: float | None = None) -> R:
-        """`fn(*args)` on a thread (store I/O stays off the event loop), bounded by the running update's
+    async def in_thread(self, fn: Callable[[], R], deadline: float | None = None) -> R:
+        """`fn()` on a thread (store I/O stays off the event loop), bounded by the running update's
         deadline (or `deadline`, a time.monotonic()). A call past it is abandoned (its own store timeout
         ends it) and StoreTimeoutError is raised."""
-        what = getattr(fn, "__name__", "a store operation")
+        what = str(getattr(fn, "__name__", None) or getattr(getattr(fn, "func", None), "__name__", "a store operation"))
         until = self._deadline if deadline is None else deadline
-        future = asyncio.get_running_loop().run_in_executor(None, fn, *args)
+        future = asyncio.get_running_loop().run_in_executor(None, fn)
         try:
             return await asyncio.wait_for(future, self._left(what, until) if until != float("inf") else None)
         except asyncio.TimeoutError:
             self._left(what, until)  # raises: the deadline has passed
             raise
 
+    # -- what the workers serve -------------------------------------------------------------------
+    async def _read_served(self, *, live_sums: bool = False) -> tuple[WorkerStatus, list[WorkerStatus]]:
+        """Every rank's status (one RPC); rank 0's, after checking that the ranks agree."""
+        ranks = (await self.workers.status(live_sums=live_sums)).all()
+        versions = {(r.version, r.checksum) for r in ranks}
+        if len(versions) != 1:
+            raise DeltaError(f"worker ranks disagree on the served version: {sorted(versions, key=str)}")
+        rank0 = ranks[0]
+        self._note_served(rank0.version, rank0.checksum)
+        return rank0, ranks
+
+    def _note_served(self, version: int | None, checksum: str | None, sums: Sums | None = None) -> None:
+        known = self._served
+        if sums is None and (known.version, known.checksum) == (version, checksum):
+            sums = known.sums  # the same version: its recorded sums still hold
+        self._served = Served(version, checksum, time.monotonic(), sums)
+        m = metrics()
+        if m is not None and version is not None:
+            m.served_version.set(version)
+
+    async def served_sums(self, served: WorkerStatus) -> Sums:
+        """The per-tensor sums staged partials add to: the served version's recorded sums (known since
+        the last update, else asked once), or the live sums when the served version is unknown."""
+        if served.version is None:
+            return await self._live_sums()
+        known = self._served
+        if (known.version, known.checksum) == (served.version, served.checksum) and known.sums is not None:
+            return known.sums
+        sums = (await self.workers.served_sums()).all()[0].sums
+        self._note_served(served.version, served.checksum, sums)
+        return sums
+
+    async def _live_sums(self) -> Sums:
+        return add_sums(r.sums for r in (await self.workers.live_sums()).all())
+
+    async def prepare(self, served: WorkerStatus, version: int) -> None:
+        if not served.prepared:
+            (await self.workers.prepare(self.spec, version)).all()
+
+    async def _ensure_prepared(self, served: WorkerStatus) -> bool:
+        """Probe the layout if no rank has yet; True if it had to."""
+        if served.prepared:
+            return False
+        until = time.monotonic() + self.spec.update_timeout_s
+        version = served.version
+        target = (
+            version
+            if version is not None
+            else await self.in_thread(functools.partial(self.store.resolve, "latest"), deadline=until)
+        )
+        await self.prepare(served, target)
+        return True
+
     # -- staging --------------------------------------------------------------------------------
     async def _stage(self, served: WorkerStatus, request: StageRequest | UpdateRequest) -> Prefetched | None:
-        plan: UpdatePlan = await self._in_thread(
-            plan_update, self.store, served.version, served.checksum, request.version, request.allow_reanchor
+        plan: UpdatePlan = await self.in_thread(
+            functools.partial(
+                plan_update, self.store, served.version, served.checksum, request.version, request.allow_reanchor
+            )
         )
         if not plan.versions:
             return None
-        method = request.method
         p = self.prefetched
         if (
             p is not None
             and p.served == served.version
             and p.plan.versions == plan.versions
             and [r.to_json() for r in p.plan.records] == [r.to_json() for r in plan.records]
-            and p.method == method
+            and p.staged.update.method == request.method
         ):
             self.prefetched = None
             p.from_prefetch = True
             return p
         await self._drop_prefetched()
-        t0 = time.perf_counter()
-        try:
-            # Download once here (a cache shared with the workers of this host), off the event loop,
-            # each file checked against the record this plan was decided on.
-            for rec in plan.records:
-                await self._in_thread(functools.partial(self.store.local_paths, rec.version, record=rec))
-            await self._prepare(served, plan.target)
-            ticket = uuid.uuid4().hex
-            await self._call(
-                "delta_stage_start",
-                StageStarted.from_wire,
-                store=self.spec.to_dict(),
-                ticket=ticket,
-                versions=plan.versions,
-                method=method,
-                records=[r.to_json() for r in plan.records],
-            )
-            try:
-                summaries = await self._wait_staged(ticket)
-                await self._verify(served, plan, summaries)
-            except BaseException:
-                await self._release(ticket)
-                raise
-        except Exception as exc:
-            if http_status(exc) == 422:
-                # A damaged or partial copy must not outlive this failure: the next try fetches again.
-                await self._in_thread(functools.partial(self.store.prune_cache, versions=plan.versions))
-            raise
-        return Prefetched(served.version, plan, ticket, method, summaries, (time.perf_counter() - t0) * 1e3)
+        steps = WorkerUpdate(self, served, plan)
+        update = Update(uuid.uuid4().hex, plan.versions, plan.target, request.method)
+        return Prefetched(served.version, plan, await steps.stage(update), steps)
 
-    async def _wait_staged(self, ticket: str) -> list[StageSummary]:
+    async def wait_staged(self, ticket: str) -> rpc.Replies[StageSummary]:
+        """Poll every rank until its staging is done (or failed): its summary."""
         deadline = time.monotonic() + RPC_TIMEOUT_S
+        interval = POLL_S
         while True:
-            polls = await self._call("delta_stage_poll", StagePoll.from_wire, ticket=ticket)
-            summaries = [p.summary for p in polls if p.summary is not None]
-            if len(summaries) == len(polls):
-                return summaries
+            await asyncio.sleep(interval)
+            polls = (await self.workers.stage_poll(ticket)).all()
+            if all(p.summary is not None for p in polls):
+                return rpc.Replies([p.summary for p in polls], [])
             self._left("the workers staged")
             if time.monotonic() > deadline:
                 raise DeltaError(f"staging did not finish within {RPC_TIMEOUT_S:.0f} s")
-            await asyncio.sleep(POLL_S)
-
-    async def _verify(self, served: WorkerStatus, plan: UpdatePlan, summaries: list[StageSummary]) -> None:
-        rec = plan.records[-1]
-        target = await self._in_thread(lambda: self.store.open(rec.version, record=rec).header)
-        if served.version is not None:
-            # The served version's sums as the workers hold them (the store may have retired it).
-            current = (await self._call("delta_served_sums", RankSums.from_wire))[0].sums
-        else:
-            current = await self._live_sums()
-        verify_partials(current, [s.partials for s in summaries], target)
+            interval = min(interval * 1.5, POLL_MAX_S)
 
     async def _drop_prefetched(self) -> None:
         if self.prefetched is not None:
             ticket, self.prefetched = self.prefetched.ticket, None
-            await self._release(ticket)
+            await self.workers.release(ticket)
 
     # -- public operations ----------------------------------------------------------------------
     async def stage(self, request: StageRequest) -> StageResult:
         async with self._operation("stage", request.version):
-            served = await self._served()
+            served, _ = await self._read_served()
             staged = await self._stage(served, request)
             if staged is None:
-                return StageResult(served.version, [])
+                return StageResult(version=served.version, staged=[])
             self.prefetched = staged
             await self._prune_cache(served.version)
             return StageResult(
-                served.version,
-                staged.plan.versions,
-                staged.stage_ms,
+                version=served.version,
+                staged=staged.plan.versions,
                 target=staged.plan.target,
+                stage_ms=staged.staged.stage_ms,
                 nnz=staged.plan.nnz,
                 bytes=staged.plan.bytes,
             )
 
     async def update(self, request: UpdateRequest) -> UpdateResult:
         async with self._operation("update", request.version):
-            return await self._update(await self._served(), request)
+            served, _ = await self._read_served()
+            return await self._update(served, request)
 
-    async def follow_update(self, version: int, mode: str) -> UpdateResult | None:
+    async def follow_update(self, version: int, mode: UpdateMode) -> UpdateResult | None:
         """The follower's update: as /v1/delta/update_weights, unless the server already serves `version`
         or a newer one (a client's update got there first between the follower's poll and this lock):
         then None, and nothing is staged or applied. A follower never moves a server backwards."""
         async with self._operation("update", version):
-            served = await self._served()
+            served, _ = await self._read_served()
             if served.version is not None and served.version >= version:
                 return None
-            if mode == INFLIGHT and self._inflight_refused is not None:
+            if mode == "inflight" and self._inflight_refused is not None:
                 mode = "keep"
             try:
                 return await self._update(served, UpdateRequest(version, mode=mode))
@@ -315,59 +401,71 @@ class DeltaService:
                 # the follower goes on in keep mode, instead of skipping a good version as refused.
                 log.warning("vllm-delta: follow mode falls back from inflight to keep: %s", exc)
                 self._inflight_refused = str(exc)
-                return await self._update(await self._served(), UpdateRequest(version, mode="keep"))
+                served, _ = await self._read_served()
+                return await self._update(served, UpdateRequest(version, mode="keep"))
 
     async def served_version(self) -> int | None:
         """The served version, for the follower's polls: as last read or applied, re-read from the workers
         at most every SEEN_S. Every RPC keeps vLLM's worker message queue spinning for a second (its
         idle mode starts after 1 s without messages): asking the workers at every 0.5-2 s poll would
         keep a core per worker busy. What a poll decides is re-read under the lock by follow_update."""
-        seen = self._served_seen
-        if seen is not None and time.monotonic() - seen[1] < SEEN_S:
-            return seen[0]
+        if time.monotonic() - self._served.seen < SEEN_S:
+            return self._served.version
         async with self.lock:
-            return (await self._served()).version
+            return (await self._read_served())[0].version
 
     async def checksums(self) -> tuple[str, str | None]:
         """(live checksum over all ranks, the served version's recorded checksum), for ledger reports:
         computed when the served version changed, else at most every SEEN_S (see served_version)."""
         known = self._checksums_seen
-        version = self._served_seen[0] if self._served_seen is not None else None
-        if known is not None and known[0] == version and time.monotonic() - known[3] < SEEN_S:
+        if known is not None and known[0] == self._served.version and time.monotonic() - known[3] < SEEN_S:
             return known[1], known[2]
         async with self.lock:
-            served = await self._served()
-            await self._ensure_prepared(served)
-            live = to_hex(combine((await self._live_sums()).items()))
-            self._checksums_seen = (served.version, live, served.checksum, time.monotonic())
-            return live, served.checksum
+            served, live = await self._live_state()
+            checksum = to_hex(combine(live.items()))
+            self._checksums_seen = (served.version, checksum, served.checksum, time.monotonic())
+            return checksum, served.checksum
+
+    async def _live_state(self) -> tuple[WorkerStatus, Sums]:
+        """Rank 0's status and the live per-tensor sums over all ranks, in one RPC (two the first time,
+        when the layout has to be probed)."""
+        served, ranks = await self._read_served(live_sums=True)
+        if await self._ensure_prepared(served):
+            served, ranks = await self._read_served(live_sums=True)
+        if any(r.live_sums is None for r in ranks):
+            raise DeltaError("a worker rank did not report its live sums")
+        return served, add_sums(r.live_sums or {} for r in ranks)
 
     async def _update(self, served: WorkerStatus, request: UpdateRequest) -> UpdateResult:
         """One update from `served` (read under the lock, which the caller holds through _operation)."""
         previous = served.version
         staged = await self._stage(served, request)
         if staged is None:
-            target = await self._in_thread(self.store.resolve, request.version)
+            target = await self.in_thread(functools.partial(self.store.resolve, request.version))
             m = metrics()
             if m is not None:
                 m.updates.labels(outcome="unchanged").inc()
-            return UpdateResult(target, previous, 0.0, 0.0, 0.0, 0, 0, [], request.mode, request.method)
+            return UpdateResult(
+                version=target,
+                previous_version=previous,
+                pause_ms=0.0,
+                apply_ms=0.0,
+                stage_ms=0.0,
+                nnz=0,
+                bytes=0,
+                applied=[],
+                mode=request.mode,
+                method=request.method,
+            )
         self._deadline = float("inf")  # the pause is not cut short: commit and roll back run to the end
-        inflight = None
-        try:
-            if request.mode == INFLIGHT:
-                inflight = await self.commit_inflight(staged, fault=request.fault)
-                pause_ms, apply_ms = inflight.engine_ms, inflight.apply_ms
-            else:
-                pause_ms, apply_ms = await self._commit(staged, request)
-        finally:
-            await self._release(staged.ticket)
+        applied = await staged.steps.commit(staged.staged, CommitOptions(request.mode, request.fault))
+        summaries = staged.staged.summaries
         out = UpdateResult(
             version=staged.plan.target,
             previous_version=previous,
-            pause_ms=pause_ms,
-            apply_ms=apply_ms,
-            stage_ms=staged.stage_ms,
+            pause_ms=applied.pause_ms,
+            apply_ms=applied.apply_ms,
+            stage_ms=staged.staged.stage_ms,
             nnz=staged.plan.nnz,
             bytes=staged.plan.bytes,
             applied=staged.plan.versions,
@@ -375,25 +473,26 @@ class DeltaService:
             method=request.method,
             reanchored=staged.plan.reanchor,
             prefetched=staged.from_prefetch,
-            elements_written=sum(s.nnz for s in staged.summaries),
-            staged_bytes=sum(s.bytes for s in staged.summaries),
-            timings=staged.summaries[0].timings,
-            inflight=inflight,
+            elements_written=sum(s.nnz for s in summaries),
+            staged_bytes=sum(s.bytes for s in summaries),
+            timings=summaries[0].timings,
+            inflight=applied.inflight.answer() if applied.inflight is not None else None,
         )
-        self.last_update = (out, time.time())
-        self._served_seen = (out.version, time.monotonic())
+        self.last_update = AppliedUpdate.of(out, time.time())
+        header = staged.steps.target_header
+        assert header is not None
+        self._note_served(out.version, header.checksum, {n: int(e.checksum, 16) for n, e in header.tensors.items()})
         if staged.plan.reanchor:
             self._chain = list(staged.plan.versions)
         elif self._chain is not None:
             self._chain += staged.plan.versions
         if self._last_status is not None:
             # What the commit verified: the target's sums (status reads the live ones when idle).
-            verified = staged.plan.records[-1].checksum
             self._last_status = dataclasses.replace(
                 self._last_status,
                 version=out.version,
-                checksum=verified,
-                version_checksum=verified,
+                checksum=header.checksum,
+                version_checksum=header.checksum,
                 as_of=time.time(),
             )
         m = metrics()
@@ -409,85 +508,55 @@ class DeltaService:
             return
         try:
             if self._chain is None or self._chain[-1] != served:
-                self._chain = [r.version for r in await self._in_thread(self.store.chain, served)]
+                self._chain = [r.version for r in await self.in_thread(functools.partial(self.store.chain, served))]
             staged = self.prefetched.plan.versions if self.prefetched else []
             keep = set(self._chain) | set(staged)
-            await self._in_thread(
+            await self.in_thread(
                 functools.partial(
                     self.store.prune_cache, keep, max_bytes=self.spec.cache_max_bytes, protect=set(staged)
                 )
             )
             m = metrics()
             if m is not None:
-                m.cache_bytes.set(await self._in_thread(self.store.cache_bytes))
+                m.cache_bytes.set(await self.in_thread(self.store.cache_bytes))
         except Exception as exc:  # noqa: BLE001 - a cache that can't be pruned now is pruned next time
             log.warning("vllm-delta: pruning the download cache failed: %s", exc)
 
-    async def _commit(self, staged: Prefetched, request: UpdateRequest) -> tuple[float, float]:
+    # -- the commit (WorkerUpdate.commit_ranks) -----------------------------------------------------
+    async def commit_staged(self, staged: Staged, options: CommitOptions) -> Applied:
+        """Commit a staged, verified update on every rank through ONE engine-core call (rpc.COMMIT_ALL):
+        inside a pause (mode keep | wait | abort), or between two engine steps with no pause (mode
+        "inflight"; InflightRefusedError, 409, where the engine cannot take it safely). A rank that
+        fails rolls every rank back (CommitFailedError, 500); nothing has changed then."""
+        update = staged.update
+        args = rpc.CommitAllArgs(update.ticket, update.target, update.method, options.fault, options.mode)
+        if options.mode not in PAUSE_MODES:
+            inflight = await self.engine_core.commit_all(args)
+            return Applied(inflight.engine_ms, inflight.apply_ms, inflight)
         t0 = time.perf_counter()
         # Caches are reset after a successful commit only: a failed update leaves them valid.
-        await self.engine.pause_generation(mode=request.mode, clear_cache=False)
+        await self.engine.pause_generation(mode=options.mode, clear_cache=False)
+        resume = True
         try:
-            replies = await self._replies(
-                "delta_commit", ticket=staged.ticket, method=request.method, fault=request.fault
-            )
-            failed = [(rank, e) for rank, e in enumerate(map(reply_error, replies)) if e is not None]
-            if failed:
-                await self._replies("delta_rollback", ticket=staged.ticket)
-                rank, payload = failed[0]
-                err = payload.to_error(rank)
-                raise DeltaError(
-                    f"update to version {staged.plan.target} failed and was rolled back on every rank: {err}"
-                ) from err
+            committed = await self.engine_core.commit_all(args)
             await self._reset_prefix_cache()
-            await self._set_label(staged.plan.target, request.mode)
-            apply_ms = max(Committed.from_wire(r).apply_ms for r in replies)
+        except RollbackFailedError:
+            resume = False  # the engine core stopped scheduling: the ranks may disagree
+            raise
         finally:
-            await self.engine.resume_generation()
-        return (time.perf_counter() - t0) * 1e3, apply_ms
-
-    async def commit_inflight(self, staged: Prefetched, fault: str | None = None) -> InflightCommitted:
-        """Apply a staged, verified update between two engine steps, with no pause (one engine-core
-        call: enginecore.inflight_commit). Call it under `self.lock` (update() does; so will follow
-        mode). Raises InflightRefusedError (409) when the engine cannot take it safely, a DeltaError
-        (500, "rolled back") when a rank failed, and nothing has changed in either case."""
-        replies = await self._replies(
-            enginecore.INFLIGHT_COMMIT,
-            ticket=staged.ticket,
-            version=staged.plan.target,
-            method=staged.method,
-            fault=fault,
-        )
-        error = reply_error(replies[0])
-        if error is not None:
-            if error.type == InflightRefusedError.__name__:
-                raise InflightRefusedError(error.message)
-            raise error.to_error(None)
-        return InflightCommitted.from_wire(replies[0])
-
-    async def _set_label(self, version: int, mode: str) -> None:
-        """vLLM's weight-version label := `version` (stamped on every step's outputs from now on)."""
-        try:
-            reply = (await self._replies(enginecore.SET_LABEL, version=version, mode=mode))[0]
-            if reply_error(reply) is not None:
-                log.warning("vllm-delta: the weight-version label was not set: %s", reply)
-        except Exception as exc:  # noqa: BLE001 - the weights are committed; the label is bookkeeping
-            log.warning("vllm-delta: the weight-version label was not set: %s", exc)
+            if resume:
+                await self.engine.resume_generation()
+        return Applied((time.perf_counter() - t0) * 1e3, committed.apply_ms)
 
     async def sync_label(self) -> None:
         """At start-up: label outputs with the version the workers serve (vLLM says "default")."""
         async with self.lock:
-            served = await self._served()
+            served, _ = await self._read_served()
             if served.version is not None:
-                await self._set_label(served.version, "startup")
-
-    async def engine_timeline(self) -> dict[str, Any]:
-        """The engine core's label history (no lock: it waits only for the current step to end)."""
-        reply = (await self._replies(enginecore.ENGINE_TIMELINE))[0]
-        error = reply_error(reply)
-        if error is not None:
-            raise error.to_error(None)
-        return dict(reply)
+                try:
+                    await self.engine_core.set_label(served.version, "startup")
+                except Exception as exc:  # noqa: BLE001 - bookkeeping: attribution says "default" meanwhile
+                    log.warning("vllm-delta: the weight-version label was not set: %s", exc)
 
     async def _reset_prefix_cache(self) -> None:
         for _ in range(50):
@@ -496,53 +565,58 @@ class DeltaService:
             await asyncio.sleep(0.01)
         log.warning("vllm-delta: the prefix cache could not be reset after an update")
 
-    async def _live_sums(self) -> Sums:
-        return add_sums(p.sums for p in await self._call("delta_live_sums", RankSums.from_wire))
+    # -- follow mode ----------------------------------------------------------------------------------
+    def start_follower(self, options: FollowOptions) -> Follower:
+        """A Follower whose every update goes through this service (its lock, staging, verification,
+        two-phase commit and rollback), started as a task of the running event loop; its state is part
+        of status(). `stop_follower` ends it."""
+        from .follower import Follower
 
-    async def _ensure_prepared(self, served: WorkerStatus) -> None:
-        if not served.prepared:
-            until = time.monotonic() + self.spec.update_timeout_s
-            version = served.version
-            target = (
-                version if version is not None else await self._in_thread(self.store.resolve, "latest", deadline=until)
-            )
-            await self._prepare(served, target)
+        async def apply(version: int) -> float | None:
+            result = await self.follow_update(version, options.mode)
+            return None if result is None else result.pause_ms
 
+        self.follower = Follower(self.store, options, served=self.served_version, apply=apply, checksums=self.checksums)
+        self.follower.start()
+        what = "following" if options.follow else "reporting to the ledger of"
+        log.info("vllm-delta: %s %s (poll every %.1f s)", what, self.store.uri, options.poll_s)
+        return self.follower
+
+    async def stop_follower(self) -> None:
+        if self.follower is not None:
+            await self.follower.stop()
+            self.follower = None
+
+    def _follow_status(self) -> FollowStatus | None:
+        return self.follower.status if self.follower is not None else None
+
+    # -- status ---------------------------------------------------------------------------------------
     async def status(self) -> ServerStatus:
         if self.in_progress is not None:
             return self._status_while_busy()
         async with self._status_lock:
             started = self._operations
-            served = await self._served()
-            version = served.version
-            await self._ensure_prepared(served)
-            sums = await self._live_sums()
-            rank0 = (await self._call("delta_status", WorkerStatus.from_wire))[0]
+            served, live = await self._live_state()
             if self._operations != started or self.in_progress is not None:
                 return self._status_while_busy()  # an update started meanwhile: what was read may be torn
-            last, when = self.last_update if self.last_update is not None else (None, None)
             self._last_status = ServerStatus(
-                version=version,
+                version=served.version,
                 store=self.spec.uri,
-                checksum=to_hex(combine(sums.items())),
+                checksum=to_hex(combine(live.items())),
                 version_checksum=served.checksum,
                 staged=self.prefetched.plan.versions if self.prefetched else [],
-                last_update=last,
-                last_update_time=when,
-                tensors_via_vllm_path=rank0.fallback,
-                coverage=rank0.coverage,
+                last_update=self.last_update,
+                tensors_via_vllm_path=served.fallback,
+                coverage=served.coverage,
                 as_of=time.time(),
                 last_failure=self.last_failure,
-                follow=self.follow_status() if self.follow_status is not None else None,
+                follow=self._follow_status(),
             )
-            m = metrics()
-            if m is not None and version is not None:
-                m.served_version.set(version)
             return self._last_status
 
     def _status_while_busy(self) -> ServerStatus:
         """The last state read, marked with what runs now: never waits for the running update."""
-        last, when = self.last_update if self.last_update is not None else (None, None)
+        last = self.last_update
         known = self._last_status
         return ServerStatus(
             version=known.version if known else (last.version if last else None),
@@ -551,11 +625,10 @@ class DeltaService:
             version_checksum=known.version_checksum if known else None,
             staged=self.prefetched.plan.versions if self.prefetched else [],
             last_update=last,
-            last_update_time=when,
             tensors_via_vllm_path=known.tensors_via_vllm_path if known else [],
             as_of=known.as_of if known else None,
-            update_in_progress=self.in_progress,
+            update_in_progress=self.in_progress.as_of_now() if self.in_progress is not None else None,
             last_failure=self.last_failure,
             coverage=known.coverage if known else None,
-            follow=self.follow_status() if self.follow_status is not None else None,
+            follow=self._follow_status(),
         )

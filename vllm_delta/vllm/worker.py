@@ -1,9 +1,8 @@
-"""Worker-side RPC methods (`collective_rpc("delta_...")`), attached to vLLM's Worker class by the plugin.
+"""The worker side of the worker calls (rpc.py), attached to vLLM's Worker class by the plugin.
 
-Arguments are plain JSON-like values and results the wire form of a type of messages.py (they
-cross the API -> engine core -> worker msgpack boundary). Errors are returned as
-{"error": ErrorPayload} with their HTTP status instead of raised, so the API process can answer
-404/409/422 rather than a generic 500.
+Each declared call is served by one function of the rank's replica (`serve`: plain keyword arguments
+in, the reply's plain form out, an exception answered as an error reply with its HTTP status, so the
+API process can answer 404/409/422 rather than a generic 500).
 
 Every method runs on the worker's main thread, between forward passes; only staging itself is
 moved to a background thread (see replica.py).
@@ -11,7 +10,6 @@ moved to a background thread (see replica.py).
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 from collections.abc import Callable
@@ -19,18 +17,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..errors import UnsupportedModelError
 from ..store import VersionRecord
-from .messages import (
-    Committed,
-    Json,
-    Prepared,
-    RankSums,
-    Released,
-    RolledBack,
-    StagePoll,
-    StageStarted,
-    WorkerStatus,
-    error_reply,
-)
+from . import rpc
+from .messages import Committed, Prepared, RankSums, Released, RolledBack, StagePoll, StageStarted, WorkerStatus
 from .options import StoreSpec
 from .replica import DeltaReplica, replica_of
 
@@ -39,42 +27,24 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_stores: dict[tuple, DeltaStore] = {}
+A = TypeVar("A")
+R = TypeVar("R")
+
+_stores: dict[tuple[str, str, str], DeltaStore] = {}
 _stores_lock = threading.Lock()
 
 
-def open_store(spec: dict[str, Any]) -> DeltaStore:
+def open_store(spec: StoreSpec) -> DeltaStore:
     """One DeltaStore per (uri, options, cache dir) in this process: records are cached inside it."""
-    s = StoreSpec.from_dict(spec)
-    key = (s.uri, repr(sorted(s.storage_options.items())), s.cache_dir)
+    key = (spec.uri, repr(sorted(spec.storage_options.items())), spec.cache_dir)
     with _stores_lock:
         if key not in _stores:
-            _stores[key] = s.open()
+            _stores[key] = spec.open()
         return _stores[key]
 
 
-def _replica(worker: Any) -> DeltaReplica:
-    return replica_of(worker.get_model())
-
-
-F = TypeVar("F", bound=Callable[..., Json])
-
-
-def _reports_errors(fn: F) -> F:
-    @functools.wraps(fn)
-    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Json:
-        try:
-            return fn(self, *args, **kwargs)
-        except Exception as exc:  # noqa: BLE001 - every failure goes back to the API process with its status
-            log.warning("vllm-delta: %s failed: %s", fn.__name__, exc)
-            return error_reply(exc)
-
-    return wrapper  # type: ignore[return-value]
-
-
-@_reports_errors
-def delta_status(self: Any) -> Json:
-    r = _replica(self)
+def status(r: DeltaReplica, args: rpc.StatusArgs) -> WorkerStatus:
+    """What this rank serves; with `live_sums`, its share of the live per-tensor sums too."""
     return WorkerStatus(
         rank=r.rank,
         version=r.served.version,
@@ -83,97 +53,93 @@ def delta_status(self: Any) -> Json:
         fallback=r.fallback_names,
         tickets=sorted(r.tickets),
         coverage=r.coverage() if r.prepared else None,
-    ).to_wire()
+        live_sums=r.live_sums() if args.live_sums and r.prepared else None,
+    )
 
 
-@_reports_errors
-def delta_prepare(self: Any, store: dict[str, Any], version: int) -> Json:
+def prepare(r: DeltaReplica, args: rpc.PrepareArgs) -> Prepared:
     """Probe the layout from the shapes of `version` (collective: every rank runs it together)."""
-    r = _replica(self)
     if r.prepared:
-        return Prepared(r.fallback_names).to_wire()
-    header = open_store(store).open(version, fresh=True).header
-    shapes = {n: tuple(e.shape) for n, e in header.tensors.items()}
-    fallback = r.prepare(shapes)
+        return Prepared(r.fallback_names)
+    header = open_store(args.store).open(args.version, fresh=True).header
+    fallback = r.prepare({n: tuple(e.shape) for n, e in header.tensors.items()})
     if fallback:
         log.warning("vllm-delta: tensors through vLLM's sparse path: %s", fallback)
-    return Prepared(sorted(fallback)).to_wire()
+    return Prepared(sorted(fallback))
 
 
-@_reports_errors
-def delta_live_sums(self: Any) -> Json:
+def live_sums(r: DeltaReplica, args: rpc.NoArgs) -> RankSums:
     """This rank's share of the live per-tensor sums (the API process adds the ranks up)."""
-    r = _replica(self)
     if not r.prepared:
         raise UnsupportedModelError("the layout has not been probed yet")
-    return RankSums(r.served.version, r.live_sums()).to_wire()
+    return RankSums(r.served.version, r.live_sums())
 
 
-@_reports_errors
-def delta_served_sums(self: Any) -> Json:
+def served_sums(r: DeltaReplica, args: rpc.NoArgs) -> RankSums:
     """Per-tensor sums the served version's header records (what staged partials are added to)."""
-    r = _replica(self)
-    return RankSums(r.served.version, dict(r.served.sums)).to_wire()
+    return RankSums(r.served.version, dict(r.served.sums))
 
 
-@_reports_errors
-def delta_stage_start(
-    self: Any,
-    ticket: str,
-    store: dict[str, Any],
-    versions: list[int],
-    method: str = "delta",
-    records: list[str] | None = None,
-) -> Json:
-    """Stage `versions` on a background thread. `records`: their commit records (JSON) as the API process
-    read them for this update's decision; each file is opened and checked against them."""
-    r = _replica(self)
-    st = open_store(store)
-    if records is not None:
-        recs = [VersionRecord.from_json(text) for text in records]
-        if [rec.version for rec in recs] != list(versions):
-            raise ValueError(f"records of versions {[rec.version for rec in recs]} for versions {versions}")
-        r.stage_start(ticket, versions, lambda: [st.open(rec.version, record=rec) for rec in recs], method=method)
+def stage_start(r: DeltaReplica, args: rpc.StageArgs) -> StageStarted:
+    """Stage `versions` on a background thread, each file checked against the records the API process
+    decided on (or, without records, read afresh)."""
+    st = open_store(args.store)
+    if args.records is not None:
+        recs = [VersionRecord.from_json(text) for text in args.records]
+        if [rec.version for rec in recs] != list(args.versions):
+            raise ValueError(f"records of versions {[rec.version for rec in recs]} for versions {args.versions}")
+        r.stage_start(
+            args.ticket, args.versions, lambda: [st.open(rec.version, record=rec) for rec in recs], method=args.method
+        )
     else:
-        r.stage_start(ticket, versions, lambda: [st.open(v, fresh=True) for v in versions], method=method)
-    return StageStarted(ticket).to_wire()
+        versions = list(args.versions)
+        r.stage_start(args.ticket, versions, lambda: [st.open(v, fresh=True) for v in versions], method=args.method)
+    return StageStarted(args.ticket)
 
 
-@_reports_errors
-def delta_stage_poll(self: Any, ticket: str) -> Json:
-    return StagePoll(_replica(self).poll(ticket)).to_wire()
+def stage_poll(r: DeltaReplica, args: rpc.TicketArgs) -> StagePoll:
+    return StagePoll.of(r.poll(args.ticket))
 
 
-@_reports_errors
-def delta_commit(self: Any, ticket: str, method: str = "delta", fault: str | None = None) -> Json:
-    return Committed(_replica(self).commit(ticket, fault=fault, method=method)).to_wire()
+def commit(r: DeltaReplica, args: rpc.CommitArgs) -> Committed:
+    return Committed(r.commit(args.ticket, fault=args.fault, method=args.method))
 
 
-@_reports_errors
-def delta_rollback(self: Any, ticket: str) -> Json:
-    return RolledBack(_replica(self).rollback(ticket)).to_wire()
+def rollback(r: DeltaReplica, args: rpc.TicketArgs) -> RolledBack:
+    return RolledBack(r.rollback(args.ticket))
 
 
-@_reports_errors
-def delta_release(self: Any, ticket: str) -> Json:
-    _replica(self).release(ticket)
-    return Released(ticket).to_wire()
+def release(r: DeltaReplica, args: rpc.TicketArgs) -> Released:
+    r.release(args.ticket)
+    return Released(args.ticket)
 
 
-WORKER_METHODS = {
-    f.__name__: f
-    for f in (
-        delta_status,
-        delta_prepare,
-        delta_live_sums,
-        delta_served_sums,
-        delta_stage_start,
-        delta_stage_poll,
-        delta_commit,
-        delta_rollback,
-        delta_release,
+def _on_worker(fn: Callable[[DeltaReplica, A], R]) -> Callable[[Any, A], R]:
+    """`fn` on the replica of a vLLM worker's model."""
+
+    def on_worker(worker: Any, args: A) -> R:
+        return fn(replica_of(worker.get_model()), args)
+
+    on_worker.__doc__ = fn.__doc__
+    return on_worker
+
+
+# Each declaration with its implementation (mypy checks the argument and reply types of each pair).
+WORKER_METHODS: dict[str, Callable[..., Any]] = {
+    m.__name__: m
+    for m in (
+        rpc.serve(rpc.STATUS, _on_worker(status)),
+        rpc.serve(rpc.PREPARE, _on_worker(prepare)),
+        rpc.serve(rpc.LIVE_SUMS, _on_worker(live_sums)),
+        rpc.serve(rpc.SERVED_SUMS, _on_worker(served_sums)),
+        rpc.serve(rpc.STAGE_START, _on_worker(stage_start)),
+        rpc.serve(rpc.STAGE_POLL, _on_worker(stage_poll)),
+        rpc.serve(rpc.COMMIT, _on_worker(commit)),
+        rpc.serve(rpc.ROLLBACK, _on_worker(rollback)),
+        rpc.serve(rpc.RELEASE, _on_worker(release)),
     )
 }
+assert set(WORKER_METHODS) == {c.name for c in rpc.WORKER_CALLS}, "every worker call is served"
 
 
 def install(worker_cls: type) -> None:
