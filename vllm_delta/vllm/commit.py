@@ -30,7 +30,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar, cast
 
 from ..checksums import Sums, verify_partials
 from ..errors import http_status
@@ -47,7 +47,7 @@ def run_sync(step: Coroutine[Any, Any, T]) -> T:
     try:
         step.send(None)
     except StopIteration as done:
-        return done.value
+        return cast(T, done.value)
     step.close()
     raise RuntimeError("a synchronous transport suspended: run this protocol step in an event loop")
 

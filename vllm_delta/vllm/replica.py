@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -61,14 +62,14 @@ class Served:
 @dataclass
 class Ticket:
     versions: list[int]
-    future: Future | None = None  # the staging job on the replica's staging thread
+    future: Future[None] | None = None  # the staging job on the replica's staging thread
     staged: StagedUpdate | None = None
     fallback: FallbackStage | None = None
     error: BaseException | None = None
     stage_ms: float = 0.0
     previous: Served | None = None  # what was served before this ticket's commit
     method: Method = "delta"  # "vllm": commit through vLLM's sparse path instead (vllm_path.py)
-    vllm_patches: list | None = None  # for method "vllm": vLLM CheckpointWeightPatch objects
+    vllm_patches: list[Any] | None = None  # for method "vllm": vLLM CheckpointWeightPatch objects
 
 
 class DeltaReplica:
@@ -165,7 +166,9 @@ class DeltaReplica:
             assert handler.recompute is not None
             handler.recompute(self.model, products)
 
-    def verify_loaded(self, expected: dict[str, int], error=ChecksumMismatchError, source: str = "") -> dict[str, int]:
+    def verify_loaded(
+        self, expected: dict[str, int], error: Callable[..., Exception] = ChecksumMismatchError, source: str = ""
+    ) -> dict[str, int]:
         """Collective: the live per-tensor sums over all ranks must equal `expected` (what was loaded);
         raises `error` naming the first tensor that differs. Returns the live sums."""
         live = add_sums(dist.all_gather_object(self.live_sums()))
