@@ -25,6 +25,8 @@ import os
 
 import torch
 
+from .handlers import Handler
+
 _MARK = "_vllm_delta_keeps_plain_experts"
 ENV = "VLLM_DELTA_CPU_MOE_PLAIN"
 
@@ -78,3 +80,10 @@ def keep_plain_cpu_moe() -> bool:
     cls.process_weights_after_loading = process_weights_after_loading
     cls.apply = apply
     return True
+
+
+def _install() -> bool:
+    return enabled() and keep_plain_cpu_moe()
+
+
+HANDLER = Handler("cpu-moe-plain", "none: kept plain (experts packed per forward pass)", install=_install)

