@@ -27,7 +27,7 @@ from vllm_delta.testing.s3 import S3Server
 from vllm_delta.testing.server import VllmServer
 from vllm_delta.testing.training import bf16_image, build_master_model, train_steps
 from vllm_delta.trainer.staleness import StalenessGate, StalenessPolicy
-from vllm_delta.vllm.messages import FollowStatus, from_wire
+from vllm_delta.vllm.shared.messages import FollowStatus, from_wire
 
 pytestmark = pytest.mark.vllm
 

@@ -19,9 +19,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from vllm_delta.vllm import enginecore, rpc
-from vllm_delta.vllm.messages import UpdateRequest, from_wire
-from vllm_delta.vllm.rpc import error_reply
+from vllm_delta.vllm.engine_core import reserved as enginecore
+from vllm_delta.vllm.shared import rpc
+from vllm_delta.vllm.shared.messages import UpdateRequest, from_wire
+from vllm_delta.vllm.shared.rpc import error_reply
 
 pytestmark = pytest.mark.vllm
 
@@ -154,10 +155,10 @@ def test_a_refusal_reaches_the_client_as_409(vllm_objects, llama_run):
     from starlette.requests import Request as HttpRequest
 
     from vllm_delta.errors import InflightRefusedError
-    from vllm_delta.vllm.api import route
-    from vllm_delta.vllm.commit import CommitOptions, Staged, Update
-    from vllm_delta.vllm.options import StoreSpec
-    from vllm_delta.vllm.service import DeltaService
+    from vllm_delta.vllm.api_server.endpoints import route
+    from vllm_delta.vllm.api_server.service import DeltaService
+    from vllm_delta.vllm.shared.commit import CommitOptions, Staged, Update
+    from vllm_delta.vllm.shared.options import StoreSpec
 
     class Core:  # the engine core as vLLM's utility dispatch sees it
         def collective_rpc(self, method, timeout=None, args=(), kwargs=None):

@@ -56,11 +56,12 @@ def _publish(uri: str, versions: range, gen: torch.Generator, w: dict[str, torch
 
 def test_one_follow_mode_update(tmp_path, monkeypatch):
     from vllm_delta.reconstruct import open_chain, replay_tensor
-    from vllm_delta.vllm import enginecore, worker
-    from vllm_delta.vllm.follower import Follower, FollowOptions
-    from vllm_delta.vllm.options import StoreSpec
-    from vllm_delta.vllm.replica import REPLICA_ATTR, DeltaReplica, Served
-    from vllm_delta.vllm.service import DeltaService
+    from vllm_delta.vllm.api_server.follower import Follower, FollowOptions
+    from vllm_delta.vllm.api_server.service import DeltaService
+    from vllm_delta.vllm.engine_core import reserved as enginecore
+    from vllm_delta.vllm.shared.options import StoreSpec
+    from vllm_delta.vllm.worker import methods as worker
+    from vllm_delta.vllm.worker.replica import REPLICA_ATTR, DeltaReplica, Served
 
     uri = f"memory://round-trips-{uuid.uuid4().hex[:8]}/run"
     gen = torch.Generator().manual_seed(0)

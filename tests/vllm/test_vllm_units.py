@@ -15,10 +15,10 @@ from vllm_delta.errors import (
     VersionNotFoundError,
 )
 from vllm_delta.store import DeltaStore
-from vllm_delta.vllm.messages import StageRequest, UpdateRequest, from_wire, to_wire
-from vllm_delta.vllm.options import LoaderOptions, server_store, split_extra_config
-from vllm_delta.vllm.plan import plan_update
-from vllm_delta.vllm.probe import CopyRecord, ProbeResult, finalize_layout, record_to_segment
+from vllm_delta.vllm.shared.messages import StageRequest, UpdateRequest, from_wire, to_wire
+from vllm_delta.vllm.shared.options import LoaderOptions, server_store, split_extra_config
+from vllm_delta.vllm.shared.plan import plan_update
+from vllm_delta.vllm.worker.probe import CopyRecord, ProbeResult, finalize_layout, record_to_segment
 
 pytestmark = pytest.mark.vllm
 
@@ -161,7 +161,7 @@ def test_rpc_messages_cross_vllms_msgpack_boundary():
     from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
     from vllm_delta.errors import WorkerError
-    from vllm_delta.vllm.messages import (
+    from vllm_delta.vllm.shared.messages import (
         Committed,
         ErrorPayload,
         RankSums,
@@ -169,7 +169,7 @@ def test_rpc_messages_cross_vllms_msgpack_boundary():
         StageSummary,
         WorkerStatus,
     )
-    from vllm_delta.vllm.rpc import error_reply, reply_error
+    from vllm_delta.vllm.shared.rpc import error_reply, reply_error
 
     def wire(value):
         return MsgpackDecoder().decode(MsgpackEncoder().encode(to_wire(value)))
@@ -194,7 +194,7 @@ def test_rpc_messages_cross_vllms_msgpack_boundary():
 
 
 def test_update_result_answers():
-    from vllm_delta.vllm.messages import UpdateResult
+    from vllm_delta.vllm.shared.messages import UpdateResult
 
     common = dict(apply_ms=0.0, stage_ms=0.0, nnz=0, bytes=0, applied=[], mode="keep", method="delta")
     noop = to_wire(UpdateResult(version=5, previous_version=5, pause_ms=0.0, **common))
@@ -255,7 +255,7 @@ def test_plugin_registers_everything_once():
     from vllm.v1.worker.gpu_worker import Worker
 
     from vllm_delta.vllm import plugin
-    from vllm_delta.vllm.loader import DeltaModelLoader
+    from vllm_delta.vllm.worker.loader import DeltaModelLoader
 
     plugin.register()
     plugin._done = False  # a second process-level call must be harmless too (vLLM calls it repeatedly)
@@ -269,7 +269,7 @@ def test_plugin_registers_everything_once():
 def test_cpu_linears_keep_their_weight():
     from vllm.model_executor.layers import utils
 
-    from vllm_delta.vllm.cpu import keep_plain_cpu_linears
+    from vllm_delta.vllm.postprocess.cpu_linear import keep_plain_cpu_linears
 
     keep_plain_cpu_linears()
     layer = torch.nn.Linear(128, 64, bias=False).to(torch.bfloat16)
@@ -329,7 +329,7 @@ def _toy_versions(tmp_path):
 
 def test_replica_on_a_toy_model(tmp_path):
     from vllm_delta.reconstruct import open_chain, replay_tensor
-    from vllm_delta.vllm.replica import DeltaReplica, Served
+    from vllm_delta.vllm.worker.replica import DeltaReplica, Served
 
     store, images, checksum = _toy_versions(tmp_path)
     model = ToyModel()
@@ -363,7 +363,7 @@ def sum_all(replica) -> int:
 
 
 def test_quantized_models_are_refused():
-    from vllm_delta.vllm.probe import check_supported
+    from vllm_delta.vllm.worker.probe import check_supported
 
     model = ToyModel()
     model.quant_config = object()
@@ -381,9 +381,9 @@ def test_update_deadline_and_status_while_busy(llama_run, tmp_path):
     import time
 
     from vllm_delta.errors import StoreTimeoutError
-    from vllm_delta.vllm.messages import RankSums, WorkerStatus
-    from vllm_delta.vllm.options import StoreSpec
-    from vllm_delta.vllm.service import DeltaService
+    from vllm_delta.vllm.api_server.service import DeltaService
+    from vllm_delta.vllm.shared.messages import RankSums, WorkerStatus
+    from vllm_delta.vllm.shared.options import StoreSpec
 
     class FakeEngine:
         async def collective_rpc(self, name, timeout=None, kwargs=None):

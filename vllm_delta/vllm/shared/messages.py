@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal, TypeVar, get_args
 
-from ..errors import BadRequestError, WorkerError, http_status, short
+from ...errors import BadRequestError, WorkerError, http_status, short
 from . import wire
 from .wire import HexSums, Millis, omit_none
 

@@ -32,9 +32,9 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar, cast
 
-from ..checksums import Sums, verify_partials
-from ..errors import http_status
-from ..format import VersionHeader
+from ...checksums import Sums, verify_partials
+from ...errors import http_status
+from ...format import VersionHeader
 from .messages import Committed, Method, RolledBack, StageSummary, UpdateMode
 from .rpc import Replies
 

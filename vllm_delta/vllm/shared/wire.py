@@ -31,7 +31,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, TypeVar, Union, cast, get_args, get_origin, get_type_hints
 
-from ..checksums import from_hex, to_hex
+from ...checksums import from_hex, to_hex
 
 T = TypeVar("T")
 

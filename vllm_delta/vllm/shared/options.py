@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from .messages import UPDATE_MODES, UpdateMode
 
 if TYPE_CHECKING:
-    from ..store import DeltaStore
+    from ...store import DeltaStore
 
 LOADER_KEYS = (
     "delta_store",  # URI of the store (path, file://, s3://, hf://buckets/...)
@@ -85,7 +85,7 @@ class StoreSpec:
         )
 
     def open(self) -> DeltaStore:
-        from ..store import DeltaStore
+        from ...store import DeltaStore
 
         return DeltaStore(
             self.uri, storage_options=self.storage_options, cache_dir=self.cache_dir, timeout_s=self.timeout_s
@@ -120,7 +120,7 @@ class FollowOptions:
             raise ValueError(f"delta_follow_mode must be one of {', '.join(UPDATE_MODES)}, not {self.mode!r}")
         if not isinstance(self.chain_cap, int) or isinstance(self.chain_cap, bool) or self.chain_cap < 1:
             raise ValueError(f"delta_chain_cap must be an integer >= 1, not {self.chain_cap!r}")
-        from ..ledger import valid_replica_id
+        from ...ledger import valid_replica_id
 
         if self.replica_id is not None and not valid_replica_id(self.replica_id):
             raise ValueError(

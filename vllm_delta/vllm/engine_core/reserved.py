@@ -41,11 +41,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..attribution import version_label
-from ..errors import CommitFailedError, InflightRefusedError, RollbackFailedError
-from . import rpc
-from .commit import AllCommitted, AllRolledBack, commit_all, run_sync
-from .messages import (
+from ...attribution import version_label
+from ...errors import CommitFailedError, InflightRefusedError, RollbackFailedError
+from ..shared import rpc
+from ..shared.commit import AllCommitted, AllRolledBack, commit_all, run_sync
+from ..shared.messages import (
     PAUSE_MODES,
     CommittedAll,
     HistoryEntry,

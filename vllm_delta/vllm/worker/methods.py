@@ -15,15 +15,15 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from ..errors import UnsupportedModelError
-from ..store import VersionRecord
-from . import rpc
-from .messages import Committed, Prepared, RankSums, Released, RolledBack, StagePoll, StageStarted, WorkerStatus
-from .options import StoreSpec
+from ...errors import UnsupportedModelError
+from ...store import VersionRecord
+from ..shared import rpc
+from ..shared.messages import Committed, Prepared, RankSums, Released, RolledBack, StagePoll, StageStarted, WorkerStatus
+from ..shared.options import StoreSpec
 from .replica import DeltaReplica, replica_of
 
 if TYPE_CHECKING:
-    from ..store import DeltaStore
+    from ...store import DeltaStore
 
 log = logging.getLogger(__name__)
 

@@ -31,16 +31,26 @@ from typing import Any
 
 import torch
 
-from ..apply.engine import ApplyEngine, StagedUpdate
-from ..checksums import Sums, add_sums, to_hex
-from ..errors import ChecksumMismatchError, InjectedFaultError, UnsupportedModelError
-from ..format import VersionHeader, VersionLike
+from ...apply.engine import ApplyEngine, StagedUpdate
+from ...checksums import Sums, add_sums, to_hex
+from ...errors import ChecksumMismatchError, InjectedFaultError, UnsupportedModelError
+from ...format import VersionHeader, VersionLike
+from ..postprocess.derived import Product, check_targets, report_of
+from ..postprocess.handlers import Handler, claims_for, handlers
+from ..postprocess.loaded import fed_sums
+from ..shared.messages import (
+    FAULTS_ENV,
+    METHODS,
+    Counted,
+    Coverage,
+    HandlerInfo,
+    Method,
+    Recomputed,
+    StageSummary,
+    ViaVllm,
+)
 from . import dist, vllm_path
-from .derived import Product, check_targets, report_of
 from .fallback import FallbackApplier, FallbackStage
-from .handlers import Handler, claims_for, handlers
-from .loaded import fed_sums
-from .messages import FAULTS_ENV, METHODS, Counted, Coverage, HandlerInfo, Method, Recomputed, StageSummary, ViaVllm
 from .probe import ProbeResult, finalize_layout, local_boxes, probe_layout, validate_layout
 
 log = logging.getLogger(__name__)

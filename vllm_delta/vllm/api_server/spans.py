@@ -28,8 +28,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..attribution import parse_label
-from .messages import ChoiceSpans
+from ...attribution import parse_label
+from ..shared.messages import ChoiceSpans
 
 Json = dict[str, Any]
 SpanList = list[list[Any]]  # [[version, start, end], ...]

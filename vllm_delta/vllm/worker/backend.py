@@ -26,19 +26,29 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from ..checksums import Sums
-from ..errors import CommitFailedError, RollbackFailedError
-from ..format import VersionHeader, VersionLike
-from . import dist, rpc
-from .commit import AllCommitted, AllRolledBack, CommitOptions, Staged, TwoPhaseCommit, Update, commit_all, run_sync
-from .messages import Committed, Method, RolledBack, StageSummary
-from .options import StoreSpec, server_store
-from .plan import UpdatePlan, plan_update
+from ...checksums import Sums
+from ...errors import CommitFailedError, RollbackFailedError
+from ...format import VersionHeader, VersionLike
+from ..shared import rpc
+from ..shared.commit import (
+    AllCommitted,
+    AllRolledBack,
+    CommitOptions,
+    Staged,
+    TwoPhaseCommit,
+    Update,
+    commit_all,
+    run_sync,
+)
+from ..shared.messages import Committed, Method, RolledBack, StageSummary
+from ..shared.options import StoreSpec, server_store
+from ..shared.plan import UpdatePlan, plan_update
+from . import dist
+from .methods import open_store
 from .replica import DeltaReplica, replica_of
-from .worker import open_store
 
 if TYPE_CHECKING:
-    from ..store import DeltaStore
+    from ...store import DeltaStore
 
 log = logging.getLogger(__name__)
 

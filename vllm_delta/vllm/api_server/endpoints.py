@@ -27,12 +27,12 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from ..errors import BadRequestError, DeltaError, RequestTooLargeError, UnsupportedMediaTypeError, http_status, short
-from .attribution import AttributionMiddleware, SpanStore, spans_for_response, wrap_generate
-from .messages import CommitSwitch, StageRequest, Timeline, UpdateRequest, from_wire, to_wire
+from ...errors import BadRequestError, DeltaError, RequestTooLargeError, UnsupportedMediaTypeError, http_status, short
+from ..shared.messages import CommitSwitch, StageRequest, Timeline, UpdateRequest, from_wire, to_wire
+from ..shared.options import server_options
 from .metrics import metrics
-from .options import server_options
 from .service import DeltaService
+from .spans import AttributionMiddleware, SpanStore, spans_for_response, wrap_generate
 
 log = logging.getLogger(__name__)
 

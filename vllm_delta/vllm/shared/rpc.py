@@ -32,7 +32,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, Generic, Protocol, TypeVar
 
-from ..errors import (
+from ...errors import (
     CommitFailedError,
     DeltaError,
     InflightRefusedError,
