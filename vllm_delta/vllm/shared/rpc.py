@@ -4,7 +4,7 @@ Every call the plugin makes across vLLM's process boundary is declared here as a
 else spells its name:
 
     worker calls (vLLM Worker methods, every rank answers)      engine-core calls (reserved names the
-                                                                engine core answers itself, engine_core)
+                                                                engine core answers itself, engine_core/)
     STATUS       what the rank serves (+ live sums)             COMMIT_ALL      commit every rank, roll
     PREPARE      probe the layout (collective)                                  every rank back if one
     LIVE_SUMS    this rank's share of the live sums                             failed, label (inside a
@@ -19,10 +19,10 @@ The caller's side is a typed client over a transport: `Workers` (one method per 
 rank's reply as `Replies`) and `EngineCore`. Two transports carry them: the API process's
 `EngineClient.collective_rpc` (`engine_client_transport`) and the engine core's
 `model_executor.collective_rpc` (`executor_transport`). The callee's side is registered from the same
-declarations with `serve(call, implementation)` (worker methods: worker.py; reserved names:
-engine_core). Arguments and replies cross as plain values (messages.to_wire / from_wire); a callee
-never raises across the boundary: it answers an `ErrorReply` with the exception's HTTP status, and
-`Replies` tells results from errors in one place.
+declarations with `serve(call, implementation)` (worker methods: worker/methods.py; reserved names:
+engine_core/reserved.py). Arguments and replies cross as plain values (messages.to_wire /
+from_wire); a callee never raises across the boundary: it answers an `ErrorReply` with the
+exception's HTTP status, and `Replies` tells results from errors in one place.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """What one vLLM worker holds for delta updates: the probed layout, the apply engine, staged updates.
 
-The API process drives every rank through the same steps (collective_rpc, see worker.py):
+The API process drives every rank through the same steps (collective_rpc, see methods.py):
 
     prepare   probe + validate the layout once (main thread: it swaps torch.Tensor.copy_)
     stage     open and decode versions, gather the rollback buffer, compute checksum partials;
