@@ -442,25 +442,9 @@ class DeltaService:
 
     async def _update(self, served: WorkerStatus, request: UpdateRequest) -> UpdateResult:
         """One update from `served` (read under the lock, which the caller holds through _operation)."""
-        previous = served.version
         plan = await self._plan(served, request)
         if not plan.versions:
-            target = await self.in_thread(functools.partial(self.store.resolve, request.version))
-            m = metrics()
-            if m is not None:
-                m.updates.labels(outcome="unchanged").inc()
-            return UpdateResult(
-                version=target,
-                previous_version=previous,
-                pause_ms=0.0,
-                apply_ms=0.0,
-                stage_ms=0.0,
-                nnz=0,
-                bytes=0,
-                applied=[],
-                mode=request.mode,
-                method=request.method,
-            )
+            return await self._unchanged(served, request)
         options = CommitOptions(request.mode, request.fault)
         prefetched = self._take_prefetched(served, plan, request.method)
         if prefetched is not None:
@@ -473,7 +457,7 @@ class DeltaService:
         summaries = applied.staged.summaries
         out = UpdateResult(
             version=plan.target,
-            previous_version=previous,
+            previous_version=served.version,
             pause_ms=applied.pause_ms,
             apply_ms=applied.apply_ms,
             stage_ms=applied.staged.stage_ms,
@@ -489,9 +473,34 @@ class DeltaService:
             timings=summaries[0].timings,
             inflight=applied.inflight.answer() if applied.inflight is not None else None,
         )
+        assert steps.target_header is not None
+        self._note_applied(plan, out, steps.target_header)
+        await self._prune_cache(out.version)
+        return out
+
+    async def _unchanged(self, served: WorkerStatus, request: UpdateRequest) -> UpdateResult:
+        """The answer to an update to the version already served: no pause, nothing applied."""
+        target = await self.in_thread(functools.partial(self.store.resolve, request.version))
+        m = metrics()
+        if m is not None:
+            m.updates.labels(outcome="unchanged").inc()
+        return UpdateResult(
+            version=target,
+            previous_version=served.version,
+            pause_ms=0.0,
+            apply_ms=0.0,
+            stage_ms=0.0,
+            nnz=0,
+            bytes=0,
+            applied=[],
+            mode=request.mode,
+            method=request.method,
+        )
+
+    def _note_applied(self, plan: UpdatePlan, out: UpdateResult, header: VersionHeader) -> None:
+        """What an applied update changed: the served version and its recorded sums, its chain in the
+        cache, the state status answers while busy, the metrics."""
         self.last_update = AppliedUpdate.of(out, time.time())
-        header = steps.target_header
-        assert header is not None
         self._note_served(out.version, header.checksum, {n: int(e.checksum, 16) for n, e in header.tensors.items()})
         if plan.reanchor:
             self._chain = list(plan.versions)
@@ -509,8 +518,6 @@ class DeltaService:
         m = metrics()
         if m is not None:
             m.applied(out)
-        await self._prune_cache(out.version)
-        return out
 
     async def _prune_cache(self, served: int | None) -> None:
         """Keep the served version's chain and the prefetched versions in the download cache, drop the

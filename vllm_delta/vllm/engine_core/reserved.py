@@ -197,18 +197,51 @@ def _commit_all(core: Any, args: rpc.CommitAllArgs) -> CommittedAll:
     back) or RollbackFailedError (500: scheduling stopped, later commits refused)."""
     t0 = time.perf_counter()
     st = state_of(core)
+    inflight = args.mode not in PAUSE_MODES
+    _refuse_unsafe(core, st, inflight)
+    outcome = run_sync(
+        commit_all(
+            rpc.Workers(rpc.executor_transport(core.model_executor)),
+            args.ticket,
+            method=args.method,
+            fault=args.fault,
+            after_writes=_after_writes(core, st, args, inflight, t0),
+        )
+    )
+    if isinstance(outcome, AllCommitted):
+        return outcome.after
+    when = " before the next forward step" if inflight else ""
+    if isinstance(outcome, AllRolledBack):
+        raise CommitFailedError(
+            f"update to version {args.version} failed and was rolled back on every rank{when}: {outcome.failure}"
+        )
+    why = f"({outcome.failure}) and its rollback failed ({outcome.rollback_failure})"
+    _stop_scheduling(core, st, f"update to version {args.version} failed {why}")
+    raise RollbackFailedError(
+        f"update to version {args.version} failed and could not be rolled back: {outcome.rollback_failure}"
+    )
+
+
+def _refuse_unsafe(core: Any, st: EngineState, inflight: bool) -> None:
+    """Before anything is written: no commit after a failed rollback; no in-flight commit this engine
+    cannot make safe (preflight)."""
     if st.inconsistent is not None:
         raise RollbackFailedError(f"a rollback failed earlier, ranks may disagree: {st.inconsistent}")
-    inflight = args.mode not in PAUSE_MODES
-    if inflight:
-        try:
-            reasons = preflight(core)
-        except Exception as exc:  # noqa: BLE001 - an engine we don't understand: refuse
-            reasons = [f"preflight failed: {type(exc).__name__}: {exc}"]
-        if reasons:
-            raise InflightRefusedError("in-flight update refused: " + "; ".join(reasons))
+    if not inflight:
+        return
+    try:
+        reasons = preflight(core)
+    except Exception as exc:  # noqa: BLE001 - an engine we don't understand: refuse
+        reasons = [f"preflight failed: {type(exc).__name__}: {exc}"]
+    if reasons:
+        raise InflightRefusedError("in-flight update refused: " + "; ".join(reasons))
+
+
+def _after_writes(
+    core: Any, st: EngineState, args: rpc.CommitAllArgs, inflight: bool, t0: float
+) -> Callable[[float], CommittedAll]:
+    """The commit's after-writes step. Everything that can fail is computed here, before the writes."""
     scheduler = core.scheduler
-    # Everything that can fail is computed before the writes.
     holding = holding_kv(scheduler) if inflight else []
     switch = {external_id(r.request_id): r.num_output_tokens + r.num_output_placeholders for r in holding}
     in_flight = len(core.batch_queue) if inflight and getattr(core, "batch_queue", None) is not None else 0
@@ -237,31 +270,7 @@ def _commit_all(core: Any, args: rpc.CommitAllArgs) -> CommittedAll:
         st.history.append(_history_entry(args, committed))
         return committed
 
-    outcome = run_sync(
-        commit_all(
-            rpc.Workers(rpc.executor_transport(core.model_executor)),
-            args.ticket,
-            method=args.method,
-            fault=args.fault,
-            after_writes=invalidate_and_label,
-        )
-    )
-    if isinstance(outcome, AllCommitted):
-        return outcome.after
-    when = " before the next forward step" if inflight else ""
-    if isinstance(outcome, AllRolledBack):
-        raise CommitFailedError(
-            f"update to version {args.version} failed and was rolled back on every rank{when}: {outcome.failure}"
-        )
-    _stop_scheduling(
-        core,
-        st,
-        f"update to version {args.version} failed ({outcome.failure}) and its rollback failed "
-        f"({outcome.rollback_failure})",
-    )
-    raise RollbackFailedError(
-        f"update to version {args.version} failed and could not be rolled back: {outcome.rollback_failure}"
-    )
+    return invalidate_and_label
 
 
 def _history_entry(args: rpc.CommitAllArgs, c: CommittedAll) -> HistoryEntry:
