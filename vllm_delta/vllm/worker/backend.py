@@ -117,12 +117,16 @@ class GatheredRanks:
         self.replica = replica
 
     async def commit(self, ticket: str, method: Method = "delta", fault: str | None = None) -> rpc.Replies[Committed]:
-        fn = lambda: Committed(self.replica.commit(ticket, fault=fault, method=method))  # noqa: E731
-        return rpc.Replies.decode(Committed, dist.all_gather_object(rpc.answer(rpc.COMMIT.name, fn)))
+        def commit() -> Committed:
+            return Committed(self.replica.commit(ticket, fault=fault, method=method))
+
+        return rpc.Replies.decode(Committed, dist.all_gather_object(rpc.answer(rpc.COMMIT.name, commit)))
 
     async def rollback(self, ticket: str) -> rpc.Replies[RolledBack]:
-        fn = lambda: RolledBack(self.replica.rollback(ticket))  # noqa: E731
-        return rpc.Replies.decode(RolledBack, dist.all_gather_object(rpc.answer(rpc.ROLLBACK.name, fn)))
+        def rollback() -> RolledBack:
+            return RolledBack(self.replica.rollback(ticket))
+
+        return rpc.Replies.decode(RolledBack, dist.all_gather_object(rpc.answer(rpc.ROLLBACK.name, rollback)))
 
 
 class RankUpdate(TwoPhaseCommit[None]):
