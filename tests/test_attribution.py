@@ -1,5 +1,5 @@
 """Attribution without vLLM: the client helper (vllm_delta.attribution) and the API-side pieces that
-put `choices[i].weight_versions` into responses (vllm_delta/vllm/attribution.py: the generate()
+put `choices[i].weight_versions` into responses (vllm_delta/vllm/api_server/spans.py: the generate()
 wrapper, the span store and the ASGI middleware), driven by fake engine outputs and a fake ASGI app."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The engine-core side of in-flight updates (enginecore.py) on real vLLM scheduler objects, in this
+"""The engine-core side of in-flight updates (engine_core/reserved.py) on real vLLM scheduler objects, in this
 process: no engine runs. A real `Scheduler` (KVCacheManager, BlockPool, Requests with block hashes)
 is built from the tiny Llama's config; the workers are a fake executor that scripts each rank's reply.
 
