@@ -157,6 +157,7 @@ def test_a_refusal_reaches_the_client_as_409(vllm_objects, llama_run):
     from vllm_delta.errors import InflightRefusedError
     from vllm_delta.vllm.api_server.endpoints import route
     from vllm_delta.vllm.api_server.service import DeltaService
+    from vllm_delta.vllm.api_server.steps import commit_through_engine_core
     from vllm_delta.vllm.shared.commit import CommitOptions, Staged, Update
     from vllm_delta.vllm.shared.options import StoreSpec
 
@@ -180,7 +181,7 @@ def test_a_refusal_reaches_the_client_as_409(vllm_objects, llama_run):
 
     @route
     async def handler(request):
-        return await service.commit_staged(staged, CommitOptions("inflight"))
+        return await commit_through_engine_core(service.api, staged, CommitOptions("inflight"))
 
     answer = asyncio.run(handler(HttpRequest({"type": "http", "method": "POST", "path": "/", "headers": []})))
     body = json.loads(answer.body)

@@ -1,6 +1,8 @@
-"""The update protocol as the API server process runs it (commit.TwoPhaseCommit over rpc.py's calls).
+"""The API server process's side of updates: `DeltaService`, what the HTTP routes and follow mode call.
 
-    plan      which versions to apply (plan.py: successor rule, 404 / 409)
+An update runs the one protocol (shared/commit.py; its steps here: steps.py):
+
+    plan      which versions to apply (shared/plan.py: successor rule, 404 / 409)
     fetch     download the versions' files once into the host's cache, each checked against the
               record the plan was decided on (the workers of this host find them there)
     prepare   probe the layout on every rank, once
@@ -8,8 +10,8 @@
     verify    the ranks' checksum partials added to the served version's sums must give the target
               header's sums, per tensor (422 on mismatch: nothing has been written)
     pause     pause scheduling (mode keep | wait | abort)
-    commit    ONE engine-core call (rpc.COMMIT_ALL, engine_core/reserved.py): every rank writes in place; if any
-              rank fails, every rank rolls back; the weight-version label := the new version
+    commit    ONE engine-core call (rpc.COMMIT_ALL, engine_core/reserved.py): every rank writes in
+              place; if any rank fails, every rank rolls back; the weight-version label := the new version
     reset     the prefix cache (its KV was computed with the old weights), only after a commit
     resume    always (finally), unless a rollback failed: then the engine core stopped scheduling
     release   the staged buffers, on every rank
@@ -22,8 +24,8 @@ reads never take it: during an update a status answers at once from the last sta
 what is in progress since when (a hung store must not hang the control plane); a status that an
 update overtook while it read the workers answers the same way.
 
-Deadlines: every store operation is bounded by the store's `timeout_s` (store.py), and everything an
-update does before its pause by `update_timeout_s`; past it the update fails with StoreTimeoutError
+Deadlines (deadline.py): every store operation is bounded by the store's `timeout_s`, and everything
+an update does before its pause by `update_timeout_s`; past it the update fails with StoreTimeoutError
 (504) and nothing is written. After an applied update the download cache keeps the served version's
 chain (and a prefetched one) and drops the rest; a staging that failed an integrity check drops the
 cached copies of its versions, so the next try fetches them again.
@@ -44,29 +46,23 @@ import contextlib
 import dataclasses
 import functools
 import logging
-import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from ...checksums import Sums, add_sums, combine, to_hex
 from ...errors import (
     DeltaError,
     InflightRefusedError,
-    RollbackFailedError,
-    StoreTimeoutError,
     WorkerError,
     http_status,
 )
 from ...format import VersionHeader
-from ..shared import rpc
-from ..shared.commit import CommitOptions, Staged, TwoPhaseCommit, Update
+from ..shared.commit import CommitOptions, Staged, Update
 from ..shared.messages import (
-    PAUSE_MODES,
     AppliedUpdate,
-    CommittedAll,
     Failure,
     FollowStatus,
     InProgress,
@@ -75,7 +71,6 @@ from ..shared.messages import (
     ServerStatus,
     StageRequest,
     StageResult,
-    StageSummary,
     UpdateMode,
     UpdateRequest,
     UpdateResult,
@@ -84,30 +79,15 @@ from ..shared.messages import (
 from ..shared.options import FollowOptions, StoreSpec
 from ..shared.plan import UpdatePlan, plan_update
 from .metrics import metrics
+from .steps import ApiProcess, WorkerUpdate
 
 if TYPE_CHECKING:
-    from ...store import DeltaStore, VersionRecord
+    from ...store import DeltaStore
     from .follower import Follower
 
 log = logging.getLogger(__name__)
 
 SEEN_S = 30.0  # the follower's polls and reports reuse what was read from the workers this recently
-
-POLL_S = 0.005  # first staging poll interval (each poll is one cheap RPC between forward passes) ...
-POLL_MAX_S = 0.04  # ... growing to this: a long staging is not polled 200 times a second
-RPC_TIMEOUT_S = float(os.environ.get("VLLM_DELTA_RPC_TIMEOUT_S", "600"))
-
-R = TypeVar("R")
-
-
-@dataclass(frozen=True)
-class Applied:
-    """A committed update, as the API process sees it."""
-
-    staged: Staged
-    pause_ms: float  # pause to resume; in flight: the engine loop's stall
-    apply_ms: float  # the in-place writes, slowest rank
-    inflight: CommittedAll | None = None  # mode "inflight": what the engine core did
 
 
 @dataclass(frozen=True)
@@ -134,67 +114,13 @@ class Served:
     sums: Sums | None = None  # the served version's per-tensor sums (its header's), when known
 
 
-class WorkerUpdate(TwoPhaseCommit[Applied]):
-    """The protocol's steps in the API process, for one plan made against `served`."""
-
-    def __init__(self, service: DeltaService, served: WorkerStatus, plan: UpdatePlan):
-        self.service = service
-        self.served = served
-        self.plan = plan
-        self.target_header: VersionHeader | None = None
-        self._sent: set[str] = set()  # tickets some rank may hold (staging was asked for)
-
-    async def stage_ranks(self, update: Update) -> rpc.Replies[StageSummary]:
-        svc = self.service
-        # Fetch once here (a cache shared with the workers of this host), off the event loop, each file
-        # checked against the record this plan was decided on; the target's header is kept to verify.
-        for rec in self.plan.records:
-            self.target_header = await svc.in_thread(functools.partial(_header_of, svc.store, rec))
-        await svc.prepare(self.served, update.target)
-        args = rpc.StageArgs(
-            ticket=update.ticket,
-            store=svc.spec,
-            versions=update.versions,
-            method=update.method,
-            records=[r.to_json() for r in self.plan.records],
-        )
-        self._sent.add(update.ticket)
-        (await svc.workers.stage_start(args)).all()
-        return await svc.wait_staged(update.ticket)
-
-    async def verification_basis(self, update: Update) -> tuple[Sums, VersionHeader]:
-        assert self.target_header is not None
-        return await self.service.served_sums(self.served), self.target_header
-
-    async def commit_ranks(self, staged: Staged, options: CommitOptions) -> Applied:
-        return await self.service.commit_staged(staged, options)
-
-    async def release(self, ticket: str) -> None:
-        if ticket in self._sent:  # best effort: errors are the workers' to log
-            self._sent.discard(ticket)
-            await self.service.workers.release(ticket)
-
-    async def drop_cached(self, versions: list[int]) -> None:
-        store = self.service.store
-        await self.service.in_thread(functools.partial(store.prune_cache, versions=versions))
-
-
-def _header_of(store: DeltaStore, rec: VersionRecord) -> VersionHeader:
-    """Download (or find in the cache) a version's files, checked against `rec`; its header."""
-    vf = store.open(rec.version, record=rec)
-    try:
-        return vf.header
-    finally:
-        vf.close()
-
-
 class DeltaService:
     def __init__(self, engine_client: Any, spec: StoreSpec):
-        self.engine = engine_client
         self.spec = spec
-        transport = rpc.engine_client_transport(engine_client, RPC_TIMEOUT_S)
-        self.workers = rpc.Workers(transport)
-        self.engine_core = rpc.EngineCore(transport)
+        self.api = ApiProcess.of(engine_client, spec)
+        self.workers = self.api.workers
+        self.engine_core = self.api.engine_core
+        self.deadline = self.api.deadline
         self._store: DeltaStore | None = None
         self.lock = asyncio.Lock()
         self.prefetched: Prefetched | None = None
@@ -205,7 +131,6 @@ class DeltaService:
         self._served = Served()
         self._last_status: ServerStatus | None = None  # what status answers while an update runs
         self._chain: list[int] | None = None  # the served version's chain (kept in the cache)
-        self._deadline = float("inf")  # time.monotonic() by which the running update must reach its pause
         self._operations = 0  # updates and prefetches started (a status read notices one starting)
         self._status_lock = asyncio.Lock()  # status reads, one at a time (never the update lock)
         self._checksums_seen: tuple[int | None, str, str | None, float] | None = None  # for ledger reports
@@ -224,7 +149,7 @@ class DeltaService:
         async with self.lock:
             self._operations += 1
             self.in_progress = InProgress(name, version, time.time())
-            self._deadline = time.monotonic() + self.spec.update_timeout_s
+            self.deadline.start()
             m = metrics()
             if m is not None:
                 m.in_progress.set(1)
@@ -238,32 +163,9 @@ class DeltaService:
                 raise
             finally:
                 self.in_progress = None
-                self._deadline = float("inf")
+                self.deadline.clear()
                 if m is not None:
                     m.in_progress.set(0)
-
-    def _left(self, what: str, deadline: float | None = None) -> float:
-        """Seconds left before the running update's deadline (or `deadline`); StoreTimeoutError when none are."""
-        left = (self._deadline if deadline is None else deadline) - time.monotonic()
-        if left <= 0:
-            raise StoreTimeoutError(
-                f"the update did not reach its pause within {self.spec.update_timeout_s:.0f} s "
-                f"(update_timeout_s; store {self.spec.uri}, while {what}): nothing was written"
-            )
-        return left
-
-    async def in_thread(self, fn: Callable[[], R], deadline: float | None = None) -> R:
-        """`fn()` on a thread (store I/O stays off the event loop), bounded by the running update's
-        deadline (or `deadline`, a time.monotonic()). A call past it is abandoned (its own store timeout
-        ends it) and StoreTimeoutError is raised."""
-        what = str(getattr(fn, "__name__", None) or getattr(getattr(fn, "func", None), "__name__", "a store operation"))
-        until = self._deadline if deadline is None else deadline
-        future = asyncio.get_running_loop().run_in_executor(None, fn)
-        try:
-            return await asyncio.wait_for(future, self._left(what, until) if until != float("inf") else None)
-        except asyncio.TimeoutError:
-            self._left(what, until)  # raises: the deadline has passed
-            raise
 
     # -- what the workers serve -------------------------------------------------------------------
     async def _read_served(self, *, live_sums: bool = False) -> tuple[WorkerStatus, list[WorkerStatus]]:
@@ -300,10 +202,6 @@ class DeltaService:
     async def _live_sums(self) -> Sums:
         return add_sums(r.sums for r in (await self.workers.live_sums()).all())
 
-    async def prepare(self, served: WorkerStatus, version: int) -> None:
-        if not served.prepared:
-            (await self.workers.prepare(self.spec, version)).all()
-
     async def _ensure_prepared(self, served: WorkerStatus) -> bool:
         """Probe the layout if no rank has yet; True if it had to."""
         if served.prepared:
@@ -313,14 +211,14 @@ class DeltaService:
         target = (
             version
             if version is not None
-            else await self.in_thread(functools.partial(self.store.resolve, "latest"), deadline=until)
+            else await self.deadline.in_thread(functools.partial(self.store.resolve, "latest"), until)
         )
-        await self.prepare(served, target)
+        (await self.workers.prepare(self.spec, target)).all()
         return True
 
     # -- staging --------------------------------------------------------------------------------
     async def _plan(self, served: WorkerStatus, request: StageRequest | UpdateRequest) -> UpdatePlan:
-        return await self.in_thread(
+        return await self.deadline.in_thread(
             functools.partial(
                 plan_update, self.store, served.version, served.checksum, request.version, request.allow_reanchor
             )
@@ -340,20 +238,6 @@ class DeltaService:
             return p
         return None
 
-    async def wait_staged(self, ticket: str) -> rpc.Replies[StageSummary]:
-        """Poll every rank until its staging is done (or failed): its summary."""
-        deadline = time.monotonic() + RPC_TIMEOUT_S
-        interval = POLL_S
-        while True:
-            await asyncio.sleep(interval)
-            polls = (await self.workers.stage_poll(ticket)).all()
-            if all(p.summary is not None for p in polls):
-                return rpc.Replies([p.summary for p in polls], [])
-            self._left("the workers staged")
-            if time.monotonic() > deadline:
-                raise DeltaError(f"staging did not finish within {RPC_TIMEOUT_S:.0f} s")
-            interval = min(interval * 1.5, POLL_MAX_S)
-
     async def _drop_prefetched(self) -> None:
         if self.prefetched is not None:
             ticket, self.prefetched = self.prefetched.ticket, None
@@ -369,7 +253,7 @@ class DeltaService:
             staged = self._take_prefetched(served, plan, request.method)
             if staged is None:
                 await self._drop_prefetched()
-                steps = WorkerUpdate(self, served, plan)
+                steps = WorkerUpdate(self.api, self.store, served, plan, self.served_sums)
                 update = Update(uuid.uuid4().hex, plan.versions, plan.target, request.method)
                 staged = Prefetched(served.version, plan, await steps.stage(update), steps)
             self.prefetched = staged
@@ -452,7 +336,7 @@ class DeltaService:
             applied = await steps.commit(prefetched.staged, options)
         else:
             await self._drop_prefetched()
-            steps = WorkerUpdate(self, served, plan)
+            steps = WorkerUpdate(self.api, self.store, served, plan, self.served_sums)
             applied = await steps.apply(Update(uuid.uuid4().hex, plan.versions, plan.target, request.method), options)
         summaries = applied.staged.summaries
         out = UpdateResult(
@@ -480,7 +364,7 @@ class DeltaService:
 
     async def _unchanged(self, served: WorkerStatus, request: UpdateRequest) -> UpdateResult:
         """The answer to an update to the version already served: no pause, nothing applied."""
-        target = await self.in_thread(functools.partial(self.store.resolve, request.version))
+        target = await self.deadline.in_thread(functools.partial(self.store.resolve, request.version))
         m = metrics()
         if m is not None:
             m.updates.labels(outcome="unchanged").inc()
@@ -526,46 +410,21 @@ class DeltaService:
             return
         try:
             if self._chain is None or self._chain[-1] != served:
-                self._chain = [r.version for r in await self.in_thread(functools.partial(self.store.chain, served))]
+                self._chain = [
+                    r.version for r in await self.deadline.in_thread(functools.partial(self.store.chain, served))
+                ]
             staged = self.prefetched.plan.versions if self.prefetched else []
             keep = set(self._chain) | set(staged)
-            await self.in_thread(
+            await self.deadline.in_thread(
                 functools.partial(
                     self.store.prune_cache, keep, max_bytes=self.spec.cache_max_bytes, protect=set(staged)
                 )
             )
             m = metrics()
             if m is not None:
-                m.cache_bytes.set(await self.in_thread(self.store.cache_bytes))
+                m.cache_bytes.set(await self.deadline.in_thread(self.store.cache_bytes))
         except Exception as exc:  # noqa: BLE001 - a cache that can't be pruned now is pruned next time
             log.warning("vllm-delta: pruning the download cache failed: %s", exc)
-
-    # -- the commit (WorkerUpdate.commit_ranks) -----------------------------------------------------
-    async def commit_staged(self, staged: Staged, options: CommitOptions) -> Applied:
-        """Commit a staged, verified update on every rank through ONE engine-core call (rpc.COMMIT_ALL):
-        inside a pause (mode keep | wait | abort), or between two engine steps with no pause (mode
-        "inflight"; InflightRefusedError, 409, where the engine cannot take it safely). A rank that
-        fails rolls every rank back (CommitFailedError, 500); nothing has changed then."""
-        self._deadline = float("inf")  # the pause is not cut short: commit and roll back run to the end
-        update = staged.update
-        args = rpc.CommitAllArgs(update.ticket, update.target, update.method, options.fault, options.mode)
-        if options.mode not in PAUSE_MODES:
-            inflight = await self.engine_core.commit_all(args)
-            return Applied(staged, inflight.engine_ms, inflight.apply_ms, inflight)
-        t0 = time.perf_counter()
-        # Caches are reset after a successful commit only: a failed update leaves them valid.
-        await self.engine.pause_generation(mode=options.mode, clear_cache=False)
-        resume = True
-        try:
-            committed = await self.engine_core.commit_all(args)
-            await self._reset_prefix_cache()
-        except RollbackFailedError:
-            resume = False  # the engine core stopped scheduling: the ranks may disagree
-            raise
-        finally:
-            if resume:
-                await self.engine.resume_generation()
-        return Applied(staged, (time.perf_counter() - t0) * 1e3, committed.apply_ms)
 
     async def sync_label(self) -> None:
         """At start-up: label outputs with the version the workers serve (vLLM says "default")."""
@@ -576,13 +435,6 @@ class DeltaService:
                     await self.engine_core.set_label(served.version, "startup")
                 except Exception as exc:  # noqa: BLE001 - bookkeeping: attribution says "default" meanwhile
                     log.warning("vllm-delta: the weight-version label was not set: %s", exc)
-
-    async def _reset_prefix_cache(self) -> None:
-        for _ in range(50):
-            if await self.engine.reset_prefix_cache(reset_running_requests=True, reset_connector=True):
-                return
-            await asyncio.sleep(0.01)
-        log.warning("vllm-delta: the prefix cache could not be reset after an update")
 
     # -- follow mode ----------------------------------------------------------------------------------
     def start_follower(self, options: FollowOptions) -> Follower:
