@@ -71,6 +71,6 @@ setup(
     entry_points={
         "console_scripts": ["vllm-delta = vllm_delta.cli:main"],
         "vllm.general_plugins": ["vllm_delta = vllm_delta.vllm.plugin:register"],
-        "vllm.endpoint_plugins": ["vllm_delta_api = vllm_delta.vllm.api:DeltaEndpointPlugin"],
+        "vllm.endpoint_plugins": ["vllm_delta_api = vllm_delta.vllm.api_server.endpoints:DeltaEndpointPlugin"],
     },
 )

@@ -28,7 +28,7 @@ from vllm_delta.testing.server import VllmServer
 from vllm_delta.testing.training import bf16_image, build_master_model, train_steps
 from vllm_delta.trainer.options import PublisherOptions, StoreOptions
 from vllm_delta.trainer.staleness import StalenessGate, StalenessPolicy
-from vllm_delta.vllm.messages import FollowStatus
+from vllm_delta.vllm.shared.messages import FollowStatus, from_wire
 
 pytestmark = pytest.mark.vllm
 
@@ -133,7 +133,7 @@ def server_b(s3, trainer, cache_dir, server_a) -> Iterator[VllmServer]:
 
 
 def follow_of(server: VllmServer) -> FollowStatus:
-    return FollowStatus.from_json(server.status()["follow"])
+    return from_wire(FollowStatus, server.status()["follow"])
 
 
 def wait_for(what: str, predicate: Callable[[], bool], timeout: float = CONVERGE_S) -> None:

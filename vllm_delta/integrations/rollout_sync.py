@@ -46,7 +46,7 @@ from ..trainer.options import PublisherOptions
 from ..trainer.publisher import Publisher, PublishInfo
 from ..trainer.shard import ShardedTensor
 from ..trainer.staleness import StalenessPolicy
-from ..vllm.messages import FollowStatus
+from ..vllm.shared.messages import FollowStatus, from_wire
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +135,7 @@ class ServedState:
             version=doc.get("version"),
             checksum=doc.get("checksum"),
             busy=doc.get("update_in_progress") is not None,
-            follow=FollowStatus.from_json(follow) if follow is not None else None,
+            follow=from_wire(FollowStatus, follow) if follow is not None else None,
         )
 
 

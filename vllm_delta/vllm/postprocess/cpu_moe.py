@@ -13,7 +13,7 @@ pass reads the packed one. derived.py refuses such a model; this handler avoids 
   vLLM's own `apply`, so the kernel and its numerics are vLLM's: outputs are bit-identical.
 
 Cost: one pack of the layer's expert weights per forward pass (about 10 GB/s): CPU test setups only,
-like cpu.py. A layer that needs padding *and* has an expert bias keeps vLLM's packing (and is then
+like cpu_linear.py. A layer that needs padding *and* has an expert bias keeps vLLM's packing (and is then
 refused by derived.py, naming the tensor). Installed by patching the class (its x86/Arm/Power
 subclasses inherit both methods); CUDA/ROCm builds never use it. `VLLM_DELTA_CPU_MOE_PLAIN=0` leaves
 vLLM's packing in place (diagnostics, tests of the refusal).
@@ -24,6 +24,8 @@ from __future__ import annotations
 import os
 
 import torch
+
+from .handlers import Handler
 
 _MARK = "_vllm_delta_keeps_plain_experts"
 ENV = "VLLM_DELTA_CPU_MOE_PLAIN"
@@ -78,3 +80,10 @@ def keep_plain_cpu_moe() -> bool:
     cls.process_weights_after_loading = process_weights_after_loading
     cls.apply = apply
     return True
+
+
+def _install() -> bool:
+    return enabled() and keep_plain_cpu_moe()
+
+
+HANDLER = Handler("cpu-moe-plain", "none: kept plain (experts packed per forward pass)", install=_install)

@@ -41,8 +41,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..checksums import positional_sum
-from ..errors import UnsupportedModelError
+from ...checksums import positional_sum
+from ...errors import UnsupportedModelError
 
 log = logging.getLogger(__name__)
 

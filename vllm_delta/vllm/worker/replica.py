@@ -1,6 +1,6 @@
 """What one vLLM worker holds for delta updates: the probed layout, the apply engine, staged updates.
 
-The API process drives every rank through the same steps (collective_rpc, see worker.py):
+The API process drives every rank through the same steps (collective_rpc, see methods.py):
 
     prepare   probe + validate the layout once (main thread: it swaps torch.Tensor.copy_)
     stage     open and decode versions, gather the rollback buffer, compute checksum partials;
@@ -27,28 +27,35 @@ import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-from ..apply.engine import ApplyEngine, StagedUpdate
-from ..checksums import Sums, add_sums, combine, to_hex
-from ..errors import ChecksumMismatchError, UnsupportedModelError
-from ..format import VersionHeader, VersionLike
+from ...apply.engine import ApplyEngine, StagedUpdate
+from ...checksums import Sums, add_sums, to_hex
+from ...errors import ChecksumMismatchError, InjectedFaultError, UnsupportedModelError
+from ...format import VersionHeader, VersionLike
+from ..postprocess.derived import Product, check_targets, report_of
+from ..postprocess.handlers import Handler, claims_for, handlers
+from ..postprocess.loaded import fed_sums
+from ..shared.messages import (
+    FAULTS_ENV,
+    METHODS,
+    Counted,
+    Coverage,
+    HandlerInfo,
+    Method,
+    Recomputed,
+    StageSummary,
+    ViaVllm,
+)
 from . import dist, vllm_path
-from .derived import Product, check_targets, report_of
 from .fallback import FallbackApplier, FallbackStage
-from .handlers import Handler, claims_for, handlers
-from .loaded import fed_sums
-from .messages import FAULTS_ENV, METHODS, StageSummary
 from .probe import ProbeResult, finalize_layout, local_boxes, probe_layout, validate_layout
 
 log = logging.getLogger(__name__)
 
 REPLICA_ATTR = "_vllm_delta_replica"  # the model attribute that holds its DeltaReplica
-
-
-class InjectedFault(RuntimeError):
-    pass
 
 
 @dataclass
@@ -65,14 +72,14 @@ class Served:
 @dataclass
 class Ticket:
     versions: list[int]
-    future: Future | None = None  # the staging job on the replica's staging thread
+    future: Future[None] | None = None  # the staging job on the replica's staging thread
     staged: StagedUpdate | None = None
     fallback: FallbackStage | None = None
     error: BaseException | None = None
     stage_ms: float = 0.0
     previous: Served | None = None  # what was served before this ticket's commit
-    method: str = "delta"  # "vllm": commit through vLLM's sparse path instead (vllm_path.py)
-    vllm_patches: list | None = None  # for method "vllm": vLLM CheckpointWeightPatch objects
+    method: Method = "delta"  # "vllm": commit through vLLM's sparse path instead (vllm_path.py)
+    vllm_patches: list[Any] | None = None  # for method "vllm": vLLM CheckpointWeightPatch objects
 
 
 class DeltaReplica:
@@ -169,7 +176,9 @@ class DeltaReplica:
             assert handler.recompute is not None
             handler.recompute(self.model, products)
 
-    def verify_loaded(self, expected: dict[str, int], error=ChecksumMismatchError, source: str = "") -> dict[str, int]:
+    def verify_loaded(
+        self, expected: dict[str, int], error: Callable[..., Exception] = ChecksumMismatchError, source: str = ""
+    ) -> dict[str, int]:
         """Collective: the live per-tensor sums over all ranks must equal `expected` (what was loaded);
         raises `error` naming the first tensor that differs. Returns the live sums."""
         live = add_sums(dist.all_gather_object(self.live_sums()))
@@ -184,7 +193,7 @@ class DeltaReplica:
                 )
         return live
 
-    def coverage(self) -> dict:
+    def coverage(self) -> Coverage:
         """How the served model's tensors take updates: in place, through vLLM's sparse path, recomputed."""
         assert self.probe is not None
         layout = self.probe.layout
@@ -193,26 +202,26 @@ class DeltaReplica:
         via_vllm = sorted(self.probe.fallback)
         recomputed = [p for _, prods in self.recomputes for p in prods]
         report = report_of(self.model)
-        return {
-            "tensors": len(numel),
-            "elements": sum(numel.values()),
-            "in_place": {"tensors": len(in_place), "elements": sum(numel[n] for n in in_place)},
-            "vllm_path": {
-                "tensors": len(via_vllm),
-                "elements": sum(numel[n] for n in via_vllm),
-                "names": via_vllm,
-                "reasons": {n: self.probe.fallback[n] for n in via_vllm},
-            },
-            "recomputed": {
-                "tensors": len(recomputed),
-                "elements": sum(p.numel for p in recomputed),
-                "names": [p.path for p in recomputed],
-                "handlers": [h.name for h, _ in self.recomputes],
-            },
-            "fully_in_place": not via_vllm and not recomputed,
-            "handlers": [{"name": h.name, "cost": h.cost} for h in handlers()],
-            "post_processing": report.summary() if report is not None else None,
-        }
+        return Coverage(
+            tensors=len(numel),
+            elements=sum(numel.values()),
+            in_place=Counted(len(in_place), sum(numel[n] for n in in_place)),
+            vllm_path=ViaVllm(
+                len(via_vllm),
+                sum(numel[n] for n in via_vllm),
+                via_vllm,
+                {n: self.probe.fallback[n] for n in via_vllm},
+            ),
+            recomputed=Recomputed(
+                len(recomputed),
+                sum(p.numel for p in recomputed),
+                [p.path for p in recomputed],
+                [h.name for h, _ in self.recomputes],
+            ),
+            fully_in_place=not via_vllm and not recomputed,
+            handlers=[HandlerInfo(h.name, h.cost) for h in handlers()],
+            post_processing=report.summary() if report is not None else None,
+        )
 
     def _require(self) -> ApplyEngine:
         if self.engine is None:
@@ -231,10 +240,6 @@ class DeltaReplica:
         """Per HF tensor: the live positional sum over every rank (collective)."""
         return add_sums(dist.all_gather_object(self.live_sums()))
 
-    def live_checksum_all_ranks(self) -> str:
-        """The whole-model live checksum, summed over every rank (collective)."""
-        return to_hex(combine(self.live_sums_all_ranks().items()))
-
     @property
     def fallback_names(self) -> list[str]:
         """Tensors that go through vLLM's sparse path (sorted; [] before the probe)."""
@@ -251,7 +256,7 @@ class DeltaReplica:
         return self.summary(ticket)
 
     def stage_start(
-        self, ticket: str, versions: list[int], open_files: Callable[[], list[VersionLike]], method: str = "delta"
+        self, ticket: str, versions: list[int], open_files: Callable[[], list[VersionLike]], method: Method = "delta"
     ) -> None:
         """Stage on a background thread: generation continues between the worker's RPCs meanwhile."""
         self._require()
@@ -302,7 +307,7 @@ class DeltaReplica:
         )
 
     # -- the pause ------------------------------------------------------------------------------
-    def commit(self, ticket: str, fault: str | None = None, method: str = "delta") -> float:
+    def commit(self, ticket: str, fault: str | None = None, method: Method = "delta") -> float:
         """Write a staged update in place; returns the time taken (ms). On failure this rank is restored
         before the error propagates. `method` "vllm" writes through vLLM's sparse path instead (the
         ticket must have been staged for it)."""
@@ -321,7 +326,7 @@ class DeltaReplica:
             self.fallback.commit(t.fallback)
             self.recompute_derived()
             if fault == f"commit@{self.rank}" and os.environ.get(FAULTS_ENV) == "1":
-                raise InjectedFault(f"injected fault after the writes on rank {self.rank}")
+                raise InjectedFaultError(f"injected fault after the writes on rank {self.rank}")
         except BaseException:
             self.fallback.rollback(t.fallback)
             engine.rollback(t.staged)

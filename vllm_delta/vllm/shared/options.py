@@ -11,11 +11,13 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from .messages import UPDATE_MODES, UpdateMode
+
 if TYPE_CHECKING:
-    from ..store import DeltaStore
+    from ...store import DeltaStore
 
 LOADER_KEYS = (
     "delta_store",  # URI of the store (path, file://, s3://, hf://buckets/...)
@@ -36,7 +38,6 @@ LOADER_KEYS = (
     "delta_report_s",  # heartbeat period of the report (default 10)
     "delta_replica_id",  # the report's name, replicas/<id>.json (default host-pid-random)
 )
-FOLLOW_MODES = ("keep", "wait", "abort", "inflight")  # the update_weights modes (messages.UPDATE_MODES)
 
 
 def default_cache_dir() -> str:
@@ -60,26 +61,14 @@ def _positive(extra: dict[str, Any], key: str, default: float | None, kind: type
 
 @dataclass
 class StoreSpec:
+    """The server's store and how to read it (it crosses to the workers in rpc.py's arguments)."""
+
     uri: str
-    storage_options: dict = field(default_factory=dict)
+    storage_options: dict[str, Any] = field(default_factory=dict)
     cache_dir: str = field(default_factory=default_cache_dir)
     timeout_s: float = DEFAULT_STORE_TIMEOUT_S  # one store operation
     update_timeout_s: float = DEFAULT_UPDATE_TIMEOUT_S  # a whole update before its pause (API process)
     cache_max_bytes: int | None = None
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> StoreSpec:
-        return cls(
-            d["uri"],
-            dict(d.get("storage_options") or {}),
-            d.get("cache_dir") or default_cache_dir(),
-            float(d.get("timeout_s") or DEFAULT_STORE_TIMEOUT_S),
-            float(d.get("update_timeout_s") or DEFAULT_UPDATE_TIMEOUT_S),
-            d.get("cache_max_bytes"),
-        )
 
     @classmethod
     def from_extra(
@@ -96,7 +85,7 @@ class StoreSpec:
         )
 
     def open(self) -> DeltaStore:
-        from ..store import DeltaStore
+        from ...store import DeltaStore
 
         return DeltaStore(
             self.uri, storage_options=self.storage_options, cache_dir=self.cache_dir, timeout_s=self.timeout_s
@@ -114,7 +103,7 @@ class FollowOptions:
 
     follow: bool = False
     poll_s: float = 2.0
-    mode: str = "keep"  # how updates ride through: the update_weights modes
+    mode: UpdateMode = "keep"  # how updates ride through: the update_weights modes
     chain_cap: int = 64
     report: bool = False
     report_s: float = 10.0
@@ -127,11 +116,11 @@ class FollowOptions:
         for key, seconds in (("delta_poll_s", self.poll_s), ("delta_report_s", self.report_s)):
             if not _is_number(seconds) or not seconds > 0:
                 raise ValueError(f"{key} must be a positive number of seconds, not {seconds!r}")
-        if self.mode not in FOLLOW_MODES:
-            raise ValueError(f"delta_follow_mode must be one of {', '.join(FOLLOW_MODES)}, not {self.mode!r}")
+        if self.mode not in UPDATE_MODES:
+            raise ValueError(f"delta_follow_mode must be one of {', '.join(UPDATE_MODES)}, not {self.mode!r}")
         if not isinstance(self.chain_cap, int) or isinstance(self.chain_cap, bool) or self.chain_cap < 1:
             raise ValueError(f"delta_chain_cap must be an integer >= 1, not {self.chain_cap!r}")
-        from ..ledger import valid_replica_id
+        from ...ledger import valid_replica_id
 
         if self.replica_id is not None and not valid_replica_id(self.replica_id):
             raise ValueError(

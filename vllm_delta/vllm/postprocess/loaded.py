@@ -17,7 +17,7 @@ import functools
 
 import torch
 
-from ..checksums import tensor_sum
+from ...checksums import tensor_sum
 
 FED_ATTR = "_vllm_delta_fed_sums"
 _MARK = "_vllm_delta_records_fed_sums"

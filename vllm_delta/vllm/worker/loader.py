@@ -23,11 +23,11 @@ import time
 import torch
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
-from ..checksums import combine, to_hex
-from ..errors import ChecksumMismatchError, DeltaError, ShapeMismatchError
-from ..reconstruct import iter_version, open_chain, replay_tensor
-from .derived import install_hook
-from .options import LoaderOptions, split_extra_config
+from ...checksums import combine, to_hex
+from ...errors import ChecksumMismatchError, DeltaError, ShapeMismatchError
+from ...reconstruct import iter_version, open_chain, replay_tensor
+from ..postprocess.derived import install_hook
+from ..shared.options import LoaderOptions, split_extra_config
 from .replica import REPLICA_ATTR, DeltaReplica, Served
 
 log = logging.getLogger(__name__)

@@ -27,9 +27,9 @@ from typing import Any
 
 import torch
 
-from ..apply.layout import Layout, Segment, hf_2d
-from ..bits import bit_view
-from ..errors import ShapeMismatchError, UnsupportedModelError
+from ...apply.layout import Layout, Segment, hf_2d
+from ...bits import bit_view
+from ...errors import ShapeMismatchError, UnsupportedModelError
 
 log = logging.getLogger(__name__)
 
@@ -162,7 +162,7 @@ def probe_layout(model: torch.nn.Module, hf_shapes: dict[str, tuple[int, ...]], 
 
     Every segment is marked `owner`; `assign_owners` fixes that up across tensor-parallel ranks.
     Raises UnsupportedModelError for a tensor the model does not load at all."""
-    from .derived import report_of
+    from ..postprocess.derived import report_of
 
     check_supported(model)
     _, by_storage = _param_index(model)

@@ -1,24 +1,26 @@
-"""The engine-core side of in-flight updates (`"mode": "inflight"`), installed by the general plugin.
+"""The engine-core side of updates: every commit, in a pause or in flight (`"mode": "inflight"`).
 
-An in-flight commit is ONE call on the engine-core thread, so it runs strictly between two engine
-steps (vLLM dispatches utilities from its busy loop between `step_fn()` calls). The API process
-reaches it through the public `EngineClient.collective_rpc(INFLIGHT_COMMIT, kwargs=...)`: the
-plugin wraps `EngineCore.collective_rpc` and answers the reserved names below itself instead of
-forwarding them to the workers. In that one call:
+A commit is ONE call on the engine-core thread (rpc.COMMIT_ALL), so it runs strictly between two
+engine steps (vLLM dispatches utilities from its busy loop between `step_fn()` calls). The API
+process reaches it through the public `EngineClient.collective_rpc`: the plugin wraps
+`EngineCore.collective_rpc` and answers the reserved names (rpc.ENGINE_CORE_CALLS) itself instead of
+forwarding them to the workers. In that one call (`commit_between_steps`, around commit.commit_all):
 
-    preflight   refuse what cannot be made safe (409 + reason): KV / encoder-cache / aux-output
-                connectors, multimodal encoder caches, data parallelism, an unknown scheduler
-    commit      `delta_commit` on every worker rank (one broadcast: every rank writes after the
-                same forward step; worker.py methods never raise)
-    rollback    if any rank failed: `delta_rollback` on every rank in the same call, so no forward
-                ever sees mixed weights; if the rollback fails too, scheduling stops (PAUSED_ALL)
-                and every later in-flight commit answers 500
-    invalidate  on success only: drop every cached prefix hash (blocks in use stay valid for the
-                requests holding them) and taint every request that holds KV, so it never inserts
-                hashes later (its blocks mix old and new weights)
+    preflight   mode "inflight" only: refuse what cannot be made safe (409 + reason): KV /
+                encoder-cache / aux-output connectors, multimodal encoder caches, data parallelism,
+                an unknown scheduler
+    commit      rpc.COMMIT on every worker rank (one broadcast: every rank writes after the same
+                forward step; worker methods never raise)
+    rollback    if any rank failed: rpc.ROLLBACK on every rank in the same call, so no forward ever
+                sees mixed weights; if the rollback fails too, scheduling stops (PAUSED_ALL) and
+                every later commit answers 500
+    invalidate  mode "inflight", on success only: drop every cached prefix hash (blocks in use stay
+                valid for the requests holding them) and taint every request that holds KV, so it
+                never inserts hashes later (its blocks mix old and new weights). In a pause mode the
+                API process resets the prefix cache itself (vLLM's reset, once the commit is done)
     label       set vLLM's weight-version label (stamped on each step's outputs; under a batch
                 queue the batches already in flight keep the old label) and record the commit in
-                a bounded history (engine step, time, each running request's switch index)
+                a bounded history (engine step, time; in flight, each running request's switch index)
 
 Worker ordering: `MultiprocExecutor` sends one message on a broadcast queue read by every rank, and
 each worker runs its queue in order, so the commit runs after the forward steps already dispatched
@@ -30,25 +32,30 @@ Nothing here imports vLLM at module level: the plugin patches vLLM's classes in 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..attribution import version_label
-from ..errors import DeltaError, InflightRefusedError
-from .messages import ErrorPayload, InflightCommitted, Json, LabelSet, error_reply, reply_error
+from ...attribution import version_label
+from ...errors import CommitFailedError, InflightRefusedError, RollbackFailedError
+from ..shared import rpc
+from ..shared.commit import AllCommitted, AllRolledBack, commit_all, run_sync
+from ..shared.messages import (
+    PAUSE_MODES,
+    CommittedAll,
+    HistoryEntry,
+    LabelSet,
+    PrefixCleared,
+    PrefixState,
+    Timeline,
+)
 
 log = logging.getLogger(__name__)
-
-# Reserved collective_rpc names answered by the engine core itself (never sent to the workers).
-INFLIGHT_COMMIT = "delta_inflight_commit"
-SET_LABEL = "delta_set_label"
-ENGINE_TIMELINE = "delta_engine_timeline"
-PREFIX_STATE = "delta_prefix_state"  # diagnostics and tests
 
 TAINT_ATTR = "_vllm_delta_tainted"  # on vLLM Request objects: never insert prefix-cache hashes
 STATE_ATTR = "_vllm_delta_inflight"  # on the EngineCore: its EngineState
@@ -56,19 +63,11 @@ HISTORY_LIMIT = 256  # label changes kept by the engine core
 PATCHED_ATTR = "_vllm_delta_patched"
 
 
-class CommitFailed(DeltaError):
-    """A commit failed on some rank and every rank was rolled back (500)."""
-
-
-class Inconsistent(DeltaError):
-    """Ranks may hold different weights: a rollback failed (500); the engine stopped scheduling."""
-
-
 @dataclass
 class EngineState:
-    """What the engine core keeps between in-flight commits."""
+    """What the engine core keeps between commits."""
 
-    history: deque[Json] = field(default_factory=lambda: deque(maxlen=HISTORY_LIMIT))
+    history: deque[HistoryEntry] = field(default_factory=lambda: deque(maxlen=HISTORY_LIMIT))
     steps: int = 0  # labelled engine steps so far (one per step that produced outputs)
     # Labels of the batches that were already dispatched at a commit (batch queue: async scheduling,
     # pipeline parallelism), oldest first: they ran on the weights before it and keep that label.
@@ -140,7 +139,7 @@ def _hashed_blocks(pool: Any) -> list[Any]:
     return list(found.values())
 
 
-def drop_prefix_hashes(scheduler: Any) -> Json:
+def drop_prefix_hashes(scheduler: Any) -> PrefixCleared:
     """Forget every cached block hash, the way vLLM's BlockPool.reset_prefix_cache does, but without
     requiring every block to be free: blocks in use keep their ref counts and block-table slots, so
     they stay valid for the requests holding them; freed, they carry no hash and never hit again."""
@@ -165,7 +164,7 @@ def drop_prefix_hashes(scheduler: Any) -> Json:
     manager = scheduler.kv_cache_manager
     if getattr(manager, "log_stats", False) and getattr(manager, "prefix_cache_stats", None) is not None:
         manager.prefix_cache_stats.reset = True
-    return {"hash_keys": keys, "blocks": blocks, "blocks_in_use": in_use}
+    return PrefixCleared(hash_keys=keys, blocks=blocks, blocks_in_use=in_use)
 
 
 def holding_kv(scheduler: Any) -> list[Any]:
@@ -180,27 +179,6 @@ def external_id(engine_request_id: str) -> str:
 
 
 # -- the commit ------------------------------------------------------------------------------------
-def _rank_errors(replies: Iterable[Any]) -> list[tuple[int, Any]]:
-    return [(rank, e) for rank, e in enumerate(map(reply_error, replies)) if e is not None]
-
-
-def _workers(core: Any, _rpc: str, **kwargs: Any) -> list[Any]:
-    """Every worker rank's reply to a worker method (worker.py), in rank order."""
-    return core.model_executor.collective_rpc(_rpc, kwargs=kwargs)
-
-
-def _rollback_all(core: Any, ticket: str) -> str | None:
-    """Roll every rank back; None when all ranks are consistent again, else what went wrong."""
-    try:
-        replies = _workers(core, "delta_rollback", ticket=ticket)
-    except Exception as exc:  # noqa: BLE001 - becomes the inconsistent state below
-        return f"{type(exc).__name__}: {exc}"
-    failed = _rank_errors(replies)
-    if failed:
-        return "; ".join(f"rank {rank}: {e.type}: {e.message}" for rank, e in failed)
-    return None
-
-
 def _stop_scheduling(core: Any, st: EngineState, why: str) -> None:
     from vllm.v1.core.sched.interface import PauseState
 
@@ -211,77 +189,112 @@ def _stop_scheduling(core: Any, st: EngineState, why: str) -> None:
         log.error("vllm-delta: %s; scheduling stopped (PAUSED_ALL): restart the server", why)
 
 
-def inflight_commit(
-    core: Any, ticket: str, version: int, method: str = "delta", fault: str | None = None, mode: str = "inflight"
-) -> Json:
-    """The reserved utility INFLIGHT_COMMIT (engine-core thread, between two steps). Never raises:
-    returns InflightCommitted's wire form or an error reply (409 refused, 500 rolled back / inconsistent)."""
+def _commit_all(core: Any, args: rpc.CommitAllArgs) -> CommittedAll:
+    """The reserved call COMMIT_ALL (engine-core thread, between two steps): commit.commit_all over the
+    workers, then, as its after-writes step, the prefix-cache invalidation (mode "inflight") and the
+    label. In a pause mode the API process paused first and resets the prefix cache itself.
+    Raises InflightRefusedError (409: nothing was written), CommitFailedError (500: every rank rolled
+    back) or RollbackFailedError (500: scheduling stopped, later commits refused)."""
     t0 = time.perf_counter()
     st = state_of(core)
+    inflight = args.mode not in PAUSE_MODES
+    _refuse_unsafe(core, st, inflight)
+    outcome = run_sync(
+        commit_all(
+            rpc.Workers(rpc.executor_transport(core.model_executor)),
+            args.ticket,
+            method=args.method,
+            fault=args.fault,
+            after_writes=_after_writes(core, st, args, inflight, t0),
+        )
+    )
+    if isinstance(outcome, AllCommitted):
+        return outcome.after
+    when = " before the next forward step" if inflight else ""
+    if isinstance(outcome, AllRolledBack):
+        raise CommitFailedError(
+            f"update to version {args.version} failed and was rolled back on every rank{when}: {outcome.failure}"
+        )
+    why = f"({outcome.failure}) and its rollback failed ({outcome.rollback_failure})"
+    _stop_scheduling(core, st, f"update to version {args.version} failed {why}")
+    raise RollbackFailedError(
+        f"update to version {args.version} failed and could not be rolled back: {outcome.rollback_failure}"
+    )
+
+
+def _refuse_unsafe(core: Any, st: EngineState, inflight: bool) -> None:
+    """Before anything is written: no commit after a failed rollback; no in-flight commit this engine
+    cannot make safe (preflight)."""
     if st.inconsistent is not None:
-        return {"error": _payload(Inconsistent(f"a rollback failed earlier, ranks may disagree: {st.inconsistent}"))}
+        raise RollbackFailedError(f"a rollback failed earlier, ranks may disagree: {st.inconsistent}")
+    if not inflight:
+        return
     try:
         reasons = preflight(core)
     except Exception as exc:  # noqa: BLE001 - an engine we don't understand: refuse
         reasons = [f"preflight failed: {type(exc).__name__}: {exc}"]
     if reasons:
-        return {"error": _payload(InflightRefusedError("in-flight update refused: " + "; ".join(reasons)))}
+        raise InflightRefusedError("in-flight update refused: " + "; ".join(reasons))
+
+
+def _after_writes(
+    core: Any, st: EngineState, args: rpc.CommitAllArgs, inflight: bool, t0: float
+) -> Callable[[float], CommittedAll]:
+    """The commit's after-writes step. Everything that can fail is computed here, before the writes."""
     scheduler = core.scheduler
-    # Everything that can fail is computed before the writes.
-    holding = holding_kv(scheduler)
+    holding = holding_kv(scheduler) if inflight else []
     switch = {external_id(r.request_id): r.num_output_tokens + r.num_output_placeholders for r in holding}
-    in_flight = len(core.batch_queue) if getattr(core, "batch_queue", None) is not None else 0
+    in_flight = len(core.batch_queue) if inflight and getattr(core, "batch_queue", None) is not None else 0
     previous = core._weight_version
-    label = version_label(version)
-    try:
-        replies = _workers(core, "delta_commit", ticket=ticket, method=method, fault=fault)
-        failed = _rank_errors(replies)
-        first = f"rank {failed[0][0]}: {failed[0][1].type}: {failed[0][1].message}" if failed else ""
-    except Exception as exc:  # noqa: BLE001 - e.g. a worker died: roll back what we can
-        replies, failed, first = [], [(-1, None)], f"{type(exc).__name__}: {exc}"
-    if not failed:
-        try:
-            dropped = drop_prefix_hashes(scheduler)
-            for r in holding:
-                setattr(r, TAINT_ATTR, True)
-            _set_label(core, st, label, in_flight)
-            committed = InflightCommitted(
-                version=version,
-                label=label,
-                previous_label=previous,
-                engine_step=st.steps,
-                engine_ms=(time.perf_counter() - t0) * 1e3,
-                apply_ms=max((float(r["apply_ms"]) for r in replies), default=0.0),
-                dropped_blocks=dropped["blocks"],
-                dropped_blocks_in_use=dropped["blocks_in_use"],
-                tainted=len(holding),
-                batches_in_flight=in_flight,
-                switch=switch,
-                time=time.time(),
-            )
-            st.history.append({"mode": mode, **committed.to_wire()})
-            return committed.to_wire()
-        except Exception as exc:  # noqa: BLE001 - after the writes: undo them, the caller sees an error
-            first = f"after the writes: {type(exc).__name__}: {exc}"
-            log.exception("vllm-delta: in-flight commit failed after the writes")
-    # Some rank failed (it restored itself): every rank rolls back before the next forward step.
-    why = _rollback_all(core, ticket)
-    if why is not None:
-        _stop_scheduling(core, st, f"update to version {version} failed ({first}) and its rollback failed ({why})")
-        why = f"update to version {version} failed and could not be rolled back: {why}"
-        return {"error": _payload(Inconsistent(why))}
-    return {
-        "error": _payload(
-            CommitFailed(
-                f"update to version {version} failed and was rolled back on every rank before the next "
-                f"forward step: {first}"
-            )
+    label = version_label(args.version)
+
+    def invalidate_and_label(apply_ms: float) -> CommittedAll:
+        dropped = drop_prefix_hashes(scheduler) if inflight else PrefixCleared(0, 0, 0)
+        for r in holding:
+            setattr(r, TAINT_ATTR, True)
+        _set_label(core, st, label, in_flight)
+        committed = CommittedAll(
+            version=args.version,
+            label=label,
+            previous_label=previous,
+            engine_step=st.steps,
+            engine_ms=(time.perf_counter() - t0) * 1e3,
+            apply_ms=apply_ms,
+            dropped_blocks=dropped.blocks,
+            dropped_blocks_in_use=dropped.blocks_in_use,
+            tainted=len(holding),
+            batches_in_flight=in_flight,
+            switch=switch,
+            time=time.time(),
         )
-    }
+        st.history.append(_history_entry(args, committed))
+        return committed
+
+    return invalidate_and_label
 
 
-def _payload(exc: BaseException) -> Json:
-    return ErrorPayload.from_exception(exc).to_wire()
+def _history_entry(args: rpc.CommitAllArgs, c: CommittedAll) -> HistoryEntry:
+    """An update in a pause as a label change (as at start-up); an in-flight commit with what it did."""
+    entry = HistoryEntry(
+        mode=args.mode,
+        version=c.version,
+        label=c.label,
+        previous_label=c.previous_label,
+        engine_step=c.engine_step,
+        time=c.time,
+    )
+    if args.mode in PAUSE_MODES:
+        return entry
+    return dataclasses.replace(
+        entry,
+        engine_ms=c.engine_ms,
+        apply_ms=c.apply_ms,
+        dropped_blocks=c.dropped_blocks,
+        dropped_blocks_in_use=c.dropped_blocks_in_use,
+        tainted=c.tainted,
+        batches_in_flight=c.batches_in_flight,
+        switch=c.switch,
+    )
 
 
 def _set_label(core: Any, st: EngineState, label: str, in_flight: int = 0) -> None:
@@ -291,60 +304,63 @@ def _set_label(core: Any, st: EngineState, label: str, in_flight: int = 0) -> No
     core._weight_version = label
 
 
-def set_label(core: Any, version: int | None = None, label: str | None = None, mode: str = "pause") -> Json:
-    """The reserved utility SET_LABEL: the label for an update applied inside a pause (or at
-    start-up), recorded in the history. Nothing runs meanwhile, so no batch keeps the old label."""
+def _set_label_by_hand(core: Any, args: rpc.LabelArgs) -> LabelSet:
+    """The reserved call SET_LABEL: the label at start-up (or by hand), recorded in the history.
+    Nothing runs meanwhile that could keep the old label."""
     st = state_of(core)
-    new = label if label is not None else version_label(version)
+    new = args.label if args.label is not None else version_label(args.version)
     out = LabelSet(label=new, previous_label=core._weight_version, engine_step=st.steps, time=time.time())
     _set_label(core, st, new)
-    st.history.append({"mode": mode, "version": version, **out.to_wire()})
-    return out.to_wire()
+    st.history.append(
+        HistoryEntry(
+            mode=args.mode,
+            version=args.version,
+            label=out.label,
+            previous_label=out.previous_label,
+            engine_step=out.engine_step,
+            time=out.time,
+        )
+    )
+    return out
 
 
-def engine_timeline(core: Any) -> Json:
+def _timeline(core: Any, args: rpc.NoArgs) -> Timeline:
     st = state_of(core)
-    return {
-        "label": core._weight_version,
-        "engine_step": st.steps,
-        "inconsistent": st.inconsistent,
-        "history": list(st.history),
-        "history_limit": HISTORY_LIMIT,
-    }
+    return Timeline(
+        label=core._weight_version,
+        engine_step=st.steps,
+        inconsistent=st.inconsistent,
+        history=list(st.history),
+        history_limit=HISTORY_LIMIT,
+    )
 
 
-def prefix_state(core: Any) -> Json:
+def _prefix_state(core: Any, args: rpc.NoArgs) -> PrefixState:
     """How many blocks carry a prefix hash, and which requests are tainted (tests, diagnostics)."""
     scheduler = core.scheduler
     pools = _block_pools(scheduler)
-    return {
-        "hash_keys": sum(len(p.cached_block_hash_to_block) for p in pools),
-        "hashed_blocks": sum(len(_hashed_blocks(p)) for p in pools),
-        "tainted": sorted(
-            external_id(r.request_id) for r in scheduler.requests.values() if getattr(r, TAINT_ATTR, False)
-        ),
-        "async_scheduling": bool(getattr(core, "async_scheduling", False)),
-        "batch_queue": None if getattr(core, "batch_queue", None) is None else len(core.batch_queue),
-    }
+    return PrefixState(
+        hash_keys=sum(len(p.cached_block_hash_to_block) for p in pools),
+        hashed_blocks=sum(len(_hashed_blocks(p)) for p in pools),
+        tainted=sorted(external_id(r.request_id) for r in scheduler.requests.values() if getattr(r, TAINT_ATTR, False)),
+        async_scheduling=bool(getattr(core, "async_scheduling", False)),
+        batch_queue=None if getattr(core, "batch_queue", None) is None else len(core.batch_queue),
+    )
 
 
-RESERVED: dict[str, Callable[..., Json]] = {
-    INFLIGHT_COMMIT: inflight_commit,
-    SET_LABEL: set_label,
-    ENGINE_TIMELINE: engine_timeline,
-    PREFIX_STATE: prefix_state,
+# The reserved names, served from their declarations: each answers the reply's plain form (or an
+# error reply with the exception's HTTP status) and never raises across the utility boundary.
+commit_between_steps = rpc.serve(rpc.COMMIT_ALL, _commit_all)
+set_label = rpc.serve(rpc.SET_LABEL, _set_label_by_hand)
+engine_timeline = rpc.serve(rpc.ENGINE_TIMELINE, _timeline)
+prefix_state = rpc.serve(rpc.PREFIX_STATE, _prefix_state)
+RESERVED: dict[str, Callable[..., Any]] = {
+    f.__name__: f for f in (commit_between_steps, set_label, engine_timeline, prefix_state)
 }
+assert set(RESERVED) == {c.name for c in rpc.ENGINE_CORE_CALLS}, "every engine-core call is served"
 
 
 # -- patches ---------------------------------------------------------------------------------------
-def _answer_reserved(core: Any, method: str, args: tuple, kwargs: dict[str, Any] | None) -> list[Json]:
-    try:
-        return [RESERVED[method](core, *args, **(kwargs or {}))]
-    except Exception as exc:  # noqa: BLE001 - never raise across the utility boundary
-        log.exception("vllm-delta: %s failed", method)
-        return [error_reply(exc)]
-
-
 def patch_engine_core(engine_core_cls: Any) -> None:
     """Answer the reserved names on the engine core; count labelled steps and hold the old label for
     batches that were already in flight at a commit. Idempotent."""
@@ -355,7 +371,9 @@ def patch_engine_core(engine_core_cls: Any) -> None:
     @functools.wraps(orig_rpc)
     def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
         if isinstance(method, str) and method in RESERVED:
-            return _answer_reserved(self, method, tuple(args or ()), kwargs)
+            if args:
+                return [rpc.error_reply(TypeError(f"{method} takes keyword arguments only"))]
+            return [RESERVED[method](self, **(kwargs or {}))]
         return orig_rpc(self, method, timeout, args, kwargs)
 
     orig_attach = engine_core_cls._attach_weight_version

@@ -33,11 +33,11 @@ import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from ..errors import DeltaError, http_status
-from ..ledger import Ledger, ReplicaReport
-from ..store import DeltaStore
-from .messages import FollowStatus
-from .options import FollowOptions
+from ...errors import DeltaError, http_status
+from ...ledger import Ledger, ReplicaReport
+from ...store import DeltaStore
+from ..shared.messages import FollowStatus
+from ..shared.options import FollowOptions
 
 __all__ = ["FollowOptions", "FollowState", "Follower", "default_replica_id", "next_target"]
 

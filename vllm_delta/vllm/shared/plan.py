@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..errors import NotSuccessorError, VersionNotFoundError
-from ..store import DeltaStore, VersionRecord
+from ...errors import NotSuccessorError, VersionNotFoundError
+from ...store import DeltaStore, VersionRecord
 
 
 @dataclass

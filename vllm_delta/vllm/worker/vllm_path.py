@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from ..apply.engine import StagedUpdate
-from ..apply.layout import Layout
+from ...apply.engine import StagedUpdate
+from ...apply.layout import Layout
 
 
 def checkpoint_patches(layout: Layout, staged: StagedUpdate) -> list[Any]:

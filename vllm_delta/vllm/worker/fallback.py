@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import codec as codecs
-from ..bits import int_view
-from ..checksums import MASK64, positional_sum, tensor_sum
-from ..errors import ShapeMismatchError, UnsupportedModelError
-from ..format import VersionLike
+from ... import codec as codecs
+from ...bits import int_view
+from ...checksums import MASK64, positional_sum, tensor_sum
+from ...errors import ShapeMismatchError, UnsupportedModelError
+from ...format import VersionLike
 
 
 @dataclass

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from .handlers import Handler
+
 _MARK = "_vllm_delta_keeps_plain_weights"
 
 
@@ -36,3 +38,6 @@ def keep_plain_cpu_linears() -> bool:
     setattr(dispatch_keeping_weight, _MARK, True)
     utils.dispatch_cpu_unquantized_gemm = dispatch_keeping_weight
     return True
+
+
+HANDLER = Handler("cpu-linear-plain", "none: kept plain (F.linear on the live weight)", install=keep_plain_cpu_linears)

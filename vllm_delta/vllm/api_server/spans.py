@@ -1,7 +1,7 @@
 """The API-process side of attribution: `choices[i].weight_versions` on the OpenAI surface.
 
 vLLM already does the bookkeeping: the engine core stamps each step's outputs with its weight-version
-label (set by vllm-delta at start-up and at every update, enginecore.py), and the output processor
+label (set by vllm-delta at start-up and at every update, engine_core/reserved.py), and the output processor
 turns label changes into `CompletionOutput.weight_versions` spans on finished outputs. The OpenAI
 completion and chat responses do not show them. Here:
 
@@ -10,7 +10,7 @@ completion and chat responses do not show them. Here:
 * `AttributionMiddleware` (pure ASGI): adds `choices[i].weight_versions` = [[version, start, end],
   ...] to the non-streaming JSON body and to the streamed chunk that carries `finish_reason`, for
   POST /v1/completions and /v1/chat/completions;
-* `spans_for_response`: the same lookup for GET /v1/delta/timeline?id=<response id> (api.py).
+* `spans_for_response`: the same lookup for GET /v1/delta/timeline?id=<response id> (endpoints.py).
 
 Id mapping (vLLM 0.32): /v1/completions answers id `cmpl-<base>` and calls generate() once per prompt
 with `cmpl-<base>-<prompt index>`; choice k is output k % n of prompt k // n. /v1/chat/completions
@@ -28,7 +28,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..attribution import parse_label
+from ...attribution import parse_label
+from ..shared.messages import ChoiceSpans
 
 Json = dict[str, Any]
 SpanList = list[list[Any]]  # [[version, start, end], ...]
@@ -119,16 +120,17 @@ def spans_for_choice(store: SpanStore, response_id: str, path: str, index: int) 
     return None if rec is None else rec.outputs.get(output)
 
 
-def spans_for_response(store: SpanStore, response_id: str) -> tuple[list[str], list[Json]]:
-    """(the generate() ids, [{"index", "weight_versions"}, ...]) of a response id (completion or chat)."""
+def spans_for_response(store: SpanStore, response_id: str) -> tuple[list[str], list[ChoiceSpans]]:
+    """(the generate() ids, the spans of each choice) of a response id (completion or chat)."""
     rec = store.get(response_id)
     if rec is not None:  # chat: one generate() per response
-        return [response_id], [{"index": i, "weight_versions": rec.outputs[i]} for i in sorted(rec.outputs)]
-    ids, choices = [], []
+        return [response_id], [ChoiceSpans(i, rec.outputs[i]) for i in sorted(rec.outputs)]
+    ids: list[str] = []
+    choices: list[ChoiceSpans] = []
     prompt = 0
     while (rec := store.get(f"{response_id}-{prompt}")) is not None:
         ids.append(f"{response_id}-{prompt}")
-        choices += [{"index": prompt * rec.n + i, "weight_versions": rec.outputs[i]} for i in sorted(rec.outputs)]
+        choices += [ChoiceSpans(prompt * rec.n + i, rec.outputs[i]) for i in sorted(rec.outputs)]
         prompt += 1
     return ids, choices
 
