@@ -67,8 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     from trl import GRPOConfig
 
     from vllm_delta.integrations.trl import DeltaGRPOTrainer, RolloutSyncOptions
+    from vllm_delta.server_api import FollowStatus
     from vllm_delta.testing.server import VllmServer
-    from vllm_delta.vllm.messages import FollowStatus
 
     t_start = time.monotonic()
     root = args.root or tempfile.mkdtemp(prefix="vllm-delta-trl-")

@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import pytest
 
 from vllm_delta.attribution import Span, attribution_of, parse_label, parse_spans, version_label
+from vllm_delta.server_api import to_wire
 from vllm_delta.vllm.api_server.spans import AttributionMiddleware, SpanStore, spans_for_response, wrap_generate
-from vllm_delta.vllm.shared.messages import to_wire
 
 
 def test_client_helper():

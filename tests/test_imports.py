@@ -21,6 +21,8 @@ ROOT = Path(__file__).resolve().parent.parent / PACKAGE
 LAYERS: list[tuple[str, ...]] = [
     ("errors", "bits", "attribution"),  # leaves
     ("checksums",),  # the checksum definition
+    ("wire",),  # the generic dataclass <-> plain values codec
+    ("server_api",),  # the HTTP contract of a server: request and answer bodies (clients and plugin)
     ("format", "codec"),  # the wire: version files, codecs
     ("writer", "records", "replicas"),  # building versions; commit records and replica reports
     ("storefs", "cache", "retention"),  # the store's filesystem access, download cache, retention policy

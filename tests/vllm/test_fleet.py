@@ -22,13 +22,13 @@ from vllm_helpers import LLAMA
 from vllm_delta import DeltaStore, Publisher, checksum
 from vllm_delta.cli import main as cli_main
 from vllm_delta.ledger import Ledger
+from vllm_delta.server_api import FollowStatus, from_wire
 from vllm_delta.testing.models import PROMPTS, save_tiny_model
 from vllm_delta.testing.s3 import S3Server
 from vllm_delta.testing.server import VllmServer
 from vllm_delta.testing.training import bf16_image, build_master_model, train_steps
 from vllm_delta.trainer.options import PublisherOptions, StoreOptions
 from vllm_delta.trainer.staleness import StalenessGate, StalenessPolicy
-from vllm_delta.vllm.shared.messages import FollowStatus, from_wire
 
 pytestmark = pytest.mark.vllm
 

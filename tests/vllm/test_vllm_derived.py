@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from vllm_delta.errors import UnsupportedModelError
+from vllm_delta.server_api import to_wire
 from vllm_delta.vllm.postprocess import derived
 from vllm_delta.vllm.postprocess.derived import check_targets, observe, report_of, snapshot
 from vllm_delta.vllm.postprocess.handlers import Handler, register_handler, unregister_handler
-from vllm_delta.vllm.shared.messages import to_wire
 
 pytestmark = pytest.mark.vllm
 

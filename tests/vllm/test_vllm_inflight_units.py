@@ -19,9 +19,9 @@ from types import SimpleNamespace
 
 import pytest
 
+from vllm_delta.server_api import UpdateRequest, from_wire
 from vllm_delta.vllm.engine_core import reserved as enginecore
 from vllm_delta.vllm.shared import rpc
-from vllm_delta.vllm.shared.messages import UpdateRequest, from_wire
 from vllm_delta.vllm.shared.rpc import error_reply
 
 pytestmark = pytest.mark.vllm

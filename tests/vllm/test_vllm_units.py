@@ -14,8 +14,8 @@ from vllm_delta.errors import (
     UnsupportedModelError,
     VersionNotFoundError,
 )
+from vllm_delta.server_api import StageRequest, UpdateRequest, from_wire, to_wire
 from vllm_delta.store import DeltaStore
-from vllm_delta.vllm.shared.messages import StageRequest, UpdateRequest, from_wire, to_wire
 from vllm_delta.vllm.shared.options import LoaderOptions, server_store, split_extra_config
 from vllm_delta.vllm.shared.plan import plan_update
 from vllm_delta.vllm.worker.probe import CopyRecord, ProbeResult, finalize_layout, record_to_segment
@@ -162,14 +162,7 @@ def test_rpc_messages_cross_vllms_msgpack_boundary():
 
     from vllm_delta.checksums import MASK64
     from vllm_delta.errors import WorkerError
-    from vllm_delta.vllm.shared.messages import (
-        Committed,
-        ErrorPayload,
-        RankSums,
-        StagePoll,
-        StageSummary,
-        WorkerStatus,
-    )
+    from vllm_delta.vllm.shared.messages import Committed, ErrorPayload, RankSums, StagePoll, StageSummary, WorkerStatus
     from vllm_delta.vllm.shared.rpc import error_reply, reply_error
 
     def wire(value):
@@ -195,7 +188,7 @@ def test_rpc_messages_cross_vllms_msgpack_boundary():
 
 
 def test_update_result_answers():
-    from vllm_delta.vllm.shared.messages import UpdateResult
+    from vllm_delta.server_api import UpdateResult
 
     common = dict(apply_ms=0.0, stage_ms=0.0, nnz=0, bytes=0, applied=[], mode="keep", method="delta")
     noop = to_wire(UpdateResult(version=5, previous_version=5, pause_ms=0.0, **common))

@@ -40,13 +40,13 @@ import torch
 
 from ..checksums import combine, tensor_sum, to_hex
 from ..errors import DeltaError, StalenessTimeoutError
+from ..server_api import FollowStatus, from_wire
 from ..store import DeltaStore
 from ..trainer.detect import named_tensors
 from ..trainer.options import PublisherOptions
 from ..trainer.publisher import Publisher, PublishInfo
 from ..trainer.shard import ShardedTensor
 from ..trainer.staleness import StalenessPolicy
-from ..vllm.shared.messages import FollowStatus, from_wire
 
 log = logging.getLogger(__name__)
 

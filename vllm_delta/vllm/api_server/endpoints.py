@@ -28,7 +28,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from ...errors import BadRequestError, DeltaError, RequestTooLargeError, UnsupportedMediaTypeError, http_status, short
-from ..shared.messages import CommitSwitch, StageRequest, Timeline, UpdateRequest, from_wire, to_wire
+from ...server_api import CommitSwitch, StageRequest, Timeline, UpdateRequest, from_wire, to_wire
 from ..shared.options import server_options
 from .metrics import metrics
 from .service import DeltaService
@@ -52,7 +52,7 @@ def _error(exc: BaseException) -> JSONResponse:
 
 
 def route(handler: Callable[[Request], Awaitable[object]]) -> Callable[[Request], Awaitable[JSONResponse]]:
-    """A route's one exit: the answer (a message of messages.py) as JSON with 200, or any exception as
+    """A route's one exit: the answer (a body of server_api.py) as JSON with 200, or any exception as
     {"error": {"type", "message"}} with its status (errors.http_status); 5xx are logged with their
     traceback."""
 

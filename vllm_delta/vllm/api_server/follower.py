@@ -35,8 +35,8 @@ from dataclasses import dataclass, field
 
 from ...errors import DeltaError, http_status
 from ...ledger import Ledger, ReplicaReport
+from ...server_api import FollowStatus
 from ...store import DeltaStore
-from ..shared.messages import FollowStatus
 from ..shared.options import FollowOptions
 
 __all__ = ["FollowOptions", "FollowState", "Follower", "default_replica_id", "next_target"]
@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class FollowState:
-    """The follower's own bookkeeping; `snapshot()` is what status shows (messages.FollowStatus)."""
+    """The follower's own bookkeeping; `snapshot()` is what status shows (server_api.FollowStatus)."""
 
     store: str
     newest_seen: int | None = None

@@ -60,8 +60,7 @@ from ...errors import (
     http_status,
 )
 from ...format import VersionHeader
-from ..shared.commit import CommitOptions, Staged, Update
-from ..shared.messages import (
+from ...server_api import (
     AppliedUpdate,
     Failure,
     FollowStatus,
@@ -74,8 +73,9 @@ from ..shared.messages import (
     UpdateMode,
     UpdateRequest,
     UpdateResult,
-    WorkerStatus,
 )
+from ..shared.commit import CommitOptions, Staged, Update
+from ..shared.messages import WorkerStatus
 from ..shared.options import FollowOptions, StoreSpec
 from ..shared.plan import UpdatePlan, plan_update
 from .metrics import metrics

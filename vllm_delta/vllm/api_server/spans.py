@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...attribution import parse_label
-from ..shared.messages import ChoiceSpans
+from ...server_api import ChoiceSpans
 
 Json = dict[str, Any]
 SpanList = list[list[Any]]  # [[version, start, end], ...]

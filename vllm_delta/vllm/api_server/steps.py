@@ -25,9 +25,10 @@ from typing import TYPE_CHECKING, Any
 from ...checksums import Sums
 from ...errors import DeltaError, RollbackFailedError
 from ...format import VersionHeader
+from ...server_api import PAUSE_MODES
 from ..shared import rpc
 from ..shared.commit import CommitOptions, Staged, TwoPhaseCommit, Update
-from ..shared.messages import PAUSE_MODES, CommittedAll, StageSummary, WorkerStatus
+from ..shared.messages import CommittedAll, StageSummary, WorkerStatus
 from ..shared.options import StoreSpec
 from ..shared.plan import UpdatePlan
 from .deadline import Deadline

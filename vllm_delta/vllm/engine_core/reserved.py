@@ -43,17 +43,10 @@ from typing import Any
 
 from ...attribution import version_label
 from ...errors import CommitFailedError, InflightRefusedError, RollbackFailedError
+from ...server_api import PAUSE_MODES, HistoryEntry, Timeline
 from ..shared import rpc
 from ..shared.commit import AllCommitted, AllRolledBack, commit_all, run_sync
-from ..shared.messages import (
-    PAUSE_MODES,
-    CommittedAll,
-    HistoryEntry,
-    LabelSet,
-    PrefixCleared,
-    PrefixState,
-    Timeline,
-)
+from ..shared.messages import CommittedAll, LabelSet, PrefixCleared, PrefixState
 
 log = logging.getLogger(__name__)
 

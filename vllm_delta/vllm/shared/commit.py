@@ -36,7 +36,8 @@ from typing import Any, Generic, Protocol, TypeVar, cast
 from ...checksums import Sums, verify_partials
 from ...errors import http_status
 from ...format import VersionHeader
-from .messages import Committed, Method, RolledBack, StageSummary, UpdateMode
+from ...server_api import Method, UpdateMode
+from .messages import Committed, RolledBack, StageSummary
 from .rpc import Replies
 
 T = TypeVar("T")

@@ -14,7 +14,7 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .messages import UPDATE_MODES, UpdateMode
+from ...server_api import UPDATE_MODES, UpdateMode
 
 if TYPE_CHECKING:
     from ...store import DeltaStore

@@ -20,7 +20,7 @@ rank's reply as `Replies`) and `EngineCore`. Two transports carry them: the API 
 `EngineClient.collective_rpc` (`engine_client_transport`) and the engine core's
 `model_executor.collective_rpc` (`executor_transport`). The callee's side is registered from the same
 declarations with `serve(call, implementation)` (worker methods: worker/methods.py; reserved names:
-engine_core/reserved.py). Arguments and replies cross as plain values (messages.to_wire /
+engine_core/reserved.py). Arguments and replies cross as plain values (server_api.to_wire /
 from_wire); a callee never raises across the boundary: it answers an `ErrorReply` with the
 exception's HTTP status, and `Replies` tells results from errors in one place.
 """
@@ -38,14 +38,13 @@ from ...errors import (
     InflightRefusedError,
     RollbackFailedError,
 )
+from ...server_api import LabelCause, Method, Timeline, UpdateMode, from_wire, to_wire
 from .messages import (
     Committed,
     CommittedAll,
     ErrorPayload,
     ErrorReply,
-    LabelCause,
     LabelSet,
-    Method,
     PrefixState,
     Prepared,
     RankSums,
@@ -53,11 +52,7 @@ from .messages import (
     RolledBack,
     StagePoll,
     StageStarted,
-    Timeline,
-    UpdateMode,
     WorkerStatus,
-    from_wire,
-    to_wire,
 )
 from .options import StoreSpec
 

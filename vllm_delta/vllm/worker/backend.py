@@ -29,6 +29,7 @@ from vllm.distributed.weight_transfer.base import (
 from ...checksums import Sums
 from ...errors import CommitFailedError, RollbackFailedError
 from ...format import VersionHeader, VersionLike
+from ...server_api import Method
 from ..shared import rpc
 from ..shared.commit import (
     AllCommitted,
@@ -40,7 +41,7 @@ from ..shared.commit import (
     commit_all,
     run_sync,
 )
-from ..shared.messages import Committed, Method, RolledBack, StageSummary
+from ..shared.messages import Committed, RolledBack, StageSummary
 from ..shared.options import StoreSpec, server_store
 from ..shared.plan import UpdatePlan, plan_update
 from . import dist

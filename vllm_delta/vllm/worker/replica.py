@@ -35,20 +35,11 @@ from ...apply.engine import ApplyEngine, StagedUpdate
 from ...checksums import Sums, add_sums, to_hex
 from ...errors import ChecksumMismatchError, InjectedFaultError, UnsupportedModelError
 from ...format import VersionHeader, VersionLike
+from ...server_api import FAULTS_ENV, METHODS, Counted, Coverage, HandlerInfo, Method, Recomputed, ViaVllm
 from ..postprocess.derived import Product, check_targets, report_of
 from ..postprocess.handlers import Handler, claims_for, handlers
 from ..postprocess.loaded import fed_sums
-from ..shared.messages import (
-    FAULTS_ENV,
-    METHODS,
-    Counted,
-    Coverage,
-    HandlerInfo,
-    Method,
-    Recomputed,
-    StageSummary,
-    ViaVllm,
-)
+from ..shared.messages import StageSummary
 from . import dist, vllm_path
 from .fallback import FallbackApplier, FallbackStage
 from .probe import ProbeResult, finalize_layout, local_boxes, probe_layout, validate_layout

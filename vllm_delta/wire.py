@@ -1,4 +1,4 @@
-"""One generic codec for the typed messages (messages.py): dataclass <-> plain values.
+"""One generic codec for the typed messages (server_api.py, vllm/shared/messages.py): dataclass <-> plain values.
 
 Plain values are what crosses vLLM's msgpack boundary (API process -> engine core -> workers carry
 plain values only, vllm/v1/serial_utils.py) and what the HTTP answers are: dicts, lists, str, int,
@@ -31,7 +31,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, TypeVar, Union, cast, get_args, get_origin, get_type_hints
 
-from ...checksums import from_hex, to_hex
+from .checksums import from_hex, to_hex
 
 T = TypeVar("T")
 
