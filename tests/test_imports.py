@@ -23,7 +23,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("checksums",),  # the checksum definition
     ("format", "codec"),  # the wire: version files, codecs
     ("writer", "records", "replicas"),  # building versions; commit records and replica reports
-    ("storefs", "cache", "retention"),  # the store's filesystem access, download cache, retention policy
+    ("marks",),  # bad-version marks and the rule that reads them (on records)
+    ("storefs", "cache", "retention", "polling"),  # filesystem access, download cache, retention, latest()
     ("store",),  # DeltaStore
     ("ledger", "reconstruct"),  # the fleet view; replay and materialize
     ("trainer", "apply"),  # the publishing side; the apply engine (plain tensors, no vLLM)

@@ -135,6 +135,12 @@ class StoreUnavailableError(DeltaError):
     http_status = 503
 
 
+class StoreAccessError(DeltaError):
+    """The store refuses the operation: no write access (read-only credentials, a read-only mount)."""
+
+    http_status = 403
+
+
 class CacheError(DeltaError):
     """The local download cache can't be written (read-only, full, missing): nothing was applied."""
 
