@@ -12,7 +12,9 @@ the store's history. After a first full listing, a poll is:
   case the head lags (`FORWARD_PROBES` found in a row: list everything);
 * at least every `FULL_LISTING_S`, and whenever something does not add up (a head the records do not
   confirm, a newest version that disappeared), a full listing: the safety net for heads that lag on
-  non-contiguous numbering, retention and rewritten stores.
+  non-contiguous numbering, retention and rewritten stores. A full listing lists the record *names*
+  (S3: one request per 1,000) and reads records from the newest down until one parses: it never
+  reads every record (the first call of a reader used to, one GET per version on S3).
 
 A store without a head (written before heads existed, or by an older publisher) is listed on every
 poll, as before (S3 needs no head). The head is a hint: the answer is always a version whose record
@@ -45,8 +47,8 @@ class PollSource(Protocol):
         """A version's record (re-read with `fresh`), or None when there is none."""
         ...
 
-    def list_versions(self) -> list[int]:
-        """Every committed version, ascending (a full listing; it calls `LatestPoller.listed`)."""
+    def newest_listed(self) -> int | None:
+        """A full listing of the record names; the newest version whose record parses, or None."""
         ...
 
 
@@ -79,10 +81,10 @@ class LatestPoller:
         self._lock = threading.Lock()
         self.counts = PollCounts()
 
-    def listed(self, versions: list[int]) -> None:
+    def listed(self, newest: int | None) -> None:
         """A full listing was made (by `latest` or by anyone calling `DeltaStore.versions`)."""
         with self._lock:
-            self._newest = versions[-1] if versions else None
+            self._newest = newest
             self._listed_at = time.monotonic()
             self.counts.full_listings += 1
 
@@ -135,8 +137,9 @@ class LatestPoller:
         return rec is not None and (checksum is None or rec.checksum == checksum)
 
     def _full(self) -> int | None:
-        versions = self._src.list_versions()
-        return versions[-1] if versions else None
+        newest = self._src.newest_listed()
+        self.listed(newest)
+        return newest
 
 
 __all__ = ["FORWARD_PROBES", "FULL_LISTING_S", "LatestPoller", "PollCounts", "PollSource"]

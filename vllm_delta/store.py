@@ -220,8 +220,18 @@ class DeltaStore:
             for gone in self._valid - set(found):
                 self._records.pop(gone, None)
             self._valid = set(found)
-        self.poller.listed(found)
+        self.poller.listed(found[-1] if found else None)
         return found
+
+    def _newest_listed(self) -> int | None:
+        """The newest version whose record parses, from a listing of the record names (no record is
+        read but the newest ones: `versions()` reads every record it has not parsed yet)."""
+        names = self.io.names(VERSIONS_DIR)
+        numbers = sorted((int(m.group(1)) for n in names if (m := RECORD_NAME_RE.match(n))), reverse=True)
+        for v in numbers:
+            if self._load_record(v) is not None:
+                return v
+        return None
 
     def latest(self) -> int | None:
         """The newest committed version, read afresh. Between full listings (at least every
@@ -798,8 +808,8 @@ class _PollView:
     def load_record(self, version: int, fresh: bool) -> VersionRecord | None:
         return self._get()._load_record(version, fresh)
 
-    def list_versions(self) -> list[int]:
-        return self._get().versions()
+    def newest_listed(self) -> int | None:
+        return self._get()._newest_listed()
 
     def versions_after(self, version: int) -> list[int]:
         return self._get()._versions_after(version)
