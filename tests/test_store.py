@@ -492,20 +492,20 @@ class StoreContract:
         self.pipe(writer, "head.json", lagging.to_json())  # type: ignore[union-attr]
         assert reader.latest() == 4
         assert folders == [] and reader.poller.counts.full_listings == listed, "a poll listed the versions"
-        # Lagging on a gap in the numbering: S3's StartAfter finds it, elsewhere the next full listing does.
+        # Lagging on a gap in the numbering: the next full listing finds it.
         publish_history(writer, history, str(tmp_path), [(10, None)])
         self.pipe(writer, "head.json", lagging.to_json())  # type: ignore[union-attr]
-        assert reader.latest() == (10 if writer.io.is_s3 else 4)
+        assert reader.latest() == 4
         reader.poller.full_listing_s = 0.0
         assert reader.latest() == 10
         reader.poller.full_listing_s = 60.0
         # A head the records do not confirm (another run's checksum, a version without a record): a
-        # full listing, and the right answer (S3 polls need no head).
+        # full listing, and the right answer.
         listed = reader.poller.counts.full_listings
         for version, check in ((10, "0" * 16), (20, writer.record(10).checksum)):
             self.pipe(writer, "head.json", StoreHead(version, check, time.time()).to_json())
             assert reader.latest() == 10
-        assert reader.poller.counts.full_listings == listed + (0 if writer.io.is_s3 else 2)
+        assert reader.poller.counts.full_listings == listed + 2
         # A head never moves back: committing an older version leaves it at the newest.
         publish_history(writer, history, str(tmp_path), [(11, 10), (7, None)])
         assert writer.head().version == 11  # type: ignore[union-attr]

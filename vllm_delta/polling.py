@@ -1,25 +1,30 @@
 """How a reader finds a store's newest version without listing every version (docs/FORMAT.md, "Reading").
 
 A follower asks `DeltaStore.latest()` every poll, for the life of a run: its cost must not grow with
-the store's history. After a first full listing, a poll is:
+the store's history. After a first full listing, a poll is three small GETs on every store kind:
 
-* **S3** (ListObjectsV2 has StartAfter): one listing of the records after the newest one seen (exact,
-  whatever the numbering), and one GET confirming the newest record (it may have been deleted);
-* **other stores** (local directories, Hugging Face buckets: no StartAfter): one GET of `head.json`
-  (the newest version its writer committed, `records.StoreHead`), one GET of the record of the newest
-  version (the head's, checked against the head's checksum, or a newer one this reader already
-  confirmed: the head may lag), and the *forward check*: one GET of the next version's record, in
-  case the head lags (`FORWARD_PROBES` found in a row: list everything);
-* at least every `FULL_LISTING_S`, and whenever something does not add up (a head the records do not
-  confirm, a newest version that disappeared), a full listing: the safety net for heads that lag on
-  non-contiguous numbering, retention and rewritten stores. A full listing lists the record *names*
-  (S3: one request per 1,000) and reads records from the newest down until one parses: it never
-  reads every record (the first call of a reader used to, one GET per version on S3).
+* `head.json` (`records.StoreHead`): the newest version its writer committed;
+* the record of the newest version: the head's, checked against the head's checksum (a head from an
+  earlier run of a rewritten store fails this), or a newer one this reader already confirmed (the
+  head may lag);
+* the *forward check*: the next version's record, in case the head lags (a writer that died between
+  its record and its head); `FORWARD_PROBES` found in a row: list everything.
 
-A store without a head (written before heads existed, or by an older publisher) is listed on every
-poll, as before (S3 needs no head). The head is a hint: the answer is always a version whose record
-was read in this call, never older than the head's verified version or than the newest version this
-reader confirmed that still exists.
+A store without a head (written before heads existed, or by an older publisher) is polled as before
+heads: on S3 one ListObjectsV2 of the records after the newest seen (StartAfter) and one GET
+confirming the newest, elsewhere a full listing. GETs rather than S3's StartAfter listing when
+there is a head: a GET costs the same on every server whatever the store's size (rclone's StartAfter
+reads the whole folder: 7 ms per poll at 300 versions, 65 ms at 10,000, benchmarks/poll_latest.py),
+and AWS bills a LIST like 12.5 GETs.
+
+At least every `FULL_LISTING_S`, and whenever something does not add up (a head the records do not
+confirm, a newest version that disappeared), a full listing: the safety net for heads that lag on
+non-contiguous numbering, retention and rewritten stores. A full listing lists the record *names*
+(S3: one request per 1,000) and reads records from the newest down until one parses: it never reads
+every record (the first call of a reader used to, one GET per version on S3).
+
+The head is a hint: the answer is always a version whose record was read in this call, never older
+than the head's verified version or than the newest version this reader confirmed that still exists.
 """
 
 from __future__ import annotations
@@ -94,10 +99,14 @@ class LatestPoller:
             listed_at, newest = self._listed_at, self._newest
         if listed_at is None or time.monotonic() - listed_at >= self.full_listing_s:
             return self._full()
-        if self._list_after is not None:
-            found = self._after(newest) if newest is not None else None
+        self.counts.head_reads += 1
+        head = self._src.read_head()
+        if head is not None:
+            found = self._from_head(head, newest)
+        elif self._list_after is not None and newest is not None:
+            found = self._after(newest)  # no head (an older writer): S3's StartAfter, as before heads
         else:
-            found = self._from_head(newest)
+            found = None  # no head, no StartAfter: listed on every poll, as before heads
         if found is None:
             return self._full()
         with self._lock:
@@ -112,12 +121,8 @@ class LatestPoller:
                 newest = max(newest, v)
         return newest if self._confirms(newest, None) else None
 
-    def _from_head(self, newest: int | None) -> int | None:
-        """Stores without StartAfter: the head, its record (or a newer confirmed one), the next record."""
-        self.counts.head_reads += 1
-        head = self._src.read_head()
-        if head is None:
-            return None  # no head: an older writer's store, listed on every poll as before
+    def _from_head(self, head: StoreHead, newest: int | None) -> int | None:
+        """The head's record (or a newer one this reader confirmed), then the next version's record."""
         if newest is None or head.version >= newest:
             if not self._confirms(head.version, head.checksum):
                 return None  # a head the records do not confirm: rewritten store, or a broken head
