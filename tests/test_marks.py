@@ -7,11 +7,8 @@ followers skipping a marked version: tests/vllm/test_fleet.py."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
-import shutil
-import subprocess
 import threading
 import time
 import uuid
@@ -20,6 +17,7 @@ import pytest
 import torch
 from test_follower import Replica, make_weights, step
 from test_ledger import report
+from test_store_faults import _unwritable
 
 from vllm_delta import DeltaStore, Publisher, checksum
 from vllm_delta.cli import main as cli_main
@@ -153,13 +151,17 @@ def test_the_gate_counts_only_replicas_that_cannot_get_closer(tmp_path):
     assert gate.wait(10) < 0.5 and gate.released_by == frozenset()
 
 
+def publish_three(pub: Publisher, w: torch.Tensor) -> None:
+    for v in range(3):
+        pub.publish({"w": w + v}, version=v)
+    pub.flush()
+
+
 def test_publisher_mark_bad_makes_the_next_version_an_anchor(tmp_path):
     store = DeltaStore(str(tmp_path / "store"))
     w = torch.zeros(64, dtype=torch.bfloat16)
     with Publisher(store.uri, anchor_every=100) as pub:
-        for v in range(3):
-            pub.publish({"w": w + v}, version=v)
-        pub.flush()
+        publish_three(pub, w)
         mark = pub.mark_bad(1, "diverged")
         assert mark.version == 1 and store.marks() == {1: mark}
         assert pub.publish({"w": w + 3}, version=3).kind == "anchor"
@@ -176,9 +178,7 @@ def test_a_mark_by_someone_else_is_read_after_the_next_commit(tmp_path):
     store = DeltaStore(str(tmp_path / "store"))
     w = torch.zeros(64, dtype=torch.bfloat16)
     with Publisher(store.uri, anchor_every=100) as pub:
-        for v in range(3):
-            pub.publish({"w": w + v}, version=v)
-        pub.flush()
+        publish_three(pub, w)
         assert cli_main(["mark-bad", store.uri, "--version", "2", "--reason", "operator says so"]) == 0
         pub.publish({"w": w + 3}, version=3).uploaded.result(timeout=10)  # built before it knew
         assert store.record(3).kind == "delta"
@@ -218,29 +218,11 @@ def test_mark_bad_cli_inspect_and_fleet(tmp_path, capsys):
     assert sorted(store.marks()) == [2]
 
 
-@contextlib.contextmanager
-def immutable(folder: str):
-    """`folder` unwritable even for root (chattr +i), else by its mode."""
-    root = os.geteuid() == 0
-    if root:
-        if shutil.which("chattr") is None or subprocess.run(["chattr", "+i", folder]).returncode:
-            pytest.skip("no chattr +i here: cannot make a folder read-only for root")
-    else:
-        os.chmod(folder, 0o555)
-    try:
-        yield
-    finally:
-        if root:
-            subprocess.run(["chattr", "-i", folder], check=True)
-        else:
-            os.chmod(folder, 0o755)
-
-
 def test_marking_a_store_the_caller_cannot_write_is_a_clear_error(tmp_path, capsys):
     store = DeltaStore(str(tmp_path / "store"))
     publish_run(store, make_weights(11), range(0, 2))
     before = sorted(os.listdir(store.root))
-    with immutable(store.root):
+    with _unwritable(store.root):
         with pytest.raises(StoreAccessError, match="refuses writes") as err:
             store.mark_bad(1, "bad")
         assert err.value.http_status == 403

@@ -16,7 +16,6 @@ the fleet view (`ledger.py`) apply `blocked_by`.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import socket
@@ -25,7 +24,7 @@ from dataclasses import asdict, dataclass, fields
 
 from .checksums import is_hex
 from .errors import FormatError, short
-from .records import MAX_VERSION, VersionRecord
+from .records import MAX_VERSION, VersionRecord, dump_document, load_document
 
 MARKS_DIR = "bad"
 MARK_FORMAT = "vllm-delta-mark"
@@ -57,17 +56,12 @@ class BadMark:
     by: str  # who marked it (free text: user@host:pid by default)
 
     def to_json(self) -> bytes:
-        doc = {"format": MARK_FORMAT, "format_version": MARK_FORMAT_VERSION, **asdict(self)}
-        return json.dumps(doc, sort_keys=True, indent=1).encode()
+        return dump_document(MARK_FORMAT, MARK_FORMAT_VERSION, asdict(self))
 
     @classmethod
     def from_json(cls, data: bytes | str, *, where: str = "mark") -> BadMark:
         try:
-            doc = json.loads(data)
-            if not isinstance(doc, dict) or doc.get("format") != MARK_FORMAT:
-                raise ValueError(f"not a {MARK_FORMAT} document")
-            if doc.get("format_version") != MARK_FORMAT_VERSION:
-                raise ValueError(f"unknown format version {short(doc.get('format_version'))}")
+            doc = load_document(data, MARK_FORMAT, MARK_FORMAT_VERSION)
             mark = cls(**{f.name: doc[f.name] for f in fields(cls)})
             mark.validate()
         except (ValueError, TypeError, KeyError) as exc:

@@ -38,6 +38,22 @@ DATA_NAME_RE = re.compile(r"^(\d{10})\.(anchor|delta)\.([0-9a-f]{16})(?:\.part(\
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 
+def dump_document(kind: str, version: int, body: dict[str, Any]) -> builtins.bytes:
+    """A small versioned JSON object of the store (the head, a mark, a replica report): its format name
+    and format version, then its fields."""
+    return json.dumps({"format": kind, "format_version": version, **body}, sort_keys=True, indent=1).encode()
+
+
+def load_document(data: builtins.bytes | str, kind: str, version: int) -> dict[str, Any]:
+    """The fields of a small versioned JSON object (ValueError if it is not a `kind` v`version` one)."""
+    doc = json.loads(data)
+    if not isinstance(doc, dict) or doc.get("format") != kind:
+        raise ValueError(f"not a {kind} document")
+    if doc.get("format_version") != version:
+        raise ValueError(f"unknown format version {short(doc.get('format_version'))}")
+    return doc
+
+
 def record_name(version: int) -> str:
     return f"{version:010d}.json"
 
@@ -223,17 +239,12 @@ class StoreHead:
     written: float  # unix time
 
     def to_json(self) -> builtins.bytes:
-        doc = {"format": HEAD_FORMAT, "format_version": HEAD_FORMAT_VERSION, **asdict(self)}
-        return json.dumps(doc, sort_keys=True).encode()
+        return dump_document(HEAD_FORMAT, HEAD_FORMAT_VERSION, asdict(self))
 
     @classmethod
     def from_json(cls, data: builtins.bytes | str, *, where: str = HEAD_NAME) -> StoreHead:
         try:
-            doc = json.loads(data)
-            if not isinstance(doc, dict) or doc.get("format") != HEAD_FORMAT:
-                raise ValueError(f"not a {HEAD_FORMAT} document")
-            if doc.get("format_version") != HEAD_FORMAT_VERSION:
-                raise ValueError(f"unknown format version {short(doc.get('format_version'))}")
+            doc = load_document(data, HEAD_FORMAT, HEAD_FORMAT_VERSION)
             head = cls(version=doc["version"], checksum=doc["checksum"], written=doc["written"])
             if not _is_int(head.version) or head.version > MAX_VERSION or not is_hex(head.checksum):
                 raise ValueError(f"bad version or checksum: {short(doc)}")
@@ -292,5 +303,7 @@ __all__ = [
     "check_object_name",
     "check_size",
     "data_name",
+    "dump_document",
+    "load_document",
     "record_name",
 ]

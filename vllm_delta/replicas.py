@@ -10,7 +10,6 @@ hide the other replicas or break a trainer).
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 from collections.abc import Iterable
@@ -18,6 +17,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Protocol
 
 from .errors import FormatError
+from .records import dump_document, load_document
 
 log = logging.getLogger(__name__)
 
@@ -57,17 +57,12 @@ class ReplicaReport:
         return max(0, self.newest_seen - self.served_version)
 
     def to_json(self) -> bytes:
-        doc = {"format": REPORT_FORMAT, "format_version": REPORT_FORMAT_VERSION, **asdict(self)}
-        return json.dumps(doc, sort_keys=True, indent=1).encode()
+        return dump_document(REPORT_FORMAT, REPORT_FORMAT_VERSION, asdict(self))
 
     @classmethod
     def from_json(cls, data: bytes | str, *, where: str = "report") -> ReplicaReport:
         try:
-            doc = json.loads(data)
-            if not isinstance(doc, dict) or doc.get("format") != REPORT_FORMAT:
-                raise ValueError(f"not a {REPORT_FORMAT} document")
-            if doc.get("format_version") != REPORT_FORMAT_VERSION:
-                raise ValueError(f"unknown format version {doc.get('format_version')!r}")
+            doc = load_document(data, REPORT_FORMAT, REPORT_FORMAT_VERSION)
             report = cls(**{f.name: doc[f.name] for f in fields(cls)})
             report.validate()
         except (ValueError, TypeError, KeyError) as exc:
