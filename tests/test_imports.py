@@ -27,7 +27,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("storefs", "cache", "retention", "polling"),  # filesystem access, download cache, retention, latest()
     ("store",),  # DeltaStore
     ("ledger", "reconstruct"),  # the fleet view; replay and materialize
-    ("trainer", "apply"),  # the publishing side; the apply engine (plain tensors, no vLLM)
+    ("trainer", "apply", "mirror"),  # the publishing side; the apply engine (plain tensors, no vLLM); regions
     ("integrations", "testing"),  # trainer callbacks; test fixtures
     ("vllm",),  # the vLLM plugin (the only code that sees vLLM types)
     ("cli", "demo", ""),  # entry points, and the package itself ("": vllm_delta/__init__.py)

@@ -134,6 +134,44 @@ def cmd_retain(args) -> int:
     return 0
 
 
+def cmd_mirror(args) -> int:
+    import signal
+    import threading
+
+    from .mirror import Mirror, MirrorOptions
+    from .store import DeltaStore
+
+    options = MirrorOptions(
+        region=args.region,
+        poll_s=args.poll_s,
+        everything=args.all,
+        keep_anchors=args.keep_anchors,
+        owner=args.owner,
+        lease_ttl_s=args.lease_ttl,
+        forward_ledger=not args.no_ledger,
+        mark_source=not args.no_mark_source,
+    )
+    src_options = json.loads(args.src_storage_options) if args.src_storage_options else None
+    dst_options = json.loads(args.dst_storage_options) if args.dst_storage_options else None
+    src = DeltaStore(args.src, storage_options=src_options)
+    dst = DeltaStore(args.dst, storage_options=dst_options)
+    m = Mirror(src, dst, options)
+    if not args.follow:
+        try:
+            p = m.run_once()
+        finally:
+            m.close()
+        print(f"{args.src} -> {args.dst}: copied {p.copied}, corrupt {p.corrupt}, skipped {sorted(p.skipped)}")
+        return 1 if p.corrupt else 0
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    print(f"mirroring {args.src} -> {args.dst} as region {options.region!r} (owner {m.owner}); stop with SIGTERM")
+    sys.stdout.flush()
+    m.follow(stop)
+    return 0
+
+
 def fetch_status(server: str, api_key: str | None = None, timeout: float = 60.0) -> dict:
     """GET /v1/delta/status of a vLLM server with the plugin."""
     import urllib.error
@@ -225,6 +263,26 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--version", required=True, help="the version (a number)")
     sp.add_argument("--reason", required=True, help="why (shown by inspect, fleet and the followers' status)")
     sp.add_argument("--by", help="who marks it (default: user@host:pid)")
+
+    sp = sub.add_parser(
+        "mirror", help="copy every new version of SRC into DST (a region), verified, records last; --follow"
+    )
+    sp.add_argument("src", help="the source store (the trainer's)")
+    sp.add_argument("dst", help="the destination store (the region's)")
+    sp.add_argument("--follow", action="store_true", help="keep following SRC until stopped (SIGTERM, Ctrl-C)")
+    sp.add_argument("--region", default="mirror", help="the region's name in SRC's ledger (default: mirror)")
+    sp.add_argument("--src-storage-options", help="fsspec storage options of SRC as JSON")
+    sp.add_argument("--dst-storage-options", help="fsspec storage options of DST as JSON")
+    sp.add_argument("--poll-s", type=float, default=2.0, help="seconds between passes with --follow (default 2)")
+    sp.add_argument(
+        "--all", action="store_true", help="first pass: every version SRC holds (default: its newest anchor on)"
+    )
+    sp.add_argument("--keep-anchors", type=int, help="DST's own retention after each mirrored anchor")
+    sp.add_argument("--owner", help="the lease owner (default host-pid-random; the same owner resumes its lease)")
+    sp.add_argument("--lease-ttl", type=float, default=30.0, help="seconds after which a silent holder's lease expires")
+    sp.add_argument("--no-ledger", action="store_true", help="do not forward DST's replica reports to SRC")
+    sp.add_argument("--no-mark-source", action="store_true", help="mark a corrupt SRC version bad in DST only")
+    sp.set_defaults(func=cmd_mirror)
 
     sp = add("retain", cmd_retain, "delete all but the newest K anchors and the deltas that need them")
     sp.add_argument("--keep-anchors", type=int, required=True)

@@ -541,6 +541,44 @@ class DeltaStore:
         self._advance_head(rec)
         return rec
 
+    def adopt(self, rec: VersionRecord, paths: list[str]) -> VersionRecord:
+        """Commit a version copied from another store (a mirror), under the names its record gives.
+
+        `paths`: local files holding `rec.data_files`, in order, already verified by the caller against
+        the source (its sha256, or its headers). Each is put under its recorded name and checked
+        (size), then the record is written, last, as in `publish`: nothing of the version is visible
+        before every file is in place. The record written carries every file's sha256 (computed here
+        where the source's record had none). A version already committed here with the same checksum
+        and files is returned as it is (a copy resumed after a crash); another one with that number
+        raises VersionExistsError."""
+        rec.validate()
+        if len(paths) != len(rec.data_files):
+            raise ValueError(f"version {rec.version} has {len(rec.data_files)} files, {len(paths)} given")
+        existing = self._load_record(rec.version, fresh=True)
+        if existing is not None:
+            if existing.checksum == rec.checksum and existing.files == rec.files:
+                return existing
+            raise VersionExistsError(
+                f"version {rec.version} already exists in store {self.uri} with other data "
+                f"(checksum {existing.checksum}, the copy's {rec.checksum})",
+                version=rec.version,
+            )
+        digests = []
+        for data, path in zip(rec.data_files, paths):
+            check_size(data, os.path.getsize(path), version=rec.version)
+            digests.append(data.sha256 or file_sha256(path))
+            self._put_data(rec.version, data.file, path, data.bytes, False, secrets.token_hex(8))
+        if rec.parts:
+            rec = dataclasses.replace(
+                rec, parts=tuple(dataclasses.replace(p, sha256=d) for p, d in zip(rec.parts, digests))
+            )
+        else:
+            rec = dataclasses.replace(rec, sha256=digests[0])
+        self._commit_record(rec, secrets.token_hex(8))
+        self._remember(rec)
+        self._advance_head(rec)
+        return rec
+
     def _check_parts_stored(self, parts: Iterable[PartRecord], version: int) -> None:
         """Every part is in the store with its recorded size (one stat each), or IntegrityError."""
         for part in parts:

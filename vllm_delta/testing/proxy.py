@@ -16,7 +16,9 @@ to every request (`delay_s`: a far region), and go down and come back on the sam
 
 from __future__ import annotations
 
+import contextlib
 import http.client
+import socket
 import threading
 import time
 import urllib.parse
@@ -105,6 +107,10 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
         pass
 
+    def handle(self) -> None:
+        with contextlib.suppress(ConnectionError):  # a client gone, or the proxy cut it (`down`)
+            super().handle()
+
     def do_GET(self) -> None:  # noqa: N802 - http.server's naming
         self._forward()
 
@@ -180,7 +186,26 @@ class _ProxyServer(ThreadingHTTPServer):
 
     def __init__(self, address: tuple[str, int], proxy: S3Proxy):
         self.proxy = proxy
+        self.open_sockets: set[socket.socket] = set()  # clients' keep-alive connections, cut by `down`
+        self._sockets_lock = threading.Lock()
         super().__init__(address, _Handler)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        with self._sockets_lock:
+            self.open_sockets.add(request)
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            with self._sockets_lock:
+                self.open_sockets.discard(request)
+
+    def cut(self) -> None:
+        """Close every client connection (a server that went down does not answer on old ones either)."""
+        with self._sockets_lock:
+            sockets = list(self.open_sockets)
+        for s in sockets:
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
 
 
 class S3Proxy:
@@ -256,6 +281,7 @@ class S3Proxy:
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
+            self._server.cut()
             self._server = None
         if self._thread is not None:
             self._thread.join(timeout=10)
