@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import re
 import socket
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 
 from .checksums import is_hex
@@ -114,10 +114,6 @@ def describe(mark: BadMark) -> str:
     return f"version {mark.version} is marked bad ({mark.reason[:200]})"
 
 
-def marked_versions(marks: Iterable[BadMark]) -> list[int]:
-    return sorted(m.version for m in marks)
-
-
 __all__ = [
     "MARKS_DIR",
     "MARK_FORMAT",
@@ -130,6 +126,5 @@ __all__ = [
     "default_marker",
     "describe",
     "mark_name",
-    "marked_versions",
     "reachable_prefix",
 ]
