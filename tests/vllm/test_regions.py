@@ -230,8 +230,11 @@ def test_a_mirror_killed_mid_copy_leaves_nothing_partial(regions, trainer, follo
         regions.start_mirror(dst_options=slow.storage_options(regions.eu.storage_options))
         trainer.publish(5)
         name = os.path.basename(regions.src.record(5).files[0])
-        wait_for("version 5's data file in the region", lambda: name in data_files(regions.dst), timeout=60)
+        deadline = time.monotonic() + 60
+        while name not in data_files(regions.dst) and time.monotonic() < deadline:
+            time.sleep(0.02)  # its data file has landed; its record (a few slow requests later) not yet
         regions.stop_mirror(signal.SIGKILL)
+        assert name in data_files(regions.dst)
     assert regions.dst.versions() == [0, 1, 2, 3, 4]  # nothing of 5 is visible
     for v in regions.dst.versions():
         with regions.dst.open(v, fresh=True):  # every visible version whole, and verified
