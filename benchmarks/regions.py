@@ -10,7 +10,7 @@ server A (rclone on 127.0.0.1), the trainer's region:
 
 The proxy can add `--delay-ms` to every request to A (a far region: both topologies pay it on what
 they read from A, the regional followers not on what they read from B). Per version, measured from
-the moment `publish` returned (the version visible in A) until every follower reports it (the
+the moment the version became visible in A (its record written) until every follower reports it (the
 heartbeat of its ledger report, written right after the update): publish-to-live (median and max
 over the followers), and the bytes read from A while it travelled: data files, and everything
 (records, heads, listings, the mirror's marks and ledger reads). Printed as a table, saved as JSON and
@@ -35,6 +35,7 @@ import tempfile
 import threading
 import time
 
+from vllm_delta.errors import DeltaError
 from vllm_delta.ledger import Ledger
 from vllm_delta.store import DeltaStore
 from vllm_delta.testing.models import TinyModelSpec
@@ -87,7 +88,12 @@ def wait_live(ledger: Ledger, n: int, version: int, timeout: float = 300.0) -> d
     deadline = time.monotonic() + timeout
     seen: dict[str, float] = {}
     while time.monotonic() < deadline:
-        for r in ledger.reports():
+        try:
+            reports = ledger.reports()
+        except DeltaError:  # rclone can serve a report while a follower rewrites it: read again
+            time.sleep(0.1)
+            continue
+        for r in reports:
             if r.served_version is not None and r.served_version >= version and r.replica_id not in seen:
                 seen[r.replica_id] = r.heartbeat
         if len(seen) >= n:
@@ -102,7 +108,7 @@ def run_versions(run: LiveRun, proxy: S3Proxy, ledger: Ledger, n: int, versions:
     for _ in range(versions):
         proxy.counts.reset()
         info = run.step()
-        published = time.time()  # visible in A: step() flushed
+        published = run.visible_at[info.version]  # its record written in A
         live = wait_live(ledger, n, info.version)
         time.sleep(1.0)  # the last reads of this version (the mirror's ledger pass, polls) land in its window
         times = [max(0.0, t - published) for t in live.values()]

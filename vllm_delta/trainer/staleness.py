@@ -23,7 +23,7 @@ import logging
 import time
 from dataclasses import dataclass
 
-from ..errors import DeltaError, StalenessTimeoutError
+from ..errors import DeltaError, StalenessTimeoutError, http_status
 from ..ledger import Ledger, ReplicaReport, count_within
 from ..marks import BadMark, blocked_by
 from ..store import DeltaStore
@@ -47,6 +47,15 @@ class StalenessPolicy:
             raise ValueError("timeout_s and poll_s must be positive")
 
 
+@dataclass
+class _MarkView:
+    """What one wait remembers while marks matter: the committed versions up to the floor (listed once
+    per set of marks: they do not change while the trainer waits)."""
+
+    versions: list[int] | None = None
+    marks: frozenset[int] = frozenset()
+
+
 class StalenessGate:
     def __init__(self, store: DeltaStore, policy: StalenessPolicy, *, stale_after_s: float | None = None):
         self.policy = policy
@@ -58,7 +67,8 @@ class StalenessGate:
 
     def wait(self, version: int) -> float:
         """Block until `version` may be published; returns the seconds waited. `released_by` then names
-        the marked versions that let replicas count although they serve less than `version - K`."""
+        the marked versions that let replicas count although they serve less than `version - K`. A
+        store fault while reading the ledger (5xx) counts as no replica this poll, not as an error."""
         if self.first is None:
             self.first = version
         p = self.policy
@@ -68,23 +78,15 @@ class StalenessGate:
         floor = version - p.max_staleness
         t0 = time.monotonic()
         next_log = t0 + 10.0
-        versions: list[int] | None = None  # committed versions <= floor, listed once a mark matters
-        seen_marks: frozenset[int] = frozenset()
+        view = _MarkView()
         while True:
-            live = self.ledger.live()
-            have = count_within(live, version, p.max_staleness)
-            released: set[int] = set()
-            if have < p.min_replicas:
-                marks = self.store.marks()
-                if marks:
-                    if versions is None or frozenset(marks) != seen_marks:
-                        versions, seen_marks = [v for v in self.store.versions() if v <= floor], frozenset(marks)
-                    for r in live:
-                        if r.served_version is not None and r.served_version < floor:
-                            stuck = self._stuck_on(r, versions, floor, marks)
-                            if stuck:
-                                have += 1
-                                released |= stuck
+            try:
+                live, have, released = self._count(version, floor, view)
+            except DeltaError as exc:
+                if http_status(exc) < 500:
+                    raise
+                log.warning("publish %d: could not read the ledger (%s); trying again", version, exc)
+                live, have, released = [], 0, set()
             if have >= p.min_replicas:
                 waited = time.monotonic() - t0
                 self.waited_s += waited
@@ -110,6 +112,27 @@ class StalenessGate:
                 )
                 next_log = now + 10.0
             time.sleep(p.poll_s)
+
+    def _count(self, version: int, floor: int, view: _MarkView) -> tuple[list[ReplicaReport], int, set[int]]:
+        """The live replicas, how many count for `version`, and the marks that let some of them count."""
+        p = self.policy
+        live = self.ledger.live()
+        have = count_within(live, version, p.max_staleness)
+        released: set[int] = set()
+        if have >= p.min_replicas:
+            return live, have, released
+        marks = self.store.marks()
+        if not marks:
+            return live, have, released
+        if view.versions is None or frozenset(marks) != view.marks:
+            view.versions, view.marks = [v for v in self.store.versions() if v <= floor], frozenset(marks)
+        for r in live:
+            if r.served_version is not None and r.served_version < floor:
+                stuck = self._stuck_on(r, view.versions, floor, marks)
+                if stuck:
+                    have += 1
+                    released |= stuck
+        return live, have, released
 
     def _stuck_on(self, replica: ReplicaReport, versions: list[int], floor: int, marks: dict[int, BadMark]) -> set[int]:
         """The marks that block every committed version in (served, floor], if they all are (and there
