@@ -146,7 +146,7 @@ class _Handler(BaseHTTPRequestHandler):
             headers["Content-Length"] = str(len(body))
         try:
             status, reason, resp_headers, data = proxy.upstream_call(self.command, self.path, body, headers)
-        except OSError:
+        except (OSError, http.client.HTTPException):  # down, or a response cut short
             self.close_connection = True
             self._answer(502, b"upstream unreachable", {"Content-Type": "text/plain"})
             return
