@@ -32,7 +32,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 
 from vllm_delta.errors import DeltaError
@@ -42,7 +41,7 @@ from vllm_delta.testing.models import TinyModelSpec
 from vllm_delta.testing.proxy import S3Proxy
 from vllm_delta.testing.runs import LiveRun
 from vllm_delta.testing.s3 import S3Server
-from vllm_delta.testing.server import VllmServer
+from vllm_delta.testing.server import VllmServer, start_all
 
 SPEC = TinyModelSpec(arch="llama", hidden_size=256, intermediate_size=512, num_layers=4, num_kv_heads=1)
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "regions_cpu")
@@ -63,24 +62,7 @@ def start_followers(n: int, model_dir: str, uri: str, options: dict, work: str, 
         }
         log = os.path.join(work, f"server-{tag}-{i}.log")
         servers.append(VllmServer(model_dir, store=uri, version="latest", extra_loader_config=config, log_path=log))
-    errors: list[BaseException] = []
-
-    def start(srv: VllmServer) -> None:
-        try:
-            srv.start()
-        except BaseException as exc:  # noqa: BLE001 - raised below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=start, args=(s,)) for s in servers]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        for srv in servers:
-            srv.stop()
-        raise errors[0]
-    return servers
+    return start_all(servers)
 
 
 def wait_live(ledger: Ledger, n: int, version: int, timeout: float = 300.0) -> dict[str, float]:

@@ -16,12 +16,12 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import pytest
+from test_fleet import converge, serves, wait_for
 from vllm_helpers import LLAMA
 
 from vllm_delta import DeltaStore, Publisher, checksum
@@ -29,14 +29,13 @@ from vllm_delta.ledger import Ledger
 from vllm_delta.testing.models import PROMPTS, save_tiny_model
 from vllm_delta.testing.proxy import S3Proxy
 from vllm_delta.testing.s3 import S3Server
-from vllm_delta.testing.server import VllmServer
+from vllm_delta.testing.server import VllmServer, start_all
 from vllm_delta.testing.training import bf16_image, build_master_model, train_steps
 from vllm_delta.trainer.options import PublisherOptions, StoreOptions
 from vllm_delta.trainer.staleness import StalenessGate, StalenessPolicy
 
 pytestmark = pytest.mark.vllm
 
-CONVERGE_S = 120.0
 OWNER = "mirror-eu"
 
 
@@ -83,15 +82,6 @@ class Regions:
     def mirror_log(self) -> str:
         with open(os.path.join(self.tmp, "mirror.log"), errors="replace") as f:
             return f.read()[-3000:]
-
-
-def wait_for(what: str, predicate: Callable[[], bool], timeout: float = CONVERGE_S) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
 @pytest.fixture(scope="module")
@@ -142,39 +132,12 @@ def followers(regions, trainer) -> Iterator[list[VllmServer]]:
         servers.append(
             VllmServer(trainer.model_dir, store=regions.dst.uri, version="latest", extra_loader_config=config)
         )
-    errors: list[BaseException] = []
-
-    def start(srv: VllmServer) -> None:
-        try:
-            srv.start()
-        except BaseException as exc:  # noqa: BLE001 - raised below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=start, args=(s,)) for s in servers]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    start_all(servers)
     try:
-        if errors:
-            raise errors[0]
         yield servers
     finally:
         for srv in servers:
             srv.stop()
-
-
-def serves(srv: VllmServer, trainer: Trainer, version: int) -> bool:
-    st = srv.status()
-    return st["version"] == version and st["checksum"] == trainer.checksums[version]
-
-
-def converge(servers: list[VllmServer], trainer: Trainer, version: int) -> None:
-    for srv in servers:
-        try:
-            wait_for(f"{srv.base_url} to serve {version}", lambda srv=srv: serves(srv, trainer, version))
-        except AssertionError as exc:
-            raise AssertionError(f"{exc}; follow: {srv.status().get('follow')}") from None
 
 
 def test_every_version_reaches_the_region_read_once_from_the_source(regions, trainer, followers):
