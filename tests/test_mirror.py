@@ -251,9 +251,10 @@ def test_store_faults_are_retried_with_backoff(tmp_path, s3_server, region):
     src = new_store("s3", tmp_path, s3_server)
     dst = new_store("s3", tmp_path, region)
     publish(src, range(0, 2))
-    with S3Proxy(s3_server.endpoint_url) as proxy:
+    with S3Proxy(s3_server.endpoint_url) as proxy, S3Proxy(region.endpoint_url) as proxy_b:
         via = DeltaStore(src.uri, proxy.storage_options(s3_server.storage_options), timeout_s=5)
-        m = Mirror(via, dst, MirrorOptions(poll_s=0.1, backoff_max_s=0.4))
+        into = DeltaStore(dst.uri, proxy_b.storage_options(region.storage_options), timeout_s=5)
+        m = Mirror(via, into, MirrorOptions(poll_s=0.1, backoff_max_s=0.4))
         stop = threading.Event()
         t = threading.Thread(target=m.follow, args=(stop,))
         t.start()
@@ -271,9 +272,18 @@ def test_store_faults_are_retried_with_backoff(tmp_path, s3_server, region):
             while dst.latest() != 3 and time.monotonic() < deadline:
                 time.sleep(0.1)
             assert dst.latest() == 3
+            proxy_b.down()  # now the destination's region
+            publish(src, range(4, 6))
+            time.sleep(1.5)
+            assert t.is_alive() and dst.latest() == 3
+            proxy_b.up()
+            deadline = time.monotonic() + 30
+            while dst.latest() != 5 and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert dst.latest() == 5
         finally:
             stop.set()
             t.join(timeout=30)
     assert not t.is_alive()
-    assert_same(src, dst, [0, 1, 2, 3])
+    assert_same(src, dst, [0, 1, 2, 3, 4, 5])
     assert dst.list_objects(LEASE_FOLDER) == []
