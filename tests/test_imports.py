@@ -25,10 +25,11 @@ LAYERS: list[tuple[str, ...]] = [
     ("server_api",),  # the HTTP contract of a server: request and answer bodies (clients and plugin)
     ("format", "codec"),  # the wire: version files, codecs
     ("writer", "records", "replicas"),  # building versions; commit records and replica reports
-    ("storefs", "cache", "retention"),  # the store's filesystem access, download cache, retention policy
+    ("marks",),  # bad-version marks and the rule that reads them (on records)
+    ("storefs", "cache", "retention", "polling"),  # filesystem access, download cache, retention, latest()
     ("store",),  # DeltaStore
     ("ledger", "reconstruct"),  # the fleet view; replay and materialize
-    ("trainer", "apply"),  # the publishing side; the apply engine (plain tensors, no vLLM)
+    ("trainer", "apply", "mirror"),  # the publishing side; the apply engine (plain tensors, no vLLM); regions
     ("integrations", "testing"),  # trainer callbacks; test fixtures
     ("vllm",),  # the vLLM plugin (the only code that sees vLLM types)
     ("cli", "demo", ""),  # entry points, and the package itself ("": vllm_delta/__init__.py)

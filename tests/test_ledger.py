@@ -168,3 +168,21 @@ def test_max_staleness_times_out_with_a_clear_error(tmp_path):
         assert "delta_report" in str(err.value)
         Ledger(store).report(report("old", served=2))
         pub.publish({"w": w + 3}, version=3)  # the gate holds no grudge: the next call goes through
+
+
+def test_the_gate_rides_out_a_store_fault(s3_server):
+    """A ledger read that fails (the store down: 503) is a poll with no replica, not a publish error."""
+    from vllm_delta.testing.proxy import S3Proxy
+    from vllm_delta.trainer.staleness import StalenessGate
+
+    uri = s3_server.uri(f"gate-{uuid.uuid4().hex[:8]}")
+    Ledger(DeltaStore(uri, s3_server.storage_options)).report(report("r", served=5))
+    with S3Proxy(s3_server.endpoint_url) as proxy:
+        store = DeltaStore(uri, proxy.storage_options(s3_server.storage_options), timeout_s=2)
+        gate = StalenessGate(store, StalenessPolicy(max_staleness=1, min_replicas=1, timeout_s=60, poll_s=0.1))
+        gate.first = 0
+        proxy.down()
+        threading.Timer(1.0, proxy.up).start()
+        t0 = time.monotonic()
+        assert gate.wait(6) >= 0.0  # the replica at 5 counts once the store answers again
+        assert time.monotonic() - t0 >= 0.9

@@ -23,6 +23,8 @@ from vllm_delta.errors import (
     VersionNotFoundError,
 )
 from vllm_delta.format import VersionFile, VersionHeader, write
+from vllm_delta.marks import BadMark, blocked_by, reachable_prefix
+from vllm_delta.records import StoreHead
 from vllm_delta.store import DeltaStore, VersionRecord
 from vllm_delta.writer import encode_anchor, encode_delta
 
@@ -438,6 +440,100 @@ class StoreContract:
                 store.put_asset(bad, b"")
         assert store.versions() == []  # assets are not versions
 
+    # -- bad-version marks (marks.py) -----------------------------------------------------------------
+    def test_mark_bad_once_and_what_it_blocks(self, filled, caplog):
+        assert filled.marks() == {}
+        mark = filled.mark_bad(4, "diverged: loss spike", by="test")
+        assert (mark.version, mark.checksum, mark.by) == (4, filled.record(4).checksum, "test")
+        assert filled.marks() == {4: mark}
+        assert filled.mark_bad(4, "another reason") == mark  # written once: the first mark stays
+        assert self.listing(filled, "bad") == ["0000000004.json"]
+        marks = filled.marks()
+        assert blocked_by(filled.chain(4), marks) == mark and blocked_by(filled.chain(5), marks) == mark
+        assert blocked_by(filled.chain(3), marks) is None and blocked_by(filled.chain(7), marks) is None
+        assert [r.version for r in reachable_prefix(filled.chain(5), marks)] == [3]
+        # bad input changes nothing
+        with pytest.raises(VersionNotFoundError):
+            filled.mark_bad(99, "no such version")
+        for reason in ("", "   ", "x" * 1001, None):
+            with pytest.raises(ValueError):
+                filled.mark_bad(5, reason)  # type: ignore[arg-type]
+        assert self.listing(filled, "bad") == ["0000000004.json"]
+        # a mark left by an earlier run of the store (another checksum) blocks nothing
+        self.pipe(filled, "bad/0000000002.json", BadMark(2, "0" * 16, "old run", 0.0, "x").to_json())
+        assert blocked_by(filled.chain(2), filled.marks()) is None
+        # garbage is skipped with a warning, never hiding the other marks
+        self.pipe(filled, "bad/0000000001.json", b"not json")
+        self.pipe(filled, "bad/0000000000.json", BadMark(5, "0" * 16, "wrong name", 0.0, "x").to_json())
+        self.pipe(filled, "bad/notes.txt", b"x")
+        with caplog.at_level(logging.WARNING):
+            assert sorted(filled.marks()) == [2, 4]
+        assert "not a mark name" in caplog.text and "marks version 5" in caplog.text
+        # retention removes a mark only once its version is gone
+        assert filled.retain(1) == [0, 1, 2, 3, 4, 5]
+        assert self.listing(filled, "bad") == ["0000000000.json", "0000000001.json", "notes.txt"]
+
+    # -- the head and polls that stay O(1) (polling.py) ------------------------------------------------
+    def test_polls_do_not_list_the_versions(self, new_store, history, tmp_path):
+        writer = new_store()
+        reader = DeltaStore(writer.uri, {**writer.storage_options, "skip_instance_cache": True})
+        publish_history(writer, history, str(tmp_path), [(0, None), (1, 0)])
+        assert reader.latest() == 1  # the first poll lists everything
+        assert writer.head() is not None and writer.head().version == 1  # type: ignore[union-attr]
+        listed = reader.poller.counts.full_listings
+        folders: list[str] = []
+        real_ls = reader.io.ls
+        reader.io.ls = lambda folder: folders.append(folder) or real_ls(folder)  # type: ignore[method-assign]
+        publish_history(writer, history, str(tmp_path), [(2, 1), (3, 2)])
+        assert reader.latest() == 3 and reader.latest() == 3
+        # A head that lags (its writer died between the record and the head): the forward check.
+        lagging = writer.head()
+        publish_history(writer, history, str(tmp_path), [(4, 3)])
+        self.pipe(writer, "head.json", lagging.to_json())  # type: ignore[union-attr]
+        assert reader.latest() == 4
+        assert folders == [] and reader.poller.counts.full_listings == listed, "a poll listed the versions"
+        # Lagging on a gap in the numbering: the next full listing finds it.
+        publish_history(writer, history, str(tmp_path), [(10, None)])
+        self.pipe(writer, "head.json", lagging.to_json())  # type: ignore[union-attr]
+        assert reader.latest() == 4
+        reader.poller.full_listing_s = 0.0
+        assert reader.latest() == 10
+        reader.poller.full_listing_s = 60.0
+        # A head the records do not confirm (another run's checksum, a version without a record): a
+        # full listing, and the right answer.
+        listed = reader.poller.counts.full_listings
+        for version, check in ((10, "0" * 16), (20, writer.record(10).checksum)):
+            self.pipe(writer, "head.json", StoreHead(version, check, time.time()).to_json())
+            assert reader.latest() == 10
+        assert reader.poller.counts.full_listings == listed + 2
+        # A head never moves back: committing an older version leaves it at the newest.
+        publish_history(writer, history, str(tmp_path), [(11, 10), (7, None)])
+        assert writer.head().version == 11  # type: ignore[union-attr]
+        assert reader.latest() == 11
+        # The newest version disappears while the head still names it (records removed by hand).
+        self.rm(writer, "versions/0000000011.json")
+        assert reader.latest() == 10
+
+    def test_stores_without_a_head_are_read_as_before(self, new_store, history, tmp_path, caplog):
+        writer = new_store()
+        reader = DeltaStore(writer.uri, {**writer.storage_options, "skip_instance_cache": True})
+        publish_history(writer, history, str(tmp_path), [(0, None), (1, 0)])
+        self.rm(writer, "head.json")  # what an older publisher leaves
+        assert reader.latest() == 1 and reader.head() is None
+        publish_history(writer, history, str(tmp_path), [(2, 1)])
+        self.rm(writer, "head.json")
+        listed = reader.poller.counts.full_listings
+        assert reader.latest() == 2
+        # Without a head, S3 polls with StartAfter; other stores list versions/ as before heads.
+        assert reader.poller.counts.full_listings == listed + (0 if writer.io.is_s3 else 1)
+        self.pipe(writer, "head.json", b"{not a head")
+        with caplog.at_level(logging.WARNING):
+            assert reader.latest() == 2
+            publish_history(writer, history, str(tmp_path), [(3, 2)])  # a garbage head is replaced
+        assert writer.head() is not None and reader.latest() == 3
+        if not writer.io.is_s3:
+            assert "unreadable store head" in caplog.text
+
 
 class LocalContract(StoreContract):
     scheme = ""
@@ -494,11 +590,12 @@ def test_local_layout_and_modes(tmp_path, history):
     header = history.write_anchor(src, 0)
     os.chmod(src, 0o600)
     rec = store.publish(header, src, move=True)
-    assert sorted(os.listdir(store.root)) == ["data", "versions"]
+    assert sorted(os.listdir(store.root)) == ["data", "head.json", "versions"]
     assert os.listdir(os.path.join(store.root, "versions")) == ["0000000000.json"]
     assert os.listdir(os.path.join(store.root, "data")) == [os.path.basename(rec.file)]
-    mode = os.stat(os.path.join(store.root, rec.file)).st_mode & 0o777
-    assert mode & 0o044 == 0o044 & ~store_mod._UMASK  # readable by a server running as another user
+    for path in (rec.file, "head.json"):
+        mode = os.stat(os.path.join(store.root, path)).st_mode & 0o777
+        assert mode & 0o044 == 0o044 & ~store_mod._UMASK  # readable by a server running as another user
 
 
 def test_records_are_cached(tmp_path, history):

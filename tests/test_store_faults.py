@@ -96,19 +96,29 @@ def test_latest_polls_only_what_is_new(s3, history, tmp_path):
     publish_history(writer, history, str(tmp_path), [(0, None), (1, 0)])
     reader = reader_of(s3, uri, str(tmp_path / "cache"))
     assert reader.latest() == 1
-    full_at = reader._full_at
+    full_at = reader.poller.counts.full_listings
     requests: list[str] = []
     reader.fs.s3.meta.events.register("before-send.s3", lambda request, **kw: requests.append(request.url))
     publish_history(writer, history, str(tmp_path), [(2, 1), (3, 2)])
     assert reader.latest() == 3
-    assert reader._full_at == full_at, "a poll between full listings must not list everything"
+    assert reader.poller.counts.full_listings == full_at, "a poll between full listings must not list everything"
+    # With a head: three GETs (head.json, the newest record, the next one), no listing.
+    assert not [u for u in requests if "list-type=2" in u], requests
+    assert sorted(u.rsplit("/", 1)[-1] for u in requests) == ["0000000003.json", "0000000004.json", "head.json"]
+    # Without one (an older publisher's store): the records after the newest seen, and one GET.
+    writer.fs.rm_file(writer.root + "/head.json")
+    publish_history(writer, history, str(tmp_path), [(4, 3)])
+    writer.fs.rm_file(writer.root + "/head.json")
+    requests.clear()
+    assert reader.latest() == 4
     listings = [u for u in requests if "list-type=2" in u]
     assert len(listings) == 1 and "start-after=" in listings[0], requests
+    assert reader.poller.counts.full_listings == full_at
     # The newest record seen disappears (the store was emptied and refilled): a full listing.
+    writer.fs.rm_file(writer.root + "/versions/0000000004.json")
     writer.fs.rm_file(writer.root + "/versions/0000000003.json")
-    writer.fs.rm_file(writer.root + "/versions/0000000002.json")
-    assert reader.latest() == 1
-    assert reader._full_at > full_at
+    assert reader.latest() == 2
+    assert reader.poller.counts.full_listings > full_at
 
 
 def test_a_rewritten_store_is_read_afresh_where_it_matters(s3, tmp_path):

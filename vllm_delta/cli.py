@@ -1,5 +1,5 @@
-"""`vllm-delta` command line: inspect a store, materialize a version as an HF directory, retain, and the
-coverage report of a running server."""
+"""`vllm-delta` command line: inspect a store, materialize a version as an HF directory, retain, mark a
+version bad, the fleet's ledger, and the coverage report of a running server."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from dataclasses import asdict
 
 from .errors import DeltaError
@@ -30,6 +31,7 @@ def _human(n: float) -> str:
 def cmd_inspect(args) -> int:
     store = _store(args)
     versions = [store.resolve(args.version)] if args.version is not None else store.versions()
+    marks = store.marks()
     rows = []
     for v in versions:
         r = store.record(v)
@@ -38,6 +40,8 @@ def cmd_inspect(args) -> int:
         row["n_parts"] = len(r.files)
         row["density"] = r.density
         row["bytes_per_changed"] = r.bytes / r.nnz if r.nnz else None
+        mark = marks.get(v)
+        row["bad"] = asdict(mark) if mark is not None and mark.matches(r) else None
         rows.append(row)
     if args.json:
         print(json.dumps(rows if args.version is None else rows[0], indent=2))
@@ -51,10 +55,11 @@ def cmd_inspect(args) -> int:
     )
     for r in rows:
         bpc = f"{r['bytes_per_changed']:.2f}" if r["kind"] == "delta" and r["nnz"] else "-"
+        bad = f"  BAD: {r['bad']['reason'][:60]}" if r["bad"] else ""
         print(
             f"{r['version']:>8} {r['kind']:6} {r['base'] if r['base'] is not None else '-':>6} "
             f"{r['codec'] or '-':8} {r['n_parts']:>5} {r['nnz']:>12} {r['density']:>9.4%} {_human(r['bytes']):>10} "
-            f"{bpc:>6}  {r['checksum']}"
+            f"{bpc:>6}  {r['checksum']}{bad}"
         )
     if args.version is not None and rows[0]["parts"]:
         print(f"parts of version {rows[0]['version']}:")
@@ -81,9 +86,13 @@ def cmd_fleet(args) -> int:
         for s in states:
             row = asdict(s.report)
             row.update(age_s=round(s.age_s, 1), stale=s.stale, lag=s.lag, checksum_ok=s.checksum_ok)
+            row.update(marked_bad=s.marked_bad, blocked_by=s.blocked_by)
             rows.append(row)
         print(json.dumps(rows, indent=2))
         return 0
+    marks = ledger.store.marks()
+    for v, mark in sorted(marks.items()):
+        print(f"version {v} is marked bad ({mark.by}, {_ago(mark.created)}): {mark.reason[:100]}")
     if not states:
         print(f'{ledger.store.uri}: no replica reports (servers report with "delta_report": true)')
         return 0
@@ -97,16 +106,69 @@ def cmd_fleet(args) -> int:
         pause = f"{r.last_pause_ms:.1f}" if r.last_pause_ms is not None else "-"
         version = r.served_version if r.served_version is not None else "-"
         lag = s.lag if s.lag is not None else "-"
+        note = (r.last_error or "")[:60]
+        if s.marked_bad is not None:
+            note = f"serves a version marked bad; {note}"
+        elif s.blocked_by is not None:
+            note = f"waits: version {s.blocked_by} is marked bad; {note}"
         print(
             f"{r.replica_id[:24]:24} {r.host[:16]:16} {version:>8} {lag:>4} {ok:9} {beat:>10} {pause:>9}  "
-            f"{(r.last_error or '')[:60]}"
+            f"{note.rstrip('; ')}"
         )
+    return 0
+
+
+def _ago(t: float) -> str:
+    return f"{max(0.0, time.time() - t):.0f}s ago"
+
+
+def cmd_mark_bad(args) -> int:
+    mark = _store(args).mark_bad(args.version, args.reason, by=args.by)
+    print(f"version {mark.version} (checksum {mark.checksum}) is marked bad: {mark.reason}")
     return 0
 
 
 def cmd_retain(args) -> int:
     deleted = _store(args).retain(args.keep_anchors)
     print(f"deleted {len(deleted)} version(s): {deleted}")
+    return 0
+
+
+def cmd_mirror(args) -> int:
+    import signal
+    import threading
+
+    from .mirror import Mirror, MirrorOptions
+    from .store import DeltaStore
+
+    options = MirrorOptions(
+        region=args.region,
+        poll_s=args.poll_s,
+        everything=args.all,
+        keep_anchors=args.keep_anchors,
+        owner=args.owner,
+        lease_ttl_s=args.lease_ttl,
+        forward_ledger=not args.no_ledger,
+        mark_source=not args.no_mark_source,
+    )
+    src_options = json.loads(args.src_storage_options) if args.src_storage_options else None
+    dst_options = json.loads(args.dst_storage_options) if args.dst_storage_options else None
+    src = DeltaStore(args.src, storage_options=src_options)
+    dst = DeltaStore(args.dst, storage_options=dst_options)
+    m = Mirror(src, dst, options)
+    if not args.follow:
+        try:
+            p = m.run_once()
+        finally:
+            m.close()
+        print(f"{args.src} -> {args.dst}: copied {p.copied}, corrupt {p.corrupt}, skipped {sorted(p.skipped)}")
+        return 0
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    print(f"mirroring {args.src} -> {args.dst} as region {options.region!r} (owner {m.owner}); stop with SIGTERM")
+    sys.stdout.flush()
+    m.follow(stop)
     return 0
 
 
@@ -193,6 +255,35 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--json", action="store_true", help="machine-readable output")
     sp.add_argument("--stale-after", type=float, default=60.0, help="seconds after which a heartbeat is stale")
 
+    sp = add(
+        "mark-bad",
+        cmd_mark_bad,
+        "mark a version bad for the whole fleet: followers never apply it nor the deltas on it",
+    )
+    sp.add_argument("--version", required=True, help="the version (a number)")
+    sp.add_argument("--reason", required=True, help="why (shown by inspect, fleet and the followers' status)")
+    sp.add_argument("--by", help="who marks it (default: user@host:pid)")
+
+    sp = sub.add_parser(
+        "mirror", help="copy every new version of SRC into DST (a region), verified, records last; --follow"
+    )
+    sp.add_argument("src", help="the source store (the trainer's)")
+    sp.add_argument("dst", help="the destination store (the region's)")
+    sp.add_argument("--follow", action="store_true", help="keep following SRC until stopped (SIGTERM, Ctrl-C)")
+    sp.add_argument("--region", default="mirror", help="the region's name in SRC's ledger (default: mirror)")
+    sp.add_argument("--src-storage-options", help="fsspec storage options of SRC as JSON")
+    sp.add_argument("--dst-storage-options", help="fsspec storage options of DST as JSON")
+    sp.add_argument("--poll-s", type=float, default=2.0, help="seconds between passes with --follow (default 2)")
+    sp.add_argument(
+        "--all", action="store_true", help="first pass: every version SRC holds (default: its newest anchor on)"
+    )
+    sp.add_argument("--keep-anchors", type=int, help="DST's own retention after each mirrored anchor")
+    sp.add_argument("--owner", help="the lease owner (default host-pid-random; the same owner resumes its lease)")
+    sp.add_argument("--lease-ttl", type=float, default=30.0, help="seconds after which a silent holder's lease expires")
+    sp.add_argument("--no-ledger", action="store_true", help="do not forward DST's replica reports to SRC")
+    sp.add_argument("--no-mark-source", action="store_true", help="mark a corrupt SRC version bad in DST only")
+    sp.set_defaults(func=cmd_mirror)
+
     sp = add("retain", cmd_retain, "delete all but the newest K anchors and the deltas that need them")
     sp.add_argument("--keep-anchors", type=int, required=True)
 
@@ -206,6 +297,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "mark-bad" and args.version == "latest":
+        print("vllm-delta: mark-bad takes a version number, not 'latest'", file=sys.stderr)
+        return 2
     if getattr(args, "version", None) not in (None, "latest"):
         try:
             args.version = int(args.version)
@@ -214,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     try:
         return args.func(args)
-    except (DeltaError, FileExistsError) as exc:
+    except (DeltaError, FileExistsError, ValueError) as exc:
         print(f"vllm-delta: error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
 

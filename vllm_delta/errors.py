@@ -135,6 +135,19 @@ class StoreUnavailableError(DeltaError):
     http_status = 503
 
 
+class StoreAccessError(DeltaError):
+    """The store refuses the operation: no write access (read-only credentials, a read-only mount)."""
+
+    http_status = 403
+
+
+class MirrorLeaseError(DeltaError):
+    """Another mirror holds the destination store's lease (`vllm_delta.mirror`): two mirrors must not
+    write one store. The message names the holder and its last heartbeat."""
+
+    http_status = 409
+
+
 class CacheError(DeltaError):
     """The local download cache can't be written (read-only, full, missing): nothing was applied."""
 

@@ -19,7 +19,8 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from .errors import VersionNotFoundError
+from .errors import DeltaError, VersionNotFoundError
+from .marks import BadMark, blocked_by
 from .replicas import (
     EXPIRE_AFTER_S,
     REPLICAS_DIR,
@@ -43,6 +44,8 @@ class ReplicaState:
     stale: bool
     lag: int | None  # versions behind the store's newest
     checksum_ok: bool | None  # live checksum == the store's record of the served version (None: unknown)
+    marked_bad: str | None = None  # the served version is marked bad: the mark's reason
+    blocked_by: int | None = None  # behind the newest version, which lies past this marked version
 
 
 class Ledger:
@@ -70,12 +73,42 @@ class Ledger:
         whether the live checksum matches the store's record of the served version."""
         now = time.time() if now is None else now
         newest = self.store.latest() if newest is None else newest
+        marks = self.store.marks()
+        blocking = self._mark_on_chain(newest, marks)
         out = []
         for r in sorted(self.reports(), key=lambda r: r.replica_id):
             age = max(0.0, now - r.heartbeat)
             lag = None if newest is None or r.served_version is None else max(0, newest - r.served_version)
-            out.append(ReplicaState(r, age, age > self.stale_after_s, lag, self._checksum_ok(r)))
+            served = r.served_version
+            blocked = blocking is not None and lag and served is not None and blocking.version > served
+            state = ReplicaState(
+                r,
+                age,
+                age > self.stale_after_s,
+                lag,
+                self._checksum_ok(r),
+                marked_bad=self._marked(r, marks),
+                blocked_by=blocking.version if blocked and blocking is not None else None,
+            )
+            out.append(state)
         return out
+
+    def _mark_on_chain(self, newest: int | None, marks: dict[int, BadMark]) -> BadMark | None:
+        if newest is None or not marks:
+            return None
+        try:
+            return blocked_by(self.store.chain(newest), marks)
+        except DeltaError:
+            return None
+
+    def _marked(self, r: ReplicaReport, marks: dict[int, BadMark]) -> str | None:
+        mark = marks.get(r.served_version) if r.served_version is not None else None
+        if mark is None:
+            return None
+        try:
+            return mark.reason if mark.matches(self.store.record(mark.version)) else None
+        except VersionNotFoundError:
+            return None
 
     def _checksum_ok(self, r: ReplicaReport) -> bool | None:
         if r.served_version is None or r.checksum is None:

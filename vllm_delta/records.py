@@ -25,6 +25,9 @@ RECORD_PARTS_FORMAT_VERSION = 2  # multi-part versions
 VERSIONS_DIR = "versions"
 DATA_DIR = "data"
 ASSETS_DIR = "assets"
+HEAD_NAME = "head.json"  # the newest committed version, a hint readers verify (StoreHead)
+HEAD_FORMAT = "vllm-delta-head"
+HEAD_FORMAT_VERSION = 1
 TMP_PREFIX = ".tmp-"  # never a committed name: readers skip it, retain removes old ones
 MAX_VERSION = 10**10 - 1  # ten digits keep names sorted as numbers
 MAX_PARTS = 10**5  # five digits of part index in a part file's name
@@ -33,6 +36,22 @@ RECORD_NAME_RE = re.compile(r"^(\d{10})\.json$")
 # groups: version, kind, token, part index (None for a one-file version)
 DATA_NAME_RE = re.compile(r"^(\d{10})\.(anchor|delta)\.([0-9a-f]{16})(?:\.part(\d{5}))?\.safetensors$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
+
+
+def dump_document(kind: str, version: int, body: dict[str, Any]) -> builtins.bytes:
+    """A small versioned JSON object of the store (the head, a mark, a replica report): its format name
+    and format version, then its fields."""
+    return json.dumps({"format": kind, "format_version": version, **body}, sort_keys=True, indent=1).encode()
+
+
+def load_document(data: builtins.bytes | str, kind: str, version: int) -> dict[str, Any]:
+    """The fields of a small versioned JSON object (ValueError if it is not a `kind` v`version` one)."""
+    doc = json.loads(data)
+    if not isinstance(doc, dict) or doc.get("format") != kind:
+        raise ValueError(f"not a {kind} document")
+    if doc.get("format_version") != version:
+        raise ValueError(f"unknown format version {short(doc.get('format_version'))}")
+    return doc
 
 
 def record_name(version: int) -> str:
@@ -206,6 +225,36 @@ class VersionRecord:
             raise ValueError(f"data file {file!r} does not belong to {what}")
 
 
+@dataclass(frozen=True)
+class StoreHead:
+    """`head.json`: the newest committed version as its writer last saw it, rewritten after each commit.
+
+    A hint, never the truth: the records are. Readers check it against the record it names (same
+    checksum) and look past it (the forward check), so a head that lags (a writer that died between
+    its record and its head, an older publisher that writes none) or that belongs to an earlier run
+    of the store costs a listing, never a wrong answer (docs/FORMAT.md, "Reading")."""
+
+    version: int
+    checksum: str  # of the record it names
+    written: float  # unix time
+
+    def to_json(self) -> builtins.bytes:
+        return dump_document(HEAD_FORMAT, HEAD_FORMAT_VERSION, asdict(self))
+
+    @classmethod
+    def from_json(cls, data: builtins.bytes | str, *, where: str = HEAD_NAME) -> StoreHead:
+        try:
+            doc = load_document(data, HEAD_FORMAT, HEAD_FORMAT_VERSION)
+            head = cls(version=doc["version"], checksum=doc["checksum"], written=doc["written"])
+            if not _is_int(head.version) or head.version > MAX_VERSION or not is_hex(head.checksum):
+                raise ValueError(f"bad version or checksum: {short(doc)}")
+            if not isinstance(head.written, (int, float)) or isinstance(head.written, bool):
+                raise ValueError("bad written time")
+        except (ValueError, TypeError, KeyError) as exc:
+            raise FormatError(f"unreadable store head {where}: {str(exc)[:200]}") from None
+        return head
+
+
 def asset_parts(name: str) -> list[str]:
     """The path parts of an asset name under `assets/` (ValueError for a name that could leave it)."""
     parts = name.split("/")
@@ -235,6 +284,9 @@ __all__ = [
     "ASSETS_DIR",
     "DATA_DIR",
     "DATA_NAME_RE",
+    "HEAD_FORMAT",
+    "HEAD_FORMAT_VERSION",
+    "HEAD_NAME",
     "MAX_PARTS",
     "MAX_VERSION",
     "RECORD_FORMAT",
@@ -245,10 +297,13 @@ __all__ = [
     "VERSIONS_DIR",
     "DataFile",
     "PartRecord",
+    "StoreHead",
     "VersionRecord",
     "asset_parts",
     "check_object_name",
     "check_size",
     "data_name",
+    "dump_document",
+    "load_document",
     "record_name",
 ]

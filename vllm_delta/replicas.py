@@ -10,14 +10,14 @@ hide the other replicas or break a trainer).
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 from typing import Protocol
 
 from .errors import FormatError
+from .records import dump_document, load_document
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +34,12 @@ def valid_replica_id(replica_id: object) -> bool:
     return isinstance(replica_id, str) and _ID.match(replica_id) is not None
 
 
+def valid_region(region: object) -> bool:
+    """A region's name: like a replica id, at most 32 characters and without '.' (the separator of
+    forwarded replica ids, `<region>.<replica id>`)."""
+    return isinstance(region, str) and valid_replica_id(region) and len(region) <= 32 and "." not in region
+
+
 @dataclass(frozen=True)
 class ReplicaReport:
     """What one server says about itself (one JSON object under `replicas/`)."""
@@ -48,6 +54,9 @@ class ReplicaReport:
     last_error: str | None
     heartbeat: float  # unix time of this report
     started: float  # unix time the replica started
+    # The region of a replica whose report a mirror forwarded from a regional store (vllm_delta.mirror);
+    # None for a replica that reports to this store itself. Optional: reports without it parse as None.
+    region: str | None = None
 
     @property
     def lag(self) -> int | None:
@@ -57,18 +66,13 @@ class ReplicaReport:
         return max(0, self.newest_seen - self.served_version)
 
     def to_json(self) -> bytes:
-        doc = {"format": REPORT_FORMAT, "format_version": REPORT_FORMAT_VERSION, **asdict(self)}
-        return json.dumps(doc, sort_keys=True, indent=1).encode()
+        return dump_document(REPORT_FORMAT, REPORT_FORMAT_VERSION, asdict(self))
 
     @classmethod
     def from_json(cls, data: bytes | str, *, where: str = "report") -> ReplicaReport:
         try:
-            doc = json.loads(data)
-            if not isinstance(doc, dict) or doc.get("format") != REPORT_FORMAT:
-                raise ValueError(f"not a {REPORT_FORMAT} document")
-            if doc.get("format_version") != REPORT_FORMAT_VERSION:
-                raise ValueError(f"unknown format version {doc.get('format_version')!r}")
-            report = cls(**{f.name: doc[f.name] for f in fields(cls)})
+            doc = load_document(data, REPORT_FORMAT, REPORT_FORMAT_VERSION)
+            report = cls(**{f.name: doc[f.name] for f in fields(cls) if f.name in doc or f.default is MISSING})
             report.validate()
         except (ValueError, TypeError, KeyError) as exc:
             raise FormatError(f"unreadable replica report {where}: {str(exc)[:200]}") from None
@@ -85,6 +89,8 @@ class ReplicaReport:
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or isinstance(v, bool):
                 raise ValueError(f"{name} must be a number")
+        if self.region is not None and not valid_region(self.region):
+            raise ValueError(f"bad region {self.region!r:.80}")
         for name in ("host", "checksum", "version_checksum", "last_error"):
             v = getattr(self, name)
             if v is not None and not isinstance(v, str):
@@ -157,5 +163,6 @@ __all__ = [
     "is_live",
     "live_versions",
     "read_reports",
+    "valid_region",
     "valid_replica_id",
 ]

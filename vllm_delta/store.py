@@ -16,13 +16,14 @@ that lists its parts (`parts`: file, bytes, checksum and sha256 of each).
 
 Reading (docs/FORMAT.md, "Reading"): a reader's view is never older than one call. Listings and
 reads of records and assets bypass fsspec's listing caches; decisions that depend on a record re-read
-it (`fresh=True`); `latest()` on S3 lists only the records after the newest one seen, with a full
-listing at least every FULL_LISTING_S.
+it (`fresh=True`); `latest()` never lists every version between full listings (`polling.py`: S3's
+StartAfter, elsewhere `head.json`, which every commit rewrites).
 
 `DeltaStore` is what reads and writes a store; its parts that change for other reasons live beside
 it: the record schema (`records.py`), the filesystem access with its deadlines and errors
 (`storefs.py`), the verified download cache (`cache.py`), the retention policy (`retention.py`) and
-the replica reports retention protects (`replicas.py`). Writing stays here: it is the other half of
+the replica reports retention protects (`replicas.py`), how `latest()` polls (`polling.py`) and the
+bad-version marks (`marks.py`). Writing stays here: it is the other half of
 the commit protocol whose reading is here (record last, never replaced), and the two change together.
 """
 
@@ -34,6 +35,7 @@ import os
 import secrets
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -46,13 +48,17 @@ from .errors import (
     FormatError,
     IntegrityError,
     MissingBaseError,
+    StoreAccessError,
     VersionExistsError,
     VersionNotFoundError,
 )
 from .format import Version, VersionFile, VersionHeader, VersionKind, VersionLike, is_kind
+from .marks import MARK_NAME_RE, MARKS_DIR, BadMark, check_reason, default_marker, mark_name
+from .polling import FULL_LISTING_S, LatestPoller
 from .records import (
     ASSETS_DIR,
     DATA_DIR,
+    HEAD_NAME,
     MAX_PARTS,
     MAX_VERSION,
     RECORD_NAME_RE,
@@ -60,6 +66,7 @@ from .records import (
     VERSIONS_DIR,
     DataFile,
     PartRecord,
+    StoreHead,
     VersionRecord,
     asset_parts,
     check_object_name,
@@ -80,7 +87,6 @@ from .storefs import (
 
 log = logging.getLogger(__name__)
 
-FULL_LISTING_S = 60.0  # latest(): a full listing at least this often (retention, rewritten stores)
 RECORD_CACHE = 64  # parsed records kept per store; least recently used go first
 
 # Files moved in from mkstemp are 0600; committed files get the mode a plain create would give them.
@@ -110,8 +116,9 @@ class DeltaStore:
         self._cache = DownloadCache(self.uri, cache_dir)
         self._records: OrderedDict[int, VersionRecord] = OrderedDict()  # LRU of parsed records
         self._valid: set[int] = set()  # versions whose records parsed, as of the last listing
-        self._newest_key: str | None = None  # record name of the newest version seen (incremental listing)
-        self._full_at = -float("inf")  # time.monotonic() of the last full listing
+        self._marks_seen: dict[int, tuple[tuple[Any, Any], BadMark]] = {}  # version -> (size, mtime), mark
+        view = _PollView(self)
+        self.poller = LatestPoller(view, view.versions_after if self.io.is_s3 else None)
         self._warned: set[str] = set()
         self._lock = threading.Lock()
 
@@ -213,26 +220,54 @@ class DeltaStore:
             for gone in self._valid - set(found):
                 self._records.pop(gone, None)
             self._valid = set(found)
-            self._newest_key = record_name(found[-1]) if found else None
-            self._full_at = time.monotonic()
+        self.poller.listed(found[-1] if found else None)
         return found
 
+    def _newest_listed(self) -> int | None:
+        """The newest version whose record parses, from a listing of the record names (no record is
+        read but the newest ones: `versions()` reads every record it has not parsed yet)."""
+        names = self.io.names(VERSIONS_DIR)
+        numbers = sorted((int(m.group(1)) for n in names if (m := RECORD_NAME_RE.match(n))), reverse=True)
+        for v in numbers:
+            if self._load_record(v) is not None:
+                return v
+        return None
+
     def latest(self) -> int | None:
-        """The newest committed version. On S3, between full listings (every FULL_LISTING_S), one
-        ListObjectsV2 of the records after the newest seen and one GET confirming it."""
-        if self.io.is_s3 and self._newest_key is not None and time.monotonic() - self._full_at < FULL_LISTING_S:
-            for name in self.io.list_after(VERSIONS_DIR, self._newest_key):
-                m = RECORD_NAME_RE.match(name)
-                if m and self._load_record(int(m.group(1))) is not None:
-                    with self._lock:
-                        self._newest_key = max(self._newest_key or name, name)
-            with self._lock:
-                newest = max(self._valid, default=None)
-            if newest is not None and self._load_record(newest, fresh=True) is not None:
-                return newest
-            # The newest record seen is gone: the store was emptied or rewritten. List everything.
-        versions = self.versions()
-        return versions[-1] if versions else None
+        """The newest committed version, read afresh. Between full listings (at least every
+        FULL_LISTING_S) a few small reads whatever the store's history (`polling.py`): on S3 the
+        records after the newest one seen (StartAfter) and one GET confirming it; elsewhere
+        `head.json`, the record it names and the next version's record."""
+        return self.poller.latest()
+
+    def _versions_after(self, version: int) -> list[int]:
+        """S3: the versions whose records sort after `version`'s (one ListObjectsV2 with StartAfter)."""
+        names = self.io.list_after(VERSIONS_DIR, record_name(version))
+        return [int(m.group(1)) for name in names if (m := RECORD_NAME_RE.match(name))]
+
+    def head(self) -> StoreHead | None:
+        """`head.json` as the store has it now (None: no head, or an unreadable one, warned once)."""
+        try:
+            data = self.io.cat(self._path(HEAD_NAME), f"reading {HEAD_NAME}")
+        except FileNotFoundError:
+            return None
+        try:
+            return StoreHead.from_json(data)
+        except FormatError as exc:
+            self._warn_once(HEAD_NAME, f"ignoring {exc}")
+            return None
+
+    def _advance_head(self, rec: VersionRecord) -> None:
+        """After a commit: `head.json` names `rec`, unless it names a newer version that still exists
+        (a head never moves back while its version is there). Best effort: the version is visible
+        already, and readers find it without the head (the forward check, the next full listing)."""
+        try:
+            head = self.head()
+            if head is not None and head.version > rec.version and self._load_record(head.version, True) is not None:
+                return
+            self.io.write_small(self._path(HEAD_NAME), StoreHead(rec.version, rec.checksum, time.time()).to_json())
+        except (OSError, DeltaError) as exc:
+            log.warning("%s: could not update %s after version %d: %s", self.uri, HEAD_NAME, rec.version, exc)
 
     def resolve(self, version: int | str) -> int:
         """A committed version number from an int, a decimal string or "latest" (read afresh)."""
@@ -429,6 +464,7 @@ class DeltaStore:
         if move and not consumed:
             os.remove(local_path)
         self._remember(rec)
+        self._advance_head(rec)
         return rec
 
     def put_part(self, header: VersionHeader, local_path: str, *, move: bool = False) -> PartRecord:
@@ -502,6 +538,45 @@ class DeltaStore:
             os.makedirs(self._path(VERSIONS_DIR), exist_ok=True)
         self._commit_record(rec, secrets.token_hex(8))
         self._remember(rec)
+        self._advance_head(rec)
+        return rec
+
+    def adopt(self, rec: VersionRecord, paths: list[str]) -> VersionRecord:
+        """Commit a version copied from another store (a mirror), under the names its record gives.
+
+        `paths`: local files holding `rec.data_files`, in order, already verified by the caller against
+        the source (its sha256, or its headers). Each is put under its recorded name and checked
+        (size), then the record is written, last, as in `publish`: nothing of the version is visible
+        before every file is in place. The record written carries every file's sha256 (computed here
+        where the source's record had none). A version already committed here with the same checksum
+        and files is returned as it is (a copy resumed after a crash); another one with that number
+        raises VersionExistsError."""
+        rec.validate()
+        if len(paths) != len(rec.data_files):
+            raise ValueError(f"version {rec.version} has {len(rec.data_files)} files, {len(paths)} given")
+        existing = self._load_record(rec.version, fresh=True)
+        if existing is not None:
+            if existing.checksum == rec.checksum and existing.files == rec.files:
+                return existing
+            raise VersionExistsError(
+                f"version {rec.version} already exists in store {self.uri} with other data "
+                f"(checksum {existing.checksum}, the copy's {rec.checksum})",
+                version=rec.version,
+            )
+        digests = []
+        for data, path in zip(rec.data_files, paths):
+            check_size(data, os.path.getsize(path), version=rec.version)
+            digests.append(data.sha256 or file_sha256(path))
+            self._put_data(rec.version, data.file, path, data.bytes, False, secrets.token_hex(8))
+        if rec.parts:
+            rec = dataclasses.replace(
+                rec, parts=tuple(dataclasses.replace(p, sha256=d) for p, d in zip(rec.parts, digests))
+            )
+        else:
+            rec = dataclasses.replace(rec, sha256=digests[0])
+        self._commit_record(rec, secrets.token_hex(8))
+        self._remember(rec)
+        self._advance_head(rec)
         return rec
 
     def _check_parts_stored(self, parts: Iterable[PartRecord], version: int) -> None:
@@ -624,8 +699,12 @@ class DeltaStore:
         protected = set(protect) | replicas.live_versions(reports, now=now)
         recs = {r.version: r for r in self.records()}
         deleted = doomed_versions(recs.values(), keep_anchors, protected=protected)
+        marked = self.marks()
         for v in deleted:
             self._delete(recs[v])
+            if v in marked:  # never before its version is gone: a mark must not vanish while it matters
+                log.info("%s: removing the bad-version mark of deleted version %d", self.uri, v)
+                self.delete_object(MARKS_DIR, mark_name(v))
         self._remove_leftovers()
         return sorted(deleted)
 
@@ -639,12 +718,74 @@ class DeltaStore:
     def _remove_leftovers(self) -> None:
         named = {basename(f) for r in self.records() for f in r.files}
         now = time.time()
-        for folder in (DATA_DIR, VERSIONS_DIR, ASSETS_DIR):
+        for folder in (DATA_DIR, VERSIONS_DIR, ASSETS_DIR, MARKS_DIR):
             for entry in self._ls(folder):
                 name = basename(entry["name"])
                 if is_leftover(folder, name, modified(entry), named=named, now=now):
                     log.info("%s: removing leftover %s/%s", self.uri, folder, name)
                     self.io.remove(entry["name"], f"deleting {folder}/{name}")
+
+    # -- bad-version marks (marks.py) ----------------------------------------------------------------
+    def mark_bad(self, version: int, reason: str, *, by: str | None = None) -> BadMark:
+        """Mark a committed version bad (`bad/<version>.json`): followers never apply it, nor any version
+        whose chain passes through it, and the staleness gate stops waiting for replicas to reach them.
+
+        Written once: a version already marked keeps its first mark (returned as is). Raises
+        VersionNotFoundError for a version the store does not hold (now), StoreAccessError when the
+        store cannot be written; either way nothing is written."""
+        check_reason(reason)
+        if by is not None and not isinstance(by, str):
+            raise ValueError(f"by must be a string, not {by!r:.60}")
+        rec = self.record(version, fresh=True)
+        existing = self._read_mark(version)
+        if existing is not None and existing.matches(rec):
+            return existing
+        mark = BadMark(version, rec.checksum, reason, time.time(), by or default_marker())
+        try:
+            self.write_object(MARKS_DIR, mark_name(version), mark.to_json())
+        except PermissionError as exc:
+            raise StoreAccessError(
+                f"cannot mark version {version} bad: store {self.uri} refuses writes ({exc})", version=version
+            ) from None
+        log.warning("%s: version %d marked bad by %s: %s", self.uri, version, mark.by, reason)
+        return mark
+
+    def marks(self) -> dict[int, BadMark]:
+        """Every readable mark, by version: one listing of `bad/` (its size is the number of marks, not
+        of versions) and a read of each mark not seen before. Garbage is skipped with a warning."""
+        out: dict[int, BadMark] = {}
+        for entry in self._ls(MARKS_DIR):
+            name = basename(entry["name"])
+            m = MARK_NAME_RE.match(name)
+            if not m:
+                if not name.startswith(TMP_PREFIX):
+                    self._warn_once(f"{MARKS_DIR}/{name}", f"ignoring {MARKS_DIR}/{name}: not a mark name")
+                continue
+            version, stamp = int(m.group(1)), (entry.get("size"), modified(entry))
+            with self._lock:
+                seen = self._marks_seen.get(version)
+            if seen is not None and seen[0] == stamp:
+                out[version] = seen[1]
+                continue
+            mark = self._read_mark(version)
+            if mark is not None:
+                out[version] = mark
+                with self._lock:
+                    self._marks_seen[version] = (stamp, mark)
+        return out
+
+    def _read_mark(self, version: int) -> BadMark | None:
+        where = f"{MARKS_DIR}/{mark_name(version)}"
+        try:
+            mark = BadMark.from_json(self.read_object(MARKS_DIR, mark_name(version)), where=where)
+            if mark.version != version:
+                raise FormatError(f"{where} marks version {mark.version}")
+        except FileNotFoundError:
+            return None
+        except FormatError as exc:
+            self._warn_once(where, f"ignoring {exc}")
+            return None
+        return mark
 
     # -- assets and other small mutable objects (the replica ledger) ------------------------------
     def put_asset(self, name: str, data: bytes) -> None:
@@ -686,7 +827,34 @@ class DeltaStore:
         return self._path(folder, name)
 
 
+class _PollView:
+    """The store as the poller reads it (polling.PollSource), without widening DeltaStore's API. A weak
+    reference: the store owns the poller, and a cycle would keep a dropped store's cache dir alive."""
+
+    def __init__(self, store: DeltaStore):
+        self._store = weakref.ref(store)
+
+    def _get(self) -> DeltaStore:
+        store = self._store()
+        if store is None:
+            raise RuntimeError("the store was dropped")
+        return store
+
+    def read_head(self) -> StoreHead | None:
+        return self._get().head()
+
+    def load_record(self, version: int, fresh: bool) -> VersionRecord | None:
+        return self._get()._load_record(version, fresh)
+
+    def newest_listed(self) -> int | None:
+        return self._get()._newest_listed()
+
+    def versions_after(self, version: int) -> list[int]:
+        return self._get()._versions_after(version)
+
+
 __all__ = [
+    "FULL_LISTING_S",
     "LEFTOVER_AGE_S",
     "TMP_PREFIX",
     "DeltaStore",

@@ -174,6 +174,16 @@ class StoreFS:
                 return []
         return [e for e in entries if e.get("type") == "file"]
 
+    def names(self, folder: str) -> list[str]:
+        """Names of the files directly in `folder`, listed afresh, without a stat of each (local)."""
+        path = self.path(folder)
+        if self.is_local:
+            try:
+                return [e.name for e in os.scandir(path) if e.is_file()]
+            except FileNotFoundError:
+                return []
+        return [basename(e["name"]) for e in self.ls(folder)]
+
     def find(self, folder: str) -> list[str]:
         """Every file under `folder` (relative to the root), as paths relative to it, listed afresh."""
         path = self.path(folder)

@@ -344,3 +344,36 @@ def killed_rank(rank, world, root, die_at):
     except PublishError:
         pass
     return {"waited_s": waited}
+
+
+def gated_mark(rank, world, root):
+    """Bounded staleness on a sharded publisher: rank 0 waits for the replicas, a bad-version mark
+    releases the wait, and every rank publishes the next version as an anchor."""
+    import threading
+
+    from vllm_delta.ledger import Ledger, ReplicaReport
+    from vllm_delta.trainer import StalenessPolicy
+
+    uri = os.path.join(root, "gated")
+    policy = StalenessPolicy(max_staleness=1, min_replicas=1, timeout_s=30, poll_s=0.05)
+    if rank == 0:
+        now = time.time()
+        report = ReplicaReport("r", "h", 1, None, None, 1, None, None, now + 3600, now)  # fresh for the test
+        Ledger(DeltaStore(uri)).report(report)
+    dist.barrier()
+    options = PublisherOptions(staleness=policy, sharding=ShardingOptions(timeout_s=60))
+    pub = Publisher(uri, group=dist.group.WORLD, anchor_every=100, options=options)
+    for v in range(3):  # 2 needs the replica at >= 1: it is
+        pub.publish(_mapping(rank, world, v), version=v)
+    pub.flush()
+    marker = None
+    if rank == 0:  # the replica skips 2 (say it is corrupt); an operator marks it while 3 waits
+        marker = threading.Timer(0.5, lambda: DeltaStore(uri).mark_bad(2, "corrupt"))
+        marker.start()
+    t0 = time.monotonic()
+    info = pub.publish(_mapping(rank, world, 3), version=3)
+    waited = time.monotonic() - t0
+    if marker is not None:
+        marker.join()
+    pub.close()
+    return {"kind": info.kind, "base": info.base, "waited": waited}

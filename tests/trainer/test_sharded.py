@@ -180,6 +180,14 @@ def test_dtensors_hand_sharded_and_replicated_three_ranks(tmp_path):
     assert_materialize_equal(sharded, single, 4, tmp_path)
 
 
+def test_a_mark_releases_a_gated_sharded_publisher_into_an_anchor(tmp_path):
+    results = run_ranks(W.gated_mark, 2, (str(tmp_path),))
+    assert [(r["kind"], r["base"]) for r in results] == [("anchor", None)] * 2, results
+    assert results[0]["waited"] >= 0.4  # it did wait, until the mark
+    rec = DeltaStore(str(tmp_path / "gated")).record(3)
+    assert rec.kind == "anchor" and len(rec.parts) == 2
+
+
 def test_disagreements_and_upload_failures_three_ranks(tmp_path):
     seen = run_ranks(W.disagreements, 3, (str(tmp_path),))
     assert seen[0] == seen[1] == seen[2]  # the same message on every rank

@@ -299,3 +299,46 @@ def test_bounded_staleness_is_released_by_the_followers(server_a, server_b, serv
     assert len(reports) == 3 and all((r.served_version or 0) >= 12 for r in reports)
     trainer.publish(13)
     converge([server_a, server_b, server_c], trainer, 13)
+
+
+def test_a_version_marked_bad_frees_a_gated_trainer(server_a, server_b, server_c, trainer, s3):
+    # A second trainer with max_staleness 1 over all three replicas (issue 19): a version every follower
+    # skips (corrupt) would hold it until the timeout; marked bad, it frees the trainer at once, and the
+    # trainer's next version is an anchor the whole fleet applies.
+    servers = [server_a, server_b, server_c]
+    policy = StalenessPolicy(max_staleness=1, min_replicas=3, timeout_s=120, poll_s=0.2)
+    options = PublisherOptions(store=StoreOptions(storage_options=s3.storage_options), staleness=policy)
+    gated = Trainer(
+        trainer.model_dir,
+        Publisher(s3.uri("fleet"), anchor_every=ANCHOR_EVERY, options=options),
+        trainer.model,
+        trainer.checksums,
+    )
+    try:
+        gated.publish(14)  # a new Publisher's first version: an anchor, and it never waits
+        converge(servers, trainer, 14)
+        gated.publish(15, damage=True)  # 15 <= first + K: no wait either
+        for srv in servers:
+            wait_for("version 15 to be skipped", lambda srv=srv: 15 in follow_of(srv).skipped)
+        errors: list[BaseException] = []
+
+        def publish_16() -> None:
+            try:
+                gated.publish(16)  # needs all three at >= 15, which none can reach
+            except BaseException as exc:  # noqa: BLE001 - raised in the test thread
+                errors.append(exc)
+
+        waiter = threading.Thread(target=publish_16)
+        waiter.start()
+        time.sleep(3.0)
+        assert waiter.is_alive(), "publish 16 should wait for the replicas"
+        gated.pub.mark_bad(15, "corrupt: every follower skips it")
+        waiter.join(timeout=60)
+        assert not waiter.is_alive() and not errors, errors
+        rec = gated.pub.store.record(16)
+        assert rec.kind == "anchor" and gated.pub._gate is not None and gated.pub._gate.released_by == {15}
+        converge(servers, trainer, 16)
+        for srv in servers:
+            assert 15 in follow_of(srv).skipped and follow_of(srv).lag == 0
+    finally:
+        gated.pub.close()

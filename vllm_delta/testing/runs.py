@@ -114,15 +114,19 @@ class LiveRun:
         )
         self.checksums: dict[int, str] = {}
         self.kinds: dict[int, str] = {}
+        self.visible_at: dict[int, float] = {}  # unix time each version became visible (its record written)
         self.version: int | None = None  # the last published version
         self.steps = 0
 
     def publish(self, version: int | None = None):
         """Publish the current weights (the next version, or `version`) and wait until it is visible."""
+        import time
+
         from ..checksums import checksum
         from .training import bf16_image
 
         info = self.publisher.publish(self.model, version=version)
+        info.uploaded.add_done_callback(lambda _: self.visible_at.__setitem__(info.version, time.time()))
         self.publisher.flush()
         expected = checksum(bf16_image(self.model))
         if info.checksum != expected:

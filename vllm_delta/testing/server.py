@@ -31,6 +31,30 @@ class ServerError(RuntimeError):
     pass
 
 
+def start_all(servers: list[VllmServer]) -> list[VllmServer]:
+    """Start servers side by side (each start is mostly waiting); if one fails, stop them all and raise."""
+    import threading
+
+    errors: list[BaseException] = []
+
+    def start(srv: VllmServer) -> None:
+        try:
+            srv.start()
+        except BaseException as exc:  # noqa: BLE001 - raised below, in the caller's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=start, args=(s,)) for s in servers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        for srv in servers:
+            srv.stop()
+        raise errors[0]
+    return servers
+
+
 def _killpg(pgid: int, sig: int) -> None:
     try:
         os.killpg(pgid, sig)

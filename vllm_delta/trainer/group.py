@@ -5,7 +5,8 @@ trainer; what differs is behind `PublishGroup`:
 
 * `agree` settles what this publish is (version number, tensor set, anchor or delta) and raises the
   upload failures nobody has raised yet;
-* `wait_for_replicas` applies bounded staleness (staleness.py);
+* `wait_for_replicas` applies bounded staleness (staleness.py), and tells every rank which bad-version
+  marks released the wait;
 * `whole_sums` turns this rank's checksum partials into whole-tensor checksums;
 * `part_of` names this rank's part of the version's files;
 * `commit` (on the upload thread) makes a written version visible.
@@ -75,7 +76,9 @@ class PublishGroup(Protocol):
         bad input). Raises when the ranks disagree, PublishError when the group itself failed."""
         ...
 
-    def wait_for_replicas(self, gate: StalenessGate, version: int) -> None: ...
+    def wait_for_replicas(self, gate: StalenessGate, version: int) -> frozenset[int]:
+        """Wait for the replicas; the marked versions that released the wait (the same on every rank)."""
+        ...
 
     def whole_sums(
         self, names: list[str], partials: dict[str, int], nnz: int, error: Exception | None
@@ -106,8 +109,9 @@ class SingleProcess:
         p = propose()
         return Agreement(p.version, p.ownership, p.anchor)
 
-    def wait_for_replicas(self, gate: StalenessGate, version: int) -> None:
+    def wait_for_replicas(self, gate: StalenessGate, version: int) -> frozenset[int]:
         gate.wait(version)
+        return gate.released_by
 
     def whole_sums(
         self, names: list[str], partials: dict[str, int], nnz: int, error: Exception | None

@@ -18,7 +18,10 @@
    of filling memory.
 
 An upload error is raised by the next `publish` or `flush`; the chain is then broken, so the
-following version is an anchor. The rarer settings come in `options` (options.py).
+following version is an anchor. So is the version after a bad-version mark on the chain the next
+delta would build on (`mark_bad`, or a mark by anyone: `vllm-delta mark-bad`, read after each
+commit and by the staleness gate), so that the fleet, which never applies a version whose chain
+passes through a mark, recovers at once. The rarer settings come in `options` (options.py).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import threading
 import time
 from collections.abc import Iterable, Mapping
 from concurrent.futures import Future
@@ -39,6 +43,7 @@ from .. import codec as codecs
 from ..checksums import MASK64, combine, to_hex
 from ..errors import PublishError
 from ..format import DTYPE_NAMES, VersionKind
+from ..marks import BadMark
 from ..store import DeltaStore, VersionRecord
 from .detect import FlatSnapshot, named_tensors
 from .encode import VersionEncoder
@@ -85,6 +90,12 @@ class _Chain:
     fingerprint: str | None = None  # of the last version's tensor set
     checksum: str | None = None  # the last version's whole-model checksum
     partials: dict[str, int] = field(default_factory=dict)  # per owned tensor: the sum over its owned elements
+
+    def builds_on_any(self, versions: Iterable[int]) -> bool:
+        """Whether the next delta would build on one of `versions` (it lies on the current chain)."""
+        if self.last_anchor is None or self.last is None:
+            return False
+        return any(self.last_anchor <= v <= self.last for v in versions)
 
     def next_version(self, version: int | None) -> int:
         if version is None:
@@ -150,11 +161,14 @@ class Publisher:
 
             self._group = ShardGroup(group, self.store, timeout_s=opts.sharding.timeout_s)
         keep = opts.store.keep_anchors
+        self._marked: frozenset[int] = frozenset()  # bad-version marks known to this rank
+        self._marked_lock = threading.Lock()
         self._uploader = Uploader(
             VersionEncoder(self.codec, opts.dtype, pack_threads=opts.upload.pack_threads),
             self._group,
             queue_size=opts.upload.queue_size,
             retain=(self.store, keep) if keep and self._group.rank == 0 else None,
+            after_commit=self._read_marks if self._group.rank == 0 else None,
         )
         self._assets_done = False
         self._closed = False
@@ -208,6 +222,17 @@ class Publisher:
             timings=timings,
         )
 
+    def mark_bad(self, version: int, reason: str) -> BadMark:
+        """Mark a published (visible) version bad in the store, once for the whole fleet: followers never
+        apply it nor any version whose chain passes through it, the staleness gate stops waiting for
+        replicas to reach those, and, when it lies on the chain the next delta would build on, this
+        Publisher's next version is an anchor (the fleet moves on at once). VersionNotFoundError for a
+        version that is not visible (yet: wait for its `uploaded` future), StoreAccessError for a store
+        this process cannot write; nothing is written then. Any rank of a sharded publisher may call it."""
+        mark = self.store.mark_bad(version, reason)
+        self._learn_marks({version})
+        return mark
+
     def flush(self) -> None:
         """Wait until every queued version is visible in the store (or failed); raise the first
         upload error. Sharded publishers: every rank sees the same outcome of every version."""
@@ -245,16 +270,34 @@ class Publisher:
         """Settle the version with the group (raising the upload failures nobody raised yet), then wait
         for the replicas (bounded staleness)."""
         try:
-            agreed = self._group.agree(self._uploader.unraised(), lambda: self._propose(source, version))
-            if isinstance(agreed, UploadsFailed):
-                self._raise(agreed)
+            agreed = self._settle(source, version)
             if self._gate is not None:
-                self._group.wait_for_replicas(self._gate, agreed.version)
+                released = self._group.wait_for_replicas(self._gate, agreed.version)
+                self._learn_marks(released)
+                if released and not agreed.anchor and self._chain.builds_on_any(released):
+                    # Marks released the wait, and this delta would build on a marked version that no
+                    # replica will ever apply: settle again, as an anchor (every rank learned the same).
+                    agreed = self._settle(source, version)
         except PublishError:  # an upload failed, or the group did: the chain restarts on every rank
             self._chain.needs_anchor = True
             raise
         self._chain.fingerprint = agreed.ownership.fingerprint
         return agreed
+
+    def _settle(self, source: Source, version: int | None) -> Agreement:
+        agreed = self._group.agree(self._uploader.unraised(), lambda: self._propose(source, version))
+        if isinstance(agreed, UploadsFailed):
+            self._raise(agreed)
+        return agreed
+
+    def _learn_marks(self, versions: Iterable[int]) -> None:
+        with self._marked_lock:
+            self._marked = self._marked | frozenset(versions)
+
+    def _read_marks(self, _committed: VersionRecord) -> None:
+        """After each commit (upload thread, rank 0): the store's marks, for the next anchor decision
+        (one listing of `bad/`, off the training thread)."""
+        self._learn_marks(self.store.marks())
 
     def _propose(self, source: Source, version: int | None) -> Proposal:
         v = self._chain.next_version(version)
@@ -265,6 +308,7 @@ class Publisher:
         chain = self._chain
         anchor = (
             chain.needs_anchor
+            or chain.builds_on_any(self._marked)
             or chain.last_anchor is None
             or v - chain.last_anchor >= self.anchor_every
             or own.fingerprint != chain.fingerprint

@@ -68,6 +68,14 @@ class AgreeMessage:
 
 
 @dataclass(frozen=True)
+class GateOutcome:
+    """Rank 0's staleness wait, as every rank learns it."""
+
+    error: str | None  # StalenessTimeoutError's message
+    released_by: frozenset[int]  # marked versions that released the wait (StalenessGate.released_by)
+
+
+@dataclass(frozen=True)
 class PartialSums:
     values: list[int]  # per tensor, in the tensor set's order: the sum over this rank's elements
     nnz: int  # changed elements this rank owns
@@ -187,17 +195,21 @@ class ShardGroup:
             self._layouts = layouts
         return Agreement(own.version, own.ownership, anchor=any(t.anchor for t in settled))
 
-    def wait_for_replicas(self, gate: StalenessGate, version: int) -> None:
-        """Rank 0 reads the ledger; every rank learns the outcome (all publish, or all raise)."""
-        error = None
+    def wait_for_replicas(self, gate: StalenessGate, version: int) -> frozenset[int]:
+        """Rank 0 reads the ledger; every rank learns the outcome (all publish, or all raise) and the
+        marked versions that released the wait."""
+        outcome = GateOutcome(None, frozenset())
         if self.rank == 0:
             try:
                 gate.wait(version)
+                outcome = GateOutcome(None, gate.released_by)
             except StalenessTimeoutError as exc:
-                error = str(exc)
-        errors = [e for e in self._collective(lambda: self._gather(error, self._control)) if e is not None]
+                outcome = GateOutcome(str(exc), frozenset())
+        outcomes = self._collective(lambda: self._gather(outcome, self._control))
+        errors = [o.error for o in outcomes if o.error is not None]
         if errors:
             raise StalenessTimeoutError(errors[0])
+        return outcomes[0].released_by
 
     def whole_sums(
         self, names: list[str], partials: dict[str, int], nnz: int, error: Exception | None
@@ -307,4 +319,13 @@ class ShardGroup:
                 pass
 
 
-__all__ = ["AgreeMessage", "PartReport", "PartialSums", "ShardGroup", "Terms", "decide_reports", "settle"]
+__all__ = [
+    "AgreeMessage",
+    "GateOutcome",
+    "PartReport",
+    "PartialSums",
+    "ShardGroup",
+    "Terms",
+    "decide_reports",
+    "settle",
+]

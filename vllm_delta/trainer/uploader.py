@@ -13,11 +13,11 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Protocol
 
 from ..errors import PublishError
-from ..store import DeltaStore
+from ..store import DeltaStore, VersionRecord
 from .encode import VersionEncoder, WriteFile
 from .job import BaseMissing, CommitOutcome, Committed, UploadFailure, UploadJob
 
@@ -42,11 +42,15 @@ class Uploader:
         *,
         queue_size: int,
         retain: tuple[DeltaStore, int] | None = None,
+        after_commit: Callable[[VersionRecord], None] | None = None,
     ):
-        """`retain`: (store, keep_anchors) on the process that commits: prune after each anchor."""
+        """`retain`: (store, keep_anchors) on the process that commits: prune after each anchor.
+        `after_commit(record)`: called on this thread after each version this process committed
+        (exceptions are logged, never an upload failure)."""
         self._encoder = encoder
         self._committer = committer
         self._retain = retain
+        self._after_commit = after_commit
         self.timings: dict[int, dict[str, float]] = {}  # version -> ms per upload phase (the last 64)
         self._queue: queue.Queue[UploadJob | None] = queue.Queue(maxsize=queue_size)
         self._lock = threading.Lock()
@@ -119,6 +123,11 @@ class Uploader:
             job.future.set_exception(PublishError(f"base version {outcome.base} failed to upload", version=job.version))
             return
         self._broken_at = None
+        if self._after_commit is not None:
+            try:
+                self._after_commit(outcome.record)
+            except Exception as exc:  # noqa: BLE001 - the version is visible: nothing failed
+                log.warning("after the commit of version %d: %s", job.version, exc)
         job.future.set_result(outcome.record)
 
     def _latch(self, version: int, exc: BaseException) -> None:

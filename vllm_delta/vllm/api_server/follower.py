@@ -17,6 +17,12 @@ reports it in status and in the ledger, and does not retry that target; it moves
 version appears (whose chain may avoid the bad one, e.g. after the trainer's next anchor). Store
 faults (timeouts, an unreachable store: 5xx) are retried at the next poll.
 
+Versions marked bad in the store (`vllm_delta.marks`, `vllm-delta mark-bad`) are never applied, nor
+any version whose chain passes through one: the follower reads the marks (one listing of `bad/`)
+whenever it is about to update, moves along the newest version's chain up to the version before the
+first mark, and otherwise waits for a version whose chain avoids every mark (the trainer's next
+anchor), showing the blocked version under `skipped`.
+
 With `"delta_report": true` the follower writes this replica's report to the store's ledger
 (`vllm_delta.ledger`) when its version changes and every `delta_report_s` as a heartbeat. A store
 it cannot write to disables reporting with one warning (read-only followers simply don't report).
@@ -35,6 +41,7 @@ from dataclasses import dataclass, field
 
 from ...errors import DeltaError, http_status
 from ...ledger import Ledger, ReplicaReport
+from ...marks import Marks, blocked_by, describe, reachable_prefix
 from ...server_api import FollowStatus
 from ...store import DeltaStore
 from ..shared.options import FollowOptions
@@ -175,7 +182,18 @@ class Follower:
         st = self.state
         if newest in st.skipped:
             return False
-        target = await asyncio.to_thread(next_target, self.store, served, newest, self.options.chain_cap)
+        # -- bad-version marks: never apply a version whose chain passes through a marked one --
+        marks = await asyncio.to_thread(self.store.marks)
+        target = await asyncio.to_thread(next_target, self.store, served, newest, self.options.chain_cap, marks)
+        if target is None:  # every step forward passes through a marked version: wait for a newer one
+            mark = await asyncio.to_thread(lambda: blocked_by(self.store.chain(newest), marks))
+            st.skipped[newest] = f"blocked: {describe(mark) if mark else 'a version on its chain is marked bad'}"
+            log.warning(
+                "vllm-delta: following %s: not applying version %d: %s", self.store.uri, newest, st.skipped[newest]
+            )
+            self._trim_skipped()
+            return False
+        # -- end of the bad-version rule --
         if target in st.skipped:  # an intermediate step of a long chain that already failed
             return False
         try:
@@ -184,14 +202,18 @@ class Follower:
             self._error(target, exc)
             if http_status(exc) < 500:  # the version itself is bad: never applied, never retried
                 st.skipped[target] = str(exc)[:300]
-                while len(st.skipped) > MAX_SKIPPED:
-                    del st.skipped[min(st.skipped)]
+                self._trim_skipped()
             return False
         if pause_ms is not None:
             st.last_pause_ms = pause_ms
             st.updates += 1
             log.info("vllm-delta: following %s: now serving version %d", self.store.uri, target)
         return True
+
+    def _trim_skipped(self) -> None:
+        skipped = self.state.skipped
+        while len(skipped) > MAX_SKIPPED:
+            del skipped[min(skipped)]
 
     async def _maybe_report(self, changed: bool) -> None:
         st = self.state
@@ -233,17 +255,22 @@ class Follower:
             log.warning("vllm-delta: could not write the replica report to %s: %s", self.store.uri, exc)
 
 
-def next_target(store: DeltaStore, served: int | None, newest: int, chain_cap: int) -> int:
+def next_target(
+    store: DeltaStore, served: int | None, newest: int, chain_cap: int, marks: Marks | None = None
+) -> int | None:
     """The version to apply next on the way to `newest`: `newest` itself, unless the served version
-    lies on its chain more than `chain_cap` deltas back (then the version `chain_cap` steps on)."""
-    if served is None:
+    lies on its chain more than `chain_cap` deltas back (then the version `chain_cap` steps on). With
+    bad-version `marks`, only the part of `newest`'s chain before its first mark counts: its last
+    version, or None when that is not newer than the served version (wait for a newer version)."""
+    if served is None and not marks:
         return newest
-    chain = [r.version for r in store.chain(newest)]
+    chain = [r.version for r in reachable_prefix(store.chain(newest), marks or {})]
+    if not chain:
+        return None
     if served in chain:
         i = chain.index(served)
-        if len(chain) - 1 - i > chain_cap:
-            return chain[i + chain_cap]
-    return newest
+        return chain[min(len(chain) - 1, i + chain_cap)] if i < len(chain) - 1 else None
+    return chain[-1] if served is None or chain[-1] > served else None
 
 
 def default_replica_id() -> str:
