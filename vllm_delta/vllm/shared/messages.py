@@ -122,6 +122,15 @@ class RolledBack:
 
 
 @dataclass(frozen=True)
+class TestWritten:
+    """rpc.TEST_WRITE (test hook): the element a rank changed behind the plugin's back (None: none)."""
+
+    rank: int
+    tensor: str | None
+    index: int | None  # flat index in the Hugging Face tensor
+
+
+@dataclass(frozen=True)
 class Released:
     """rpc.RELEASE: the ticket's buffers are dropped."""
 

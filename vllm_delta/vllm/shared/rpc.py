@@ -52,6 +52,7 @@ from .messages import (
     RolledBack,
     StagePoll,
     StageStarted,
+    TestWritten,
     WorkerStatus,
 )
 from .options import StoreSpec
@@ -167,6 +168,11 @@ WORKER_CALLS: tuple[Call[Any, Any], ...] = (
     RELEASE,
 )
 ENGINE_CORE_CALLS: tuple[Call[Any, Any], ...] = (COMMIT_ALL, SET_LABEL, ENGINE_TIMELINE, PREFIX_STATE)
+
+# Test hook, a worker method only with VLLM_DELTA_TEST_FAULTS=1 (reached through vLLM's dev-mode
+# /collective_rpc, past the plugin's API process): flip one live bit, to prove that a verification
+# of the live checksum catches a weight changed behind the plugin's back.
+TEST_WRITE = Call("delta_test_write", NoArgs, TestWritten)
 
 
 # -- replies ---------------------------------------------------------------------------------------
