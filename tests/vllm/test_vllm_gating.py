@@ -81,6 +81,7 @@ def box(tmp_path_factory) -> Iterator[Box]:
             dev_mode=True,  # POST /collective_rpc reaches the test-only worker write
             env={"VLLM_DELTA_TEST_FAULTS": "1"},
             extra_args=["--chat-template", str(template)],
+            max_model_len=512,
             startup_timeout=900,
         )
         b = Box(s3, run, srv)
@@ -301,20 +302,25 @@ def test_a_downgrade_under_a_running_bounded_request_is_refused(box):
     body = {
         "model": srv.model,
         "prompt": PROMPTS[0],
-        "max_tokens": 200,
+        "max_tokens": 480,
         "temperature": 0.0,
         "ignore_eos": True,
         "stream": True,
         "min_weight_version": served,
     }
     refused: dict = {}
+    spans = None
     with requests.post(srv.base_url + "/v1/completions", json=body, stream=True, timeout=120) as r:
         assert r.status_code == 200
-        spans = None
         for line in r.iter_lines():
             if line.startswith(b"data: {") and not refused:
-                # The bounded request is running: an operator's rollback below its bound is refused.
-                refused["r"] = srv.post("/v1/delta/update_weights", {"version": 2, "allow_reanchor": True})
+                # The bounded request is running; vLLM's own pause (dev mode) keeps it running, frozen,
+                # for as long as the test needs. An operator's rollback below its bound is refused.
+                assert srv.post("/pause?mode=keep&clear_cache=false").status_code == 200
+                try:
+                    refused["r"] = srv.post("/v1/delta/update_weights", {"version": 2, "allow_reanchor": True})
+                finally:
+                    assert srv.post("/resume").status_code == 200
             if line.startswith(b"data: {"):
                 for c in json.loads(line[6:])["choices"]:
                     if c.get("finish_reason"):
@@ -323,6 +329,7 @@ def test_a_downgrade_under_a_running_bounded_request_is_refused(box):
     assert answer.status_code == 409, answer.text
     assert answer.json()["error"]["type"] == "VersionBoundConflictError" and "running request" in answer.text
     assert attribution_of({"weight_versions": spans}).versions == [served]
+    assert spans[-1][2] == 480  # it ran to its end
     st = serving(srv, run, served)
     assert st["last_failure"]["type"] == "VersionBoundConflictError" and st["last_failure"]["status"] == 409
 

@@ -22,6 +22,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -30,6 +31,7 @@ from fastapi.responses import JSONResponse
 
 from ...errors import BadRequestError, DeltaError, RequestTooLargeError, UnsupportedMediaTypeError, http_status, short
 from ...server_api import (
+    FAULTS_ENV,
     MIN_VERSION_QUERY,
     CommitSwitch,
     Readiness,
@@ -40,6 +42,8 @@ from ...server_api import (
     to_wire,
     version_bound_text,
 )
+from ..shared import heap, rpc
+from ..shared.messages import HeapAnswer
 from ..shared.options import server_options
 from .gating import VersionGate, VersionGateMiddleware
 from .metrics import metrics
@@ -168,6 +172,14 @@ class DeltaEndpointPlugin:
         async def timeline(request: Request) -> object:
             return await _timeline(request)
 
+        if os.environ.get(FAULTS_ENV) == "1":
+
+            @app.post(f"{PREFIX}/test/heap")
+            @route
+            async def test_heap(request: Request) -> object:
+                """Test hook: what vllm_delta keeps alive in this process and in every worker (heap.py)."""
+                return await _heap(_service(request), await read_json(request))
+
         # Attribution: spans recorded by the generate() wrapper (init_state), added to responses here.
         spans = SpanStore()
         setattr(app.state, SPANS_KEY, spans)
@@ -238,6 +250,14 @@ def _flag(text: str | None, name: str) -> bool:
 
 
 TIMELINE_ID_LIMIT = 256  # characters of ?id=
+
+
+async def _heap(service: DeltaService, body: Any) -> HeapAnswer:
+    action = body.get("action", "report") if isinstance(body, dict) else None
+    if action not in heap.HEAP_ACTIONS:
+        raise BadRequestError(f'"action" must be one of {", ".join(heap.HEAP_ACTIONS)}')
+    workers = (await service.workers.call(rpc.TEST_HEAP, rpc.HeapArgs(action))).all()
+    return HeapAnswer(heap.act(action), workers)
 
 
 async def _timeline(request: Request) -> Timeline:

@@ -19,9 +19,10 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from ...errors import UnsupportedModelError
 from ...server_api import FAULTS_ENV
 from ...store import VersionRecord
-from ..shared import rpc
+from ..shared import heap, rpc
 from ..shared.messages import (
     Committed,
+    HeapReport,
     Prepared,
     RankSums,
     Released,
@@ -134,6 +135,13 @@ def test_write(r: DeltaReplica, args: rpc.NoArgs) -> TestWritten:
     return TestWritten(r.rank, *(written or (None, None)))
 
 
+def test_heap(r: DeltaReplica, args: rpc.HeapArgs) -> HeapReport:
+    """Test hook: trace this worker's allocations; what vllm_delta keeps alive (shared/heap.py)."""
+    if os.environ.get(FAULTS_ENV) != "1":
+        raise PermissionError(f"{rpc.TEST_HEAP.name} is a test hook, enabled only with {FAULTS_ENV}=1")
+    return heap.act(args.action, r.rank)
+
+
 def _on_worker(fn: Callable[[DeltaReplica, A], R]) -> Callable[[Any, A], R]:
     """`fn` on the replica of a vLLM worker's model."""
 
@@ -163,7 +171,8 @@ assert set(WORKER_METHODS) == {c.name for c in rpc.WORKER_CALLS}, "every worker 
 
 
 TEST_METHODS: dict[str, Callable[..., Any]] = {
-    m.__name__: m for m in (rpc.serve(rpc.TEST_WRITE, _on_worker(test_write)),)
+    m.__name__: m
+    for m in (rpc.serve(rpc.TEST_WRITE, _on_worker(test_write)), rpc.serve(rpc.TEST_HEAP, _on_worker(test_heap)))
 }
 
 
