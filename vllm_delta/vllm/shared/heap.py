@@ -75,8 +75,10 @@ def _tensor_bytes() -> int:
     import torch
 
     seen: dict[int, int] = {}
+    tensor = torch.Tensor
     for obj in gc.get_objects():
-        if isinstance(obj, torch.Tensor) and not obj.is_meta and obj.device.type == "cpu":
+        # type(), not isinstance(): isinstance reads __class__, which some deprecated module objects warn on
+        if issubclass(type(obj), tensor) and not obj.is_meta and obj.device.type == "cpu":
             try:
                 storage = obj.untyped_storage()
             except (RuntimeError, NotImplementedError):
