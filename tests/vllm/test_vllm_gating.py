@@ -399,3 +399,64 @@ def test_verify_catches_a_weight_changed_behind_the_plugins_back(box):
     st = srv.get("/v1/delta/status?verify=true").json()
     assert st["verification"]["ok"] and metric(srv, "vllm_delta_live_checksum_mismatch") == 0
     serving(srv, run, served)
+
+
+# -- flat memory -----------------------------------------------------------------------------------
+WARMUP = 70  # > the bounded structures' sizes that fill one entry per update (records per store: 64)
+MEASURED = 30
+OURS_PER_UPDATE = 1024  # bytes: issue 19's bound on what our code keeps per update after warm-up
+
+
+def test_flat_memory_ours_per_update_after_warm_up(box):
+    """What vllm_delta's code keeps alive (the test hooks: tracemalloc in the API process and the worker,
+    and the worker's torch storages), per update after warm-up, minus a control phase that does the same
+    requests and vLLM's own pause/resume without updates (benchmarks/soak.py --heap measures it longer)."""
+    srv, run = box.srv, box.run
+
+    def heap(action: str) -> dict:
+        r = srv.post("/v1/delta/test/heap", {"action": action})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def step(update: bool) -> None:
+        """One version published and applied (pushed; the follower may apply it first), or one control
+        cycle (vLLM's pause and resume, no update); then one streamed completion."""
+        if update:
+            version = run.step().version
+            srv.update(version)
+            assert srv.status()["version"] == version
+        else:
+            for path in ("/pause?mode=keep&clear_cache=true", "/resume"):
+                assert srv.post(path).status_code == 200
+            srv.status()
+        assert generate(srv, chat=False, stream=True, bound=None, header=None, max_tokens=8).status == 200
+
+    heap("start")
+    try:
+        for _ in range(WARMUP):
+            step(True)
+        t1 = heap("report")
+        for _ in range(MEASURED):
+            step(True)
+        t2 = heap("report")
+        for _ in range(MEASURED):
+            step(False)
+        t3 = heap("report")
+    finally:
+        heap("stop")
+    serving(srv, run, run.version)
+
+    def per(a: dict, b: dict, key: str) -> dict[str, float]:
+        return {
+            "api": (b["api"][key] - a["api"][key]) / MEASURED,
+            "worker": sum(w[key] for w in b["workers"]) / MEASURED - sum(w[key] for w in a["workers"]) / MEASURED,
+        }
+
+    updates, control = per(t1, t2, "bytes"), per(t2, t3, "bytes")
+    tensors = per(t1, t2, "tensor_bytes")["worker"] - per(t2, t3, "tensor_bytes")["worker"]
+    print(f"\nOURS per update {updates} per control cycle {control}; worker tensors {tensors:+.0f} B")
+    print("API top:", t2["api"]["top"][:6], "\nworker top:", t2["workers"][0]["top"][:6])
+    for where in ("api", "worker"):
+        assert updates[where] - control[where] <= OURS_PER_UPDATE, (where, updates, control, t2)
+        assert control[where] <= OURS_PER_UPDATE, (where, control, t3)
+    assert tensors <= OURS_PER_UPDATE, tensors
