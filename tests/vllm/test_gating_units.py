@@ -363,3 +363,35 @@ def test_the_background_audit_recomputes_on_its_own(tmp_path):
         assert len(engine.calls) == calls  # stopped
 
     asyncio.run(scenario())
+
+
+def test_vllms_own_weight_routes_make_status_re_read_the_workers(tmp_path):
+    from vllm_delta.checksums import combine, to_hex
+    from vllm_delta.vllm.api_server.outside import PastThePluginMiddleware
+    from vllm_delta.vllm.api_server.service import DeltaService
+    from vllm_delta.vllm.shared.options import StoreSpec
+
+    async def scenario():
+        engine = FakeEngine(3, {"w": 11})
+        svc = DeltaService(engine, StoreSpec(str(tmp_path)))
+        await svc.startup()
+        gate_app = App()
+        marks = []
+        mw = PastThePluginMiddleware(gate_app, lambda scope: (marks.append(scope["path"]), svc.past_the_plugin()))
+        assert (await call(mw, b"{}", path="/v1/completions"))[0] == 200
+        assert marks == []  # not one of vLLM's weight routes
+        # vLLM's native RL API moves the workers to version 5 past the plugin.
+        engine.version, engine.sums = 5, {"w": 13}
+        engine.recorded = to_hex(combine(engine.sums.items()))
+        engine.calls.clear()
+        assert (await call(mw, b'{"update_info": {}}', path="/update_weights"))[0] == 200
+        assert marks == ["/update_weights"]
+        st = await svc.status()  # re-reads once, sees another version, recomputes the live sums
+        assert (st.version, st.checksum) == (5, engine.recorded)
+        assert svc.gate.served == 5
+        engine.calls.clear()
+        await svc.status()
+        assert engine.calls == []  # and then answers from memory again
+        await svc.stop()
+
+    asyncio.run(scenario())

@@ -47,6 +47,7 @@ from ..shared.messages import HeapAnswer
 from ..shared.options import server_options
 from .gating import VersionGate, VersionGateMiddleware
 from .metrics import metrics
+from .outside import PastThePluginMiddleware
 from .service import DeltaService
 from .spans import AttributionMiddleware, SpanStore, spans_for_response, wrap_generate
 
@@ -189,6 +190,7 @@ class DeltaEndpointPlugin:
         gate = VersionGate()
         setattr(app.state, GATE_KEY, gate)
         app.add_middleware(VersionGateMiddleware, gate=gate)
+        app.add_middleware(PastThePluginMiddleware, mark=_past_the_plugin)
 
     async def init_state(self, engine_client: Any, state: Any, args: Any) -> None:
         if engine_client is None:
@@ -250,6 +252,12 @@ def _flag(text: str | None, name: str) -> bool:
 
 
 TIMELINE_ID_LIMIT = 256  # characters of ?id=
+
+
+def _past_the_plugin(scope: Any) -> None:
+    service = getattr(scope["app"].state, STATE_KEY, None)
+    if service is not None:
+        service.past_the_plugin()
 
 
 async def _heap(service: DeltaService, body: Any) -> HeapAnswer:

@@ -158,6 +158,8 @@ class DeltaService:
         self._learning = asyncio.Lock()  # recomputations outside the update lock, one at a time
         self._inflight_refused: str | None = None  # why this engine refused an in-flight update (follow mode)
         self._audit: asyncio.Task[None] | None = None
+        self._stale = False  # vLLM's own routes may have changed the weights (outside.py): re-read once
+        self._resyncing: asyncio.Task[None] | None = None
 
     @property
     def store(self) -> DeltaStore:
@@ -507,6 +509,8 @@ class DeltaService:
         """What the server serves, from what this process keeps current: no worker call (except once, while
         the live sums are unknown: a server that has not probed its layout yet). With `verify`, the live
         sums are recomputed from every rank first (a full pass; waits for a running update)."""
+        if self._stale and self.in_progress is None:
+            await self._resync()
         if verify:
             await self.verify("request")
         elif not self.live.known_for(self._served.version) and self.in_progress is None:
@@ -554,6 +558,30 @@ class DeltaService:
             served, live = await self._live_state()
             if self._operations == started and self.in_progress is None:
                 self._recomputed(served, live, "startup", (time.perf_counter() - t0) * 1e3)
+
+    def past_the_plugin(self) -> None:
+        """One of vLLM's own routes may have changed the weights (outside.py): re-read what the workers
+        serve before the next status answers, and soon in the background (so the gate learns it)."""
+        self._stale = True
+        if self._resyncing is None or self._resyncing.done():
+            self._resyncing = asyncio.get_running_loop().create_task(self._resync_quietly(), name="vllm-delta-resync")
+
+    async def _resync_quietly(self) -> None:
+        try:
+            await self._resync()
+        except Exception as exc:  # noqa: BLE001 - the next status tries again
+            log.warning("vllm-delta: could not re-read the workers after one of vLLM's own routes: %s", exc)
+
+    async def _resync(self) -> None:
+        async with self._learning:
+            if not self._stale or self.in_progress is not None:
+                return  # an update reads the workers itself; a status after it re-reads if still stale
+            self._stale = False
+            try:
+                await self._read_served()  # a different version or checksum forgets the live sums
+            except Exception:
+                self._stale = True
+                raise
 
     def _recomputed(self, served: WorkerStatus, live: Sums, trigger: VerifyTrigger, ms: float) -> Verification:
         v = self.live.recomputed(served.version, live, version_checksum=served.checksum, trigger=trigger, ms=ms)
@@ -613,10 +641,11 @@ class DeltaService:
                 log.warning("vllm-delta: the live-checksum audit failed: %s", exc)
 
     async def stop(self) -> None:
-        """Stop the follower and the audit (the app shuts down)."""
-        if self._audit is not None:
-            self._audit.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._audit
-            self._audit = None
+        """Stop the follower, the audit and a re-read in progress (the app shuts down)."""
+        for task in (self._audit, self._resyncing):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+        self._audit = self._resyncing = None
         await self.stop_follower()
