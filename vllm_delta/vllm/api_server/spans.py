@@ -33,13 +33,15 @@ from ...server_api import ChoiceSpans
 
 Json = dict[str, Any]
 SpanList = list[list[Any]]  # [[version, start, end], ...]
-STORE_LIMIT = 16384  # generate() requests whose spans are kept
+# generate() requests whose spans are kept (~0.5 KB each): GET /v1/delta/timeline?id= is a fallback a client
+# uses right after its response, and a bound this size is full within minutes, after which memory is flat.
+STORE_LIMIT = 4096
 WRAPPED_ATTR = "_vllm_delta_attribution"
 
 PATHS = ("/v1/completions", "/v1/chat/completions")
 
 
-@dataclass
+@dataclass(slots=True)
 class Recorded:
     n: int  # outputs per prompt (SamplingParams.n)
     outputs: dict[int, SpanList] = field(default_factory=dict)  # output index -> spans
