@@ -43,18 +43,13 @@ from __future__ import annotations
 import asyncio
 import json
 from collections import Counter
-from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from ...errors import BadRequestError, DeltaError, VersionBoundConflictError, WeightVersionBehindError
 from ...server_api import MIN_VERSION_FIELD, MIN_VERSION_HEADER, min_version_of
+from .asgi import App, Message, Receive, Scope, Send
 from .metrics import GateOutcome, metrics
 from .spans import PATHS
-
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
 
 _HEADER = MIN_VERSION_HEADER.lower().encode()
 _FIELD = MIN_VERSION_FIELD.encode()
@@ -177,7 +172,7 @@ class VersionGateMiddleware:
     The body is read here (the bound may be in it) and replayed unchanged to the app. It is parsed only
     when the field's name appears in it, or when it holds a JSON escape (`\\u`) that could spell it."""
 
-    def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]], gate: VersionGate):
+    def __init__(self, app: App, gate: VersionGate):
         self.app = app
         self.gate = gate
 

@@ -11,13 +11,9 @@ is recomputed if they serve something else.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, MutableMapping
-from typing import Any
+from collections.abc import Callable
 
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
+from .asgi import App, Message, Receive, Scope, Send
 
 ROUTES = frozenset({"/update_weights", "/finish_weight_update", "/wake_up", "/collective_rpc"})
 
@@ -26,7 +22,7 @@ class PastThePluginMiddleware:
     """Pure ASGI middleware: after vLLM's own weight-changing routes, `mark()` (the service's
     `past_the_plugin`, looked up per request: the service exists only once the engine is up)."""
 
-    def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]], mark: Callable[[Scope], None]):
+    def __init__(self, app: App, mark: Callable[[Scope], None]):
         self.app = app
         self.mark = mark
 

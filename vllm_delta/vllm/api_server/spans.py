@@ -24,12 +24,13 @@ import json
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from ...attribution import parse_label
 from ...server_api import ChoiceSpans
+from .asgi import App, Message, Receive, Scope, Send
 
 Json = dict[str, Any]
 SpanList = list[list[Any]]  # [[version, start, end], ...]
@@ -159,11 +160,6 @@ def _dumps(obj: Any) -> bytes:
 
 FINISHED = b'"finish_reason":"'  # a finished choice (pydantic writes no spaces); unfinished ones say null
 
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-
 
 class AttributionMiddleware:
     """Pure ASGI middleware: adds `choices[i].weight_versions` to completion and chat responses.
@@ -172,7 +168,7 @@ class AttributionMiddleware:
     a corrected content-length. Streaming (text/event-stream): events pass through as they come; only
     an event with a finished choice is parsed and rewritten. Anything else passes untouched."""
 
-    def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]], store: SpanStore):
+    def __init__(self, app: App, store: SpanStore):
         self.app = app
         self.store = store
 
