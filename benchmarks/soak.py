@@ -16,8 +16,15 @@ them the server only does what vLLM does around every update, through its own de
 the same. Growth in the control is vLLM's own (generation, preemption); the difference between the
 two slopes is what applying versions adds.
 
+Ours, measured directly (`--heap`): RSS cannot separate our growth from vLLM's, so the server runs
+with the test hooks on and traces allocations (tracemalloc) in the API process and the worker from
+the first version on; every `--heap-every` versions (and control cycles) it reports the bytes still
+alive that vllm_delta's code allocated (vllm_delta/vllm/shared/heap.py) and the torch CPU storage
+bytes alive in the worker. Their slopes after warm-up, per update and per control cycle, are ours.
+
     python benchmarks/soak.py                          # 200 versions + 100 control cycles
     python benchmarks/soak.py --versions 40 --warmup 10 --control 0 --out /tmp/soak
+    python benchmarks/soak.py --versions 120 --warmup 70 --control 40 --heap
 """
 
 from __future__ import annotations
@@ -67,7 +74,29 @@ def _sample(srv: VllmServer, folder: str) -> tuple[dict[str, int], int]:
     return rss, sum(e.stat().st_size for e in os.scandir(folder) if e.is_file())
 
 
-def soak(versions: int, anchor_every: int, warmup: int, control: int, work: str, log_every: int = 10) -> dict:
+def _heap(srv: VllmServer, action: str) -> dict[str, int]:
+    """The test hook's report: ours in the API process and the worker, the worker's torch storages."""
+    r = srv.post("/v1/delta/test/heap", {"action": action}, timeout=300)
+    if r.status_code != 200:
+        raise RuntimeError(f"/v1/delta/test/heap answered {r.status_code}: {r.text[:300]}")
+    answer = r.json()
+    return {
+        "api": answer["api"]["bytes"],
+        "worker": sum(w["bytes"] for w in answer["workers"]),
+        "worker_tensors": sum(w["tensor_bytes"] for w in answer["workers"]),
+        "top": {"api": answer["api"]["top"][:6], "worker": answer["workers"][0]["top"][:6]},
+    }
+
+
+def soak(
+    versions: int,
+    anchor_every: int,
+    warmup: int,
+    control: int,
+    work: str,
+    log_every: int = 10,
+    heap_every: int = 0,
+) -> dict:
     rows, control_rows = [], []
     with S3Server() as s3:
         uri = s3.uri("soak")
@@ -84,10 +113,13 @@ def soak(versions: int, anchor_every: int, warmup: int, control: int, work: str,
             extra_loader_config=cfg,
             dev_mode=control > 0,
             log_path=os.path.join(work, "server.log"),
+            env={"VLLM_DELTA_TEST_FAULTS": "1"} if heap_every else None,
         )
         with srv, StreamingClient(srv.base_url, srv.model) as stream:
             stream.wait_for_chunks(5)
             assert srv.status()["checksum"] == run.checksums[0]
+            if heap_every:
+                _heap(srv, "start")
             t_start = time.time()
             for i in range(1, versions + 1):
                 t0 = time.perf_counter()
@@ -98,6 +130,7 @@ def soak(versions: int, anchor_every: int, warmup: int, control: int, work: str,
                 st = srv.status()
                 t3 = time.perf_counter()
                 rss, cache_bytes = _sample(srv, folder)
+                heap = _heap(srv, "report") if heap_every and i % heap_every == 0 else None
                 rows.append(
                     {
                         "version": info.version,
@@ -114,6 +147,7 @@ def soak(versions: int, anchor_every: int, warmup: int, control: int, work: str,
                         "train_publish_s": t1 - t0,
                         "update_s": t2 - t1,
                         "status_s": t3 - t2,
+                        "heap": heap,
                     }
                 )
                 if i % log_every == 0:
@@ -134,7 +168,8 @@ def soak(versions: int, anchor_every: int, warmup: int, control: int, work: str,
                 st = srv.status()
                 assert st["version"] == served and st["checksum"] == run.checksums[served]
                 rss, cache_bytes = _sample(srv, folder)
-                control_rows.append({"cycle": i, "rss": rss, "time": time.time() - t_start})
+                heap = _heap(srv, "report") if heap_every and i % heap_every == 0 else None
+                control_rows.append({"cycle": i, "rss": rss, "time": time.time() - t_start, "heap": heap})
                 if i % log_every == 0:
                     print(
                         f"  control {i:4d} rss " + " ".join(f"{k} {v / 2**20:7.1f}" for k, v in sorted(rss.items())),
@@ -172,6 +207,18 @@ def summarize(result: dict) -> dict:
             ys = [float(r["rss"].get(k, 0) if k != "total" else sum(r["rss"].values())) for r in control]
             memory[k]["control_slope_per_cycle_bytes"] = slope(cx, ys)
             memory[k]["updates_minus_control_bytes"] = memory[k]["slope_per_update_bytes"] - slope(cx, ys)
+    heap_rows = [r for r in after if r.get("heap")]
+    heap_control = [r for r in control if r.get("heap")]
+    if len(heap_rows) > 1:
+        ours: dict = {}
+        for k in ("api", "worker", "worker_tensors"):
+            hx, hy = [float(r["version"]) for r in heap_rows], [float(r["heap"][k]) for r in heap_rows]
+            ours[k] = {"start_bytes": hy[0], "end_bytes": hy[-1], "slope_per_update_bytes": slope(hx, hy)}
+            if len(heap_control) > 1:
+                cx, cy = [float(r["cycle"]) for r in heap_control], [float(r["heap"][k]) for r in heap_control]
+                ours[k]["control_slope_per_cycle_bytes"] = slope(cx, cy)
+        ours["top_at_end"] = heap_rows[-1]["heap"]["top"]
+        memory["ours"] = ours
     cache = [r["cache_bytes"] for r in after]
     out = {
         "versions": len(rows),
@@ -205,6 +252,8 @@ def table(s: dict) -> str:
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for k, m in s["memory"].items():
+        if k == "ours":
+            continue
         ctl = m.get("control_slope_per_cycle_bytes")
         diff = m.get("updates_minus_control_bytes")
         lines.append(
@@ -212,6 +261,20 @@ def table(s: dict) -> str:
             f"{m['growth_per_update_bytes'] / 1024:+.2f} KiB | {m['slope_per_update_bytes'] / 1024:+.2f} KiB | "
             + ("n/a | n/a |" if ctl is None else f"{ctl / 1024:+.2f} KiB | {diff / 1024:+.2f} KiB |")
         )
+    ours = s["memory"].get("ours")
+    if ours:
+        lines += [
+            "",
+            "| ours (heap hooks) | after warm-up | at the end | slope / update | control slope / cycle |",
+            "|---|---:|---:|---:|---:|",
+        ]
+        for k in ("api", "worker", "worker_tensors"):
+            m = ours[k]
+            ctl = m.get("control_slope_per_cycle_bytes")
+            lines.append(
+                f"| {k} | {m['start_bytes'] / 1024:.1f} KiB | {m['end_bytes'] / 1024:.1f} KiB | "
+                f"{m['slope_per_update_bytes']:+.0f} B | " + ("n/a |" if ctl is None else f"{ctl:+.0f} B |")
+            )
     c = s["cache"]
     lines += [
         "",
@@ -269,13 +332,22 @@ def main() -> None:
     ap.add_argument("--control", type=int, default=100, help="control cycles (pause + prefix reset, no update)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     ap.add_argument("--name", default="soak_cpu")
+    ap.add_argument("--heap", action="store_true", help="measure ours with the server's heap hooks (tracemalloc)")
+    ap.add_argument("--heap-every", type=int, default=5, help="versions (and control cycles) between heap reports")
     args = ap.parse_args()
     if args.warmup >= args.versions - 1:
         sys.exit("--warmup must leave at least two versions to measure")
     os.makedirs(args.out, exist_ok=True)
     t0 = time.time()
     with tempfile.TemporaryDirectory(prefix="vllm-delta-soak-") as work:
-        result = soak(args.versions, args.anchor_every, args.warmup, args.control, work)
+        result = soak(
+            args.versions,
+            args.anchor_every,
+            args.warmup,
+            args.control,
+            work,
+            heap_every=args.heap_every if args.heap else 0,
+        )
     summary = summarize(result)
     summary["machine"] = f"{platform.node()} {platform.machine()}, {os.cpu_count()} cores, {platform.platform()}"
     summary["date"] = time.strftime("%Y-%m-%d %H:%M:%S %Z")

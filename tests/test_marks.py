@@ -18,7 +18,6 @@ import torch
 from test_follower import Replica, make_weights, step
 from test_ledger import report
 from test_store_faults import _unwritable
-from vllm_delta.vllm.api_server.follower import Follower, FollowOptions, next_target
 
 from vllm_delta import DeltaStore, Publisher, checksum
 from vllm_delta.cli import main as cli_main
@@ -28,6 +27,7 @@ from vllm_delta.marks import blocked_by
 from vllm_delta.testing.proxy import S3Proxy
 from vllm_delta.trainer import PublisherOptions, StalenessPolicy, StoreOptions
 from vllm_delta.trainer.staleness import StalenessGate
+from vllm_delta.vllm.api_server.follower import Follower, FollowOptions, next_target
 
 
 def damage(store: DeltaStore, version: int) -> None:

@@ -154,6 +154,31 @@ class CacheError(DeltaError):
     http_status = 503
 
 
+class WeightVersionBehindError(DeltaError):
+    """A request's `min_weight_version` is above the version the server serves, and the server did not
+    reach it within its wait (409). Nothing was generated."""
+
+    http_status = 409
+
+    def __init__(self, message: str, *, served: int | None, required: int):
+        super().__init__(message)
+        self.served = served
+        self.required = required
+
+
+class VersionBoundConflictError(DeltaError):
+    """An update to an older version while running requests need a newer one (their
+    `min_weight_version`): refused (409) so that no request runs on weights older than its bound."""
+
+    http_status = 409
+
+
+class ServerBusyError(DeltaError):
+    """The server could not do it now (an update holds the lock): try again (503)."""
+
+    http_status = 503
+
+
 class PublishError(DeltaError):
     """A background upload failed; the message names the version."""
 

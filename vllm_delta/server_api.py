@@ -29,6 +29,7 @@ UpdateMode = Literal["keep", "wait", "abort", "inflight"]  # "inflight": no paus
 Method = Literal["delta", "vllm"]  # our scatter | vLLM's load_checkpoint_weight_patches (vllm_path.py)
 Operation = Literal["update", "stage"]
 LabelCause = Literal["keep", "wait", "abort", "inflight", "startup", "pause"]  # why the label changed
+VerifyTrigger = Literal["startup", "request", "audit"]  # what recomputed the live checksum
 
 UPDATE_MODES: tuple[UpdateMode, ...] = get_args(UpdateMode)
 PAUSE_MODES: tuple[PauseMode, ...] = get_args(PauseMode)
@@ -103,6 +104,43 @@ class UpdateRequest:
     @classmethod
     def check_wire(cls, body: Any) -> None:
         _check_body(body, {f.name for f in fields(cls)})
+
+
+# -- version bounds of generation requests (api_server/gating.py) ----------------------------------
+# The oldest policy version a request accepts, on POST /v1/completions and /v1/chat/completions: the
+# body field (an OpenAI client sends it through `extra_body`) or the header; both at once must agree.
+MIN_VERSION_FIELD = "min_weight_version"
+MIN_VERSION_HEADER = "X-Min-Weight-Version"
+MIN_VERSION_QUERY = "min_version"  # GET /v1/delta/ready?min_version=N
+MAX_VERSION = 10**10 - 1  # records.MAX_VERSION (this layer is below records): no store holds a higher one
+_MAX_DIGITS = len(str(MAX_VERSION))
+
+
+def version_bound(value: Any, where: str) -> int:
+    """A version bound from a JSON body: an integer 0..MAX_VERSION (not a bool, a float or a string);
+    BadRequestError naming `where` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_VERSION:
+        raise BadRequestError(f"{where} must be an integer from 0 to {MAX_VERSION}, not {short(value)}")
+    return value
+
+
+def version_bound_text(text: str, where: str) -> int:
+    """A version bound from a header or a query string: decimal digits (surrounding blanks ignored)."""
+    digits = text.strip()
+    if not digits.isascii() or not digits.isdigit() or len(digits) > _MAX_DIGITS:
+        raise BadRequestError(f"{where} must be an integer from 0 to {MAX_VERSION}, not {short(text)}")
+    return version_bound(int(digits), where)
+
+
+def min_version_of(headers: list[str], body: Any) -> int | None:
+    """The bound a generation request names (None: none): every `X-Min-Weight-Version` header value and
+    the body's `min_weight_version` (null counts as absent) must be well-formed and agree (else 400)."""
+    found: list[tuple[str, int]] = [(MIN_VERSION_HEADER, version_bound_text(h, MIN_VERSION_HEADER)) for h in headers]
+    if isinstance(body, dict) and body.get(MIN_VERSION_FIELD) is not None:
+        found.append((MIN_VERSION_FIELD, version_bound(body[MIN_VERSION_FIELD], MIN_VERSION_FIELD)))
+    if len({v for _, v in found}) > 1:
+        raise BadRequestError(f"the version bounds disagree: {', '.join(f'{w} {v}' for w, v in found)}")
+    return found[0][1] if found else None
 
 
 # -- HTTP answers ----------------------------------------------------------------------------------
@@ -265,23 +303,60 @@ class Coverage:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Verification:
+    """A full recomputation of the live checksum from the parameters (every rank, every element), compared
+    with the one the server keeps current at every commit: GET /v1/delta/status?verify=true, the
+    background audit (`delta_audit_s`), and start-up. A mismatch means something wrote the weights behind
+    the plugin's back."""
+
+    trigger: VerifyTrigger
+    time: float  # unix time of the recomputation
+    version: int | None  # the served version
+    ok: bool  # the recomputed sums equal those kept current (or nothing was known to compare with)
+    checksum: str  # recomputed from the live parameters, summed over ranks
+    expected: str | None  # the checksum kept current until then (None: none was known)
+    mismatched: list[str]  # tensors whose sums differ (the first MISMATCHED_NAMES, sorted)
+    ms: Millis  # how long the recomputation took
+
+
+MISMATCHED_NAMES = 16
+
+
+@dataclass(frozen=True, kw_only=True)
 class ServerStatus:
-    """200 answer of GET /v1/delta/status. While an update runs, the answer is the state known before it
-    (`as_of`: when that was read from the workers) and `update_in_progress` says what runs. `follow` is
-    null unless the server follows or reports."""
+    """200 answer of GET /v1/delta/status, answered by the API process from what it keeps current, with no
+    call into the workers (`?verify=true` recomputes the live checksum first). While an update runs it
+    says what is served until the update commits, and `update_in_progress` what runs. `follow` is null
+    unless the server follows or reports."""
 
     version: int | None
     store: str
-    checksum: str | None  # of the live parameters, summed over ranks (None: not known yet)
+    # The live parameters' checksum, summed over ranks: recomputed at start-up (and by a verification),
+    # kept current at every commit by adding the ranks' verified partials (None: not known yet).
+    checksum: str | None
     version_checksum: str | None  # what the served version's header records
     staged: list[int]  # the prefetched update's versions
     last_update: AppliedUpdate | None
     tensors_via_vllm_path: list[str]
     coverage: Coverage | None = None
-    as_of: float | None = None
+    as_of: float | None = None  # when `checksum` was last established (a recomputation or a commit)
     update_in_progress: InProgress | None = None
     last_failure: Failure | None = None
     follow: FollowStatus | None = None
+    verification: Verification | None = None  # the last recomputation (its `ok` stays false until one passes)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Readiness:
+    """GET /v1/delta/ready[?min_version=N]: status 200 when ready, 503 when not, with this body either way.
+    Ready: the server serves a version (>= N when given) and, following its store, serves the newest
+    version its follower saw (or that version was skipped as bad)."""
+
+    ready: bool
+    version: int | None  # the served version
+    min_version: int | None = omit_none()
+    newest_seen: int | None = omit_none()  # follow mode: the store's newest version at the follower's last poll
+    reason: str | None = omit_none()  # why not ready
 
 
 # -- GET /v1/delta/timeline (also the engine core's reply to rpc.ENGINE_TIMELINE) -------------------

@@ -162,18 +162,28 @@ def test_one_follow_mode_update(tmp_path, monkeypatch):
         reads.clear()
         await follower.poll_once()  # one follow-mode update to version 2, and the ledger report after it
         assert follower.state.served == 2 and follower.state.last_error is None, follower.state
-        return await service.checksums()
+        update_counts = collections.Counter(counts)
+        counts.clear()
+        status = await service.status()  # answered from what the API process keeps current
+        assert not counts, counts
+        verified = await service.verify("request")  # the explicit recomputation: one worker call
+        assert counts == {"api:delta_status": 1, "worker:delta_status": 1}, counts
+        counts.clear()
+        counts.update(update_counts)
+        return status, verified, await service.checksums()
 
-    live, recorded = asyncio.run(scenario())
-    assert live == recorded  # the report's live checksum: the update landed
+    status, verified, (live, recorded) = asyncio.run(scenario())
+    assert live == recorded == status.checksum == status.version_checksum  # the report's: the update landed
+    assert verified.ok and verified.checksum == live and verified.mismatched == []
     polls = {k: counts.pop(k) for k in list(counts) if k.endswith(POLL)}
     api = {k: v for k, v in counts.items() if k.startswith("api:")}
     to_workers = {k: v for k, v in counts.items() if k.startswith("worker:")}
     print(f"\nROUND TRIPS api={dict(api)} workers={dict(to_workers)} polls={polls} reads={dict(reads)}")
     assert polls[f"api:{POLL}"] >= 1
-    # status, stage start, the commit (one engine-core call: commit + label), release; the report: status
-    assert sum(api.values()) == 5, api
-    assert sum(to_workers.values()) == 5, to_workers  # status, stage start, commit, release, status
+    # status, stage start, the commit (one engine-core call: commit + label), release; the report: nothing
+    # (its live checksum is the one kept current at the commit)
+    assert sum(api.values()) == 4, api
+    assert sum(to_workers.values()) == 4, to_workers  # status, stage start, commit, release
     assert counts["engine:pause"] == counts["engine:resume"] == counts["engine:reset_prefix_cache"] == 1
     # The version's files: found (downloaded and verified) once by the API process, once by the worker.
     assert reads["DeltaStore.open"] == 2 and reads["DeltaStore.local_paths"] == 2, reads

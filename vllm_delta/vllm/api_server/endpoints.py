@@ -1,5 +1,6 @@
 """The HTTP routes (a vLLM endpoint plugin): /v1/delta/update_weights, /v1/delta/stage, /v1/delta/status,
-/v1/delta/timeline; and `choices[i].weight_versions` on completions (spans.py).
+/v1/delta/ready, /v1/delta/timeline; on completions, `choices[i].weight_versions` (spans.py) and the
+version gate of `min_weight_version` / `X-Min-Weight-Version` (gating.py).
 
 Under /v1 so that vLLM's --api-key guards them. Clients send versions, never paths or URIs: the
 store is fixed when the server starts (options.py). With "delta_follow" (or "delta_report") the
@@ -21,6 +22,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -28,9 +30,24 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from ...errors import BadRequestError, DeltaError, RequestTooLargeError, UnsupportedMediaTypeError, http_status, short
-from ...server_api import CommitSwitch, StageRequest, Timeline, UpdateRequest, from_wire, to_wire
+from ...server_api import (
+    FAULTS_ENV,
+    MIN_VERSION_QUERY,
+    CommitSwitch,
+    Readiness,
+    StageRequest,
+    Timeline,
+    UpdateRequest,
+    from_wire,
+    to_wire,
+    version_bound_text,
+)
+from ..shared import heap, rpc
+from ..shared.messages import HeapAnswer
 from ..shared.options import server_options
+from .gating import VersionGate, VersionGateMiddleware
 from .metrics import metrics
+from .outside import PastThePluginMiddleware
 from .service import DeltaService
 from .spans import AttributionMiddleware, SpanStore, spans_for_response, wrap_generate
 
@@ -40,6 +57,7 @@ PREFIX = "/v1/delta"
 STATE_KEY = "vllm_delta_service"
 MAX_BODY_BYTES = 64 * 1024  # our bodies are well under 200 bytes
 SPANS_KEY = "vllm_delta_spans"
+GATE_KEY = "vllm_delta_gate"
 
 
 def _error(exc: BaseException) -> JSONResponse:
@@ -131,17 +149,48 @@ class DeltaEndpointPlugin:
         @app.get(f"{PREFIX}/status")
         @route
         async def status(request: Request) -> object:
-            return await _service(request).status()
+            verify = _flag(request.query_params.get("verify"), "verify")
+            return await _service(request).status(verify=verify)
+
+        @app.get(f"{PREFIX}/ready")
+        async def ready(request: Request) -> JSONResponse:
+            """200 when this server should get traffic (for min_version N: it serves >= N), else 503."""
+            try:
+                text = request.query_params.get(MIN_VERSION_QUERY)
+                min_version = None if text is None else version_bound_text(text, MIN_VERSION_QUERY)
+                service = getattr(request.app.state, STATE_KEY, None)
+                answer = (
+                    service.readiness(min_version)
+                    if service is not None
+                    else Readiness(ready=False, version=None, min_version=min_version, reason="no store configured")
+                )
+            except Exception as exc:  # noqa: BLE001 - malformed min_version: 400
+                return _error(exc)
+            return JSONResponse(to_wire(answer), status_code=200 if answer.ready else 503)
 
         @app.get(f"{PREFIX}/timeline")
         @route
         async def timeline(request: Request) -> object:
             return await _timeline(request)
 
+        if os.environ.get(FAULTS_ENV) == "1":
+
+            @app.post(f"{PREFIX}/test/heap")
+            @route
+            async def test_heap(request: Request) -> object:
+                """Test hook: what vllm_delta keeps alive in this process and in every worker (heap.py)."""
+                return await _heap(_service(request), await read_json(request))
+
         # Attribution: spans recorded by the generate() wrapper (init_state), added to responses here.
         spans = SpanStore()
         setattr(app.state, SPANS_KEY, spans)
         app.add_middleware(AttributionMiddleware, store=spans)
+        # The version gate, in front of the same routes (added last: it runs first, inside vLLM's
+        # --api-key check, which vLLM adds after the plugins attach). The service configures it.
+        gate = VersionGate()
+        setattr(app.state, GATE_KEY, gate)
+        app.add_middleware(VersionGateMiddleware, gate=gate)
+        app.add_middleware(PastThePluginMiddleware, mark=_past_the_plugin)
 
     async def init_state(self, engine_client: Any, state: Any, args: Any) -> None:
         if engine_client is None:
@@ -159,16 +208,18 @@ class DeltaEndpointPlugin:
         if options is None:
             log.warning("vllm-delta: no store configured; /v1/delta/* will answer 500 until one is")
             return
-        self.service = service = DeltaService(engine_client, options.store)
+        gate = getattr(state, GATE_KEY, None)
+        self.service = service = DeltaService(engine_client, options.store, options.service, gate)
         setattr(state, STATE_KEY, service)
         metrics()  # on /metrics from the start (once per process)
         log.info("vllm-delta: /v1/delta/* serve versions of %s", options.store.uri)
-        try:  # label outputs with the served version from the first request on (vLLM says "default")
-            await asyncio.wait_for(service.sync_label(), LABEL_TIMEOUT_S)
-        except Exception as exc:  # noqa: BLE001 - attribution would say "default" until the first update
-            log.warning("vllm-delta: could not set the weight-version label at start-up: %s", exc)
+        try:  # the live checksum, and outputs labelled with the served version from the first request on
+            await asyncio.wait_for(service.startup(), LABEL_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001 - status learns it later; attribution says "default" meanwhile
+            log.warning("vllm-delta: could not read the served version at start-up: %s", exc)
         if options.follow.follow or options.follow.report:
             service.start_follower(options.follow)
+        service.start_audit(options.service.audit_s)
 
     def _stop_follower_on_shutdown(self, app: FastAPI) -> None:
         """Wrap the app's lifespan (vLLM's) so that the follower stops before the engine goes away:
@@ -182,13 +233,39 @@ class DeltaEndpointPlugin:
                     yield value
                 finally:
                     if self.service is not None:
-                        await self.service.stop_follower()
+                        await self.service.stop()
 
         app.router.lifespan_context = lifespan
 
 
 LABEL_TIMEOUT_S = 120.0
+_FLAGS = {"true": True, "1": True, "false": False, "0": False}
+
+
+def _flag(text: str | None, name: str) -> bool:
+    """A boolean query parameter (absent: false)."""
+    if text is None:
+        return False
+    if text.lower() not in _FLAGS:
+        raise BadRequestError(f"{name} must be true or false, not {short(text)}")
+    return _FLAGS[text.lower()]
+
+
 TIMELINE_ID_LIMIT = 256  # characters of ?id=
+
+
+def _past_the_plugin(scope: Any) -> None:
+    service = getattr(scope["app"].state, STATE_KEY, None)
+    if service is not None:
+        service.past_the_plugin()
+
+
+async def _heap(service: DeltaService, body: Any) -> HeapAnswer:
+    action = body.get("action", "report") if isinstance(body, dict) else None
+    if action not in heap.HEAP_ACTIONS:
+        raise BadRequestError(f'"action" must be one of {", ".join(heap.HEAP_ACTIONS)}')
+    workers = (await service.workers.call(rpc.TEST_HEAP, rpc.HeapArgs(action))).all()
+    return HeapAnswer(heap.act(action), workers)
 
 
 async def _timeline(request: Request) -> Timeline:

@@ -14,16 +14,23 @@ logger starts). Labels carry error class names and status codes only: `/metrics`
     vllm_delta_pause_seconds, _apply_seconds, _stage_seconds   histograms (applied updates)
     vllm_delta_update_bytes, _update_changed_elements          histograms (applied updates)
     vllm_delta_cache_bytes                        gauge: the download cache of the server's store
+    vllm_delta_live_checksum_verifications_total{trigger,outcome}   recomputations of the live checksum:
+                                                  startup | request | audit; ok | mismatch
+    vllm_delta_live_checksum_mismatch             gauge: 1 while the last recomputation found a mismatch
+    vllm_delta_min_version_requests_total{outcome}   requests with a min_weight_version: ran (at once) |
+                                                  held (waited, then ran) | refused (409) | malformed (400)
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from typing import Any
+from typing import Any, Literal, get_args
 
 log = logging.getLogger(__name__)
 
+GateOutcome = Literal["ran", "held", "refused", "malformed"]  # a request with a min_weight_version
+GATE_OUTCOMES: tuple[GateOutcome, ...] = get_args(GateOutcome)
 _TIME_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
 _SIZE_BUCKETS = tuple(float(4**k) for k in range(4, 18))  # 256 .. 2^34
 
@@ -54,8 +61,23 @@ class Metrics:
             "Bytes in the download cache of the server's store",
             multiprocess_mode="mostrecent",
         )
+        self.verifications = Counter(
+            "vllm_delta_live_checksum_verifications",
+            "Recomputations of the live checksum by trigger and outcome",
+            ["trigger", "outcome"],
+        )
+        self.mismatch = Gauge(
+            "vllm_delta_live_checksum_mismatch",
+            "1 while the last recomputation of the live checksum found a mismatch",
+            multiprocess_mode="mostrecent",
+        )
+        self.gated = Counter(
+            "vllm_delta_min_version_requests", "Generation requests with a min_weight_version by outcome", ["outcome"]
+        )
         for outcome in ("applied", "unchanged", "failed"):
             self.updates.labels(outcome=outcome)  # exported at 0 from the start
+        for outcome in GATE_OUTCOMES:
+            self.gated.labels(outcome=outcome)
 
     def applied(self, result: Any) -> None:
         self.updates.labels(outcome="applied").inc()
@@ -65,6 +87,14 @@ class Metrics:
         self.stage.observe(result.stage_ms / 1e3)
         self.bytes.observe(result.bytes)
         self.elements.observe(result.nnz)
+
+    def gate(self, outcome: GateOutcome) -> None:
+        self.gated.labels(outcome=outcome).inc()
+
+    def verified(self, verification: Any) -> None:
+        outcome = "ok" if verification.ok else "mismatch"
+        self.verifications.labels(trigger=verification.trigger, outcome=outcome).inc()
+        self.mismatch.set(0 if verification.ok else 1)
 
     def failed(self, operation: str, type_name: str, status: int) -> None:
         if operation == "update":

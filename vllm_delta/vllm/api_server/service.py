@@ -20,9 +20,14 @@ Mode "inflight" makes the same engine-core call with no pause: it runs between t
 also drops the prefix-cache hashes and taints running requests. Nothing is preempted.
 
 Updates and prefetches are serialized by one asyncio.Lock, so two updates never interleave. Status
-reads never take it: during an update a status answers at once from the last state it read, and says
-what is in progress since when (a hung store must not hang the control plane); a status that an
-update overtook while it read the workers answers the same way.
+never takes it and never calls a worker: the live checksum is recomputed once at start-up and kept
+current at every commit (live.py), so a status answers at once, during an update too (a hung store
+must not hang the control plane), with the served version, its checksum and what is in progress
+since when. `?verify=true` recomputes it from every rank's parameters (under the lock), and so does
+the background audit (`delta_audit_s`); a mismatch is logged, counted and shown in status.
+
+Every commit goes through the version gate (gating.py): requests that name a `min_weight_version`
+wait for it, and a commit to an older version than a running request needs is refused.
 
 Deadlines (deadline.py): every store operation is bounded by the store's `timeout_s`, and everything
 an update does before its pause by `update_timeout_s`; past it the update fails with StoreTimeoutError
@@ -36,14 +41,14 @@ GET /v1/delta/status.
 
 What the service knows of the workers without asking them (`Served`): the served version and checksum
 as last read or applied, and the served version's per-tensor sums (what staged partials add to; they
-are those of its header, so they stay valid while the workers report the same version and checksum).
+are those of its header, so they stay valid while the workers report the same version and checksum);
+the live sums (`LiveChecksum`); rank 0's last status (coverage, tensors through vLLM's path).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import functools
 import logging
 import time
@@ -52,10 +57,11 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ...checksums import Sums, add_sums, combine, to_hex
+from ...checksums import Sums, add_sums
 from ...errors import (
     DeltaError,
     InflightRefusedError,
+    ServerBusyError,
     WorkerError,
     http_status,
 )
@@ -67,17 +73,22 @@ from ...server_api import (
     InProgress,
     Method,
     Operation,
+    Readiness,
     ServerStatus,
     StageRequest,
     StageResult,
     UpdateMode,
     UpdateRequest,
     UpdateResult,
+    Verification,
+    VerifyTrigger,
 )
 from ..shared.commit import CommitOptions, Staged, Update
 from ..shared.messages import WorkerStatus
-from ..shared.options import FollowOptions, StoreSpec
+from ..shared.options import FollowOptions, ServiceOptions, StoreSpec
 from ..shared.plan import UpdatePlan, plan_update
+from .gating import VersionGate
+from .live import LiveChecksum
 from .metrics import metrics
 from .steps import ApiProcess, WorkerUpdate
 
@@ -87,7 +98,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-SEEN_S = 30.0  # the follower's polls and reports reuse what was read from the workers this recently
+SEEN_S = 30.0  # the follower's polls reuse the served version read from the workers this recently
+VERIFY_WAIT_S = 60.0  # ?verify=true waits this long for a running update to end, then answers 503
 
 
 @dataclass(frozen=True)
@@ -115,8 +127,17 @@ class Served:
 
 
 class DeltaService:
-    def __init__(self, engine_client: Any, spec: StoreSpec):
+    def __init__(
+        self,
+        engine_client: Any,
+        spec: StoreSpec,
+        options: ServiceOptions | None = None,
+        gate: VersionGate | None = None,
+    ):
         self.spec = spec
+        self.options = options or ServiceOptions()
+        self.gate = gate or VersionGate()
+        self.gate.wait_s = self.options.min_version_wait_s
         self.api = ApiProcess.of(engine_client, spec)
         self.workers = self.api.workers
         self.engine_core = self.api.engine_core
@@ -129,12 +150,16 @@ class DeltaService:
         self.last_failure: Failure | None = None
         self.follower: Follower | None = None
         self._served = Served()
-        self._last_status: ServerStatus | None = None  # what status answers while an update runs
+        self.live = LiveChecksum()  # the live sums over all ranks, kept current at every commit
+        self.verification: Verification | None = None  # the last recomputation of the live sums
+        self._view: WorkerStatus | None = None  # rank 0's last status: coverage, tensors through vLLM's path
         self._chain: list[int] | None = None  # the served version's chain (kept in the cache)
-        self._operations = 0  # updates and prefetches started (a status read notices one starting)
-        self._status_lock = asyncio.Lock()  # status reads, one at a time (never the update lock)
-        self._checksums_seen: tuple[int | None, str, str | None, float] | None = None  # for ledger reports
+        self._operations = 0  # updates and prefetches started (a recomputation notices one starting)
+        self._learning = asyncio.Lock()  # recomputations outside the update lock, one at a time
         self._inflight_refused: str | None = None  # why this engine refused an in-flight update (follow mode)
+        self._audit: asyncio.Task[None] | None = None
+        self._stale = False  # vLLM's own routes may have changed the weights (outside.py): re-read once
+        self._resyncing: asyncio.Task[None] | None = None
 
     @property
     def store(self) -> DeltaStore:
@@ -175,6 +200,18 @@ class DeltaService:
         if len(versions) != 1:
             raise DeltaError(f"worker ranks disagree on the served version: {sorted(versions, key=str)}")
         rank0 = ranks[0]
+        known = self._served
+        if known.seen > float("-inf") and (known.version, known.checksum) != (rank0.version, rank0.checksum):
+            # Not a commit of this process (an update past the plugin): the live sums are unknown now.
+            log.warning(
+                "vllm-delta: the workers serve version %s (%s), not %s (%s) as last known",
+                rank0.version,
+                rank0.checksum,
+                known.version,
+                known.checksum,
+            )
+            self.live.forget()
+        self._view = rank0
         self._note_served(rank0.version, rank0.checksum)
         return rank0, ranks
 
@@ -183,6 +220,7 @@ class DeltaService:
         if sums is None and (known.version, known.checksum) == (version, checksum):
             sums = known.sums  # the same version: its recorded sums still hold
         self._served = Served(version, checksum, time.monotonic(), sums)
+        self.gate.note_served(version)  # wakes requests waiting for this version
         m = metrics()
         if m is not None and version is not None:
             m.served_version.set(version)
@@ -302,17 +340,12 @@ class DeltaService:
         async with self.lock:
             return (await self._read_served())[0].version
 
-    async def checksums(self) -> tuple[str, str | None]:
-        """(live checksum over all ranks, the served version's recorded checksum), for ledger reports:
-        computed when the served version changed, else at most every SEEN_S (see served_version)."""
-        known = self._checksums_seen
-        if known is not None and known[0] == self._served.version and time.monotonic() - known[3] < SEEN_S:
-            return known[1], known[2]
-        async with self.lock:
-            served, live = await self._live_state()
-            checksum = to_hex(combine(live.items()))
-            self._checksums_seen = (served.version, checksum, served.checksum, time.monotonic())
-            return checksum, served.checksum
+    async def checksums(self) -> tuple[str | None, str | None]:
+        """(live checksum over all ranks, the served version's recorded checksum), for ledger reports: the
+        live checksum kept current (recomputed only when unknown), with no call into the workers."""
+        if not self.live.known_for(self._served.version):
+            await self._learn()
+        return self.live.checksum if self.live.known_for(self._served.version) else None, self._served.checksum
 
     async def _live_state(self) -> tuple[WorkerStatus, Sums]:
         """Rank 0's status and the live per-tensor sums over all ranks, in one RPC (two the first time,
@@ -329,6 +362,18 @@ class DeltaService:
         plan = await self._plan(served, request)
         if not plan.versions:
             return await self._unchanged(served, request)
+        self.gate.begin_commit(plan.target)  # 409 if running requests need a newer version than the target
+        try:
+            out = await self._commit_plan(served, plan, request)
+        finally:
+            self.gate.end_commit()
+        if not served.prepared:  # the layout was probed by this update: learn the coverage once
+            with contextlib.suppress(Exception):
+                await self._read_served()
+        await self._prune_cache(out.version)
+        return out
+
+    async def _commit_plan(self, served: WorkerStatus, plan: UpdatePlan, request: UpdateRequest) -> UpdateResult:
         options = CommitOptions(request.mode, request.fault)
         prefetched = self._take_prefetched(served, plan, request.method)
         if prefetched is not None:
@@ -358,8 +403,7 @@ class DeltaService:
             inflight=applied.inflight.answer() if applied.inflight is not None else None,
         )
         assert steps.target_header is not None
-        self._note_applied(plan, out, steps.target_header)
-        await self._prune_cache(out.version)
+        self._note_applied(plan, out, steps.target_header, [s.partials for s in summaries])
         return out
 
     async def _unchanged(self, served: WorkerStatus, request: UpdateRequest) -> UpdateResult:
@@ -381,24 +425,17 @@ class DeltaService:
             method=request.method,
         )
 
-    def _note_applied(self, plan: UpdatePlan, out: UpdateResult, header: VersionHeader) -> None:
-        """What an applied update changed: the served version and its recorded sums, its chain in the
-        cache, the state status answers while busy, the metrics."""
+    def _note_applied(self, plan: UpdatePlan, out: UpdateResult, header: VersionHeader, partials: list[Sums]) -> None:
+        """What an applied update changed: the live sums (plus the ranks' partials), the served version and
+        its recorded sums, its chain in the cache, the metrics."""
         self.last_update = AppliedUpdate.of(out, time.time())
-        self._note_served(out.version, header.checksum, {n: int(e.checksum, 16) for n, e in header.tensors.items()})
+        recorded = {n: int(e.checksum, 16) for n, e in header.tensors.items()}
+        self.live.committed(out.previous_version, out.version, partials, recorded)
+        self._note_served(out.version, header.checksum, recorded)
         if plan.reanchor:
             self._chain = list(plan.versions)
         elif self._chain is not None:
             self._chain += plan.versions
-        if self._last_status is not None:
-            # What the commit verified: the target's sums (status reads the live ones when idle).
-            self._last_status = dataclasses.replace(
-                self._last_status,
-                version=out.version,
-                checksum=header.checksum,
-                version_checksum=header.checksum,
-                as_of=time.time(),
-            )
         m = metrics()
         if m is not None:
             m.applied(out)
@@ -426,10 +463,16 @@ class DeltaService:
         except Exception as exc:  # noqa: BLE001 - a cache that can't be pruned now is pruned next time
             log.warning("vllm-delta: pruning the download cache failed: %s", exc)
 
-    async def sync_label(self) -> None:
-        """At start-up: label outputs with the version the workers serve (vLLM says "default")."""
+    async def startup(self) -> None:
+        """At start-up, before any request: learn what the workers serve and recompute their live sums
+        (one pass over the weights; a server whose layout is not probed yet learns them at its first
+        status), and label outputs with the served version (vLLM says "default")."""
         async with self.lock:
-            served, _ = await self._read_served()
+            t0 = time.perf_counter()
+            served, ranks = await self._read_served(live_sums=True)
+            if all(r.live_sums is not None for r in ranks):
+                live = add_sums(r.live_sums or {} for r in ranks)
+                self._recomputed(served, live, "startup", (time.perf_counter() - t0) * 1e3)
             if served.version is not None:
                 try:
                     await self.engine_core.set_label(served.version, "startup")
@@ -461,45 +504,148 @@ class DeltaService:
     def _follow_status(self) -> FollowStatus | None:
         return self.follower.status if self.follower is not None else None
 
-    # -- status ---------------------------------------------------------------------------------------
-    async def status(self) -> ServerStatus:
-        if self.in_progress is not None:
-            return self._status_while_busy()
-        async with self._status_lock:
-            started = self._operations
-            served, live = await self._live_state()
-            if self._operations != started or self.in_progress is not None:
-                return self._status_while_busy()  # an update started meanwhile: what was read may be torn
-            self._last_status = ServerStatus(
-                version=served.version,
-                store=self.spec.uri,
-                checksum=to_hex(combine(live.items())),
-                version_checksum=served.checksum,
-                staged=self.prefetched.plan.versions if self.prefetched else [],
-                last_update=self.last_update,
-                tensors_via_vllm_path=served.fallback,
-                coverage=served.coverage,
-                as_of=time.time(),
-                last_failure=self.last_failure,
-                follow=self._follow_status(),
-            )
-            return self._last_status
-
-    def _status_while_busy(self) -> ServerStatus:
-        """The last state read, marked with what runs now: never waits for the running update."""
-        last = self.last_update
-        known = self._last_status
+    # -- status, verification, readiness -------------------------------------------------------------
+    async def status(self, *, verify: bool = False) -> ServerStatus:
+        """What the server serves, from what this process keeps current: no worker call (except once, while
+        the live sums are unknown: a server that has not probed its layout yet). With `verify`, the live
+        sums are recomputed from every rank first (a full pass; waits for a running update)."""
+        if self._stale and self.in_progress is None:
+            await self._resync()
+        if verify:
+            await self.verify("request")
+        elif not self.live.known_for(self._served.version) and self.in_progress is None:
+            await self._learn()
+        served, view = self._served, self._view
+        known = self.live.known_for(served.version)
         return ServerStatus(
-            version=known.version if known else (last.version if last else None),
+            version=served.version,
             store=self.spec.uri,
-            checksum=known.checksum if known else None,
-            version_checksum=known.version_checksum if known else None,
+            checksum=self.live.checksum if known else None,
+            version_checksum=served.checksum,
             staged=self.prefetched.plan.versions if self.prefetched else [],
-            last_update=last,
-            tensors_via_vllm_path=known.tensors_via_vllm_path if known else [],
-            as_of=known.as_of if known else None,
+            last_update=self.last_update,
+            tensors_via_vllm_path=view.fallback if view is not None else [],
+            coverage=view.coverage if view is not None else None,
+            as_of=self.live.as_of if known else None,
             update_in_progress=self.in_progress.as_of_now() if self.in_progress is not None else None,
             last_failure=self.last_failure,
-            coverage=known.coverage if known else None,
             follow=self._follow_status(),
+            verification=self.verification,
         )
+
+    async def verify(self, trigger: VerifyTrigger) -> Verification:
+        """Recompute the live sums from every rank's parameters and compare them with those kept current
+        (and the served version's recorded checksum). Holds the update lock: waits up to VERIFY_WAIT_S for
+        a running update (then ServerBusyError, 503)."""
+        try:
+            await asyncio.wait_for(self.lock.acquire(), VERIFY_WAIT_S)
+        except asyncio.TimeoutError:
+            raise ServerBusyError(f"an update has held the lock for over {VERIFY_WAIT_S:.0f} s: verify later") from None
+        try:
+            t0 = time.perf_counter()
+            served, live = await self._live_state()
+            return self._recomputed(served, live, trigger, (time.perf_counter() - t0) * 1e3)
+        finally:
+            self.lock.release()
+
+    async def _learn(self) -> None:
+        """Recompute the live sums outside the update lock, once, when they are unknown; kept only if no
+        update started meanwhile (what was read could be torn)."""
+        async with self._learning:
+            if self.live.known_for(self._served.version) or self.in_progress is not None:
+                return
+            started, t0 = self._operations, time.perf_counter()
+            served, live = await self._live_state()
+            if self._operations == started and self.in_progress is None:
+                self._recomputed(served, live, "startup", (time.perf_counter() - t0) * 1e3)
+
+    def past_the_plugin(self) -> None:
+        """One of vLLM's own routes may have changed the weights (outside.py): re-read what the workers
+        serve before the next status answers, and soon in the background (so the gate learns it)."""
+        self._stale = True
+        if self._resyncing is None or self._resyncing.done():
+            self._resyncing = asyncio.get_running_loop().create_task(self._resync_quietly(), name="vllm-delta-resync")
+
+    async def _resync_quietly(self) -> None:
+        try:
+            await self._resync()
+        except Exception as exc:  # noqa: BLE001 - the next status tries again
+            log.warning("vllm-delta: could not re-read the workers after one of vLLM's own routes: %s", exc)
+
+    async def _resync(self) -> None:
+        async with self._learning:
+            if not self._stale or self.in_progress is not None:
+                return  # an update reads the workers itself; a status after it re-reads if still stale
+            self._stale = False
+            try:
+                await self._read_served()  # a different version or checksum forgets the live sums
+            except Exception:
+                self._stale = True
+                raise
+
+    def _recomputed(self, served: WorkerStatus, live: Sums, trigger: VerifyTrigger, ms: float) -> Verification:
+        v = self.live.recomputed(served.version, live, version_checksum=served.checksum, trigger=trigger, ms=ms)
+        self.verification = v
+        m = metrics()
+        if m is not None:
+            m.verified(v)
+        if not v.ok:
+            log.error(
+                "vllm-delta: LIVE CHECKSUM MISMATCH (%s): the live weights have checksum %s, version %s records %s, "
+                "kept current %s; tensors that changed behind the plugin's back: %s",
+                trigger,
+                v.checksum,
+                served.version,
+                served.checksum,
+                v.expected,
+                v.mismatched or "none found (the weights differ from the version's since before)",
+            )
+        return v
+
+    def readiness(self, min_version: int | None) -> Readiness:
+        """GET /v1/delta/ready: whether to route traffic here (no worker call). With `min_version`: the served
+        version reaches it. Without: a version is served and, in follow mode, it is the newest version the
+        follower saw (or that one was skipped as bad): a server that starts or recovers behind is not ready."""
+        served = self._served.version
+        following = self.follower is not None and self.follower.options.follow
+        newest = self.follower.state.newest_seen if self.follower is not None and following else None
+        reason = None
+        if served is None:
+            reason = "the server serves no store version"
+        elif min_version is not None:
+            if served < min_version:
+                reason = f"the server serves version {served}, below {min_version}"
+        elif following and self.follower is not None:
+            if newest is None:
+                reason = "its follower has not read the store yet"
+            elif served < newest and newest not in self.follower.state.skipped:
+                reason = f"the server serves version {served}; its follower saw version {newest} in the store"
+        return Readiness(
+            ready=reason is None, version=served, min_version=min_version, newest_seen=newest, reason=reason
+        )
+
+    # -- the background audit -----------------------------------------------------------------------
+    def start_audit(self, period_s: float) -> None:
+        """Recompute the live sums every `period_s` seconds, skipping a round while an update runs."""
+        if self._audit is None and period_s > 0:
+            self._audit = asyncio.get_running_loop().create_task(self._audit_loop(period_s), name="vllm-delta-audit")
+
+    async def _audit_loop(self, period_s: float) -> None:
+        while True:
+            await asyncio.sleep(period_s)
+            if self.lock.locked():
+                continue
+            try:
+                await self.verify("audit")
+            except Exception as exc:  # noqa: BLE001 - the audit never dies: the next round tries again
+                log.warning("vllm-delta: the live-checksum audit failed: %s", exc)
+
+    async def stop(self) -> None:
+        """Stop the follower, the audit and a re-read in progress (the app shuts down)."""
+        for task in (self._audit, self._resyncing):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+        self._audit = self._resyncing = None
+        await self.stop_follower()

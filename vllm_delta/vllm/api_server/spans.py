@@ -24,22 +24,25 @@ import json
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from ...attribution import parse_label
 from ...server_api import ChoiceSpans
+from .asgi import App, Message, Receive, Scope, Send
 
 Json = dict[str, Any]
 SpanList = list[list[Any]]  # [[version, start, end], ...]
-STORE_LIMIT = 16384  # generate() requests whose spans are kept
+# generate() requests whose spans are kept (~0.5 KB each): GET /v1/delta/timeline?id= is a fallback a client
+# uses right after its response, and a bound this size is full within minutes, after which memory is flat.
+STORE_LIMIT = 4096
 WRAPPED_ATTR = "_vllm_delta_attribution"
 
 PATHS = ("/v1/completions", "/v1/chat/completions")
 
 
-@dataclass
+@dataclass(slots=True)
 class Recorded:
     n: int  # outputs per prompt (SamplingParams.n)
     outputs: dict[int, SpanList] = field(default_factory=dict)  # output index -> spans
@@ -157,11 +160,6 @@ def _dumps(obj: Any) -> bytes:
 
 FINISHED = b'"finish_reason":"'  # a finished choice (pydantic writes no spaces); unfinished ones say null
 
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-
 
 class AttributionMiddleware:
     """Pure ASGI middleware: adds `choices[i].weight_versions` to completion and chat responses.
@@ -170,7 +168,7 @@ class AttributionMiddleware:
     a corrected content-length. Streaming (text/event-stream): events pass through as they come; only
     an event with a finished choice is parsed and rewritten. Anything else passes untouched."""
 
-    def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]], store: SpanStore):
+    def __init__(self, app: App, store: SpanStore):
         self.app = app
         self.store = store
 

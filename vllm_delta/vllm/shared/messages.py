@@ -122,6 +122,43 @@ class RolledBack:
 
 
 @dataclass(frozen=True)
+class TestWritten:
+    """rpc.TEST_WRITE (test hook): the element a rank changed behind the plugin's back (None: none)."""
+
+    rank: int
+    tensor: str | None
+    index: int | None  # flat index in the Hugging Face tensor
+
+
+@dataclass(frozen=True)
+class HeapSite:
+    """Where live blocks of ours were allocated (shared/heap.py): the innermost vllm_delta frame."""
+
+    where: str  # vllm_delta/...py:line
+    bytes: int
+    blocks: int
+
+
+@dataclass(frozen=True)
+class HeapReport:
+    """rpc.TEST_HEAP and the API process's share of POST /v1/delta/test/heap (test hooks, heap.py)."""
+
+    rank: int | None  # None: the API process
+    bytes: int  # live blocks whose traceback passes through vllm_delta (0 unless tracing)
+    blocks: int
+    top: list[HeapSite]
+    tensor_bytes: int  # distinct torch CPU storages alive in the process
+
+
+@dataclass(frozen=True)
+class HeapAnswer:
+    """POST /v1/delta/test/heap (test hook): the API process's report and every worker rank's."""
+
+    api: HeapReport
+    workers: list[HeapReport]
+
+
+@dataclass(frozen=True)
 class Released:
     """rpc.RELEASE: the ticket's buffers are dropped."""
 

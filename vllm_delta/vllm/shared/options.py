@@ -2,7 +2,8 @@
 
 Taken from `--model-loader-extra-config` when the load format is "delta", else from the
 environment (`VLLM_DELTA_STORE`, `VLLM_DELTA_STORAGE_OPTIONS` as JSON, `VLLM_DELTA_STORE_TIMEOUT_S`,
-`VLLM_DELTA_UPDATE_TIMEOUT_S`, `VLLM_DELTA_CACHE_MAX_BYTES`), so that a server started from a plain
+`VLLM_DELTA_UPDATE_TIMEOUT_S`, `VLLM_DELTA_CACHE_MAX_BYTES`, `VLLM_DELTA_MIN_VERSION_WAIT_S`,
+`VLLM_DELTA_AUDIT_S`), so that a server started from a plain
 checkpoint can still take store versions.
 """
 
@@ -37,6 +38,9 @@ LOADER_KEYS = (
     "delta_report",  # write this replica's report to the store's ledger (default false)
     "delta_report_s",  # heartbeat period of the report (default 10)
     "delta_replica_id",  # the report's name, replicas/<id>.json (default host-pid-random)
+    # The API process (service.py, gating.py):
+    "delta_min_version_wait_s",  # how long a request whose min_weight_version is ahead waits (default 5)
+    "delta_audit_s",  # recompute the live checksum in the background every so many seconds (default 0: never)
 )
 
 
@@ -141,6 +145,37 @@ class FollowOptions:
         )
 
 
+DEFAULT_MIN_VERSION_WAIT_S = 5.0
+MAX_WAIT_S = 3600.0  # a request held longer than an hour is a mistake, not a policy
+MAX_AUDIT_S = 7 * 86400.0
+
+
+@dataclass(frozen=True)
+class ServiceOptions:
+    """The API process's own knobs, checked at server start: how long a generation request whose
+    `min_weight_version` is ahead of the served version waits for it (0: answer 409 at once), and how
+    often the live checksum is recomputed in the background (0: never; `?verify=true` always can)."""
+
+    min_version_wait_s: float = DEFAULT_MIN_VERSION_WAIT_S
+    audit_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        for key, seconds, most in (
+            ("delta_min_version_wait_s", self.min_version_wait_s, MAX_WAIT_S),
+            ("delta_audit_s", self.audit_s, MAX_AUDIT_S),
+        ):
+            if not _is_number(seconds) or not 0 <= seconds <= most:
+                raise ValueError(f"{key} must be a number of seconds from 0 to {most:.0f}, not {seconds!r}")
+
+    @classmethod
+    def from_extra_config(cls, extra: dict[str, Any]) -> ServiceOptions:
+        d = cls()
+        return cls(
+            min_version_wait_s=extra.get("delta_min_version_wait_s", d.min_version_wait_s),
+            audit_s=extra.get("delta_audit_s", d.audit_s),
+        )
+
+
 @dataclass(frozen=True)
 class LoaderOptions:
     store: StoreSpec
@@ -148,6 +183,7 @@ class LoaderOptions:
     validate: bool = True
     fallback: tuple[str, ...] = ()
     follow: FollowOptions = field(default_factory=FollowOptions)
+    service: ServiceOptions = field(default_factory=ServiceOptions)
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any]) -> LoaderOptions:
@@ -166,6 +202,7 @@ class LoaderOptions:
             bool(extra.get("delta_validate", True)),
             tuple(fallback),
             FollowOptions.from_extra_config(extra),
+            ServiceOptions.from_extra_config(extra),
         )
 
 
@@ -178,10 +215,11 @@ def split_extra_config(extra: dict[str, Any] | None) -> tuple[dict, dict]:
 
 @dataclass(frozen=True)
 class ServerOptions:
-    """What the API process needs: the store, and whether (and how) to follow it."""
+    """What the API process needs: the store, whether (and how) to follow it, its own knobs."""
 
     store: StoreSpec
     follow: FollowOptions = field(default_factory=FollowOptions)
+    service: ServiceOptions = field(default_factory=ServiceOptions)
 
 
 def server_options(load_format: str | None, extra: dict | str | None) -> ServerOptions | None:
@@ -192,17 +230,23 @@ def server_options(load_format: str | None, extra: dict | str | None) -> ServerO
     ours, _ = split_extra_config(extra if isinstance(extra, dict) else {})
     if load_format == "delta" and ours.get("delta_store"):
         opts = LoaderOptions.from_extra_config(ours)
-        return ServerOptions(opts.store, opts.follow)
+        return ServerOptions(opts.store, opts.follow, opts.service)
     uri = os.environ.get("VLLM_DELTA_STORE")
     if not uri:
         return None
     opts = json.loads(os.environ.get("VLLM_DELTA_STORAGE_OPTIONS") or "{}")
     env = {}
-    for key in ("delta_store_timeout_s", "delta_update_timeout_s", "delta_cache_max_bytes"):
+    for key in (
+        "delta_store_timeout_s",
+        "delta_update_timeout_s",
+        "delta_cache_max_bytes",
+        "delta_min_version_wait_s",
+        "delta_audit_s",
+    ):
         value = os.environ.get("VLLM_" + key.upper())
         if value:
             env[key] = float(value)
-    return ServerOptions(StoreSpec.from_extra(env, uri, opts, None))
+    return ServerOptions(StoreSpec.from_extra(env, uri, opts, None), service=ServiceOptions.from_extra_config(env))
 
 
 def server_store(load_format: str | None, extra: dict | str | None) -> StoreSpec | None:

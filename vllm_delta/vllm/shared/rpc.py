@@ -39,11 +39,13 @@ from ...errors import (
     RollbackFailedError,
 )
 from ...server_api import LabelCause, Method, Timeline, UpdateMode, from_wire, to_wire
+from .heap import HeapAction
 from .messages import (
     Committed,
     CommittedAll,
     ErrorPayload,
     ErrorReply,
+    HeapReport,
     LabelSet,
     PrefixState,
     Prepared,
@@ -52,6 +54,7 @@ from .messages import (
     RolledBack,
     StagePoll,
     StageStarted,
+    TestWritten,
     WorkerStatus,
 )
 from .options import StoreSpec
@@ -167,6 +170,20 @@ WORKER_CALLS: tuple[Call[Any, Any], ...] = (
     RELEASE,
 )
 ENGINE_CORE_CALLS: tuple[Call[Any, Any], ...] = (COMMIT_ALL, SET_LABEL, ENGINE_TIMELINE, PREFIX_STATE)
+
+# Test hook, a worker method only with VLLM_DELTA_TEST_FAULTS=1 (reached through vLLM's dev-mode
+# /collective_rpc, past the plugin's API process): flip one live bit, to prove that a verification
+# of the live checksum catches a weight changed behind the plugin's back.
+TEST_WRITE = Call("delta_test_write", NoArgs, TestWritten)
+
+
+@dataclass(frozen=True)
+class HeapArgs(Args):
+    action: HeapAction = "report"
+
+
+# Test hook, the same way: trace the worker's allocations and report what vllm_delta keeps alive (heap.py).
+TEST_HEAP = Call("delta_test_heap", HeapArgs, HeapReport)
 
 
 # -- replies ---------------------------------------------------------------------------------------

@@ -11,14 +11,27 @@ moved to a background thread (see replica.py).
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ...errors import UnsupportedModelError
+from ...server_api import FAULTS_ENV
 from ...store import VersionRecord
-from ..shared import rpc
-from ..shared.messages import Committed, Prepared, RankSums, Released, RolledBack, StagePoll, StageStarted, WorkerStatus
+from ..shared import heap, rpc
+from ..shared.messages import (
+    Committed,
+    HeapReport,
+    Prepared,
+    RankSums,
+    Released,
+    RolledBack,
+    StagePoll,
+    StageStarted,
+    TestWritten,
+    WorkerStatus,
+)
 from ..shared.options import StoreSpec
 from .replica import DeltaReplica, replica_of
 
@@ -114,6 +127,21 @@ def release(r: DeltaReplica, args: rpc.TicketArgs) -> Released:
     return Released(args.ticket)
 
 
+def test_write(r: DeltaReplica, args: rpc.NoArgs) -> TestWritten:
+    """Test hook: flip one live bit on rank 0, telling nobody (refused without VLLM_DELTA_TEST_FAULTS=1)."""
+    if os.environ.get(FAULTS_ENV) != "1":
+        raise PermissionError(f"{rpc.TEST_WRITE.name} is a test hook, enabled only with {FAULTS_ENV}=1")
+    written = r.write_behind_our_back() if r.rank == 0 else None
+    return TestWritten(r.rank, *(written or (None, None)))
+
+
+def test_heap(r: DeltaReplica, args: rpc.HeapArgs) -> HeapReport:
+    """Test hook: trace this worker's allocations; what vllm_delta keeps alive (shared/heap.py)."""
+    if os.environ.get(FAULTS_ENV) != "1":
+        raise PermissionError(f"{rpc.TEST_HEAP.name} is a test hook, enabled only with {FAULTS_ENV}=1")
+    return heap.act(args.action, r.rank)
+
+
 def _on_worker(fn: Callable[[DeltaReplica, A], R]) -> Callable[[Any, A], R]:
     """`fn` on the replica of a vLLM worker's model."""
 
@@ -142,8 +170,16 @@ WORKER_METHODS: dict[str, Callable[..., Any]] = {
 assert set(WORKER_METHODS) == {c.name for c in rpc.WORKER_CALLS}, "every worker call is served"
 
 
+TEST_METHODS: dict[str, Callable[..., Any]] = {
+    m.__name__: m
+    for m in (rpc.serve(rpc.TEST_WRITE, _on_worker(test_write)), rpc.serve(rpc.TEST_HEAP, _on_worker(test_heap)))
+}
+
+
 def install(worker_cls: type) -> None:
-    """Attach the methods to vLLM's Worker class (CPUWorker inherits them). Idempotent."""
-    for name, fn in WORKER_METHODS.items():
+    """Attach the methods to vLLM's Worker class (CPUWorker inherits them); the test hooks only with
+    VLLM_DELTA_TEST_FAULTS=1. Idempotent."""
+    methods = {**WORKER_METHODS, **(TEST_METHODS if os.environ.get(FAULTS_ENV) == "1" else {})}
+    for name, fn in methods.items():
         if getattr(worker_cls, name, None) is not fn:
             setattr(worker_cls, name, fn)

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from ...apply.engine import ApplyEngine, StagedUpdate
+from ...apply.layout import hf_2d
 from ...checksums import Sums, add_sums, to_hex
 from ...errors import ChecksumMismatchError, InjectedFaultError, UnsupportedModelError
 from ...format import VersionHeader, VersionLike
@@ -230,6 +231,20 @@ class DeltaReplica:
     def live_sums_all_ranks(self) -> Sums:
         """Per HF tensor: the live positional sum over every rank (collective)."""
         return add_sums(dist.all_gather_object(self.live_sums()))
+
+    def write_behind_our_back(self) -> tuple[str, int] | None:
+        """Test hook (methods.test_write): flip the lowest bit of the first element this rank owns of the
+        first in-place tensor (by name), bypassing every record. (HF name, flat index), None if none."""
+        engine = self._require()
+        layout = engine.layout
+        for name in sorted(layout.segments):
+            if self.probe is not None and name in self.probe.fallback:
+                continue
+            for seg in layout.segments[name]:
+                if seg.owner and seg.rows and seg.cols:
+                    engine.flats[seg.target][seg.dst_offset : seg.dst_offset + 1].bitwise_xor_(1)
+                    return name, seg.row0 * hf_2d(layout.hf_shapes[name])[1] + seg.col0
+        return None
 
     @property
     def fallback_names(self) -> list[str]:

@@ -1,0 +1,93 @@
+"""The live checksum the API process keeps current, so that GET /v1/delta/status never calls a worker.
+
+The live per-tensor sums over all ranks (checksums.py: Σ w(p)(bits + 1) per Hugging Face tensor) are
+
+    recomputed   a full pass over every rank's live parameters: at start-up, on
+                 GET /v1/delta/status?verify=true, by the background audit (`delta_audit_s`)
+    committed    at every commit, by adding the ranks' staged partials Σ w(p)(new − old) over the
+                 changed elements (computed by the workers while staging, O(changed elements); O(tensors
+                 touched) here). When the sums were the served version's recorded ones, the result is
+                 exactly the target header's: that is what the verification before the commit checked
+    forgotten    when the workers report a version no commit of this process made (an update past the
+                 plugin): unknown until the next recomputation
+
+A recomputation is compared with what was kept current: a tensor whose sums differ was written behind
+the plugin's back since the last recomputation; a live checksum that is not the served version's
+recorded one means the weights are not that version's. Either is a failed `Verification`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from ...checksums import Sums, add_sums, combine, to_hex
+from ...server_api import MISMATCHED_NAMES, Verification, VerifyTrigger
+
+
+@dataclass
+class LiveChecksum:
+    """The live sums over all ranks as last recomputed or kept current, and the version they are of."""
+
+    version: int | None = None
+    sums: Sums | None = None
+    as_of: float | None = None  # unix time of the recomputation or commit that established them
+    _checksum: str | None = None
+
+    def known_for(self, version: int | None) -> bool:
+        return self.sums is not None and self.version == version
+
+    @property
+    def checksum(self) -> str | None:
+        """The whole-model checksum of the sums (16 hex digits), None while unknown."""
+        if self._checksum is None and self.sums is not None:
+            self._checksum = to_hex(combine(self.sums.items()))
+        return self._checksum
+
+    def _set(self, version: int | None, sums: Sums | None) -> None:
+        self.version, self.sums, self._checksum = version, sums, None
+        self.as_of = time.time() if sums is not None else None
+
+    def committed(self, served: int | None, target: int, partials: list[Sums], target_sums: Sums) -> None:
+        """A commit from `served` to `target` whose ranks staged `partials`: the sums kept current plus the
+        partials when they were known for `served`, else the target's recorded sums (what the commit's
+        verification established, given the served version's recorded sums)."""
+        if self.known_for(served):
+            assert self.sums is not None
+            self._set(target, add_sums([self.sums, *partials]))
+        else:
+            self._set(target, dict(target_sums))
+
+    def forget(self) -> None:
+        self._set(None, None)
+
+    def recomputed(
+        self,
+        version: int | None,
+        sums: Sums,
+        *,
+        version_checksum: str | None,
+        trigger: VerifyTrigger,
+        ms: float,
+    ) -> Verification:
+        """A full recomputation of the live sums: compared with those kept current (and the served version's
+        recorded checksum), then kept."""
+        expected = self.checksum if self.known_for(version) else None
+        kept = self.sums if self.known_for(version) else None
+        mismatched: list[str] = []
+        if kept is not None:
+            mismatched = sorted(n for n in sums.keys() | kept.keys() if sums.get(n, 0) != kept.get(n, 0))
+        self._set(version, dict(sums))
+        checksum = self.checksum
+        assert checksum is not None
+        ok = not mismatched and (version_checksum is None or checksum == version_checksum)
+        return Verification(
+            trigger=trigger,
+            time=time.time(),
+            version=version,
+            ok=ok,
+            checksum=checksum,
+            expected=expected,
+            mismatched=mismatched[:MISMATCHED_NAMES],
+            ms=ms,
+        )

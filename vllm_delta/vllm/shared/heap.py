@@ -1,0 +1,97 @@
+"""What vllm-delta's own code keeps alive, measured inside a server process (tests and the soak benchmark).
+
+RSS cannot tell our growth from vLLM's (the soak's control phase grows hundreds of KiB per cycle on its
+own), so the test hooks measure ours directly, in the API process and in every worker:
+
+    start(frames)   tracemalloc on, each allocation recording `frames` frames of its traceback
+    report()        the blocks still alive whose traceback passes through vllm_delta (its tests' helpers
+                    under vllm_delta/testing excluded): bytes, blocks, the largest sites; and the bytes
+                    of every torch CPU storage alive in the process (tensor data is allocated outside
+                    tracemalloc's reach)
+    stop()
+
+A block counts as ours when any frame of its traceback is in vllm_delta, so what vLLM, torch or the
+standard library allocate on our behalf counts too (a dict json.loads builds for a record); what vLLM
+allocates on its own does not. Tracing slows every allocation of the process: test hooks only
+(`VLLM_DELTA_TEST_FAULTS=1`; the API process's POST /v1/delta/test/heap, the worker call
+rpc.TEST_HEAP).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import tracemalloc
+from collections import Counter
+from typing import Literal, get_args
+
+from .messages import HeapReport, HeapSite
+
+HeapAction = Literal["start", "report", "stop"]
+HEAP_ACTIONS: tuple[HeapAction, ...] = get_args(HeapAction)
+TOP_SITES = 12
+_PACKAGE = os.sep + "vllm_delta" + os.sep
+_TESTING = _PACKAGE + "testing" + os.sep
+_SELF = __file__
+
+
+def start(frames: int = 48) -> None:
+    if not tracemalloc.is_tracing():
+        tracemalloc.start(frames)
+
+
+def stop() -> None:
+    tracemalloc.stop()
+
+
+def _ours(filename: str) -> bool:
+    return _PACKAGE in filename and _TESTING not in filename and filename != _SELF
+
+
+def report(rank: int | None = None) -> HeapReport:
+    """Our live blocks (empty unless tracing) and the torch CPU storage bytes alive, after a collection."""
+    gc.collect()
+    total = blocks = 0
+    sites: Counter[str] = Counter()
+    counts: Counter[str] = Counter()
+    if tracemalloc.is_tracing():
+        snapshot = tracemalloc.take_snapshot()
+        for trace in snapshot.traces:
+            # Frames run from the oldest to the most recent: the innermost frame of ours names the site.
+            site = next((f"{f.filename}:{f.lineno}" for f in reversed(trace.traceback) if _ours(f.filename)), None)
+            if site is None:
+                continue
+            total += trace.size
+            blocks += 1
+            short = site[site.rindex(_PACKAGE) + 1 :]
+            sites[short] += trace.size
+            counts[short] += 1
+    top = [HeapSite(where, size, counts[where]) for where, size in sites.most_common(TOP_SITES)]
+    return HeapReport(rank=rank, bytes=total, blocks=blocks, top=top, tensor_bytes=_tensor_bytes())
+
+
+def _tensor_bytes() -> int:
+    """Bytes of the distinct CPU storages of every torch tensor the garbage collector can reach."""
+    import torch
+
+    seen: dict[int, int] = {}
+    tensor = torch.Tensor
+    for obj in gc.get_objects():
+        # type(), not isinstance(): isinstance reads __class__, which some deprecated module objects warn on
+        if issubclass(type(obj), tensor) and not obj.is_meta and obj.device.type == "cpu":
+            try:
+                storage = obj.untyped_storage()
+            except (RuntimeError, NotImplementedError):
+                continue
+            seen[storage.data_ptr()] = max(seen.get(storage.data_ptr(), 0), storage.nbytes())
+    return sum(seen.values())
+
+
+def act(action: HeapAction, rank: int | None = None) -> HeapReport:
+    """One test-hook call: start or stop tracing, or report; every call answers the report."""
+    if action == "start":
+        start()
+    out = report(rank)
+    if action == "stop":
+        stop()
+    return out
