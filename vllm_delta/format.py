@@ -6,7 +6,10 @@ under its Hugging Face name, so an anchor file is itself a loadable checkpoint s
 each changed tensor's codec payload under `<hf name>::<part>`.
 
 A version is one file (format version 1, what a single-process Publisher writes) or several *part*
-files (format version 2, one per rank of a sharded publisher). A part file's header is the whole
+files (format version 2, one per rank of a sharded publisher). Format version 3 is a delta (one file
+or a part) written with a *file-level* codec (`chunked`): its payload is one set of streams for
+every changed tensor, stored under `::<part>` keys (an empty tensor name), the file's codec metadata
+in the header's `enc`, and each tensor's place in the streams in its own `enc`. A part file's header is the whole
 version's header (every tensor's shape, dtype and whole-tensor checksum) with the part's own `nnz`
 and codec metadata per tensor, plus `part`: its index, the part count, the rows of dim 0 it owns of
 each tensor, and the additive checksum of what it contributes. `Version` reads the parts of one
@@ -31,7 +34,9 @@ from .errors import FormatError, ShapeMismatchError
 FORMAT_NAME = "vllm-delta"
 FORMAT_VERSION = 1  # one-file versions
 PART_FORMAT_VERSION = 2  # part files of multi-part versions
-READ_FORMAT_VERSIONS = (FORMAT_VERSION, PART_FORMAT_VERSION)
+STREAMS_FORMAT_VERSION = 3  # deltas of a file-level codec (one file or a part)
+READ_FORMAT_VERSIONS = (FORMAT_VERSION, PART_FORMAT_VERSION, STREAMS_FORMAT_VERSION)
+FILE_PAYLOAD = ""  # the tensor name of a file-level codec's payload keys (`::<part>`)
 KINDS = ("anchor", "delta")
 SEP = "::"
 _MASK64 = (1 << 64) - 1
@@ -107,6 +112,7 @@ class VersionHeader:
     created: float = 0.0
     extra: dict = field(default_factory=dict)
     part: PartInfo | None = None  # part files only
+    enc: dict = field(default_factory=dict)  # format 3: the file-level codec's metadata
 
     @property
     def nnz(self) -> int:
@@ -120,6 +126,8 @@ class VersionHeader:
         doc = asdict(self)
         if self.part is None:
             del doc["part"]  # one-file headers are exactly format 1
+        if self.format_version < STREAMS_FORMAT_VERSION:
+            del doc["enc"]  # headers of formats 1 and 2 are exactly what their readers know
         return json.dumps(doc, separators=(",", ":"), sort_keys=True)
 
     @classmethod
@@ -133,8 +141,10 @@ class VersionHeader:
                     f"{', '.join(map(str, READ_FORMAT_VERSIONS))})",
                     version=raw.get("version"),
                 )
-            if (fv == PART_FORMAT_VERSION) != ("part" in raw):
+            if fv != STREAMS_FORMAT_VERSION and (fv == PART_FORMAT_VERSION) != ("part" in raw):
                 raise FormatError(f"format version {fv} {'needs' if fv == 2 else 'has no'} a part description")
+            if fv != STREAMS_FORMAT_VERSION and "enc" in raw:
+                raise FormatError(f"format version {fv} has no file-level codec metadata")
             tensors = {name: TensorEntry(**entry) for name, entry in raw.pop("tensors").items()}
             part = raw.pop("part", None)
             header = cls(tensors=tensors, part=PartInfo(**part) if part is not None else None, **raw)
@@ -153,6 +163,8 @@ class VersionHeader:
             raise FormatError(f"unknown kind {self.kind!r}", version=v)
         if self.kind == "delta" and (not isinstance(self.base, int) or self.base >= v or not self.codec):
             raise FormatError(f"delta needs a codec and a base below it (base={self.base!r})", version=v)
+        if self.format_version == STREAMS_FORMAT_VERSION and (self.kind != "delta" or not isinstance(self.enc, dict)):
+            raise FormatError("format version 3 is a delta with its file-level codec metadata", version=v)
         if not _is_hex16(self.checksum) or not (self.base_checksum is None or _is_hex16(self.base_checksum)):
             raise FormatError("checksum and base_checksum must be 16 lower-case hex digits", version=v)
         for name, t in self.tensors.items():
@@ -253,6 +265,7 @@ class VersionFile:
         self._entries: dict[str, dict] = {}
         self._base = 0
         self._parts: dict[str, list[str]] = {}
+        self._file_payload: dict[str, torch.Tensor] | None = None
         for k in keys:
             if SEP in k:
                 self._parts.setdefault(k.split(SEP, 1)[0], []).append(k)
@@ -336,8 +349,18 @@ class VersionFile:
         """A delta's payload for one tensor, by part name (empty if the tensor did not change)."""
         return {k.split(SEP, 1)[1]: self._tensor(k) for k in self._parts.get(name, ())}
 
+    def file_payload(self) -> dict[str, torch.Tensor]:
+        """A format-3 file's streams (the file-level codec's payload), by part name; one dict per
+        file, the same object for every piece of it (readers group pieces by it)."""
+        if self._file_payload is None:
+            self._file_payload = self.parts(FILE_PAYLOAD)
+        return self._file_payload
+
     def pieces(self, name: str) -> list[Piece]:
-        """A delta's changes of one tensor: one piece, or none if it did not change here."""
+        """A delta's changes of one tensor: one piece, or none if it did not change here.
+
+        For a file-level codec (format 3) the piece's payload is the file's streams and its `enc`
+        the tensor's own with the file's metadata under "file"."""
         h = self.header
         if h.kind != "delta":
             raise FormatError("an anchor has no pieces: read it with dense()", version=h.version, tensor=name)
@@ -346,12 +369,16 @@ class VersionFile:
         if not entry.nnz or rows is None:
             return []
         size = row_size(entry.shape)
+        if h.format_version == STREAMS_FORMAT_VERSION:
+            enc = {**entry.enc, "file": h.enc}
+            return [Piece(entry.nnz, enc, self.file_payload(), rows[0] * size, rows[1] * size)]
         return [Piece(entry.nnz, entry.enc, self.parts(name), rows[0] * size, rows[1] * size)]
 
     def close(self) -> None:
         # The memory maps go with the last reference (tensors handed out keep theirs alive).
         self._f = None  # type: ignore[assignment]
         self._map = None
+        self._file_payload = None
 
     def __enter__(self):
         return self
@@ -390,7 +417,7 @@ class Version:
         counts = {info.count for info in infos if info is not None}
         if indices != list(range(len(self.parts))) or counts != {len(self.parts)}:
             raise FormatError(f"parts {indices} of {sorted(counts)}: expected 0..{len(self.parts) - 1}", version=v)
-        same = ("version", "kind", "base", "base_checksum", "codec", "checksum")
+        same = ("format_version", "version", "kind", "base", "base_checksum", "codec", "checksum")
         for p in self.parts[1:]:
             h = p.header
             for key in same:
@@ -434,7 +461,7 @@ class Version:
             base=first.base,
             base_checksum=first.base_checksum,
             codec=first.codec,
-            format_version=PART_FORMAT_VERSION,
+            format_version=first.format_version,
             created=first.created,
             extra=dict(first.extra),
         )

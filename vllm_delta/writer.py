@@ -1,6 +1,6 @@
 """The one delta writer: per-tensor changes -> a version's header and payload (layout: format.py).
 
-    header, payload = encode_delta(version=7, base=6, base_checksum=..., codec="compact",
+    header, payload = encode_delta(version=7, base=6, base_checksum=..., codec="chunked",
                                    shapes=..., dtypes=..., changes={name: (positions, new, old)}, sums=...)
     format.write(path, header, payload)
 
@@ -24,7 +24,17 @@ import torch
 
 from . import codec as codecs
 from .checksums import combine, to_hex
-from .format import DTYPE_NAMES, FORMAT_VERSION, PART_FORMAT_VERSION, PartInfo, TensorEntry, VersionHeader, payload_key
+from .format import (
+    DTYPE_NAMES,
+    FILE_PAYLOAD,
+    FORMAT_VERSION,
+    PART_FORMAT_VERSION,
+    STREAMS_FORMAT_VERSION,
+    PartInfo,
+    TensorEntry,
+    VersionHeader,
+    payload_key,
+)
 
 Changes = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (positions int64, new bits, old bits)
 
@@ -71,30 +81,42 @@ def assemble_delta(
     busy_ms: list[float] | None = None,
 ) -> tuple[VersionHeader, dict[str, torch.Tensor]]:
     """Pack every changed tensor (on `pool` if given: zstd releases the GIL) into a delta's header
-    and payload. The whole-model checksum is combined from the tensors' sums unless given. With
-    `busy_ms`, each tensor's packing time is appended (their sum over the wall time: the parallelism).
+    and payload (a file-level codec packs them all into one set of streams: format 3). The
+    whole-model checksum is combined from the tensors' sums unless given. With `busy_ms`, each
+    tensor's (or the file's) packing time is appended (their sum over the wall time: the parallelism).
 
     A part file (`part`): `tensors` lists every tensor of the version with its whole-tensor checksum
     and this part's changes (nnz, sections); pass the whole version's `checksum`."""
     changed = [n for n, t in tensors.items() if t.sections is not None]
+    payload: dict[str, torch.Tensor] = {}
+    file_enc: dict[str, Any] = {}
+    if codecs.is_file_level(codec):
+        # one set of streams for the whole file (format 3): the codec packs every changed tensor
+        packed: dict[str, tuple[dict[str, torch.Tensor], dict[str, Any]]] = {n: ({}, {}) for n in changed}
+        if changed:
+            streams = codec.pack_file([(n, _sections(tensors[n])) for n in changed], pool, busy_ms)
+            payload.update({payload_key(FILE_PAYLOAD, key): t for key, t in streams.payload.items()})
+            packed = {n: ({}, streams.tensor_enc[n]) for n in changed}
+            file_enc = streams.enc
+        format_version = STREAMS_FORMAT_VERSION
+    else:
 
-    def pack(name: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        sections = tensors[name].sections
-        assert sections is not None
-        t0 = time.perf_counter()
-        out = codec.pack(sections, tensors[name].dtype)
-        if busy_ms is not None:
-            busy_ms.append((time.perf_counter() - t0) * 1e3)
-        return out
+        def pack(name: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+            t0 = time.perf_counter()
+            out = codec.pack(_sections(tensors[name]), tensors[name].dtype)
+            if busy_ms is not None:
+                busy_ms.append((time.perf_counter() - t0) * 1e3)
+            return out
 
-    packed = dict(zip(changed, pool.map(pack, changed) if pool is not None else map(pack, changed)))
-    entries, payload = {}, {}
+        packed = dict(zip(changed, pool.map(pack, changed) if pool is not None else map(pack, changed)))
+        format_version = FORMAT_VERSION if part is None else PART_FORMAT_VERSION
+    entries = {}
     for name, t in tensors.items():
         parts, meta = packed.get(name, ({}, {}))
         entries[name] = TensorEntry(
             shape=list(t.shape), dtype=DTYPE_NAMES[t.dtype], checksum=to_hex(t.checksum), nnz=t.nnz, enc=meta
         )
-        payload.update({payload_key(name, part): p for part, p in parts.items()})
+        payload.update({payload_key(name, key): p for key, p in parts.items()})
     header = VersionHeader(
         version=version,
         kind="delta",
@@ -104,10 +126,16 @@ def assemble_delta(
         base_checksum=base_checksum,
         codec=codec.name,
         created=created,
-        format_version=FORMAT_VERSION if part is None else PART_FORMAT_VERSION,
+        format_version=format_version,
         part=part,
+        enc=file_enc,
     )
     return header, payload
+
+
+def _sections(t: PreparedTensor) -> codecs.Sections:
+    assert t.sections is not None
+    return t.sections
 
 
 def encode_delta(

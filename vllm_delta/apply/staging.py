@@ -18,6 +18,7 @@ pinned memory and checked on the device. Any other codec goes through the codec'
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -29,11 +30,15 @@ import numpy as np
 import torch
 import zstandard
 
+from .. import checksums
 from .. import codec as codecs
 from ..bits import INT_DTYPE, int_view
-from ..errors import PositionError
+from ..codec import chunked, gpu
+from ..errors import CodecError, PositionError
 from ..format import VersionLike
 from .layout import DeviceLayout
+
+log = logging.getLogger(__name__)
 
 CHUNK_ELEMS = 1 << 23  # changed elements decoded per device chunk (bounds temporary memory)
 
@@ -92,6 +97,28 @@ def _ctx(version: int, name: str) -> dict:
     return {"version": version, "tensor": name}
 
 
+def _kw(ctx: dict) -> dict:
+    return {"version": ctx.get("version"), "tensor": ctx.get("tensor")}
+
+
+def _chunk_runs(needed: np.ndarray, per_run: int) -> list[tuple[int, int, bool]]:
+    """Runs of needed chunks [k0, k1) of at most `per_run` chunks; `fresh`: the run does not
+    continue the previous one (chunks were skipped in between)."""
+    out: list[tuple[int, int, bool]] = []
+    k, n = 0, needed.size
+    while k < n:
+        if not needed[k]:
+            k += 1
+            continue
+        fresh = not out or out[-1][1] != k
+        stop = k
+        while stop < n and needed[stop] and stop - k < per_run:
+            stop += 1
+        out.append((k, stop, fresh))
+        k = stop
+    return out
+
+
 def _threads() -> int:
     env = os.environ.get("VLLM_DELTA_STAGE_THREADS")
     return max(1, int(env)) if env else max(1, min(32, os.cpu_count() or 1))
@@ -147,12 +174,165 @@ class Decoder:
         items = [it for it in items if it.nnz]
         if not items:
             return
-        if codec == "compact":
+        if codec == "chunked":
+            yield from self._chunked(version, items, width, timings)
+        elif codec == "compact":
             yield from self._compact(version, items, width, timings)
         elif codec == "raw":
             yield from self._raw(version, items, width, timings)
         else:
             yield from self._generic(version, codec, items, width, timings)
+
+    # -- chunked (format 3): one set of streams per file -----------------------------------------
+    def _chunked(self, version, items, width, timings):
+        files: dict[int, list[Item]] = {}  # a file's pieces share its payload dict (format.VersionFile)
+        for it in items:
+            files.setdefault(id(it.parts), []).append(it)
+        for pieces in files.values():
+            yield from self._chunked_file(version, pieces, width, timings)
+
+    def _chunked_file(self, version, items: list[Item], width: int, timings: dict):
+        """Every chunk of one file that holds elements of `items`, in file order: verified and
+        decompressed by nvCOMP on the device (GPU path) or by zstandard on the thread pool into
+        pinned memory (CPU path, running ahead of the device), then decoded on the device in runs
+        of up to `chunk_elems` elements, all tensors of a run at once."""
+        t0 = time.perf_counter()
+        streams = chunked.FileStreams(items[0].parts, items[0].enc.get("file"), _ctx(version, items[0].name))
+        spans = []
+        for k, it in enumerate(items):
+            span = chunked.piece_span(it.enc, it.nnz, it.numel, _ctx(version, it.name))
+            if span.start != it.start:
+                raise CodecError(
+                    f"piece starts at {span.start}, its part's rows at {it.start}", version=version, tensor=it.name
+                )
+            spans.append(span._replace(stop=it.end, key=k))
+        spans.sort(key=lambda s: s.at)
+
+        def ctx_of(i: int) -> dict:
+            return _ctx(version, items[spans[i].key].name)
+
+        streams.check_spans(spans, ctx_of)
+        first_span = [-1] * streams.layout.chunks  # per chunk: the first span holding elements of it
+        needed = np.zeros(streams.layout.chunks, dtype=bool)
+        for i, s in enumerate(spans):
+            if s.nnz:
+                a, b = streams.chunk_range(s.at, s.end)
+                needed[a:b] = True
+                for k in range(a, b):
+                    if first_span[k] < 0:
+                        first_span[k] = i
+        runs = _chunk_runs(needed, max(1, self.chunk_elems // streams.chunk_elems))
+        dev = self.device
+        nb = dev.type == "cuda"
+        backend, why = gpu.backend(dev) if nb else (None, "the engine is on the CPU")
+        gpu.note_path("decodes", f"on {dev} with nvCOMP {backend.version}" if backend else f"on the CPU: {why}")
+        index_of = torch.tensor([items[s.key].index for s in spans], dtype=torch.int64).to(dev, non_blocking=nb)
+        raw = streams.blob.numpy()
+
+        def host_planes(run: tuple[int, int]) -> torch.Tensor:
+            k0, k1 = run
+            buf = self._host(streams.range_layout(k0, k1).size, torch.uint8)
+            for k in range(k0, k1):
+                streams.decompress_into(k, run, buf.numpy(), ctx_of(first_span[k]))
+            return buf
+
+        def host_blob(run: tuple[int, int]) -> torch.Tensor:
+            a, b = int(streams.chunk_starts[run[0]]), int(streams.chunk_starts[run[1]])
+            buf = self._host(b - a, torch.uint8)
+            buf.numpy()[:] = raw[a:b]  # the read: page cache or disk into pinned memory
+            return buf
+
+        work = host_blob if backend is not None else host_planes
+        self.host_bytes = 0
+        pooled = len(runs) > 1 and self.n_threads > 1
+        futures = [self.pool.submit(work, (k0, k1)) for k0, k1, _ in runs] if pooled else None
+        carry: dict[int, torch.Tensor] = {}
+        try:
+            for r, (k0, k1, fresh) in enumerate(runs):
+                if fresh:
+                    carry.clear()  # a run after skipped chunks: no gap chain continues into it
+                host = futures[r].result() if futures is not None else work((k0, k1))
+                self.host_bytes += host.numel()
+                t0 = self._span(timings, "read", t0, sync=False)
+                buf = None
+                if backend is not None:
+                    try:
+                        buf = self._inflate(streams, backend, (k0, k1), host, first_span, ctx_of, timings)
+                    except (CodecError, PositionError):
+                        raise
+                    except Exception as exc:  # noqa: BLE001 - OOM, nvCOMP failure: the CPU path reads the same bytes
+                        log.warning(
+                            "vllm-delta: GPU decode of version %s failed, decoding on the CPU: %s", version, exc
+                        )
+                        gpu.note_path("decodes", f"on the CPU after a GPU failure ({type(exc).__name__})")
+                        backend = None
+                    t0 = time.perf_counter()
+                if buf is None:
+                    buf = host_planes((k0, k1)) if backend is None and work is host_blob else host
+                    buf = buf.to(dev, non_blocking=nb)
+                    t0 = self._span(timings, "h2d", t0)
+                planes = streams.range_planes(k0, k1, buf, dev)
+                out = chunked.decode_planes(planes, k0 * streams.chunk_elems, spans, carry, ctx_of)
+                runs_ = [(items[spans[i].key].index, n) for i, n in out.counts]
+                chunk = Chunk(
+                    t_idx=index_of[out.span],
+                    p=out.positions,
+                    diffs=out.diffs.to(INT_DTYPE[width]),
+                    values=None,
+                    runs=runs_,
+                )
+                t0 = self._span(timings, "decode", t0)
+                if chunk.n:
+                    yield chunk
+                t0 = time.perf_counter()
+        finally:
+            if futures:
+                for fut in futures:
+                    fut.cancel()
+            self._sync()
+
+    def _inflate(self, streams, backend, run, host, first_span, ctx_of, timings) -> torch.Tensor:
+        """GPU path of one run of chunks: its compressed bytes to the device, each chunk's hash
+        checked there, its frames decompressed by nvCOMP into a planes buffer (sizes checked)."""
+        k0, k1 = run
+        t0 = time.perf_counter()
+        dev = self.device
+        blob = host.to(dev, non_blocking=True)
+        t0 = self._span(timings, "h2d", t0)
+        want = torch.from_numpy(streams.index[k0:k1, chunked.COL_HASH].copy()).to(dev, non_blocking=True)
+        got = checksums.chunk_hashes(blob, torch.from_numpy(streams.chunk_bytes[k0:k1].copy()))
+        bad = (got != want).nonzero().reshape(-1)
+        if bad.numel():
+            k = k0 + int(bad[0])
+            raise CodecError(
+                f"chunk {k} (elements {k * streams.chunk_elems}..) is corrupt: its hash differs",
+                **_kw(ctx_of(first_span[k])),
+            )
+        layout = streams.range_layout(k0, k1)
+        out = torch.empty(layout.size, dtype=torch.uint8, device=dev)
+        dst_off, dst_size = layout.frames(streams.index[k0:k1, chunked.COL_BIG])
+        src_off = streams.blob_offsets[k0:k1] - streams.chunk_starts[k0]
+        src_size = streams.index[k0:k1, : chunked.N_PLANES]
+        used = dst_size.reshape(-1) > 0
+        sizes = backend.decompress(
+            blob,
+            src_off.reshape(-1)[used],
+            src_size.reshape(-1)[used],
+            out,
+            dst_off.reshape(-1)[used],
+            dst_size.reshape(-1)[used],
+        )
+        short = np.flatnonzero(sizes != dst_size.reshape(-1)[used])
+        if short.size:
+            frame = np.flatnonzero(used)[short[0]]
+            k = k0 + int(frame) // chunked.N_PLANES
+            raise CodecError(
+                f"chunk {k}: {chunked.PLANES[int(frame) % chunked.N_PLANES]} frame decompressed to "
+                f"{int(sizes[short[0]])} B, expected {int(dst_size.reshape(-1)[used][short[0]])}",
+                **_kw(ctx_of(first_span[k])),
+            )
+        self._span(timings, "inflate", t0)
+        return out
 
     # -- compact ---------------------------------------------------------------------------------
     def _compact(self, version, items, width, timings):

@@ -1,6 +1,6 @@
 """Publisher: turns each training step's weights into one store version, off the training thread.
 
-    with Publisher("file:///data/run1", anchor_every=20, codec="compact") as pub:
+    with Publisher("file:///data/run1", anchor_every=20, codec="chunked") as pub:
         info = pub.publish(model, version=step)   # returns before the upload ends
         ...
     # leaving the block flushes: waits for the uploads and raises the first upload error
@@ -139,7 +139,7 @@ class Publisher:
         uri: str | DeltaStore,
         *,
         anchor_every: int = 20,
-        codec: str = "compact",
+        codec: str = "chunked",
         dtype: torch.dtype = torch.bfloat16,
         snapshot_device: str | torch.device | None = None,
         pin_snapshot: bool = False,

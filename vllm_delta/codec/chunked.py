@@ -1,0 +1,771 @@
+"""Codec `chunked` (format 3, the default): one set of streams per file, cut into independent chunks.
+
+Every changed element of a version file (all its tensors, one after the other: tensor t holds the
+elements [at_t, at_t + nnz_t), `enc["at"]` in its header entry) is coded as
+
+  gap_lo, gap_hi  u8   the gap (unchanged elements skipped since the previous changed element of the
+                       tensor; the first counts from the piece's start, `enc["start"]`) as uint16
+                       byte planes; 0xFFFF is a gap escape (the real gap in the int64 table `gap_esc`)
+  sign            bit  the bit difference d = new - old (mod 2^bits, read signed) is negative
+  big             bit  |d| > 1 (in RL updates ~89% of changed bf16 elements move by one ULP)
+  mag             u8   big elements only: |d| - 2; 255 is a value escape (|d| in int64 `mag_esc`)
+
+Chunk k covers elements [k·E, (k+1)·E) (E = `chunk_elems`, a multiple of 128). Each of its five
+planes is one zstd frame (none when the plane is empty: only `mag` can be), each frame padded with
+zeros to FRAME_ALIGN bytes; the chunks follow each other in the `blob`. Every frame is a standard
+zstd frame: the CPU (zstandard) and the GPU (nvCOMP, `gpu.py`) write the same layout and read each
+other's frames. The `index` table (int64, one row per chunk) gives the five frames' compressed sizes,
+the chunk's big elements and escapes, and a positional hash of its padded bytes
+(`checksums.chunk_hash`), checked before anything is decompressed: a corrupt chunk is a CodecError
+naming its version, tensor and chunk, on either path. Measured on `benchmarks/payload.py`'s
+AdamW deltas: 1.10 B per changed element, against 1.215 for `compact` (docs/PERFORMANCE.md).
+
+Host and device work are split as for every codec: the device turns changes into planes
+(`encode_planes`), the host (or nvCOMP) compresses them into frames (`compress_cpu`,
+`gpu.compress_frames`); readers verify and decompress frames (`FileStreams`, on a thread pool or
+nvCOMP) and turn planes back into positions and differences on the device (`decode_planes`), for
+the whole file at once: no per-tensor work, which is what mixture-of-experts models need.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+import zstandard
+
+from ..bits import int_view, wrap_diff
+from ..checksums import chunk_hash_np
+from ..errors import CodecError, PositionError
+from . import gpu
+from .base import Batch, BatchSections, Changes, Ctx, HostCopy, Sections, err, segment_ids
+
+log = logging.getLogger(__name__)
+
+CHUNK_ELEMS = 1 << 16  # elements per chunk: 64 KiB gap planes, the size nvCOMP parallelizes over
+FRAME_ALIGN = 16  # every frame starts at a multiple of this in the blob (nvCOMP's input alignment)
+ZSTD_LEVEL = 3
+GAP_ESCAPE = 0xFFFF
+MAG_ESCAPE = 255
+MAG_BIAS = 2  # mag codes |d| - 2 (|d| >= 2 for big elements)
+PLANES = ("gap_lo", "gap_hi", "sign", "big", "mag")
+N_PLANES = len(PLANES)
+COL_BIG, COL_GAP_ESC, COL_MAG_ESC, COL_HASH = N_PLANES, N_PLANES + 1, N_PLANES + 2, N_PLANES + 3
+INDEX_WIDTH = N_PLANES + 4  # per chunk: 5 frame sizes, big elements, gap escapes, mag escapes, hash
+SLICE_ELEMS = 1 << 22  # elements turned into planes at a time on the device (bounds temporaries)
+MAX_CHUNK_ELEMS = 1 << 24
+PAYLOAD_PARTS = ("blob", "index", "gap_esc", "mag_esc")  # file-level payload keys (`::<part>`)
+
+
+def align(n: int, to: int = FRAME_ALIGN) -> int:
+    return -(-n // to) * to
+
+
+# -- where the planes of a run of chunks sit in one flat buffer -----------------------------------
+
+
+@dataclass(frozen=True)
+class PlaneLayout:
+    """The planes of `n` elements (chunks of `chunk_elems`) in one flat uint8 buffer, each region
+    16-aligned: gap_lo [n], gap_hi [n], sign bits [ceil(n/8)], big bits [ceil(n/8)], and mag codes
+    strided by chunk ([chunks, chunk_elems]: row k holds chunk k's codes first). Every frame of
+    every chunk starts 16-aligned, so nvCOMP can read and write them in place."""
+
+    n: int
+    chunk_elems: int
+
+    @property
+    def chunks(self) -> int:
+        return -(-self.n // self.chunk_elems)
+
+    @property
+    def bit_bytes(self) -> int:
+        return -(-self.n // 8)
+
+    @property
+    def starts(self) -> tuple[int, int, int, int, int]:
+        lo = 0
+        hi = align(self.n)
+        sign = 2 * align(self.n)
+        big = sign + align(self.bit_bytes)
+        mag = big + align(self.bit_bytes)
+        return lo, hi, sign, big, mag
+
+    @property
+    def size(self) -> int:
+        return self.starts[4] + self.chunks * self.chunk_elems
+
+    def elems(self) -> np.ndarray:
+        """Elements of each chunk."""
+        k = np.arange(self.chunks, dtype=np.int64)
+        return np.minimum(self.chunk_elems, self.n - k * self.chunk_elems)
+
+    def frames(self, n_big: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(offset, raw size) of every frame in the buffer, [chunks, 5] each, chunk-major."""
+        e = self.chunk_elems
+        k = np.arange(self.chunks, dtype=np.int64)
+        elems = self.elems()
+        lo, hi, sign, big, mag = self.starts
+        offsets = np.stack([lo + k * e, hi + k * e, sign + k * (e // 8), big + k * (e // 8), mag + k * e], axis=1)
+        bits = -(-elems // 8)
+        sizes = np.stack([elems, elems, bits, bits, np.asarray(n_big, dtype=np.int64)], axis=1)
+        return offsets, sizes
+
+
+# -- planes on the device --------------------------------------------------------------------------
+
+
+@dataclass
+class Planes:
+    """A file's changed elements as uncompressed planes (`buf`, laid out by `layout`), with their
+    per-chunk counts (device int64 [chunks]) and escape tables (int64). Device or host."""
+
+    layout: PlaneLayout
+    buf: torch.Tensor  # uint8 [layout.size]
+    n_big: torch.Tensor
+    n_gap_esc: torch.Tensor
+    n_mag_esc: torch.Tensor
+    gap_esc: torch.Tensor
+    mag_esc: torch.Tensor
+
+    @property
+    def device(self) -> torch.device:
+        return self.buf.device
+
+
+def pack_bits(mask: torch.Tensor) -> torch.Tensor:
+    """bool [n] -> uint8 [ceil(n/8)], element i in bit i % 8 of byte i // 8 (zero padding)."""
+    n = mask.numel()
+    pad = -n % 8
+    x = mask.to(torch.uint8)
+    if pad:
+        x = torch.cat([x, x.new_zeros(pad)])
+    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.int32, device=mask.device)
+    return (x.view(-1, 8).to(torch.int32) * weights).sum(1).to(torch.uint8)
+
+
+def unpack_bits(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """uint8 [ceil(n/8)] -> bool [n] (inverse of `pack_bits`)."""
+    shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)
+    return ((packed[:, None] >> shifts) & 1).reshape(-1)[:n].bool()
+
+
+def _per_chunk(x: torch.Tensor, chunk_elems: int) -> torch.Tensor:
+    """[m] -> [ceil(m / chunk_elems), chunk_elems] (zero padded)."""
+    pad = -x.numel() % chunk_elems
+    if pad:
+        x = torch.cat([x, x.new_zeros(pad)])
+    return x.view(-1, chunk_elems)
+
+
+def encode_planes(batch: Batch, chunk_elems: int = CHUNK_ELEMS, slice_elems: int = SLICE_ELEMS) -> Planes:
+    """Device work of the encoder: the planes of a batch's changes, in the batch's element order.
+
+    Works in slices of `slice_elems` elements (a multiple of `chunk_elems`), so its temporaries
+    stay at ~40 B x slice_elems whatever the number of changes; one host synchronization per slice
+    (the escapes, which are rare)."""
+    if chunk_elems % 128 or not 0 < chunk_elems <= MAX_CHUNK_ELEMS:
+        raise ValueError(f"chunk_elems must be a multiple of 128 in (0, {MAX_CHUNK_ELEMS}]")
+    slice_elems = max(chunk_elems, slice_elems // chunk_elems * chunk_elems)
+    pos_all, seg_all = batch.positions, batch.seg
+    dev, n = pos_all.device, pos_all.numel()
+    width = int_view(batch.new).element_size()
+    layout = PlaneLayout(n, chunk_elems)
+    lo0, hi0, sign0, big0, mag0 = layout.starts
+    buf = torch.empty(layout.size, dtype=torch.uint8, device=dev)
+    mag = buf[mag0:].view(layout.chunks, chunk_elems)
+    counts = torch.zeros(3, layout.chunks, dtype=torch.int64, device=dev)  # big, gap escapes, mag escapes
+    gap_esc: list[torch.Tensor] = []
+    mag_esc: list[torch.Tensor] = []
+    starts_t = torch.tensor(batch.starts, dtype=torch.int64).to(dev, non_blocking=True)
+    for a in range(0, n, slice_elems):
+        b = min(n, a + slice_elems)
+        k0 = a // chunk_elems
+        pos, seg = pos_all[a:b], seg_all[a:b]
+        prev = torch.empty_like(pos)
+        prev[1:] = pos[:-1]
+        first = torch.empty(b - a, dtype=torch.bool, device=dev)
+        torch.ne(seg[1:], seg[:-1], out=first[1:])
+        if a:
+            prev[:1] = pos_all[a - 1 : a]
+            torch.ne(seg[:1], seg_all[a - 1 : a], out=first[:1])
+        else:
+            first[:1] = True
+        gaps = pos - torch.where(first, starts_t[seg] - 1, prev) - 1
+        del prev, first
+        d = wrap_diff(int_view(batch.new[a:b]), int_view(batch.old[a:b]), width)
+        neg = d < 0
+        m = d.abs_()
+        g_esc, m_esc = gaps >= GAP_ESCAPE, m >= MAG_BIAS + MAG_ESCAPE
+        at = (g_esc | m_esc).nonzero().reshape(-1)  # the slice's one synchronization: escapes are rare
+        if at.numel():
+            gap_esc.append(gaps[at][g_esc[at]])
+            mag_esc.append(m[at][m_esc[at]])
+        gaps.clamp_(max=GAP_ESCAPE)
+        buf[lo0 + a : lo0 + b] = gaps.bitwise_and(0xFF).to(torch.uint8)
+        buf[hi0 + a : hi0 + b] = gaps.bitwise_right_shift(8).to(torch.uint8)
+        del gaps
+        big = m > 1
+        buf[sign0 + a // 8 : sign0 + -(-b // 8)] = pack_bits(neg)
+        buf[big0 + a // 8 : big0 + -(-b // 8)] = pack_bits(big)
+        codes = m.sub_(MAG_BIAS).clamp_(0, MAG_ESCAPE).to(torch.uint8)
+        # mag codes strided by chunk: the r-th big element of chunk k at mag[k, r]; every other element
+        # writes its (unused) code to the chunk's last column, which no big element occupies unless
+        # all of the chunk's elements are big (no sync, unlike a masked copy)
+        big_c = _per_chunk(big, chunk_elems)
+        rank = torch.cumsum(big_c, dim=1, dtype=torch.int32)
+        kk = big_c.shape[0]
+        counts[0, k0 : k0 + kk] = rank[:, -1].to(torch.int64)
+        col = torch.where(big_c.bool(), rank.sub_(1), chunk_elems - 1).to(torch.int64)
+        col += torch.arange(k0, k0 + kk, device=dev, dtype=torch.int64)[:, None] * chunk_elems
+        mag.view(-1)[col.view(-1)] = _per_chunk(codes, chunk_elems).view(-1)
+        del col, rank
+        counts[1, k0 : k0 + kk] = _per_chunk(g_esc, chunk_elems).sum(1)
+        counts[2, k0 : k0 + kk] = _per_chunk(m_esc, chunk_elems).sum(1)
+    empty = torch.zeros(0, dtype=torch.int64, device=dev)
+    return Planes(
+        layout=layout,
+        buf=buf,
+        n_big=counts[0],
+        n_gap_esc=counts[1],
+        n_mag_esc=counts[2],
+        gap_esc=torch.cat(gap_esc) if gap_esc else empty,
+        mag_esc=torch.cat(mag_esc) if mag_esc else empty,
+    )
+
+
+def planes_to_host(planes: Planes, host: HostCopy) -> Planes:
+    """A device Planes' copy in (pinned) host memory, through `host` (waited for by its event)."""
+    return Planes(
+        layout=planes.layout,
+        buf=host.add(planes.buf),
+        n_big=host.add(planes.n_big),
+        n_gap_esc=host.add(planes.n_gap_esc),
+        n_mag_esc=host.add(planes.n_mag_esc),
+        gap_esc=host.add(planes.gap_esc),
+        mag_esc=host.add(planes.mag_esc),
+    )
+
+
+# -- frames on the host (zstandard) ---------------------------------------------------------------
+
+_TLS = threading.local()
+
+
+def _cctx(level: int) -> zstandard.ZstdCompressor:
+    cache = getattr(_TLS, "cctx", None)
+    if cache is None:
+        cache = _TLS.cctx = {}
+    if level not in cache:
+        # Standard frames with their content size and no zstd checksum (the chunk hash covers them):
+        # what nvCOMP's zstd writes and reads too.
+        cache[level] = zstandard.ZstdCompressor(level=level, write_checksum=False, write_content_size=True)
+    return cache[level]
+
+
+def _dctx() -> zstandard.ZstdDecompressor:
+    d = getattr(_TLS, "dctx", None)
+    if d is None:
+        d = _TLS.dctx = zstandard.ZstdDecompressor()
+    return d
+
+
+def index_row(sizes: Sequence[int], counts: Sequence[int], chunk_bytes: np.ndarray) -> list[int]:
+    """One row of the index: the frames' compressed sizes, (big, gap escapes, mag escapes), hash."""
+    return [*map(int, sizes), *map(int, counts), chunk_hash_np(chunk_bytes)]
+
+
+def compress_cpu(
+    planes: Planes, level: int = ZSTD_LEVEL, pool: Executor | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Host planes -> (blob uint8, index int64 [chunks, INDEX_WIDTH]): every frame with zstandard,
+    chunks in parallel on `pool` (zstd and numpy release the GIL)."""
+    buf = planes.buf.numpy()
+    counts = np.stack([planes.n_big.numpy(), planes.n_gap_esc.numpy(), planes.n_mag_esc.numpy()], axis=1)
+    offsets, sizes = planes.layout.frames(counts[:, 0])
+
+    def chunk(k: int) -> tuple[bytes, list[int]]:
+        cctx = _cctx(level)
+        parts, out = [], []
+        for f in range(N_PLANES):
+            size = int(sizes[k, f])
+            if not size:
+                out.append(0)
+                continue
+            frame = cctx.compress(buf[offsets[k, f] : offsets[k, f] + size].data)
+            parts.append(frame + bytes(-len(frame) % FRAME_ALIGN))
+            out.append(len(frame))
+        data = b"".join(parts)
+        return data, index_row(out, counts[k], np.frombuffer(data, dtype=np.uint8))
+
+    ks = range(planes.layout.chunks)
+    done = list(pool.map(chunk, ks)) if pool is not None else [chunk(k) for k in ks]
+    blob = np.frombuffer(b"".join(d for d, _ in done), dtype=np.uint8)
+    index = np.array([row for _, row in done], dtype=np.int64).reshape(-1, INDEX_WIDTH)
+    return blob, index
+
+
+# -- reading: a file's streams, checked ----------------------------------------------------------
+
+
+class Span(NamedTuple):
+    """One tensor's (or piece's) elements in a file: [at, at + nnz), its positions in [start, stop)."""
+
+    at: int
+    nnz: int
+    start: int
+    stop: int
+    key: int  # the caller's name for it (an index into its own list)
+
+    @property
+    def end(self) -> int:
+        return self.at + self.nnz
+
+
+class FileStreams:
+    """A format-3 file's streams (`blob`, `index`, escape tables) and its file-level metadata
+    (`{"chunk_elems", "elems"}`), parsed and checked against each other. Raises CodecError."""
+
+    def __init__(self, payload: Mapping[str, torch.Tensor], meta: Any, ctx: Ctx):
+        self.ctx = ctx
+        if not isinstance(meta, Mapping):
+            raise err(CodecError, "chunked payload lacks its file metadata", ctx)
+        try:
+            e, n = int(meta["chunk_elems"]), int(meta["elems"])
+        except (KeyError, TypeError, ValueError):
+            raise err(CodecError, f"malformed chunked file metadata {dict(meta)!r:.200}", ctx) from None
+        if e % 128 or not 0 < e <= MAX_CHUNK_ELEMS or n < 0:
+            raise err(CodecError, f"bad chunk size {e} or element count {n}", ctx)
+        tensors = [payload.get(k) for k in PAYLOAD_PARTS]
+        dtypes = (torch.uint8, torch.int64, torch.int64, torch.int64)
+        if any(t is None or t.dtype != dt for t, dt in zip(tensors, dtypes)):
+            raise err(CodecError, f"chunked payload lacks {'/'.join(PAYLOAD_PARTS)} or has wrong dtypes", ctx)
+        blob, index, gap_esc, mag_esc = tensors
+        assert blob is not None and index is not None and gap_esc is not None and mag_esc is not None
+        self.layout = PlaneLayout(n, e)
+        k = self.layout.chunks
+        if index.shape != (k, INDEX_WIDTH):
+            raise err(CodecError, f"index has shape {list(index.shape)}, {n} elements need [{k}, {INDEX_WIDTH}]", ctx)
+        self.blob, self.gap_esc, self.mag_esc = blob.reshape(-1), gap_esc.reshape(-1), mag_esc.reshape(-1)
+        self.index = index.numpy()
+        idx = self.index
+        self.frame_offsets, self.raw_sizes = self.layout.frames(idx[:, COL_BIG])
+        comp = idx[:, :N_PLANES]
+        padded = -(-comp // FRAME_ALIGN) * FRAME_ALIGN
+        elems = self.layout.elems()
+        bad = (
+            (comp < 0).any(axis=1)
+            | ((comp == 0) != (self.raw_sizes == 0)).any(axis=1)
+            | (idx[:, COL_BIG] < 0)
+            | (idx[:, COL_BIG] > elems)
+            | (idx[:, COL_GAP_ESC] < 0)
+            | (idx[:, COL_GAP_ESC] > elems)
+            | (idx[:, COL_MAG_ESC] < 0)
+            | (idx[:, COL_MAG_ESC] > idx[:, COL_BIG])
+        )
+        if bad.any():
+            c = int(np.flatnonzero(bad)[0])
+            raise err(CodecError, f"chunk {c}: malformed index row {idx[c].tolist()}", ctx)
+        self.chunk_bytes = padded.sum(axis=1)
+        self.chunk_starts = np.concatenate([[0], np.cumsum(self.chunk_bytes)]).astype(np.int64)
+        frame_starts = np.cumsum(padded, axis=1) - padded
+        self.blob_offsets = self.chunk_starts[:-1, None] + frame_starts  # [chunks, 5]
+        if int(self.chunk_starts[-1]) != self.blob.numel():
+            raise err(CodecError, f"index covers {int(self.chunk_starts[-1])} B, blob has {self.blob.numel()}", ctx)
+        self.gap_esc_at = np.concatenate([[0], np.cumsum(idx[:, COL_GAP_ESC])]).astype(np.int64)
+        self.mag_esc_at = np.concatenate([[0], np.cumsum(idx[:, COL_MAG_ESC])]).astype(np.int64)
+        if self.gap_esc_at[-1] != self.gap_esc.numel() or self.mag_esc_at[-1] != self.mag_esc.numel():
+            raise err(
+                CodecError,
+                f"escape tables hold {self.gap_esc.numel()}/{self.mag_esc.numel()} entries, "
+                f"the index counts {int(self.gap_esc_at[-1])}/{int(self.mag_esc_at[-1])}",
+                ctx,
+            )
+
+    @property
+    def n(self) -> int:
+        return self.layout.n
+
+    @property
+    def chunk_elems(self) -> int:
+        return self.layout.chunk_elems
+
+    def check_spans(self, spans: Sequence[Span], ctx_of) -> None:
+        """Spans (sorted by `at`) lie inside the file and do not overlap."""
+        end = 0
+        for i, s in enumerate(spans):
+            if s.at < end or s.nnz < 0 or s.end > self.n:
+                raise err(
+                    CodecError, f"elements [{s.at}, {s.end}) outside the file's {self.n} or overlapping", ctx_of(i)
+                )
+            end = s.end
+
+    def chunk_range(self, a: int, b: int) -> tuple[int, int]:
+        """The chunks holding elements [a, b)."""
+        e = self.chunk_elems
+        return a // e, -(-b // e)
+
+    def range_layout(self, k0: int, k1: int) -> PlaneLayout:
+        e = self.chunk_elems
+        return PlaneLayout(min(self.n, k1 * e) - k0 * e, e)
+
+    def verify(self, k: int, ctx: Ctx) -> None:
+        """Chunk k's bytes hash to its index entry (host)."""
+        a, b = int(self.chunk_starts[k]), int(self.chunk_starts[k + 1])
+        got = chunk_hash_np(self.blob[a:b].numpy())
+        if got != int(self.index[k, COL_HASH]):
+            raise err(CodecError, f"chunk {k} (elements {k * self.chunk_elems}..) is corrupt: its hash differs", ctx)
+
+    def decompress_into(self, k: int, run: tuple[int, int], out: np.ndarray, ctx: Ctx) -> None:
+        """Verify chunk k and decompress its frames into `out`, the planes buffer of the chunks
+        run = [k0, k1) (`range_layout`)."""
+        self.verify(k, ctx)
+        k0, k1 = run
+        offsets, sizes = self.range_layout(k0, k1).frames(self.index[k0:k1, COL_BIG])
+        raw = self.blob.numpy()
+        dctx = _dctx()
+        for f in range(N_PLANES):
+            size = int(sizes[k - k0, f])
+            if not size:
+                continue
+            a = int(self.blob_offsets[k, f])
+            try:
+                data = dctx.decompress(raw[a : a + int(self.index[k, f])].data, max_output_size=size)
+            except zstandard.ZstdError as exc:
+                raise err(CodecError, f"chunk {k}: {PLANES[f]} frame does not decode: {exc}", ctx) from None
+            if len(data) != size:
+                raise err(CodecError, f"chunk {k}: {PLANES[f]} frame holds {len(data)} B, expected {size}", ctx)
+            o = int(offsets[k - k0, f])
+            out[o : o + size] = np.frombuffer(data, dtype=np.uint8)
+
+    def range_planes(self, k0: int, k1: int, buf: torch.Tensor, device: torch.device | None = None) -> Planes:
+        """Planes of chunks [k0, k1) over `buf` (filled by `decompress_into` or nvCOMP), with their
+        counts and escape tables (on `device`, default: buf's)."""
+        dev = device or buf.device
+        idx = torch.from_numpy(np.ascontiguousarray(self.index[k0:k1, COL_BIG : COL_MAG_ESC + 1].T))
+        idx = idx.to(dev, non_blocking=dev.type == "cuda")
+        ga, gb = int(self.gap_esc_at[k0]), int(self.gap_esc_at[k1])
+        ma, mb = int(self.mag_esc_at[k0]), int(self.mag_esc_at[k1])
+        return Planes(
+            layout=self.range_layout(k0, k1),
+            buf=buf,
+            n_big=idx[0],
+            n_gap_esc=idx[1],
+            n_mag_esc=idx[2],
+            gap_esc=self.gap_esc[ga:gb].to(dev, non_blocking=dev.type == "cuda"),
+            mag_esc=self.mag_esc[ma:mb].to(dev, non_blocking=dev.type == "cuda"),
+        )
+
+
+# -- planes -> positions and differences (device) -------------------------------------------------
+
+
+class Decoded(NamedTuple):
+    """Decoded elements of a run of chunks, in file order, restricted to the spans asked for."""
+
+    positions: torch.Tensor  # int64
+    diffs: torch.Tensor  # int64: new - old mod 2^bits, read signed
+    span: torch.Tensor  # int64: index into the spans of each element
+    counts: list[tuple[int, int]]  # (span index, elements) in element order
+
+
+def decode_planes(
+    planes: Planes,
+    elem0: int,
+    spans: Sequence[Span],
+    carry: dict[int, torch.Tensor],
+    ctx_of,
+) -> Decoded:
+    """Device work of the decoder for one run of chunks (its first element is the file's `elem0`):
+    escapes patched and checked against the chunks' counts, positions from the gap chains of the
+    spans (a span that began in an earlier run continues from `carry[span]`, updated here), every
+    position checked against its span's range. `ctx_of(span index)` names a tensor for errors."""
+    lay = planes.layout
+    n, e, dev = lay.n, lay.chunk_elems, planes.device
+    lo0, hi0, sign0, big0, mag0 = lay.starts
+    buf = planes.buf
+    k0 = elem0 // e
+
+    def fail(exc_type, what: str, chunk: int) -> None:
+        span = next((i for i, s in enumerate(spans) if s.end > elem0 + chunk * e), 0)
+        c = ctx_of(span) if spans else {}
+        raise err(exc_type, f"chunk {k0 + chunk} (elements {elem0 + chunk * e}..): {what}", c)
+
+    def check_counts(mask: torch.Tensor, want: torch.Tensor, what: str) -> None:
+        got = _per_chunk(mask, e).sum(1)
+        bad = (got != want).nonzero().reshape(-1)
+        if bad.numel():
+            fail(CodecError, f"{what} do not match the index", int(bad[0]))
+
+    gaps = buf[lo0 : lo0 + n].to(torch.int64).bitwise_or_(buf[hi0 : hi0 + n].to(torch.int64).bitwise_left_shift_(8))
+    g_esc = gaps == GAP_ESCAPE
+    check_counts(g_esc, planes.n_gap_esc, "gap escapes")
+    if planes.gap_esc.numel():
+        if bool((planes.gap_esc < 0).any()):
+            fail(PositionError, "negative gap escape", 0)
+        gaps[g_esc.nonzero().reshape(-1)] = planes.gap_esc
+    neg = unpack_bits(buf[sign0 : sign0 + lay.bit_bytes], n)
+    big = unpack_bits(buf[big0 : big0 + lay.bit_bytes], n)
+    big_c = _per_chunk(big, e)
+    rank = torch.cumsum(big_c, dim=1, dtype=torch.int32)
+    bad = (rank[:, -1].to(torch.int64) != planes.n_big).nonzero().reshape(-1)
+    if bad.numel():
+        fail(CodecError, "big elements do not match the index", int(bad[0]))
+    col = torch.where(big_c.bool(), rank.sub_(1), 0).to(torch.int64)
+    col += torch.arange(lay.chunks, device=dev, dtype=torch.int64)[:, None] * e
+    codes = buf[mag0 : mag0 + lay.chunks * e][col.view(-1)[:n]].to(torch.int64)
+    del col, rank, big_c
+    m_esc = big & (codes == MAG_ESCAPE)
+    check_counts(m_esc, planes.n_mag_esc, "value escapes")
+    m = torch.where(big, codes + MAG_BIAS, 1)
+    if planes.mag_esc.numel():
+        if bool((planes.mag_esc < MAG_BIAS + MAG_ESCAPE).any() | (planes.mag_esc > 1 << 31).any()):
+            fail(CodecError, "value escape out of range", 0)
+        m[m_esc.nonzero().reshape(-1)] = planes.mag_esc
+    diffs = torch.where(neg, -m, m)
+    del m, codes, neg, big
+    # positions: p = base(span) + (C_i - C_{first(span) - 1}), C the running sum of gap + 1
+    c = torch.cumsum(gaps.add_(1), 0)
+    del gaps
+    live = [(i, s) for i, s in enumerate(spans) if s.end > elem0 and s.at < elem0 + n]
+    if not live:
+        empty = torch.zeros(0, dtype=torch.int64, device=dev)
+        return Decoded(empty, empty, empty, [])
+    rel_at = [max(s.at, elem0) - elem0 for _, s in live]
+    rel_end = [min(s.end, elem0 + n) - elem0 for _, s in live]
+    small = torch.tensor(
+        [rel_at, rel_end, [s.start - 1 for _, s in live], [s.start for _, s in live], [s.stop for _, s in live]],
+        dtype=torch.int64,
+    ).to(dev, non_blocking=dev.type == "cuda")
+    at_t, end_t, base, lo_t, hi_t = small
+    for j, (i, s) in enumerate(live):
+        if s.at < elem0:  # began in an earlier run: continue its gap chain
+            if i not in carry:
+                raise err(CodecError, "a tensor's elements continue a run that was not decoded", ctx_of(i))
+            base[j] = carry[i]
+    before = torch.where(at_t > 0, c[(at_t - 1).clamp(min=0)], torch.zeros_like(at_t))
+    counts = [b - a for a, b in zip(rel_at, rel_end)]
+    total = sum(counts)
+    contiguous = all(rel_at[j + 1] == rel_end[j] for j in range(len(live) - 1))
+    if contiguous and rel_at[0] == 0 and rel_end[-1] == n:
+        sel = None
+        local = segment_ids(end_t - at_t, total)
+    else:
+        local = segment_ids(end_t - at_t, total)
+        sel = (
+            torch.arange(total, device=dev, dtype=torch.int64) - (torch.cumsum(end_t - at_t, 0) - (end_t - at_t))[local]
+        )
+        sel += at_t[local]
+    cc = c if sel is None else c[sel]
+    positions = cc.sub_(before[local]).add_(base[local])
+    d = diffs if sel is None else diffs[sel]
+    bad = (positions < lo_t[local]) | (positions >= hi_t[local])
+    if bool(bad.any()):
+        j = int(local[bad.nonzero()[0, 0]])
+        i = live[j][0]
+        where = int(bad.nonzero()[0, 0])
+        elem = (where if sel is None else int(sel[where])) + elem0
+        raise err(
+            PositionError,
+            f"position {int(positions[where])} out of range [{spans[i].start}, {spans[i].stop}) "
+            f"(chunk {elem // e}, element {elem})",
+            ctx_of(i),
+        )
+    ends = torch.cumsum(end_t - at_t, 0) - 1
+    lasts = positions[ends]
+    for j, (i, s) in enumerate(live):
+        if s.end > elem0 + n:  # continues in the next run
+            carry[i] = lasts[j].clone()
+    spans_t = torch.tensor([i for i, _ in live], dtype=torch.int64).to(dev, non_blocking=dev.type == "cuda")
+    return Decoded(positions, d, spans_t[local], [(i, k) for (i, _), k in zip(live, counts)])
+
+
+# -- the codec ------------------------------------------------------------------------------------
+
+
+@dataclass
+class FilePack:
+    """A file-level codec's output: payload tensors (by part name, stored as `::<part>`), the
+    file's codec metadata (the header's `enc`) and each packed tensor's own `enc`."""
+
+    payload: dict[str, torch.Tensor]
+    enc: dict[str, Any]
+    tensor_enc: dict[str, dict[str, Any]]
+
+
+class ChunkedBatch(BatchSections):
+    """`prepare_batch`'s result: the batch's planes on its device (queued on the caller's stream),
+    and what the header needs per tensor. `wait()` waits for the device work, `split()` gives one
+    Sections per tensor (pointing back here; None where nothing changed), `pack()` compresses: with
+    nvCOMP on the planes' GPU when it is available, else with zstandard on the host."""
+
+    def __init__(self, codec: ChunkedCodec, batch: Batch, planes: Planes):
+        self.codec = codec
+        self.planes = planes
+        self.counts = list(batch.counts)
+        self.starts = list(batch.starts)
+        self.ats = [0, *np.cumsum(self.counts).tolist()][:-1]
+        self.event: Any = None
+        if planes.device.type == "cuda":
+            self.event = torch.cuda.Event()
+            self.event.record()
+        super().__init__(self._sections, self._wait)
+
+    def _wait(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
+
+    def _sections(self) -> list[Sections | None]:
+        return [Sections(meta={"batch": self, "tensor": i}) if c else None for i, c in enumerate(self.counts)]
+
+    def tensor_enc(self, i: int) -> dict[str, Any]:
+        return {"at": int(self.ats[i]), "start": int(self.starts[i])}
+
+    def pack(self, pool: Executor | None = None, busy_ms: list[float] | None = None) -> FilePack:
+        import time
+
+        self.wait()
+        t0 = time.perf_counter()
+        planes = self.planes
+        blob: torch.Tensor | None = None
+        index: torch.Tensor | None = None
+        if planes.device.type == "cuda":
+            backend, why = gpu.backend(planes.device)
+            if backend is not None:
+                try:
+                    blob, index = gpu.compress_planes(backend, planes)
+                    gpu.note_path("encodes", f"on {planes.device} with nvCOMP {backend.version}")
+                except Exception as exc:  # noqa: BLE001 - OOM, nvCOMP failure: the CPU path writes the same format
+                    why = f"nvCOMP failed ({type(exc).__name__}: {exc})"
+                    log.warning("vllm-delta: GPU encode failed, encoding on the CPU instead: %s", why)
+            if blob is None:
+                gpu.note_path("encodes", f"on the CPU (zstandard): {why}")
+        else:
+            gpu.note_path("encodes", "on the CPU (zstandard): the changes are on the CPU")
+        if blob is None:
+            host = HostCopy(planes.device)
+            on_host = planes_to_host(planes, host)
+            host.done()
+            host.wait()
+            blob_np, index_np = compress_cpu(on_host, self.codec.level, pool)
+            blob, index = torch.from_numpy(blob_np.copy()), torch.from_numpy(index_np)
+            gap_esc, mag_esc = on_host.gap_esc, on_host.mag_esc
+        else:
+            gap_esc, mag_esc = planes.gap_esc.cpu(), planes.mag_esc.cpu()
+        if busy_ms is not None:
+            busy_ms.append((time.perf_counter() - t0) * 1e3)
+        assert index is not None
+        return FilePack(
+            payload={"blob": blob, "index": index, "gap_esc": gap_esc.contiguous(), "mag_esc": mag_esc.contiguous()},
+            enc={"chunk_elems": planes.layout.chunk_elems, "elems": planes.layout.n},
+            tensor_enc={},
+        )
+
+
+class ChunkedCodec:
+    """The chunked codec (module docstring). File-level: `pack_file` writes every changed tensor of
+    a file at once; `prepare`/`unpack`/`finish` work on one tensor (or piece) for the per-tensor
+    readers (replay, materialize) and the one-shot `encode`/`decode`."""
+
+    name = "chunked"
+    needs_base = True
+    file_level = True
+
+    def __init__(self, level: int = ZSTD_LEVEL, chunk_elems: int = CHUNK_ELEMS, slice_elems: int = SLICE_ELEMS):
+        self.level = level
+        self.chunk_elems = chunk_elems
+        self.slice_elems = slice_elems
+
+    # -- trainer side ------------------------------------------------------------------------
+    def prepare(
+        self, positions: torch.Tensor, new_bits: torch.Tensor, old_bits: torch.Tensor, numel: int, start: int = 0
+    ) -> Sections:
+        """One tensor's changes, kept as they are (on their device) until `pack_file` lays out the file."""
+        return Sections(meta={"changes": (positions, int_view(new_bits), int_view(old_bits)), "start": start})
+
+    def prepare_batch(self, batch: Batch) -> ChunkedBatch:
+        """Device work for many tensors at once: the planes, on the batch's device and stream."""
+        return ChunkedBatch(self, batch, encode_planes(batch, self.chunk_elems, self.slice_elems))
+
+    def pack_file(
+        self, tensors: Sequence[tuple[str, Sections]], pool: Executor | None = None, busy_ms: list[float] | None = None
+    ) -> FilePack:
+        """The file payload of the changed tensors given (Sections of one `prepare_batch`, or of
+        `prepare`, laid out in the order given)."""
+        batches = {id(s.meta.get("batch")): s.meta.get("batch") for _, s in tensors}
+        if len(batches) == 1 and None not in batches.values():
+            (prepared,) = batches.values()
+            assert isinstance(prepared, ChunkedBatch)
+        else:
+            if any("changes" not in s.meta for _, s in tensors):
+                raise ValueError("pack_file takes the Sections of one prepare_batch, or of prepare")
+            prepared = self.prepare_batch(_concat([s for _, s in tensors]))
+        out = prepared.pack(pool, busy_ms)
+        for i, (name, s) in enumerate(tensors):
+            out.tensor_enc[name] = prepared.tensor_enc(s.meta["tensor"] if "batch" in s.meta else i)
+        return out
+
+    def pack(self, sections: Sections, dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """One tensor as a file of its own: the payload and its `enc` (with the file's under "file")."""
+        out = self.pack_file([("", sections)])
+        return out.payload, {**out.tensor_enc[""], "file": out.enc}
+
+    # -- reader side (one piece) -----------------------------------------------------------------
+    def unpack(
+        self, tensors: Mapping[str, torch.Tensor], meta: Any, *, numel: int, nnz: int, dtype: torch.dtype, ctx: Ctx
+    ) -> Sections:
+        """Host work: verify and decompress the chunks holding the piece's elements."""
+        span = piece_span(meta, nnz, numel, ctx)
+        streams = FileStreams(tensors, meta.get("file"), ctx)
+        streams.check_spans([span], lambda _: ctx)
+        k0, k1 = streams.chunk_range(span.at, span.end)
+        buf = torch.empty(streams.range_layout(k0, k1).size if span.nnz else 0, dtype=torch.uint8)
+        for k in range(k0, k1):
+            streams.decompress_into(k, (k0, k1), buf.numpy(), ctx)
+        return Sections(meta={"streams": streams, "span": span, "chunks": (k0, k1), "buf": buf})
+
+    def finish(self, sections: Sections, *, numel: int, device: torch.device | str, ctx: Ctx) -> Changes:
+        """Device work: positions and differences of the piece's elements."""
+        dev = torch.device(device)
+        streams, span, buf = sections.meta["streams"], sections.meta["span"], sections.meta["buf"]
+        if not span.nnz:
+            empty = torch.zeros(0, dtype=torch.int64, device=dev)
+            return Changes(positions=empty, diffs=empty)
+        k0, k1 = sections.meta["chunks"]
+        planes = streams.range_planes(k0, k1, buf.to(dev), dev)
+        out = decode_planes(planes, k0 * streams.chunk_elems, [span], {}, lambda _: ctx)
+        return Changes(positions=out.positions, diffs=out.diffs)
+
+
+def piece_span(meta: Any, nnz: int, numel: int, ctx: Ctx) -> Span:
+    """A piece's elements in its file, from its `enc` ({"at", "start"}) and the header's nnz."""
+    try:
+        at, start = int(meta["at"]), int(meta.get("start", 0))
+    except (KeyError, TypeError, ValueError, AttributeError):
+        raise err(CodecError, f"chunked tensor metadata lacks 'at': {meta!r:.200}", ctx) from None
+    if at < 0 or not 0 <= start <= numel:
+        raise err(CodecError, f"bad element offset {at} or start {start}", ctx)
+    return Span(at=at, nnz=nnz, start=start, stop=numel, key=0)
+
+
+def _concat(sections: Sequence[Sections]) -> Batch:
+    """Single-tensor Sections (`prepare`) laid end to end as one Batch."""
+    changes = [s.meta["changes"] for s in sections]
+    dev = changes[0][0].device if changes else torch.device("cpu")
+    counts = [int(c[0].numel()) for c in changes]
+    seg = segment_ids(torch.tensor(counts, dtype=torch.int64, device=dev), sum(counts))
+    return Batch(
+        positions=torch.cat([c[0].to(torch.int64) for c in changes]),
+        new=torch.cat([c[1] for c in changes]),
+        old=torch.cat([c[2] for c in changes]),
+        seg=seg,
+        counts=counts,
+        starts=[int(s.meta["start"]) for s in sections],
+        numels=[0] * len(sections),
+    )
