@@ -35,6 +35,7 @@ FRAME_ALIGN = 16  # the chunked codec's frame alignment (nvCOMP's alignment divi
 _lock = threading.Lock()
 _backends: dict[tuple[str, int], tuple[GpuZstd | None, str]] = {}
 _noted: set[str] = set()
+_streams: dict[int, Any] = {}  # device index -> the stream encodes run on (never the legacy default stream)
 
 
 def note_path(direction: str, how: str) -> None:
@@ -182,10 +183,24 @@ class GpuZstd:
                 raise RuntimeError("nvCOMP does not decode zstandard's frame to its input")
 
 
+def _encode_stream(device: torch.device) -> Any:
+    """A stream of its own for encodes (the Publisher's upload thread): nvCOMP on the thread's
+    default (legacy) stream would wait for, and hold up, the training stream."""
+    with _lock:
+        if device.index not in _streams:
+            _streams[device.index] = torch.cuda.Stream(device)
+        return _streams[device.index]
+
+
 def compress_planes(be: GpuZstd, planes: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """A device Planes (chunked.py) -> (blob on the host, index int64 [chunks, 9] on the host):
-    every frame compressed by nvCOMP, padded, hashed per chunk on the device; only the compressed
-    bytes cross to the host."""
+    """A device Planes (chunked.py, computed and waited for) -> (blob, index int64 [chunks, 9]),
+    both on the host: every frame compressed by nvCOMP, padded, hashed per chunk on the device; only
+    the compressed bytes cross to the host. Runs on a stream of its own and waits for it."""
+    with torch.cuda.stream(_encode_stream(planes.buf.device)):
+        return _compress_planes(be, planes)
+
+
+def _compress_planes(be: GpuZstd, planes: Any) -> tuple[torch.Tensor, torch.Tensor]:
     from . import chunked
 
     counts = torch.stack([planes.n_big, planes.n_gap_esc, planes.n_mag_esc], dim=1).cpu().numpy()
