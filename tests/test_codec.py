@@ -263,7 +263,9 @@ def test_chunked_file_of_a_batch_equals_the_file_of_its_tensors(width):
     c = codec.ChunkedCodec(chunk_elems=256, slice_elems=512)
     named = [(str(t), s) for t, s in enumerate(c.prepare_batch(batch).split()) if s is not None]
     got = c.pack_file(named)
-    one_by_one = [(str(t), c.prepare(p, n, o, numel, start)) for t, (p, n, o, numel, start) in enumerate(items) if p.numel()]
+    one_by_one = [
+        (str(t), c.prepare(p, n, o, numel, start)) for t, (p, n, o, numel, start) in enumerate(items) if p.numel()
+    ]
     want = c.pack_file(one_by_one)
     wide = codec.ChunkedCodec(chunk_elems=256, slice_elems=1 << 20)
     other = wide.pack_file([(str(t), s) for t, s in enumerate(wide.prepare_batch(batch).split()) if s is not None])

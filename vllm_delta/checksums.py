@@ -69,19 +69,19 @@ def partial_terms(positions: torch.Tensor, new_bits: torch.Tensor, old_bits: tor
     return positions.add_(1).mul_(WEIGHT_INT64).mul_(delta)
 
 
-def chunk_hashes(blob: torch.Tensor, chunk_bytes: torch.Tensor) -> torch.Tensor:
+def chunk_hashes(blob: torch.Tensor, chunk_bytes: torch.Tensor | np.ndarray) -> torch.Tensor:
     """Hash of each chunk of a blob (the chunked codec's integrity check, docs/FORMAT.md):
     h = Σ_j w(j) · word_j mod 2^64 over the chunk's little-endian 64-bit words (j from 0 in each
     chunk). `blob` uint8, chunks laid end to end with `chunk_bytes` (int64, multiples of 8) bytes
     each. Returns int64 [chunks] on the blob's device; `chunk_hash_np` is the same for one chunk."""
     dev = blob.device
-    counts = chunk_bytes.to(device=dev, dtype=torch.int64) // 8
+    host_counts = torch.as_tensor(chunk_bytes, dtype=torch.int64).cpu() // 8
+    counts = host_counts.to(dev, non_blocking=True)
     out = torch.zeros(counts.numel(), dtype=torch.int64, device=dev)
     if not counts.numel():
         return out
     words = blob.view(torch.int64)
-    ends = torch.cumsum(counts, 0)
-    host_ends = ends.tolist()
+    host_ends = torch.cumsum(host_counts, 0).tolist()
     first, at = 0, 0
     while first < counts.numel():  # groups of whole chunks of about _CHUNK words (bounded temporaries)
         last = first

@@ -365,14 +365,19 @@ class VersionFile:
         if h.kind != "delta":
             raise FormatError("an anchor has no pieces: read it with dense()", version=h.version, tensor=name)
         entry = h.tensors[name]
-        rows = self.rows(name)
-        if not entry.nnz or rows is None:
+        if not entry.nnz:
             return []
-        size = row_size(entry.shape)
+        if h.part is None:  # one file: the whole tensor (the common case, kept cheap: MoE files list ~20K tensors)
+            start, stop = 0, entry.numel
+        else:
+            rows = self.rows(name)
+            if rows is None:
+                return []
+            size = row_size(entry.shape)
+            start, stop = rows[0] * size, rows[1] * size
         if h.format_version == STREAMS_FORMAT_VERSION:
-            enc = {**entry.enc, "file": h.enc}
-            return [Piece(entry.nnz, enc, self.file_payload(), rows[0] * size, rows[1] * size)]
-        return [Piece(entry.nnz, entry.enc, self.parts(name), rows[0] * size, rows[1] * size)]
+            return [Piece(entry.nnz, {**entry.enc, "file": h.enc}, self.file_payload(), start, stop)]
+        return [Piece(entry.nnz, entry.enc, self.parts(name), start, stop)]
 
     def close(self) -> None:
         # The memory maps go with the last reference (tensors handed out keep theirs alive).

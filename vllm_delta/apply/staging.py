@@ -41,6 +41,8 @@ from .layout import DeviceLayout
 log = logging.getLogger(__name__)
 
 CHUNK_ELEMS = 1 << 23  # changed elements decoded per device chunk (bounds temporary memory)
+GPU_RUN_ELEMS = 1 << 25  # chunked, GPU path: elements per nvCOMP call (3.3 B each of device planes)
+HOST_GROUP_CHUNKS = 16  # chunked, CPU path: chunks decompressed per thread pool task
 
 
 @dataclass
@@ -193,71 +195,78 @@ class Decoder:
 
     def _chunked_file(self, version, items: list[Item], width: int, timings: dict):
         """Every chunk of one file that holds elements of `items`, in file order: verified and
-        decompressed by nvCOMP on the device (GPU path) or by zstandard on the thread pool into
-        pinned memory (CPU path, running ahead of the device), then decoded on the device in runs
-        of up to `chunk_elems` elements, all tensors of a run at once."""
+        decompressed by nvCOMP on the device (GPU path, runs of up to GPU_RUN_ELEMS elements per
+        call) or by zstandard on the thread pool into pinned memory (CPU path, running ahead of the
+        device), then decoded on the device in runs of up to `chunk_elems` elements, every tensor of
+        a run at once (no per-tensor work: what mixture-of-experts models need)."""
         t0 = time.perf_counter()
         streams = chunked.FileStreams(items[0].parts, items[0].enc.get("file"), _ctx(version, items[0].name))
-        spans = []
+        e = streams.chunk_elems
+        at, start = np.empty(len(items), dtype=np.int64), np.empty(len(items), dtype=np.int64)
         for k, it in enumerate(items):
-            span = chunked.piece_span(it.enc, it.nnz, it.numel, _ctx(version, it.name))
-            if span.start != it.start:
+            at[k], start[k] = chunked.piece_at(it.enc, it.numel, _ctx(version, it.name))
+            if start[k] != it.start:
                 raise CodecError(
-                    f"piece starts at {span.start}, its part's rows at {it.start}", version=version, tensor=it.name
+                    f"piece starts at {start[k]}, its part's rows at {it.start}", version=version, tensor=it.name
                 )
-            spans.append(span._replace(stop=it.end, key=k))
-        spans.sort(key=lambda s: s.at)
+        spans = chunked.Spans.of(
+            at, [it.nnz for it in items], start, [it.end for it in items], np.arange(len(items), dtype=np.int64)
+        )
 
         def ctx_of(i: int) -> dict:
-            return _ctx(version, items[spans[i].key].name)
+            return _ctx(version, items[int(spans.key[i])].name)
 
-        streams.check_spans(spans, ctx_of)
-        first_span = [-1] * streams.layout.chunks  # per chunk: the first span holding elements of it
-        needed = np.zeros(streams.layout.chunks, dtype=bool)
-        for i, s in enumerate(spans):
-            if s.nnz:
-                a, b = streams.chunk_range(s.at, s.end)
-                needed[a:b] = True
-                for k in range(a, b):
-                    if first_span[k] < 0:
-                        first_span[k] = i
-        runs = _chunk_runs(needed, max(1, self.chunk_elems // streams.chunk_elems))
+        spans.check(streams.n, ctx_of)
+        needed, owner = spans.chunks(e, streams.layout.chunks)
         dev = self.device
         nb = dev.type == "cuda"
         backend, why = gpu.backend(dev) if nb else (None, "the engine is on the CPU")
         gpu.note_path("decodes", f"on {dev} with nvCOMP {backend.version}" if backend else f"on the CPU: {why}")
-        index_of = torch.tensor([items[s.key].index for s in spans], dtype=torch.int64).to(dev, non_blocking=nb)
+        index_np = np.array([items[int(k)].index for k in spans.key], dtype=np.int64)
+        index_of = torch.from_numpy(index_np).to(dev, non_blocking=nb)
+        per_decode = max(1, self.chunk_elems // e)
+        runs = _chunk_runs(needed, max(per_decode, GPU_RUN_ELEMS // e) if backend is not None else per_decode)
         raw = streams.blob.numpy()
 
-        def host_planes(run: tuple[int, int]) -> torch.Tensor:
-            k0, k1 = run
-            buf = self._host(streams.range_layout(k0, k1).size, torch.uint8)
-            for k in range(k0, k1):
-                streams.decompress_into(k, run, buf.numpy(), ctx_of(first_span[k]))
-            return buf
+        def ctx_of_chunk(k: int) -> dict:
+            return ctx_of(int(owner[k])) if owner[k] >= 0 else _ctx(version, items[0].name)
 
-        def host_blob(run: tuple[int, int]) -> torch.Tensor:
+        def read_blob(run: tuple[int, int]) -> torch.Tensor:
             a, b = int(streams.chunk_starts[run[0]]), int(streams.chunk_starts[run[1]])
             buf = self._host(b - a, torch.uint8)
             buf.numpy()[:] = raw[a:b]  # the read: page cache or disk into pinned memory
             return buf
 
-        work = host_blob if backend is not None else host_planes
+        def inflate_cpu(run: tuple[int, int], buf: torch.Tensor, ks: range) -> None:
+            for k in ks:
+                streams.decompress_into(k, run, buf.numpy(), ctx_of_chunk(k))
+
+        # the host work of every run is queued at once and runs ahead of the device
+        hosts: list[torch.Tensor] = []
+        futures: list[list] = []
+        for k0, k1, _ in runs:
+            if backend is not None:
+                hosts.append(torch.empty(0, dtype=torch.uint8))
+                futures.append([self.pool.submit(read_blob, (k0, k1))])
+            else:
+                buf = self._host(streams.range_layout(k0, k1).size, torch.uint8)
+                hosts.append(buf)
+                groups = [range(g, min(k1, g + HOST_GROUP_CHUNKS)) for g in range(k0, k1, HOST_GROUP_CHUNKS)]
+                futures.append([self.pool.submit(inflate_cpu, (k0, k1), buf, ks) for ks in groups])
         self.host_bytes = 0
-        pooled = len(runs) > 1 and self.n_threads > 1
-        futures = [self.pool.submit(work, (k0, k1)) for k0, k1, _ in runs] if pooled else None
-        carry: dict[int, torch.Tensor] = {}
+        carry = chunked.Carry()
         try:
             for r, (k0, k1, fresh) in enumerate(runs):
                 if fresh:
                     carry.clear()  # a run after skipped chunks: no gap chain continues into it
-                host = futures[r].result() if futures is not None else work((k0, k1))
+                got = [f.result() for f in futures[r]]
+                host = got[0] if backend is not None else hosts[r]
                 self.host_bytes += host.numel()
                 t0 = self._span(timings, "read", t0, sync=False)
                 buf = None
                 if backend is not None:
                     try:
-                        buf = self._inflate(streams, backend, (k0, k1), host, first_span, ctx_of, timings)
+                        buf = self._inflate(streams, backend, (k0, k1), host, ctx_of_chunk, timings)
                     except (CodecError, PositionError):
                         raise
                     except Exception as exc:  # noqa: BLE001 - OOM, nvCOMP failure: the CPU path reads the same bytes
@@ -268,30 +277,38 @@ class Decoder:
                         backend = None
                     t0 = time.perf_counter()
                 if buf is None:
-                    buf = host_planes((k0, k1)) if backend is None and work is host_blob else host
-                    buf = buf.to(dev, non_blocking=nb)
+                    if host.numel() != streams.range_layout(k0, k1).size:  # fell back after reading the blob
+                        host = self._host(streams.range_layout(k0, k1).size, torch.uint8)
+                        inflate_cpu((k0, k1), host, range(k0, k1))
+                    buf = host.to(dev, non_blocking=nb)
                     t0 = self._span(timings, "h2d", t0)
-                planes = streams.range_planes(k0, k1, buf, dev)
-                out = chunked.decode_planes(planes, k0 * streams.chunk_elems, spans, carry, ctx_of)
-                runs_ = [(items[spans[i].key].index, n) for i, n in out.counts]
-                chunk = Chunk(
-                    t_idx=index_of[out.span],
-                    p=out.positions,
-                    diffs=out.diffs.to(INT_DTYPE[width]),
-                    values=None,
-                    runs=runs_,
-                )
-                t0 = self._span(timings, "decode", t0)
-                if chunk.n:
+                views = streams.views(k0, k1, buf, dev)
+                for j0 in range(0, k1 - k0, per_decode):
+                    j1 = min(k1 - k0, j0 + per_decode)
+                    g0, m0 = streams.escape_offsets(k0, k0 + j0)
+                    g1, m1 = streams.escape_offsets(k0, k0 + j1)
+                    sub = views.sub(j0, j1, ((g0, g1), (m0, m1)))
+                    out = chunked.decode_planes(sub, (k0 + j0) * e, spans, carry, ctx_of)
+                    if not out.counts.size:
+                        continue
+                    layout_idx = index_np[out.first : out.first + out.counts.size].tolist()
+                    chunk = Chunk(
+                        t_idx=index_of[out.span],
+                        p=out.positions,
+                        diffs=out.diffs.to(INT_DTYPE[width]),
+                        values=None,
+                        runs=list(zip(layout_idx, out.counts.tolist())),
+                    )
+                    t0 = self._span(timings, "decode", t0)
                     yield chunk
-                t0 = time.perf_counter()
+                    t0 = time.perf_counter()
         finally:
-            if futures:
-                for fut in futures:
+            for fs in futures:
+                for fut in fs:
                     fut.cancel()
             self._sync()
 
-    def _inflate(self, streams, backend, run, host, first_span, ctx_of, timings) -> torch.Tensor:
+    def _inflate(self, streams, backend, run, host, ctx_of_chunk, timings) -> torch.Tensor:
         """GPU path of one run of chunks: its compressed bytes to the device, each chunk's hash
         checked there, its frames decompressed by nvCOMP into a planes buffer (sizes checked)."""
         k0, k1 = run
@@ -300,14 +317,11 @@ class Decoder:
         blob = host.to(dev, non_blocking=True)
         t0 = self._span(timings, "h2d", t0)
         want = torch.from_numpy(streams.index[k0:k1, chunked.COL_HASH].copy()).to(dev, non_blocking=True)
-        got = checksums.chunk_hashes(blob, torch.from_numpy(streams.chunk_bytes[k0:k1].copy()))
+        got = checksums.chunk_hashes(blob, streams.chunk_bytes[k0:k1])
         bad = (got != want).nonzero().reshape(-1)
         if bad.numel():
             k = k0 + int(bad[0])
-            raise CodecError(
-                f"chunk {k} (elements {k * streams.chunk_elems}..) is corrupt: its hash differs",
-                **_kw(ctx_of(first_span[k])),
-            )
+            raise streams.corrupt(k, ctx_of_chunk(k))
         layout = streams.range_layout(k0, k1)
         out = torch.empty(layout.size, dtype=torch.uint8, device=dev)
         dst_off, dst_size = layout.frames(streams.index[k0:k1, chunked.COL_BIG])
@@ -329,7 +343,7 @@ class Decoder:
             raise CodecError(
                 f"chunk {k}: {chunked.PLANES[int(frame) % chunked.N_PLANES]} frame decompressed to "
                 f"{int(sizes[short[0]])} B, expected {int(dst_size.reshape(-1)[used][short[0]])}",
-                **_kw(ctx_of(first_span[k])),
+                **_kw(ctx_of_chunk(k)),
             )
         self._span(timings, "inflate", t0)
         return out
@@ -519,22 +533,15 @@ def changed_items(vf: VersionLike, layout: DeviceLayout) -> dict[int, list[Item]
     one Item per piece, the pieces of one tensor adjacent and in position order."""
     h = vf.header
     by_width: dict[int, list[Item]] = {}
+    segments, index = layout.layout.segments, layout.index
     for name, entry in h.tensors.items():
-        if not entry.nnz or not layout.layout.segments.get(name):
+        if not entry.nnz or not segments.get(name):
             continue
+        dtype = entry.torch_dtype
+        items = by_width.setdefault(dtype.itemsize, [])
+        i, numel = index[name], entry.numel
         for piece in vf.pieces(name):
-            item = Item(
-                index=layout.index[name],
-                name=name,
-                numel=entry.numel,
-                nnz=piece.nnz,
-                enc=piece.enc,
-                parts=piece.payload,
-                dtype=entry.torch_dtype,
-                start=piece.start,
-                stop=piece.stop,
-            )
-            by_width.setdefault(entry.torch_dtype.itemsize, []).append(item)
+            items.append(Item(i, name, numel, piece.nnz, piece.enc, piece.payload, dtype, piece.start, piece.stop))
     for items in by_width.values():
         items.sort(key=lambda it: it.index)  # stable: a tensor's pieces keep their order
     return by_width

@@ -314,18 +314,66 @@ def compress_cpu(
 # -- reading: a file's streams, checked ----------------------------------------------------------
 
 
-class Span(NamedTuple):
-    """One tensor's (or piece's) elements in a file: [at, at + nnz), its positions in [start, stop)."""
+@dataclass
+class Spans:
+    """Tensors' (or pieces') elements in a file, as arrays sorted by `at`, none empty: tensor i holds
+    elements [at[i], end[i]), its gap chain starts at start[i] and its positions lie in
+    [start[i], stop[i]); `key[i]` is the caller's name for it (an index into its own list)."""
 
-    at: int
-    nnz: int
-    start: int
-    stop: int
-    key: int  # the caller's name for it (an index into its own list)
+    at: np.ndarray
+    end: np.ndarray
+    start: np.ndarray
+    stop: np.ndarray
+    key: np.ndarray
 
-    @property
-    def end(self) -> int:
-        return self.at + self.nnz
+    @classmethod
+    def of(cls, at, nnz, start, stop, key) -> Spans:
+        arrays = [np.asarray(x, dtype=np.int64).reshape(-1) for x in (at, nnz, start, stop, key)]
+        keep = arrays[1] > 0
+        at_, nnz_, start_, stop_, key_ = (x[keep] for x in arrays)
+        order = np.argsort(at_, kind="stable")
+        return cls(at_[order], (at_ + nnz_)[order], start_[order], stop_[order], key_[order])
+
+    def __len__(self) -> int:
+        return int(self.at.size)
+
+    def check(self, n: int, ctx_of) -> None:
+        """Inside the file's n elements, not overlapping, starts within range (CodecError)."""
+        bad = (self.at < 0) | (self.end > n) | (self.start < 0) | (self.start > self.stop)
+        if len(self) > 1:
+            bad[1:] |= self.at[1:] < self.end[:-1]
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise err(
+                CodecError,
+                f"elements [{self.at[i]}, {self.end[i]}) outside the file's {n}, overlapping, or a bad start",
+                ctx_of(i),
+            )
+
+    def chunks(self, chunk_elems: int, n_chunks: int) -> tuple[np.ndarray, np.ndarray]:
+        """(which chunks hold elements of any span, the first span holding elements of each chunk)."""
+        first_k, last_k = self.at // chunk_elems, (self.end - 1) // chunk_elems
+        needed = np.zeros(n_chunks + 1, dtype=np.int64)
+        np.add.at(needed, first_k, 1)
+        np.add.at(needed, last_k + 1, -1)
+        needed = np.cumsum(needed)[:n_chunks] > 0
+        owner = np.full(n_chunks, -1, dtype=np.int64)
+        # spans are sorted: the first span covering a chunk is the smallest index whose range reaches it
+        for_chunk = np.searchsorted(self.end, np.arange(n_chunks, dtype=np.int64) * chunk_elems, side="right")
+        hit = for_chunk < len(self)
+        owner[hit] = for_chunk[hit]
+        return needed, owner
+
+
+class Carry:
+    """A gap chain running from one decoded run of chunks into the next: the span and its last position."""
+
+    def __init__(self) -> None:
+        self.span = -1
+        self.last: torch.Tensor | None = None
+
+    def clear(self) -> None:
+        self.span, self.last = -1, None
 
 
 class FileStreams:
@@ -396,42 +444,33 @@ class FileStreams:
     def chunk_elems(self) -> int:
         return self.layout.chunk_elems
 
-    def check_spans(self, spans: Sequence[Span], ctx_of) -> None:
-        """Spans (sorted by `at`) lie inside the file and do not overlap."""
-        end = 0
-        for i, s in enumerate(spans):
-            if s.at < end or s.nnz < 0 or s.end > self.n:
-                raise err(
-                    CodecError, f"elements [{s.at}, {s.end}) outside the file's {self.n} or overlapping", ctx_of(i)
-                )
-            end = s.end
-
-    def chunk_range(self, a: int, b: int) -> tuple[int, int]:
-        """The chunks holding elements [a, b)."""
-        e = self.chunk_elems
-        return a // e, -(-b // e)
-
     def range_layout(self, k0: int, k1: int) -> PlaneLayout:
         e = self.chunk_elems
         return PlaneLayout(min(self.n, k1 * e) - k0 * e, e)
 
+    def corrupt(self, k: int, ctx: Ctx) -> CodecError:
+        return err(CodecError, f"chunk {k} (elements {k * self.chunk_elems}..) is corrupt: its hash differs", ctx)
+
     def verify(self, k: int, ctx: Ctx) -> None:
         """Chunk k's bytes hash to its index entry (host)."""
         a, b = int(self.chunk_starts[k]), int(self.chunk_starts[k + 1])
-        got = chunk_hash_np(self.blob[a:b].numpy())
-        if got != int(self.index[k, COL_HASH]):
-            raise err(CodecError, f"chunk {k} (elements {k * self.chunk_elems}..) is corrupt: its hash differs", ctx)
+        if chunk_hash_np(self.blob[a:b].numpy()) != int(self.index[k, COL_HASH]):
+            raise self.corrupt(k, ctx)
 
     def decompress_into(self, k: int, run: tuple[int, int], out: np.ndarray, ctx: Ctx) -> None:
         """Verify chunk k and decompress its frames into `out`, the planes buffer of the chunks
         run = [k0, k1) (`range_layout`)."""
         self.verify(k, ctx)
         k0, k1 = run
-        offsets, sizes = self.range_layout(k0, k1).frames(self.index[k0:k1, COL_BIG])
+        lay = self.range_layout(k0, k1)
+        e = self.chunk_elems
+        j = k - k0
+        lo, hi, sign, big, mag = lay.starts
+        offsets = (lo + j * e, hi + j * e, sign + j * (e // 8), big + j * (e // 8), mag + j * e)
         raw = self.blob.numpy()
         dctx = _dctx()
         for f in range(N_PLANES):
-            size = int(sizes[k - k0, f])
+            size = int(self.raw_sizes[k, f])
             if not size:
                 continue
             a = int(self.blob_offsets[k, f])
@@ -441,149 +480,205 @@ class FileStreams:
                 raise err(CodecError, f"chunk {k}: {PLANES[f]} frame does not decode: {exc}", ctx) from None
             if len(data) != size:
                 raise err(CodecError, f"chunk {k}: {PLANES[f]} frame holds {len(data)} B, expected {size}", ctx)
-            o = int(offsets[k - k0, f])
-            out[o : o + size] = np.frombuffer(data, dtype=np.uint8)
+            out[offsets[f] : offsets[f] + size] = np.frombuffer(data, dtype=np.uint8)
 
-    def range_planes(self, k0: int, k1: int, buf: torch.Tensor, device: torch.device | None = None) -> Planes:
-        """Planes of chunks [k0, k1) over `buf` (filled by `decompress_into` or nvCOMP), with their
-        counts and escape tables (on `device`, default: buf's)."""
+    def views(self, k0: int, k1: int, buf: torch.Tensor, device: torch.device | None = None) -> PlaneViews:
+        """The planes of chunks [k0, k1) over `buf` (their `range_layout`, filled by
+        `decompress_into` or nvCOMP), with their counts and escape tables (on `device`, default buf's)."""
         dev = device or buf.device
-        idx = torch.from_numpy(np.ascontiguousarray(self.index[k0:k1, COL_BIG : COL_MAG_ESC + 1].T))
-        idx = idx.to(dev, non_blocking=dev.type == "cuda")
+        nb = dev.type == "cuda"
+        lay = self.range_layout(k0, k1)
+        lo, hi, sign, big, mag = lay.starts
+        n, bits = lay.n, lay.bit_bytes
+        idx = torch.from_numpy(np.ascontiguousarray(self.index[k0:k1, COL_BIG : COL_MAG_ESC + 1].T)).to(
+            dev, non_blocking=nb
+        )
         ga, gb = int(self.gap_esc_at[k0]), int(self.gap_esc_at[k1])
         ma, mb = int(self.mag_esc_at[k0]), int(self.mag_esc_at[k1])
-        return Planes(
-            layout=self.range_layout(k0, k1),
-            buf=buf,
+        return PlaneViews(
+            chunk_elems=self.chunk_elems,
+            lo=buf[lo : lo + n],
+            hi=buf[hi : hi + n],
+            sign=buf[sign : sign + bits],
+            big=buf[big : big + bits],
+            mag=buf[mag : mag + lay.chunks * lay.chunk_elems].view(lay.chunks, lay.chunk_elems),
             n_big=idx[0],
             n_gap_esc=idx[1],
             n_mag_esc=idx[2],
-            gap_esc=self.gap_esc[ga:gb].to(dev, non_blocking=dev.type == "cuda"),
-            mag_esc=self.mag_esc[ma:mb].to(dev, non_blocking=dev.type == "cuda"),
+            gap_esc=self.gap_esc[ga:gb].to(dev, non_blocking=nb),
+            mag_esc=self.mag_esc[ma:mb].to(dev, non_blocking=nb),
         )
+
+    def escape_offsets(self, k0: int, k1: int) -> tuple[int, int]:
+        return int(self.gap_esc_at[k1] - self.gap_esc_at[k0]), int(self.mag_esc_at[k1] - self.mag_esc_at[k0])
+
+
+class PlaneViews(NamedTuple):
+    """The planes of a run of whole chunks as separate tensors (one device), with the chunks'
+    counts and escape tables; `sub` cuts a run of its chunks out of it."""
+
+    chunk_elems: int
+    lo: torch.Tensor  # uint8 [n]
+    hi: torch.Tensor  # uint8 [n]
+    sign: torch.Tensor  # uint8 [ceil(n/8)]
+    big: torch.Tensor  # uint8 [ceil(n/8)]
+    mag: torch.Tensor  # uint8 [chunks, chunk_elems]
+    n_big: torch.Tensor  # int64 [chunks]
+    n_gap_esc: torch.Tensor
+    n_mag_esc: torch.Tensor
+    gap_esc: torch.Tensor  # int64
+    mag_esc: torch.Tensor
+
+    @property
+    def n(self) -> int:
+        return int(self.lo.numel())
+
+    def sub(self, j0: int, j1: int, esc: tuple[tuple[int, int], tuple[int, int]]) -> PlaneViews:
+        """Chunks [j0, j1) of this run; `esc`: their (gap, mag) escape table ranges in this run's tables."""
+        e = self.chunk_elems
+        a, b = j0 * e, min(self.n, j1 * e)
+        (ga, gb), (ma, mb) = esc
+        return PlaneViews(
+            chunk_elems=e,
+            lo=self.lo[a:b],
+            hi=self.hi[a:b],
+            sign=self.sign[a // 8 : -(-b // 8)],
+            big=self.big[a // 8 : -(-b // 8)],
+            mag=self.mag[j0:j1],
+            n_big=self.n_big[j0:j1],
+            n_gap_esc=self.n_gap_esc[j0:j1],
+            n_mag_esc=self.n_mag_esc[j0:j1],
+            gap_esc=self.gap_esc[ga:gb],
+            mag_esc=self.mag_esc[ma:mb],
+        )
+
+
+def plane_views(planes: Planes) -> PlaneViews:
+    """An encoder's Planes as views (tests decode them directly)."""
+    lay = planes.layout
+    lo, hi, sign, big, mag = lay.starts
+    buf = planes.buf
+    return PlaneViews(
+        chunk_elems=lay.chunk_elems,
+        lo=buf[lo : lo + lay.n],
+        hi=buf[hi : hi + lay.n],
+        sign=buf[sign : sign + lay.bit_bytes],
+        big=buf[big : big + lay.bit_bytes],
+        mag=buf[mag : mag + lay.chunks * lay.chunk_elems].view(lay.chunks, lay.chunk_elems),
+        n_big=planes.n_big,
+        n_gap_esc=planes.n_gap_esc,
+        n_mag_esc=planes.n_mag_esc,
+        gap_esc=planes.gap_esc,
+        mag_esc=planes.mag_esc,
+    )
 
 
 # -- planes -> positions and differences (device) -------------------------------------------------
 
 
 class Decoded(NamedTuple):
-    """Decoded elements of a run of chunks, in file order, restricted to the spans asked for."""
+    """Decoded elements of a run of chunks, in file order, restricted to the spans."""
 
     positions: torch.Tensor  # int64
     diffs: torch.Tensor  # int64: new - old mod 2^bits, read signed
-    span: torch.Tensor  # int64: index into the spans of each element
-    counts: list[tuple[int, int]]  # (span index, elements) in element order
+    span: torch.Tensor  # int64: index into the spans, per element
+    first: int  # the spans [first, first + len(counts)) have elements here, in element order
+    counts: np.ndarray  # int64: elements of each of them
 
 
-def decode_planes(
-    planes: Planes,
-    elem0: int,
-    spans: Sequence[Span],
-    carry: dict[int, torch.Tensor],
-    ctx_of,
-) -> Decoded:
-    """Device work of the decoder for one run of chunks (its first element is the file's `elem0`):
-    escapes patched and checked against the chunks' counts, positions from the gap chains of the
-    spans (a span that began in an earlier run continues from `carry[span]`, updated here), every
-    position checked against its span's range. `ctx_of(span index)` names a tensor for errors."""
-    lay = planes.layout
-    n, e, dev = lay.n, lay.chunk_elems, planes.device
-    lo0, hi0, sign0, big0, mag0 = lay.starts
-    buf = planes.buf
+def decode_planes(v: PlaneViews, elem0: int, spans: Spans, carry: Carry, ctx_of) -> Decoded:
+    """Device work of the decoder for one run of whole chunks (its first element is the file's
+    `elem0`): escapes patched and checked against the chunks' counts, positions from the gap chains
+    of the spans (a span that began in an earlier run continues from `carry`, updated here), every
+    position checked against its span's range. Vectorized over the spans: no per-tensor work.
+    `ctx_of(span index)` names a tensor for errors."""
+    n, e = v.n, v.chunk_elems
+    dev = v.lo.device
+    nb = dev.type == "cuda"
     k0 = elem0 // e
+    i0 = int(np.searchsorted(spans.end, elem0, side="right"))
+    i1 = int(np.searchsorted(spans.at, elem0 + n, side="left"))
 
     def fail(exc_type, what: str, chunk: int) -> None:
-        span = next((i for i, s in enumerate(spans) if s.end > elem0 + chunk * e), 0)
-        c = ctx_of(span) if spans else {}
-        raise err(exc_type, f"chunk {k0 + chunk} (elements {elem0 + chunk * e}..): {what}", c)
+        j = int(np.searchsorted(spans.end, elem0 + chunk * e, side="right"))
+        raise err(
+            exc_type, f"chunk {k0 + chunk} (elements {elem0 + chunk * e}..): {what}", ctx_of(min(j, len(spans) - 1))
+        )
 
     def check_counts(mask: torch.Tensor, want: torch.Tensor, what: str) -> None:
-        got = _per_chunk(mask, e).sum(1)
-        bad = (got != want).nonzero().reshape(-1)
+        bad = (_per_chunk(mask, e).sum(1) != want).nonzero().reshape(-1)
         if bad.numel():
             fail(CodecError, f"{what} do not match the index", int(bad[0]))
 
-    gaps = buf[lo0 : lo0 + n].to(torch.int64).bitwise_or_(buf[hi0 : hi0 + n].to(torch.int64).bitwise_left_shift_(8))
+    gaps = v.lo.to(torch.int64).bitwise_or_(v.hi.to(torch.int64).bitwise_left_shift_(8))
     g_esc = gaps == GAP_ESCAPE
-    check_counts(g_esc, planes.n_gap_esc, "gap escapes")
-    if planes.gap_esc.numel():
-        if bool((planes.gap_esc < 0).any()):
+    check_counts(g_esc, v.n_gap_esc, "gap escapes")
+    if v.gap_esc.numel():
+        if bool((v.gap_esc < 0).any()):
             fail(PositionError, "negative gap escape", 0)
-        gaps[g_esc.nonzero().reshape(-1)] = planes.gap_esc
-    neg = unpack_bits(buf[sign0 : sign0 + lay.bit_bytes], n)
-    big = unpack_bits(buf[big0 : big0 + lay.bit_bytes], n)
+        gaps[g_esc.nonzero().reshape(-1)] = v.gap_esc
+    del g_esc
+    neg = unpack_bits(v.sign, n)
+    big = unpack_bits(v.big, n)
     big_c = _per_chunk(big, e)
     rank = torch.cumsum(big_c, dim=1, dtype=torch.int32)
-    bad = (rank[:, -1].to(torch.int64) != planes.n_big).nonzero().reshape(-1)
+    bad = (rank[:, -1].to(torch.int64) != v.n_big).nonzero().reshape(-1)
     if bad.numel():
         fail(CodecError, "big elements do not match the index", int(bad[0]))
     col = torch.where(big_c.bool(), rank.sub_(1), 0).to(torch.int64)
-    col += torch.arange(lay.chunks, device=dev, dtype=torch.int64)[:, None] * e
-    codes = buf[mag0 : mag0 + lay.chunks * e][col.view(-1)[:n]].to(torch.int64)
+    col += torch.arange(v.mag.shape[0], device=dev, dtype=torch.int64)[:, None] * e
+    codes = v.mag.reshape(-1)[col.view(-1)[:n]].to(torch.int64)
     del col, rank, big_c
     m_esc = big & (codes == MAG_ESCAPE)
-    check_counts(m_esc, planes.n_mag_esc, "value escapes")
+    check_counts(m_esc, v.n_mag_esc, "value escapes")
     m = torch.where(big, codes + MAG_BIAS, 1)
-    if planes.mag_esc.numel():
-        if bool((planes.mag_esc < MAG_BIAS + MAG_ESCAPE).any() | (planes.mag_esc > 1 << 31).any()):
+    if v.mag_esc.numel():
+        if bool((v.mag_esc < MAG_BIAS + MAG_ESCAPE).any() | (v.mag_esc > 1 << 31).any()):
             fail(CodecError, "value escape out of range", 0)
-        m[m_esc.nonzero().reshape(-1)] = planes.mag_esc
+        m[m_esc.nonzero().reshape(-1)] = v.mag_esc
     diffs = torch.where(neg, -m, m)
-    del m, codes, neg, big
-    # positions: p = base(span) + (C_i - C_{first(span) - 1}), C the running sum of gap + 1
-    c = torch.cumsum(gaps.add_(1), 0)
+    del m, codes, neg, big, m_esc
+    c = torch.cumsum(gaps.add_(1), 0)  # p = base(span) + (C_i - C_{first(span) - 1})
     del gaps
-    live = [(i, s) for i, s in enumerate(spans) if s.end > elem0 and s.at < elem0 + n]
-    if not live:
+    if i1 <= i0:
         empty = torch.zeros(0, dtype=torch.int64, device=dev)
-        return Decoded(empty, empty, empty, [])
-    rel_at = [max(s.at, elem0) - elem0 for _, s in live]
-    rel_end = [min(s.end, elem0 + n) - elem0 for _, s in live]
-    small = torch.tensor(
-        [rel_at, rel_end, [s.start - 1 for _, s in live], [s.start for _, s in live], [s.stop for _, s in live]],
-        dtype=torch.int64,
-    ).to(dev, non_blocking=dev.type == "cuda")
-    at_t, end_t, base, lo_t, hi_t = small
-    for j, (i, s) in enumerate(live):
-        if s.at < elem0:  # began in an earlier run: continue its gap chain
-            if i not in carry:
-                raise err(CodecError, "a tensor's elements continue a run that was not decoded", ctx_of(i))
-            base[j] = carry[i]
-    before = torch.where(at_t > 0, c[(at_t - 1).clamp(min=0)], torch.zeros_like(at_t))
-    counts = [b - a for a, b in zip(rel_at, rel_end)]
-    total = sum(counts)
-    contiguous = all(rel_at[j + 1] == rel_end[j] for j in range(len(live) - 1))
-    if contiguous and rel_at[0] == 0 and rel_end[-1] == n:
-        sel = None
-        local = segment_ids(end_t - at_t, total)
+        return Decoded(empty, empty, empty, i0, np.zeros(0, dtype=np.int64))
+    rel_at = np.maximum(spans.at[i0:i1], elem0) - elem0
+    rel_end = np.minimum(spans.end[i0:i1], elem0 + n) - elem0
+    counts = rel_end - rel_at
+    total = int(counts.sum())
+    small = torch.from_numpy(np.stack([rel_at, counts, spans.start[i0:i1] - 1, spans.start[i0:i1], spans.stop[i0:i1]]))
+    at_t, cnt_t, base, lo_t, hi_t = small.to(dev, non_blocking=nb)
+    if spans.at[i0] < elem0:  # began in an earlier run: continue its gap chain
+        if carry.span != i0 or carry.last is None:
+            raise err(CodecError, "a tensor's elements continue a run that was not decoded", ctx_of(i0))
+        base[0] = carry.last
+    local = segment_ids(cnt_t, total)
+    if int(rel_at[0]) == 0 and int(rel_end[-1]) == n and bool((rel_at[1:] == rel_end[:-1]).all()):
+        sel = None  # the spans cover the run: every element is kept
+        cc, d = c, diffs
     else:
-        local = segment_ids(end_t - at_t, total)
-        sel = (
-            torch.arange(total, device=dev, dtype=torch.int64) - (torch.cumsum(end_t - at_t, 0) - (end_t - at_t))[local]
-        )
+        sel = torch.arange(total, device=dev, dtype=torch.int64) - (torch.cumsum(cnt_t, 0) - cnt_t)[local]
         sel += at_t[local]
-    cc = c if sel is None else c[sel]
+        cc, d = c[sel], diffs[sel]
+    before = torch.where(at_t > 0, c[(at_t - 1).clamp(min=0)], torch.zeros_like(at_t))
     positions = cc.sub_(before[local]).add_(base[local])
-    d = diffs if sel is None else diffs[sel]
-    bad = (positions < lo_t[local]) | (positions >= hi_t[local])
-    if bool(bad.any()):
-        j = int(local[bad.nonzero()[0, 0]])
-        i = live[j][0]
-        where = int(bad.nonzero()[0, 0])
-        elem = (where if sel is None else int(sel[where])) + elem0
+    bad_el = (positions < lo_t[local]) | (positions >= hi_t[local])
+    if bool(bad_el.any()):
+        w = int(bad_el.nonzero()[0, 0])
+        i = i0 + int(local[w])
+        elem = (w if sel is None else int(sel[w])) + elem0
         raise err(
             PositionError,
-            f"position {int(positions[where])} out of range [{spans[i].start}, {spans[i].stop}) "
+            f"position {int(positions[w])} out of range [{spans.start[i]}, {spans.stop[i]}) "
             f"(chunk {elem // e}, element {elem})",
             ctx_of(i),
         )
-    ends = torch.cumsum(end_t - at_t, 0) - 1
-    lasts = positions[ends]
-    for j, (i, s) in enumerate(live):
-        if s.end > elem0 + n:  # continues in the next run
-            carry[i] = lasts[j].clone()
-    spans_t = torch.tensor([i for i, _ in live], dtype=torch.int64).to(dev, non_blocking=dev.type == "cuda")
-    return Decoded(positions, d, spans_t[local], [(i, k) for (i, _), k in zip(live, counts)])
+    if spans.end[i1 - 1] > elem0 + n:  # the last span continues in the next run
+        carry.span, carry.last = i1 - 1, positions[-1:].clone().reshape(())
+    else:
+        carry.clear()
+    return Decoded(positions, d, local.add_(i0), i0, counts)
 
 
 # -- the codec ------------------------------------------------------------------------------------
@@ -721,37 +816,42 @@ class ChunkedCodec:
         self, tensors: Mapping[str, torch.Tensor], meta: Any, *, numel: int, nnz: int, dtype: torch.dtype, ctx: Ctx
     ) -> Sections:
         """Host work: verify and decompress the chunks holding the piece's elements."""
-        span = piece_span(meta, nnz, numel, ctx)
+        at, start = piece_at(meta, numel, ctx)
         streams = FileStreams(tensors, meta.get("file"), ctx)
-        streams.check_spans([span], lambda _: ctx)
-        k0, k1 = streams.chunk_range(span.at, span.end)
-        buf = torch.empty(streams.range_layout(k0, k1).size if span.nnz else 0, dtype=torch.uint8)
-        for k in range(k0, k1):
-            streams.decompress_into(k, (k0, k1), buf.numpy(), ctx)
-        return Sections(meta={"streams": streams, "span": span, "chunks": (k0, k1), "buf": buf})
+        spans = Spans.of([at], [nnz], [start], [numel], [0])
+        spans.check(streams.n, lambda _: ctx)
+        buf = torch.zeros(0, dtype=torch.uint8)
+        k0 = k1 = 0
+        if nnz:
+            e = streams.chunk_elems
+            k0, k1 = at // e, -(-(at + nnz) // e)
+            buf = torch.empty(streams.range_layout(k0, k1).size, dtype=torch.uint8)
+            for k in range(k0, k1):
+                streams.decompress_into(k, (k0, k1), buf.numpy(), ctx)
+        return Sections(meta={"streams": streams, "spans": spans, "chunks": (k0, k1), "buf": buf})
 
     def finish(self, sections: Sections, *, numel: int, device: torch.device | str, ctx: Ctx) -> Changes:
         """Device work: positions and differences of the piece's elements."""
         dev = torch.device(device)
-        streams, span, buf = sections.meta["streams"], sections.meta["span"], sections.meta["buf"]
-        if not span.nnz:
+        streams, spans, buf = sections.meta["streams"], sections.meta["spans"], sections.meta["buf"]
+        if not len(spans):
             empty = torch.zeros(0, dtype=torch.int64, device=dev)
             return Changes(positions=empty, diffs=empty)
         k0, k1 = sections.meta["chunks"]
-        planes = streams.range_planes(k0, k1, buf.to(dev), dev)
-        out = decode_planes(planes, k0 * streams.chunk_elems, [span], {}, lambda _: ctx)
+        views = streams.views(k0, k1, buf.to(dev), dev)
+        out = decode_planes(views, k0 * streams.chunk_elems, spans, Carry(), lambda _: ctx)
         return Changes(positions=out.positions, diffs=out.diffs)
 
 
-def piece_span(meta: Any, nnz: int, numel: int, ctx: Ctx) -> Span:
-    """A piece's elements in its file, from its `enc` ({"at", "start"}) and the header's nnz."""
+def piece_at(meta: Any, numel: int, ctx: Ctx) -> tuple[int, int]:
+    """A piece's first element in its file's streams and the start of its gap chain (its `enc`)."""
     try:
         at, start = int(meta["at"]), int(meta.get("start", 0))
     except (KeyError, TypeError, ValueError, AttributeError):
         raise err(CodecError, f"chunked tensor metadata lacks 'at': {meta!r:.200}", ctx) from None
     if at < 0 or not 0 <= start <= numel:
         raise err(CodecError, f"bad element offset {at} or start {start}", ctx)
-    return Span(at=at, nnz=nnz, start=start, stop=numel, key=0)
+    return at, start
 
 
 def _concat(sections: Sequence[Sections]) -> Batch:
