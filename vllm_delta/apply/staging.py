@@ -263,7 +263,7 @@ class Decoder:
                 host = got[0] if backend is not None else hosts[r]
                 self.host_bytes += host.numel()
                 t0 = self._span(timings, "read", t0, sync=False)
-                buf = None
+                buf: torch.Tensor | None = None
                 if backend is not None:
                     try:
                         buf = self._inflate(streams, backend, (k0, k1), host, ctx_of_chunk, timings)

@@ -42,7 +42,7 @@ import zstandard
 
 from ..bits import int_view, wrap_diff
 from ..checksums import chunk_hash_np
-from ..errors import CodecError, PositionError
+from ..errors import CodecError, DeltaError, PositionError
 from . import gpu
 from .base import Batch, BatchSections, Changes, Ctx, HostCopy, Sections, err, segment_ids
 
@@ -353,10 +353,10 @@ class Spans:
     def chunks(self, chunk_elems: int, n_chunks: int) -> tuple[np.ndarray, np.ndarray]:
         """(which chunks hold elements of any span, the first span holding elements of each chunk)."""
         first_k, last_k = self.at // chunk_elems, (self.end - 1) // chunk_elems
-        needed = np.zeros(n_chunks + 1, dtype=np.int64)
-        np.add.at(needed, first_k, 1)
-        np.add.at(needed, last_k + 1, -1)
-        needed = np.cumsum(needed)[:n_chunks] > 0
+        marks = np.zeros(n_chunks + 1, dtype=np.int64)
+        np.add.at(marks, first_k, 1)
+        np.add.at(marks, last_k + 1, -1)
+        needed = np.cumsum(marks)[:n_chunks] > 0
         owner = np.full(n_chunks, -1, dtype=np.int64)
         # spans are sorted: the first span covering a chunk is the smallest index whose range reaches it
         for_chunk = np.searchsorted(self.end, np.arange(n_chunks, dtype=np.int64) * chunk_elems, side="right")
@@ -448,7 +448,7 @@ class FileStreams:
         e = self.chunk_elems
         return PlaneLayout(min(self.n, k1 * e) - k0 * e, e)
 
-    def corrupt(self, k: int, ctx: Ctx) -> CodecError:
+    def corrupt(self, k: int, ctx: Ctx) -> DeltaError:
         return err(CodecError, f"chunk {k} (elements {k * self.chunk_elems}..) is corrupt: its hash differs", ctx)
 
     def verify(self, k: int, ctx: Ctx) -> None:
