@@ -249,10 +249,10 @@ class Decoder:
                 hosts.append(torch.empty(0, dtype=torch.uint8))
                 futures.append([self.pool.submit(read_blob, (k0, k1))])
             else:
-                buf = self._host(streams.range_layout(k0, k1).size, torch.uint8)
-                hosts.append(buf)
+                planes = self._host(streams.range_layout(k0, k1).size, torch.uint8)
+                hosts.append(planes)
                 groups = [range(g, min(k1, g + HOST_GROUP_CHUNKS)) for g in range(k0, k1, HOST_GROUP_CHUNKS)]
-                futures.append([self.pool.submit(inflate_cpu, (k0, k1), buf, ks) for ks in groups])
+                futures.append([self.pool.submit(inflate_cpu, (k0, k1), planes, ks) for ks in groups])
         self.host_bytes = 0
         carry = chunked.Carry()
         try:
