@@ -343,3 +343,22 @@ def test_encoding_path_is_logged_once(caplog):
             c.pack_file([(str(t), s) for t, s in enumerate(c.prepare_batch(batch).split()) if s is not None])
     lines = [r.getMessage() for r in caplog.records if "chunked codec encodes" in r.getMessage()]
     assert lines == ["vllm-delta: the chunked codec encodes on the CPU (zstandard): the changes are on the CPU"]
+
+
+@pytest.mark.parametrize("cuts", [[0], [1, 255, 256, 257], [100, 100, 2000, 5000], [3000]])
+def test_chunked_stream_encoder_equals_prepare_batch(cuts):
+    """Changes handed over in passes (the trainer's detection: one pass on the device at a time)
+    give the same file, bit for bit, as the whole batch at once, wherever the passes end."""
+    batch, _ = _batch(SPECS, seed=5)
+    c = codec.ChunkedCodec(chunk_elems=256, slice_elems=512)
+    want = c.pack_file([(str(t), s) for t, s in enumerate(c.prepare_batch(batch).split()) if s is not None])
+    enc = c.stream(batch.starts)
+    bounds = sorted({0, batch.positions.numel(), *[min(x, batch.positions.numel()) for x in np.cumsum(cuts)]})
+    for a, b in zip(bounds, bounds[1:] + [bounds[-1]]):
+        enc.add(batch.positions[a:b], batch.seg[a:b], batch.new[a:b], batch.old[a:b])
+    prepared = enc.finish(batch.counts)
+    got = c.pack_file([(str(t), s) for t, s in enumerate(prepared.split()) if s is not None])
+    assert got.enc == want.enc and got.tensor_enc == want.tensor_enc
+    assert all(torch.equal(got.payload[k], want.payload[k]) for k in want.payload)
+    with pytest.raises(ValueError, match="changes encoded"):
+        c.stream(batch.starts).finish(batch.counts)

@@ -27,6 +27,7 @@ from .base import (
     FileCodec,
     FilePayload,
     HostCopy,
+    PassEncoder,
     Sections,
     check_piece,
     check_positions,
@@ -34,7 +35,7 @@ from .base import (
     position_dtype,
     segment_ids,
 )
-from .chunked import ChunkedCodec, FilePack
+from .chunked import ChunkedCodec, FilePack, StreamEncoder
 from .compact import (
     DIFF_ESCAPE,
     FRAME_ELEMS,
@@ -65,6 +66,12 @@ def get_codec(name: str, ctx: dict | None = None) -> Codec:
 def is_file_level(codec: Codec) -> TypeGuard[FileCodec]:
     """A codec whose payload covers every changed tensor of a file (format 3), not one tensor."""
     return bool(getattr(codec, "file_level", False))
+
+
+def stream_encoder(codec: Codec, starts: list[int]) -> PassEncoder | None:
+    """A codec's encoder for changes that arrive in passes (chunked: `StreamEncoder`), else None."""
+    make = getattr(codec, "stream", None)
+    return make(starts) if make is not None else None
 
 
 def encode(
@@ -117,8 +124,10 @@ __all__ = [
     "FrameArrays",
     "FrameOrder",
     "HostCopy",
+    "PassEncoder",
     "RawCodec",
     "Sections",
+    "StreamEncoder",
     "check_piece",
     "check_positions",
     "decode",
@@ -132,4 +141,5 @@ __all__ = [
     "patch_escapes",
     "position_dtype",
     "segment_ids",
+    "stream_encoder",
 ]

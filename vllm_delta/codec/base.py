@@ -183,6 +183,14 @@ class Codec(Protocol):
     def finish(self, sections: Sections, *, numel: int, device: torch.device | str, ctx: Ctx) -> Changes: ...
 
 
+class PassEncoder(Protocol):
+    """An encoder fed a batch's changes in passes (the trainer's detection, pass by pass)."""
+
+    def add(self, positions: torch.Tensor, seg: torch.Tensor, new: torch.Tensor, old: torch.Tensor) -> None: ...
+
+    def finish(self, counts: Sequence[int]) -> BatchSections: ...
+
+
 class FilePayload(Protocol):
     """What a file-level codec's `pack_file` returns (chunked.FilePack)."""
 

@@ -164,15 +164,22 @@ def _per_chunk(x: torch.Tensor, chunk_elems: int) -> torch.Tensor:
     return x.view(-1, chunk_elems)
 
 
-def encode_planes(batch: Batch, chunk_elems: int = CHUNK_ELEMS, slice_elems: int = SLICE_ELEMS) -> Planes:
+def encode_planes(
+    batch: Batch,
+    chunk_elems: int = CHUNK_ELEMS,
+    slice_elems: int = SLICE_ELEMS,
+    context: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> Planes:
     """Device work of the encoder: the planes of a batch's changes, in the batch's element order.
 
     Works in slices of `slice_elems` elements (a multiple of `chunk_elems`), so its temporaries
     stay at ~40 B x slice_elems whatever the number of changes; one host synchronization per slice
-    (the escapes, which are rare)."""
+    (the escapes, which are rare). `context`: (position, tensor index) of the element before the
+    batch's first (1-element tensors), when the batch continues an earlier one (`StreamEncoder`)."""
     if chunk_elems % 128 or not 0 < chunk_elems <= MAX_CHUNK_ELEMS:
         raise ValueError(f"chunk_elems must be a multiple of 128 in (0, {MAX_CHUNK_ELEMS}]")
     slice_elems = max(chunk_elems, slice_elems // chunk_elems * chunk_elems)
+    before = context
     pos_all, seg_all = batch.positions, batch.seg
     dev, n = pos_all.device, pos_all.numel()
     width = int_view(batch.new).element_size()
@@ -195,6 +202,9 @@ def encode_planes(batch: Batch, chunk_elems: int = CHUNK_ELEMS, slice_elems: int
         if a:
             prev[:1] = pos_all[a - 1 : a]
             torch.ne(seg[:1], seg_all[a - 1 : a], out=first[:1])
+        elif before is not None:
+            prev[:1] = before[0]
+            torch.ne(seg[:1], before[1], out=first[:1])
         else:
             first[:1] = True
         gaps = pos - torch.where(first, starts_t[seg] - 1, prev) - 1
@@ -695,22 +705,28 @@ class FilePack:
 
 
 class ChunkedBatch(BatchSections):
-    """`prepare_batch`'s result: the batch's planes on its device (queued on the caller's stream),
-    and what the header needs per tensor. `wait()` waits for the device work, `split()` gives one
-    Sections per tensor (pointing back here; None where nothing changed), `pack()` compresses: with
-    nvCOMP on the planes' GPU when it is available, else with zstandard on the host."""
+    """`prepare_batch`'s (or a `StreamEncoder`'s) result: the batch's planes on its device (queued on
+    the caller's stream; one Planes per run of whole chunks), and what the header needs per tensor.
+    `wait()` waits for the device work, `split()` gives one Sections per tensor (pointing back here;
+    None where nothing changed), `pack()` compresses: with nvCOMP on the planes' GPU when it is
+    available, else with zstandard on the host."""
 
-    def __init__(self, codec: ChunkedCodec, batch: Batch, planes: Planes):
+    def __init__(self, codec: ChunkedCodec, counts: Sequence[int], starts: Sequence[int], parts: list[Planes]):
         self.codec = codec
-        self.planes = planes
-        self.counts = list(batch.counts)
-        self.starts = list(batch.starts)
+        self.parts = parts
+        self.counts = list(counts)
+        self.starts = list(starts)
         self.ats = [0, *np.cumsum(self.counts).tolist()][:-1]
         self.event: Any = None
-        if planes.device.type == "cuda":
+        self.device = parts[0].device if parts else torch.device("cpu")
+        if self.device.type == "cuda":
             self.event = torch.cuda.Event()
             self.event.record()
         super().__init__(self._sections, self._wait)
+
+    @property
+    def n(self) -> int:
+        return sum(p.layout.n for p in self.parts)
 
     def _wait(self) -> None:
         if self.event is not None:
@@ -727,40 +743,83 @@ class ChunkedBatch(BatchSections):
 
         self.wait()
         t0 = time.perf_counter()
-        planes = self.planes
-        blob: torch.Tensor | None = None
-        index: torch.Tensor | None = None
-        if planes.device.type == "cuda":
-            backend, why = gpu.backend(planes.device)
+        packed: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
+        dev = self.device
+        if dev.type == "cuda":
+            backend, why = gpu.backend(dev)
             if backend is not None:
                 try:
-                    blob, index = gpu.compress_planes(backend, planes)
-                    gpu.note_path("encodes", f"on {planes.device} with nvCOMP {backend.version}")
+                    packed = [(*gpu.compress_planes(backend, p), p.gap_esc.cpu(), p.mag_esc.cpu()) for p in self.parts]
+                    gpu.note_path("encodes", f"on {dev} with nvCOMP {backend.version}")
                 except Exception as exc:  # noqa: BLE001 - OOM, nvCOMP failure: the CPU path writes the same format
                     why = f"nvCOMP failed ({type(exc).__name__}: {exc})"
                     log.warning("vllm-delta: GPU encode failed, encoding on the CPU instead: %s", why)
-            if blob is None:
+            if packed is None:
                 gpu.note_path("encodes", f"on the CPU (zstandard): {why}")
         else:
             gpu.note_path("encodes", "on the CPU (zstandard): the changes are on the CPU")
-        if blob is None:
-            host = HostCopy(planes.device)
-            on_host = planes_to_host(planes, host)
+        if packed is None:
+            host = HostCopy(dev)
+            on_host = [planes_to_host(p, host) for p in self.parts]
             host.done()
             host.wait()
-            blob_np, index_np = compress_cpu(on_host, self.codec.level, pool)
-            blob, index = torch.from_numpy(blob_np.copy()), torch.from_numpy(index_np)
-            gap_esc, mag_esc = on_host.gap_esc, on_host.mag_esc
-        else:
-            gap_esc, mag_esc = planes.gap_esc.cpu(), planes.mag_esc.cpu()
+            packed = []
+            for p in on_host:
+                blob_np, index_np = compress_cpu(p, self.codec.level, pool)
+                packed.append((torch.from_numpy(blob_np.copy()), torch.from_numpy(index_np), p.gap_esc, p.mag_esc))
         if busy_ms is not None:
             busy_ms.append((time.perf_counter() - t0) * 1e3)
-        assert index is not None
         return FilePack(
-            payload={"blob": blob, "index": index, "gap_esc": gap_esc.contiguous(), "mag_esc": mag_esc.contiguous()},
-            enc={"chunk_elems": planes.layout.chunk_elems, "elems": planes.layout.n},
+            payload={key: _cat([x[k] for x in packed], k) for k, key in enumerate(PAYLOAD_PARTS)},
+            enc={"chunk_elems": self.codec.chunk_elems, "elems": self.n},
             tensor_enc={},
         )
+
+
+def _cat(parts: list[torch.Tensor], k: int) -> torch.Tensor:
+    if not parts:
+        return torch.zeros((0, INDEX_WIDTH) if k == 1 else 0, dtype=torch.uint8 if k == 0 else torch.int64)
+    return (parts[0] if len(parts) == 1 else torch.cat(parts)).contiguous()
+
+
+class StreamEncoder:
+    """Encodes a batch's changes as they arrive (the trainer's detection, pass by pass) into planes
+    of whole chunks, holding back a last partial chunk for the next pass: the device holds one
+    pass's changes at a time plus the planes (~3.3 B per changed element). `finish` gives the same
+    file as `prepare_batch` of all the changes at once."""
+
+    def __init__(self, codec: ChunkedCodec, starts: Sequence[int]):
+        self.codec = codec
+        self.starts = list(starts)
+        self.parts: list[Planes] = []
+        self._pending: tuple[torch.Tensor, ...] | None = None
+        self._prev: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def add(self, positions: torch.Tensor, seg: torch.Tensor, new: torch.Tensor, old: torch.Tensor) -> None:
+        """The next changes (positions, tensor index, new bits, old bits), in owned order."""
+        cur: tuple[torch.Tensor, ...] = (positions, seg, new, old)
+        if self._pending is not None:
+            cur = tuple(torch.cat([a, b]) for a, b in zip(self._pending, cur))
+        e = self.codec.chunk_elems
+        whole = cur[0].numel() // e * e
+        if whole:
+            self._encode(tuple(x[:whole] for x in cur))
+        self._pending = tuple(x[whole:].clone() for x in cur) if cur[0].numel() > whole else None
+
+    def _encode(self, part: tuple[torch.Tensor, ...]) -> None:
+        pos, seg, new, old = part
+        batch = Batch(positions=pos, new=new, old=old, seg=seg, counts=[], starts=self.starts, numels=[])
+        self.parts.append(encode_planes(batch, self.codec.chunk_elems, self.codec.slice_elems, self._prev))
+        self._prev = (pos[-1:].clone(), seg[-1:].clone())
+
+    def finish(self, counts: Sequence[int]) -> ChunkedBatch:
+        """The encoded batch; `counts`: changed elements per tensor (the detection's)."""
+        if self._pending is not None:
+            self._encode(self._pending)
+            self._pending = None
+        if sum(counts) != sum(p.layout.n for p in self.parts):
+            raise ValueError(f"{sum(p.layout.n for p in self.parts)} changes encoded, the counts say {sum(counts)}")
+        return ChunkedBatch(self.codec, counts, self.starts, self.parts)
 
 
 class ChunkedCodec:
@@ -786,7 +845,12 @@ class ChunkedCodec:
 
     def prepare_batch(self, batch: Batch) -> ChunkedBatch:
         """Device work for many tensors at once: the planes, on the batch's device and stream."""
-        return ChunkedBatch(self, batch, encode_planes(batch, self.chunk_elems, self.slice_elems))
+        parts = [encode_planes(batch, self.chunk_elems, self.slice_elems)] if batch.positions.numel() else []
+        return ChunkedBatch(self, batch.counts, batch.starts, parts)
+
+    def stream(self, starts: Sequence[int]) -> StreamEncoder:
+        """`prepare_batch` for changes that arrive in passes (`StreamEncoder`)."""
+        return StreamEncoder(self, starts)
 
     def pack_file(
         self, tensors: Sequence[tuple[str, Sections]], pool: Executor | None = None, busy_ms: list[float] | None = None

@@ -235,24 +235,31 @@ class Publisher:
                 partials = {o.name: s for o, s in zip(own.owned, image.sums)}
                 counts = [o.count for o in own.owned]
             else:
-                found = self.snapshot.changes(own.owned)
+                # codec (issue 17): a codec that encodes detection's passes as they come (chunked) keeps
+                # one pass's changes on the device at a time; "detect" then includes that encoding
+                stream = codecs.stream_encoder(self.codec, [o.start for o in own.owned])
+                found = self.snapshot.changes(own.owned, consume=stream.add if stream is not None else None)
                 timings["detect"] = (time.perf_counter() - t1) * 1e3
                 t1 = time.perf_counter()
                 partials = {o.name: (self._partials.get(o.name, 0) + s) & MASK64 for o, s in zip(own.owned, found.sums)}
                 counts = found.counts
-                batch = codecs.Batch(
-                    positions=found.positions,
-                    new=found.new,
-                    old=found.old,
-                    seg=found.seg,
-                    counts=counts,
-                    starts=[o.start for o in own.owned],
-                    numels=[o.numel for o in own.owned],
-                )
                 with self.snapshot.side_stream(self.snapshot.compute_device(own.owned)):
-                    sections = self.codec.prepare_batch(batch)
+                    if stream is not None:
+                        sections = stream.finish(counts)
+                    else:
+                        batch = codecs.Batch(
+                            positions=found.positions,
+                            new=found.new,
+                            old=found.old,
+                            seg=found.seg,
+                            counts=counts,
+                            starts=[o.start for o in own.owned],
+                            numels=[o.numel for o in own.owned],
+                        )
+                        sections = self.codec.prepare_batch(batch)
+                        del batch
                 timings["prepare"] = (time.perf_counter() - t1) * 1e3
-                del found, batch
+                del found
         except BaseException as exc:  # noqa: BLE001 - sharded: every rank must hear of it
             self._needs_anchor = True  # the snapshot may be half-updated: resynchronize with an anchor
             if self._groups is None or not isinstance(exc, Exception):
