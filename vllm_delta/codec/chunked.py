@@ -156,12 +156,27 @@ def unpack_bits(packed: torch.Tensor, n: int) -> torch.Tensor:
     return ((packed[:, None] >> shifts) & 1).reshape(-1)[:n].bool()
 
 
-def _per_chunk(x: torch.Tensor, chunk_elems: int) -> torch.Tensor:
-    """[m] -> [ceil(m / chunk_elems), chunk_elems] (zero padded)."""
-    pad = -x.numel() % chunk_elems
-    if pad:
-        x = torch.cat([x, x.new_zeros(pad)])
-    return x.view(-1, chunk_elems)
+def chunk_ranks(mask: torch.Tensor, chunk_elems: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For a bool [m] over whole chunks (the last one may be short): (true elements per chunk, int64
+    [chunks]; each element's rank among its chunk's true elements, int64 [m], meaningful where true)."""
+    m = mask.numel()
+    dev = mask.device
+    c = torch.cumsum(mask, 0, dtype=torch.int64)
+    starts = torch.arange(0, m, chunk_elems, device=dev, dtype=torch.int64)
+    before = torch.where(starts > 0, c[(starts - 1).clamp_(min=0)], 0)
+    ends = (starts + chunk_elems).clamp_(max=m) - 1
+    counts = c[ends] - before
+    rank = c.sub_(1).sub_(before.repeat_interleave(chunk_elems, output_size=starts.numel() * chunk_elems)[:m])
+    return counts, rank
+
+
+def chunk_counts(mask: torch.Tensor, chunk_elems: int) -> torch.Tensor:
+    """True elements per chunk of a bool [m] (int64 [chunks])."""
+    m = mask.numel()
+    c = torch.cumsum(mask, 0, dtype=torch.int64)
+    ends = torch.arange(chunk_elems - 1, m + chunk_elems - 1, chunk_elems, device=mask.device).clamp_(max=m - 1)
+    total = c[ends]
+    return torch.cat([total[:1], total[1:] - total[:-1]]) if total.numel() else total
 
 
 def encode_planes(
@@ -228,16 +243,15 @@ def encode_planes(
         # mag codes strided by chunk: the r-th big element of chunk k at mag[k, r]; every other element
         # writes its (unused) code to the chunk's last column, which no big element occupies unless
         # all of the chunk's elements are big (no sync, unlike a masked copy)
-        big_c = _per_chunk(big, chunk_elems)
-        rank = torch.cumsum(big_c, dim=1, dtype=torch.int32)
-        kk = big_c.shape[0]
-        counts[0, k0 : k0 + kk] = rank[:, -1].to(torch.int64)
-        col = torch.where(big_c.bool(), rank.sub_(1), chunk_elems - 1).to(torch.int64)
-        col += torch.arange(k0, k0 + kk, device=dev, dtype=torch.int64)[:, None] * chunk_elems
-        mag.view(-1)[col.view(-1)] = _per_chunk(codes, chunk_elems).view(-1)
+        n_big, rank = chunk_ranks(big, chunk_elems)
+        kk = n_big.numel()
+        counts[0, k0 : k0 + kk] = n_big
+        col = torch.where(big, rank, chunk_elems - 1)
+        col += torch.arange(a, b, device=dev, dtype=torch.int64).div_(chunk_elems, rounding_mode="floor") * chunk_elems
+        mag.view(-1)[col] = codes
         del col, rank
-        counts[1, k0 : k0 + kk] = _per_chunk(g_esc, chunk_elems).sum(1)
-        counts[2, k0 : k0 + kk] = _per_chunk(m_esc, chunk_elems).sum(1)
+        counts[1, k0 : k0 + kk] = chunk_counts(g_esc, chunk_elems)
+        counts[2, k0 : k0 + kk] = chunk_counts(m_esc, chunk_elems)
     empty = torch.zeros(0, dtype=torch.int64, device=dev)
     return Planes(
         layout=layout,
@@ -616,7 +630,7 @@ def decode_planes(v: PlaneViews, elem0: int, spans: Spans, carry: Carry, ctx_of)
         )
 
     def check_counts(mask: torch.Tensor, want: torch.Tensor, what: str) -> None:
-        bad = (_per_chunk(mask, e).sum(1) != want).nonzero().reshape(-1)
+        bad = (chunk_counts(mask, e) != want).nonzero().reshape(-1)
         if bad.numel():
             fail(CodecError, f"{what} do not match the index", int(bad[0]))
 
@@ -630,15 +644,14 @@ def decode_planes(v: PlaneViews, elem0: int, spans: Spans, carry: Carry, ctx_of)
     del g_esc
     neg = unpack_bits(v.sign, n)
     big = unpack_bits(v.big, n)
-    big_c = _per_chunk(big, e)
-    rank = torch.cumsum(big_c, dim=1, dtype=torch.int32)
-    bad = (rank[:, -1].to(torch.int64) != v.n_big).nonzero().reshape(-1)
+    n_big, rank = chunk_ranks(big, e)
+    bad = (n_big != v.n_big).nonzero().reshape(-1)
     if bad.numel():
         fail(CodecError, "big elements do not match the index", int(bad[0]))
-    col = torch.where(big_c.bool(), rank.sub_(1), 0).to(torch.int64)
-    col += torch.arange(v.mag.shape[0], device=dev, dtype=torch.int64)[:, None] * e
-    codes = v.mag.reshape(-1)[col.view(-1)[:n]].to(torch.int64)
-    del col, rank, big_c
+    col = torch.where(big, rank, 0)
+    col += torch.arange(n, device=dev, dtype=torch.int64).div_(e, rounding_mode="floor").mul_(e)
+    codes = v.mag.reshape(-1)[col].to(torch.int64)
+    del col, rank
     m_esc = big & (codes == MAG_ESCAPE)
     check_counts(m_esc, v.n_mag_esc, "value escapes")
     m = torch.where(big, codes + MAG_BIAS, 1)
