@@ -161,6 +161,7 @@ class ApplyEngine:
         self._stage_lock = threading.Lock()  # one staging at a time: the decoder's buffers are shared
         self._state = 0
         self._warm: set = set()
+        self._fits: dict[str, tuple[str, list[int]]] = {}  # tensors whose header entry fits the model
 
     # -- checksums -------------------------------------------------------------------------
     def live_sums(self, names=None) -> dict[str, int]:
@@ -208,9 +209,14 @@ class ApplyEngine:
 
     def check_header(self, header: VersionHeader) -> None:
         """Every tensor of a version fits the model (name, shape, dtype): ShapeMismatchError or
-        UnsupportedModelError naming the first that does not."""
+        UnsupportedModelError naming the first that does not. A tensor seen with the same shape and
+        dtype before is not checked again (a mixture of experts lists ~20K tensors per version)."""
+        seen = self._fits
         for name, entry in header.tensors.items():
+            if seen.get(name) == (entry.dtype, entry.shape):
+                continue
             self._check_entry(header, name, entry)
+            seen[name] = (entry.dtype, list(entry.shape))
 
     def _stream_ctx(self):
         return torch.cuda.stream(self._stream) if self._stream is not None else _nullctx()

@@ -41,7 +41,7 @@ from .layout import DeviceLayout
 log = logging.getLogger(__name__)
 
 CHUNK_ELEMS = 1 << 23  # changed elements decoded per device chunk (bounds temporary memory)
-GPU_RUN_ELEMS = 1 << 25  # chunked, GPU path: elements per nvCOMP call (3.3 B each of device planes)
+GPU_RUN_ELEMS = 1 << 26  # chunked, GPU path: elements per nvCOMP call (3.3 B each of device planes)
 HOST_GROUP_CHUNKS = 16  # chunked, CPU path: chunks decompressed per thread pool task
 
 
