@@ -287,7 +287,7 @@ def test_chunked_frames_are_standard_zstd_frames_and_hashes_agree():
     reads and writes), frames start 16-aligned, and the numpy and torch chunk hashes agree."""
     import zstandard
 
-    from vllm_delta.checksums import chunk_hash_np, chunk_hashes
+    from vllm_delta.checksums import chunk_hash_np, chunk_hashes, chunk_hashes_np
     from vllm_delta.codec.chunked import FileStreams
 
     batch, _ = _batch(SPECS, seed=4)
@@ -307,6 +307,7 @@ def test_chunked_frames_are_standard_zstd_frames_and_hashes_agree():
             assert len(zstandard.ZstdDecompressor().decompress(frame, max_output_size=1 << 20)) == fs.raw_sizes[k, f]
     hashes = chunk_hashes(fs.blob, torch.from_numpy(fs.chunk_bytes))
     assert hashes.tolist() == fs.index[:, 8].tolist()
+    assert chunk_hashes_np(raw, fs.chunk_bytes).tolist() == fs.index[:, 8].tolist()
     assert hashes.tolist() == [
         chunk_hash_np(raw[fs.chunk_starts[k] : fs.chunk_starts[k + 1]]) for k in range(fs.layout.chunks)
     ]

@@ -97,6 +97,19 @@ def chunk_hashes(blob: torch.Tensor, chunk_bytes: torch.Tensor | np.ndarray) -> 
     return out
 
 
+def chunk_hashes_np(data: np.ndarray, chunk_bytes: np.ndarray) -> np.ndarray:
+    """`chunk_hashes` on the host: numpy uint8 `data` of chunks laid end to end (`chunk_bytes` each,
+    multiples of 8) -> int64 [chunks] (the index's signed values)."""
+    words = np.frombuffer(np.ascontiguousarray(data), dtype="<u8")
+    counts = np.asarray(chunk_bytes, dtype=np.int64) // 8
+    starts = np.cumsum(counts) - counts
+    j = np.arange(1, words.size + 1, dtype=np.uint64) - np.repeat(starts, counts).astype(np.uint64)
+    terms = words * (j * np.uint64(WEIGHT))
+    sums = np.add.reduceat(terms, starts) if words.size else np.zeros(0, dtype=np.uint64)
+    sums[counts == 0] = 0
+    return sums.view(np.int64)
+
+
 def chunk_hash_np(data: np.ndarray) -> int:
     """`chunk_hashes` of one chunk's bytes (numpy uint8, length a multiple of 8), as a signed int64
     value (what the index stores)."""
@@ -185,6 +198,7 @@ __all__ = [
     "Sums",
     "add_sums",
     "chunk_hash_np",
+    "chunk_hashes_np",
     "chunk_hashes",
     "checksum",
     "combine",

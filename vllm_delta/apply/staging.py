@@ -42,7 +42,6 @@ log = logging.getLogger(__name__)
 
 CHUNK_ELEMS = 1 << 23  # changed elements decoded per device chunk (bounds temporary memory)
 GPU_RUN_ELEMS = 1 << 26  # chunked, GPU path: elements per nvCOMP call (3.3 B each of device planes)
-HOST_GROUP_CHUNKS = 16  # chunked, CPU path: chunks decompressed per thread pool task
 
 
 @dataclass
@@ -237,9 +236,8 @@ class Decoder:
             buf.numpy()[:] = raw[a:b]  # the read: page cache or disk into pinned memory
             return buf
 
-        def inflate_cpu(run: tuple[int, int], buf: torch.Tensor, ks: range) -> None:
-            for k in ks:
-                streams.decompress_into(k, run, buf.numpy(), ctx_of_chunk(k))
+        def inflate_cpu(run: tuple[int, int], buf: torch.Tensor) -> None:
+            streams.decompress_run(run, buf.numpy(), ctx_of_chunk, self.n_threads)
 
         # the host work of every run is queued at once and runs ahead of the device
         hosts: list[torch.Tensor] = []
@@ -251,8 +249,8 @@ class Decoder:
             else:
                 planes = self._host(streams.range_layout(k0, k1).size, torch.uint8)
                 hosts.append(planes)
-                groups = [range(g, min(k1, g + HOST_GROUP_CHUNKS)) for g in range(k0, k1, HOST_GROUP_CHUNKS)]
-                futures.append([self.pool.submit(inflate_cpu, (k0, k1), planes, ks) for ks in groups])
+                # zstandard decompresses a run's frames on its own threads: one task a run keeps the GIL free
+                futures.append([self.pool.submit(inflate_cpu, (k0, k1), planes)])
         self.host_bytes = 0
         carry = chunked.Carry()
         try:
@@ -279,7 +277,7 @@ class Decoder:
                 if buf is None:
                     if host.numel() != streams.range_layout(k0, k1).size:  # fell back after reading the blob
                         host = self._host(streams.range_layout(k0, k1).size, torch.uint8)
-                        inflate_cpu((k0, k1), host, range(k0, k1))
+                        inflate_cpu((k0, k1), host)
                     buf = host.to(dev, non_blocking=nb)
                     t0 = self._span(timings, "h2d", t0)
                 views = streams.views(k0, k1, buf, dev)
