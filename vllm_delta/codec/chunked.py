@@ -544,7 +544,7 @@ class FileStreams:
                 raise err(
                     CodecError, f"chunk {k}: a frame holds {len(seg)} B, expected {int(want[i])}", ctx_of_chunk(k)
                 )
-            out[dst : dst + len(seg)] = np.frombuffer(memoryview(seg), dtype=np.uint8)
+            out[dst : dst + len(seg)] = np.frombuffer(seg, dtype=np.uint8)  # type: ignore[call-overload]
 
     def views(self, k0: int, k1: int, buf: torch.Tensor, device: torch.device | None = None) -> PlaneViews:
         """The planes of chunks [k0, k1) over `buf` (their `range_layout`, filled by
