@@ -38,9 +38,9 @@ for stage in ${STAGES:-tests publish apply}; do
     tests)   run pytest_gpu 200 python3 -m pytest -q -m gpu tests/apply tests/trainer tests/test_codec_gpu.py --maxfail=20 -p no:cacheprovider ;;
     codec)   run codec_gpu 300 python3 benchmarks/codec_gpu.py --out "$OUT" ${CODEC_ARGS:-} ;;
     moe)     run publish_moe 300 python3 benchmarks/publish_gpu.py --model qwen3-30b-a3b --layers 12 --steps 4 --out "$OUT/moe" ${PUBLISH_ARGS:-} ;;
-    publish) run publish_w1 240 python3 benchmarks/publish_gpu.py --out "$OUT" ${PUBLISH_ARGS:-}
-             run publish_w1_torch 180 python3 benchmarks/publish_gpu.py --backend torch --out "$OUT/torch" ${PUBLISH_ARGS:-} ;;
-    world2)  run publish_w2 420 python3 benchmarks/publish_gpu.py --world 2 --out "$OUT" ${PUBLISH_ARGS:-} ;;
+    publish) run publish_w1 330 python3 benchmarks/publish_gpu.py --out "$OUT" ${PUBLISH_ARGS:-}
+             run publish_w1_torch 180 python3 benchmarks/publish_gpu.py --backend torch --codecs chunked:gpu --out "$OUT/torch" ${PUBLISH_ARGS:-} ;;
+    world2)  run publish_w2 420 python3 benchmarks/publish_gpu.py --world 2 --codecs compact,chunked:gpu --out "$OUT" ${PUBLISH_ARGS:-} ;;
     apply)   run apply_gpu 420 python3 benchmarks/apply_gpu.py --models qwen3-8b,qwen3-30b-a3b --densities 0.01,0.03 --out "$OUT" ${APPLY_ARGS:-} ;;
     trainer) run trainer_gpu 120 python3 benchmarks/trainer_gpu.py --out "$OUT" ;;
     detect)  run detect_gpu 300 python3 benchmarks/detect_gpu.py --out "$OUT" ${DETECT_ARGS:-} ;;
