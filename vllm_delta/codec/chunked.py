@@ -655,58 +655,114 @@ def decode_planes(v: PlaneViews, elem0: int, spans: Spans, carry: Carry, ctx_of)
     `elem0`): escapes patched and checked against the chunks' counts, positions from the gap chains
     of the spans (a span that began in an earlier run continues from `carry`, updated here), every
     position checked against its span's range. Vectorized over the spans: no per-tensor work, and
-    one host synchronization (every check folded into one flag; when it is set, `_decode_checked`
-    finds the fault and raises the error naming it). `ctx_of(span index)` names a tensor for errors."""
+    one host synchronization (every check folded into one flag; when it is set, the run is decoded
+    again checking as it goes, to find the fault and raise the error naming it). `ctx_of(span
+    index)` names a tensor for errors."""
+    i0 = int(np.searchsorted(spans.end, elem0, side="right"))
+    if i0 < len(spans) and spans.at[i0] < elem0 and (carry.span != i0 or carry.last is None):
+        raise err(CodecError, "a tensor's elements continue a run that was not decoded", ctx_of(i0))
+    saved = Carry()
+    saved.span, saved.last = carry.span, carry.last
+    out, checks = _decode(v, elem0, spans, carry, _Checks(eager=False))
+    if checks.flag is not None and bool(checks.flag):  # the one synchronization
+        _decode(
+            v,
+            elem0,
+            spans,
+            saved,
+            _Checks(eager=True, elem0=elem0, chunk_elems=v.chunk_elems, spans=spans, ctx_of=ctx_of),
+        )
+        raise err(CodecError, f"elements {elem0}..{elem0 + v.n} do not decode", ctx_of(min(i0, len(spans) - 1)))
+    return out
+
+
+class _Checks:
+    """The checks of `_decode`: folded into one device flag (no synchronization), or, `eager`, each
+    tested as it comes and raised with a message naming its chunk and a tensor."""
+
+    def __init__(self, eager: bool, elem0: int = 0, chunk_elems: int = 1, spans: Spans | None = None, ctx_of=None):
+        self.eager, self.elem0, self.e, self.spans, self.ctx_of = eager, elem0, chunk_elems, spans, ctx_of
+        self.flag: torch.Tensor | None = None
+
+    def __call__(self, bad: torch.Tensor, exc_type: type[DeltaError], what: str) -> None:
+        """`bad`: per chunk (or one value) whether the check fails."""
+        if not self.eager:
+            self.flag = bad.any() if self.flag is None else self.flag | bad.any()
+            return
+        at = bad.reshape(-1).nonzero().reshape(-1)
+        if at.numel():
+            chunk = int(at[0]) if bad.dim() else 0
+            assert self.spans is not None and self.ctx_of is not None
+            start = self.elem0 + chunk * self.e
+            j = min(int(np.searchsorted(self.spans.end, start, side="right")), len(self.spans) - 1)
+            raise err(exc_type, f"chunk {start // self.e} (elements {start}..): {what}", self.ctx_of(j))
+
+    def positions(self, bad: torch.Tensor, positions, local, sel, i0: int) -> None:
+        """Positions outside their span's range (the message names the position and its element)."""
+        if not self.eager:
+            self(bad, PositionError, "")
+            return
+        if bool(bad.any()):
+            assert self.spans is not None and self.ctx_of is not None
+            w = int(bad.nonzero()[0, 0])
+            i = i0 + int(local[w])
+            elem = (w if sel is None else int(sel[w])) + self.elem0
+            raise err(
+                PositionError,
+                f"position {int(positions[w])} out of range [{self.spans.start[i]}, {self.spans.stop[i]}) "
+                f"(chunk {elem // self.e}, element {elem})",
+                self.ctx_of(i),
+            )
+
+
+def _decode(v: PlaneViews, elem0: int, spans: Spans, carry: Carry, check: _Checks) -> tuple[Decoded, _Checks]:
+    """`decode_planes`' work, its checks made through `check`."""
     n, e = v.n, v.chunk_elems
     dev = v.lo.device
     nb = dev.type == "cuda"
     i0 = int(np.searchsorted(spans.end, elem0, side="right"))
     i1 = int(np.searchsorted(spans.at, elem0 + n, side="left"))
-    if i0 < i1 and spans.at[i0] < elem0 and (carry.span != i0 or carry.last is None):
-        raise err(CodecError, "a tensor's elements continue a run that was not decoded", ctx_of(i0))
-    saved = Carry()
-    saved.span, saved.last = carry.span, carry.last
     gaps = v.lo.to(torch.int64).bitwise_or_(v.hi.to(torch.int64).bitwise_left_shift_(8))
     g_esc = gaps == GAP_ESCAPE
-    bad = (chunk_counts(g_esc, e) != v.n_gap_esc).any()
+    check(chunk_counts(g_esc, e) != v.n_gap_esc, CodecError, "gap escapes do not match the index")
     if v.gap_esc.numel():  # the r-th escape code takes the r-th entry (clamped: a count mismatch is flagged)
+        check((v.gap_esc < 0).any(), PositionError, "negative gap escape")
         at = torch.cumsum(g_esc, 0).sub_(1).clamp_(0, v.gap_esc.numel() - 1)
         gaps = torch.where(g_esc, v.gap_esc[at], gaps)
-        bad |= (v.gap_esc < 0).any()
         del at
     del g_esc
     neg = unpack_bits(v.sign, n)
     big = unpack_bits(v.big, n)
     n_big, rank = chunk_ranks(big, e)
-    bad |= (n_big != v.n_big).any()
+    check(n_big != v.n_big, CodecError, "big elements do not match the index")
     col = torch.where(big, rank, 0)
     col += torch.arange(n, device=dev, dtype=torch.int64).div_(e, rounding_mode="floor").mul_(e)
     codes = v.mag.reshape(-1)[col].to(torch.int64)
     del col, rank
     m_esc = big & (codes == MAG_ESCAPE)
-    bad |= (chunk_counts(m_esc, e) != v.n_mag_esc).any()
+    check(chunk_counts(m_esc, e) != v.n_mag_esc, CodecError, "value escapes do not match the index")
     m = torch.where(big, codes + MAG_BIAS, 1)
     if v.mag_esc.numel():
+        check(
+            ((v.mag_esc < MAG_BIAS + MAG_ESCAPE) | (v.mag_esc > 1 << 31)).any(), CodecError, "value escape out of range"
+        )
         at = torch.cumsum(m_esc, 0).sub_(1).clamp_(0, v.mag_esc.numel() - 1)
         m = torch.where(m_esc, v.mag_esc[at], m)
-        bad |= ((v.mag_esc < MAG_BIAS + MAG_ESCAPE) | (v.mag_esc > 1 << 31)).any()
         del at
     diffs = torch.where(neg, -m, m)
     del m, codes, neg, big, m_esc
     c = torch.cumsum(gaps.add_(1), 0)  # p = base(span) + (C_i - C_{first(span) - 1})
     del gaps
     if i1 <= i0:
-        if bool(bad):
-            _decode_checked(v, elem0, spans, saved, ctx_of)
         empty = torch.zeros(0, dtype=torch.int64, device=dev)
-        return Decoded(empty, empty, empty, i0, np.zeros(0, dtype=np.int64))
+        return Decoded(empty, empty, empty, i0, np.zeros(0, dtype=np.int64)), check
     rel_at = np.maximum(spans.at[i0:i1], elem0) - elem0
     rel_end = np.minimum(spans.end[i0:i1], elem0 + n) - elem0
     counts = rel_end - rel_at
     total = int(counts.sum())
     small = torch.from_numpy(np.stack([rel_at, counts, spans.start[i0:i1] - 1, spans.start[i0:i1], spans.stop[i0:i1]]))
     at_t, cnt_t, base, lo_t, hi_t = small.to(dev, non_blocking=nb)
-    if spans.at[i0] < elem0:  # began in an earlier run: continue its gap chain
+    if spans.at[i0] < elem0:  # began in an earlier run: continue its gap chain (decode_planes checked it)
         assert carry.last is not None
         base[0] = carry.last
     local = segment_ids(cnt_t, total)
@@ -719,106 +775,12 @@ def decode_planes(v: PlaneViews, elem0: int, spans: Spans, carry: Carry, ctx_of)
         cc, d = c[sel], diffs[sel]
     before = torch.where(at_t > 0, c[(at_t - 1).clamp(min=0)], torch.zeros_like(at_t))
     positions = cc.sub_(before[local]).add_(base[local])
-    bad |= ((positions < lo_t[local]) | (positions >= hi_t[local])).any()
-    if bool(bad):  # the one synchronization: find the fault, name it, raise
-        _decode_checked(v, elem0, spans, saved, ctx_of)
-        raise err(CodecError, f"elements {elem0}..{elem0 + n} do not decode", ctx_of(i0))
+    check.positions((positions < lo_t[local]) | (positions >= hi_t[local]), positions, local, sel, i0)
     if spans.end[i1 - 1] > elem0 + n:  # the last span continues in the next run
         carry.span, carry.last = i1 - 1, positions[-1:].clone().reshape(())
     else:
         carry.clear()
-    return Decoded(positions, d, local.add_(i0), i0, counts)
-
-
-def _decode_checked(v: PlaneViews, elem0: int, spans: Spans, carry: Carry, ctx_of) -> Decoded:
-    """`decode_planes` checking as it goes, with a host synchronization per check: the slow path
-    that finds and names what is wrong once the fast path has found that something is."""
-    n, e = v.n, v.chunk_elems
-    dev = v.lo.device
-    nb = dev.type == "cuda"
-    k0 = elem0 // e
-    i0 = int(np.searchsorted(spans.end, elem0, side="right"))
-    i1 = int(np.searchsorted(spans.at, elem0 + n, side="left"))
-
-    def fail(exc_type, what: str, chunk: int) -> None:
-        j = int(np.searchsorted(spans.end, elem0 + chunk * e, side="right"))
-        raise err(
-            exc_type, f"chunk {k0 + chunk} (elements {elem0 + chunk * e}..): {what}", ctx_of(min(j, len(spans) - 1))
-        )
-
-    def check_counts(mask: torch.Tensor, want: torch.Tensor, what: str) -> None:
-        bad = (chunk_counts(mask, e) != want).nonzero().reshape(-1)
-        if bad.numel():
-            fail(CodecError, f"{what} do not match the index", int(bad[0]))
-
-    gaps = v.lo.to(torch.int64).bitwise_or_(v.hi.to(torch.int64).bitwise_left_shift_(8))
-    g_esc = gaps == GAP_ESCAPE
-    check_counts(g_esc, v.n_gap_esc, "gap escapes")
-    if v.gap_esc.numel():
-        if bool((v.gap_esc < 0).any()):
-            fail(PositionError, "negative gap escape", 0)
-        gaps[g_esc.nonzero().reshape(-1)] = v.gap_esc
-    del g_esc
-    neg = unpack_bits(v.sign, n)
-    big = unpack_bits(v.big, n)
-    n_big, rank = chunk_ranks(big, e)
-    bad = (n_big != v.n_big).nonzero().reshape(-1)
-    if bad.numel():
-        fail(CodecError, "big elements do not match the index", int(bad[0]))
-    col = torch.where(big, rank, 0)
-    col += torch.arange(n, device=dev, dtype=torch.int64).div_(e, rounding_mode="floor").mul_(e)
-    codes = v.mag.reshape(-1)[col].to(torch.int64)
-    del col, rank
-    m_esc = big & (codes == MAG_ESCAPE)
-    check_counts(m_esc, v.n_mag_esc, "value escapes")
-    m = torch.where(big, codes + MAG_BIAS, 1)
-    if v.mag_esc.numel():
-        if bool((v.mag_esc < MAG_BIAS + MAG_ESCAPE).any() | (v.mag_esc > 1 << 31).any()):
-            fail(CodecError, "value escape out of range", 0)
-        m[m_esc.nonzero().reshape(-1)] = v.mag_esc
-    diffs = torch.where(neg, -m, m)
-    del m, codes, neg, big, m_esc
-    c = torch.cumsum(gaps.add_(1), 0)  # p = base(span) + (C_i - C_{first(span) - 1})
-    del gaps
-    if i1 <= i0:
-        empty = torch.zeros(0, dtype=torch.int64, device=dev)
-        return Decoded(empty, empty, empty, i0, np.zeros(0, dtype=np.int64))
-    rel_at = np.maximum(spans.at[i0:i1], elem0) - elem0
-    rel_end = np.minimum(spans.end[i0:i1], elem0 + n) - elem0
-    counts = rel_end - rel_at
-    total = int(counts.sum())
-    small = torch.from_numpy(np.stack([rel_at, counts, spans.start[i0:i1] - 1, spans.start[i0:i1], spans.stop[i0:i1]]))
-    at_t, cnt_t, base, lo_t, hi_t = small.to(dev, non_blocking=nb)
-    if spans.at[i0] < elem0:  # began in an earlier run: continue its gap chain
-        if carry.span != i0 or carry.last is None:
-            raise err(CodecError, "a tensor's elements continue a run that was not decoded", ctx_of(i0))
-        base[0] = carry.last
-    local = segment_ids(cnt_t, total)
-    if int(rel_at[0]) == 0 and int(rel_end[-1]) == n and bool((rel_at[1:] == rel_end[:-1]).all()):
-        sel = None  # the spans cover the run: every element is kept
-        cc, d = c, diffs
-    else:
-        sel = torch.arange(total, device=dev, dtype=torch.int64) - (torch.cumsum(cnt_t, 0) - cnt_t)[local]
-        sel += at_t[local]
-        cc, d = c[sel], diffs[sel]
-    before = torch.where(at_t > 0, c[(at_t - 1).clamp(min=0)], torch.zeros_like(at_t))
-    positions = cc.sub_(before[local]).add_(base[local])
-    bad_el = (positions < lo_t[local]) | (positions >= hi_t[local])
-    if bool(bad_el.any()):
-        w = int(bad_el.nonzero()[0, 0])
-        i = i0 + int(local[w])
-        elem = (w if sel is None else int(sel[w])) + elem0
-        raise err(
-            PositionError,
-            f"position {int(positions[w])} out of range [{spans.start[i]}, {spans.stop[i]}) "
-            f"(chunk {elem // e}, element {elem})",
-            ctx_of(i),
-        )
-    if spans.end[i1 - 1] > elem0 + n:  # the last span continues in the next run
-        carry.span, carry.last = i1 - 1, positions[-1:].clone().reshape(())
-    else:
-        carry.clear()
-    return Decoded(positions, d, local.add_(i0), i0, counts)
+    return Decoded(positions, d, local.add_(i0), i0, counts), check
 
 
 # -- the codec ------------------------------------------------------------------------------------
