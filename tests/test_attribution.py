@@ -1,5 +1,5 @@
 """Attribution without vLLM: the client helper (vllm_delta.attribution) and the API-side pieces that
-put `choices[i].weight_versions` into responses (vllm_delta/vllm/attribution.py: the generate()
+put `choices[i].weight_versions` into responses (vllm_delta/vllm/api_server/spans.py: the generate()
 wrapper, the span store and the ASGI middleware), driven by fake engine outputs and a fake ASGI app."""
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ from types import SimpleNamespace
 import pytest
 
 from vllm_delta.attribution import Span, attribution_of, parse_label, parse_spans, version_label
-from vllm_delta.vllm.attribution import AttributionMiddleware, SpanStore, spans_for_response, wrap_generate
+from vllm_delta.server_api import to_wire
+from vllm_delta.vllm.api_server.spans import AttributionMiddleware, SpanStore, spans_for_response, wrap_generate
 
 
 def test_client_helper():
@@ -66,7 +67,7 @@ def test_generate_wrapper_and_id_mapping():
     run_generate(store, "cmpl-X-1", 2, [(0, [span("6", 0, 3)]), (1, [span("6", 0, 3)])])
     ids, choices = spans_for_response(store, "cmpl-X")
     assert ids == ["cmpl-X-0", "cmpl-X-1"]
-    assert choices == [
+    assert to_wire(choices) == [
         {"index": 0, "weight_versions": [[5, 0, 3]]},
         {"index": 1, "weight_versions": [[5, 0, 1], [6, 1, 3]]},
         {"index": 2, "weight_versions": [[6, 0, 3]]},
@@ -74,7 +75,8 @@ def test_generate_wrapper_and_id_mapping():
     ]
     # Chat: the generate id is the response id.
     run_generate(store, "chatcmpl-Y", 1, [(0, [span("default", 0, 2)])])
-    assert spans_for_response(store, "chatcmpl-Y") == (
+    ids, choices = spans_for_response(store, "chatcmpl-Y")
+    assert (ids, to_wire(choices)) == (
         ["chatcmpl-Y"],
         [{"index": 0, "weight_versions": [["default", 0, 2]]}],
     )

@@ -95,3 +95,28 @@ def test_signed_zero_and_nan_payloads_differ():
 def test_rejects_non_float():
     with pytest.raises(TypeError):
         vllm_delta.checksum({"a": torch.arange(4)})
+
+
+def test_the_parts_checksums_add_up_to_the_whole():
+    """A multi-part version's rule (records and part files check it): each part's checksum is
+    Σ_t key(t) · (partial sum of t over the rows it owns), and they add up to the whole's, mod 2^64."""
+    g = torch.Generator().manual_seed(3)
+    named = {"a": torch.randn(7, 5, generator=g).bfloat16(), "b": torch.randn(9, generator=g).bfloat16()}
+    bounds = {"a": [0, 3, 7], "b": [0, 4, 9]}  # two parts: rows [0, 3) and [3, 7) of a, ...
+    parts = []
+    for i in range(2):
+        partials = []
+        for name, t in named.items():
+            r0, r1 = bounds[name][i], bounds[name][i + 1]
+            row = t[0].numel() if t.dim() > 1 else 1
+            partials.append((name, positional_sum(t[r0:r1], r0 * row)))
+        parts.append(to_hex(combine(partials)))
+    assert checksum_mod.sum_of_parts(parts) == vllm_delta.checksum(named) == reference_checksum(named)
+    assert checksum_mod.sum_of_parts(["ffffffffffffffff", "0000000000000002"]) == "0000000000000001"  # wraps
+    assert checksum_mod.sum_of_parts([]) == "0000000000000000"
+
+
+def test_stored_checksums_are_16_lower_case_hex_digits():
+    assert checksum_mod.is_hex("0123456789abcdef")
+    for bad in ["0123456789ABCDEF", "0123456789abcde", "0123456789abcdef0", "0x23456789abcdef", 12, None]:
+        assert not checksum_mod.is_hex(bad), bad

@@ -17,10 +17,10 @@ from vllm_delta.apply.layout import Layout
 from vllm_delta.checksums import verify_partials
 from vllm_delta.errors import DeltaError
 from vllm_delta.ledger import Ledger
-from vllm_delta.vllm.follower import Follower, FollowOptions, next_target
-from vllm_delta.vllm.messages import FollowStatus
-from vllm_delta.vllm.options import LoaderOptions, server_options, split_extra_config
-from vllm_delta.vllm.plan import plan_update
+from vllm_delta.server_api import FollowStatus, from_wire, to_wire
+from vllm_delta.vllm.api_server.follower import Follower, FollowOptions, next_target
+from vllm_delta.vllm.shared.options import LoaderOptions, server_options, split_extra_config
+from vllm_delta.vllm.shared.plan import plan_update
 
 
 class Replica:
@@ -273,6 +273,6 @@ def test_follow_status_json_round_trip(tmp_path):
     follower.state.skipped[7] = "IntegrityError: damaged"
     follower.state.newest_seen, follower.state.served, follower.state.last_pause_ms = 9, 6, 12.5
     status = follower.status
-    doc = json.loads(json.dumps(status.to_json()))
+    doc = json.loads(json.dumps(to_wire(status)))
     assert doc["lag"] == 3 and doc["skipped"] == {"7": "IntegrityError: damaged"}
-    assert FollowStatus.from_json(doc) == status
+    assert from_wire(FollowStatus, doc) == status

@@ -16,6 +16,7 @@ from vllm_delta import DeltaStore, Publisher
 from vllm_delta.cli import main as cli_main
 from vllm_delta.errors import StalenessTimeoutError
 from vllm_delta.ledger import REPLICAS_DIR, Ledger, ReplicaReport
+from vllm_delta.trainer import PublisherOptions, StalenessPolicy, StoreOptions
 
 
 def report(replica_id="r1", served=3, age_s=0.0, newest=None, checksum=None, error=None) -> ReplicaReport:
@@ -38,7 +39,9 @@ def publish_versions(uri: str, n: int, *, anchor_every: int = 2, storage_options
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(64, 32, generator=gen).to(torch.bfloat16)
     infos = []
-    with Publisher(uri, anchor_every=anchor_every, storage_options=storage_options) as pub:
+    with Publisher(
+        uri, anchor_every=anchor_every, options=PublisherOptions(store=StoreOptions(storage_options=storage_options))
+    ) as pub:
         for v in range(n):
             flat = w.view(-1)
             flat[v * 7 % flat.numel()] += 1
@@ -126,7 +129,9 @@ def test_max_staleness_blocks_and_releases(tmp_path):
     store = DeltaStore(str(tmp_path / "store"))
     w = torch.zeros(16, dtype=torch.bfloat16)
     ledger = Ledger(store)
-    with Publisher(store.uri, max_staleness=1, min_replicas=2, staleness_timeout_s=30) as pub:
+    with Publisher(
+        store.uri, options=PublisherOptions(staleness=StalenessPolicy(max_staleness=1, min_replicas=2, timeout_s=30))
+    ) as pub:
         pub._gate.policy = pub._gate.policy.__class__(1, 2, 30.0, 0.05)  # poll fast in this test
         for v in (0, 1):  # versions <= first + K never wait
             pub.publish({"w": w + v}, version=v)
@@ -153,7 +158,9 @@ def test_max_staleness_times_out_with_a_clear_error(tmp_path):
     w = torch.zeros(16, dtype=torch.bfloat16)
     Ledger(store).report(report("old", served=0))
     Ledger(store).report(report("dead", served=5, age_s=3600))  # stale: does not count
-    with Publisher(store.uri, max_staleness=2, min_replicas=1, staleness_timeout_s=0.6) as pub:
+    with Publisher(
+        store.uri, options=PublisherOptions(staleness=StalenessPolicy(max_staleness=2, min_replicas=1, timeout_s=0.6))
+    ) as pub:
         for v in range(3):
             pub.publish({"w": w + v}, version=v)
         with pytest.raises(StalenessTimeoutError, match=r"0 of 1 required replicas serve a version >= 1") as err:

@@ -355,7 +355,7 @@ def test_headers_of_parts_are_validated():
 
 def test_vllm_sparse_path_fallback_reads_pieces(store):
     """The server's fallback for tensors its probe can't map (vllm/fallback.py) replays pieces too."""
-    from vllm_delta.vllm.fallback import FallbackApplier
+    from vllm_delta.vllm.worker.fallback import FallbackApplier
 
     fb = FallbackApplier(None, {"w": "test", "b": "test"}, counts=True)
     for name in ("w", "b"):

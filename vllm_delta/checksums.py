@@ -149,11 +149,22 @@ def to_hex(value: int) -> str:
     return f"{value & MASK64:016x}"
 
 
+def is_hex(value: object) -> bool:
+    """Whether `value` is a checksum as files and records store it: 16 lower-case hex digits."""
+    return isinstance(value, str) and len(value) == 16 and all(c in "0123456789abcdef" for c in value)
+
+
 def from_hex(text: str) -> int:
     """A 16-hex-digit checksum as an int; ValueError for anything else."""
     if not isinstance(text, str) or len(text) != 16 or any(c not in "0123456789abcdefABCDEF" for c in text):
         raise ValueError(f"a checksum is 16 hex digits, not {text!r:.40}")
     return int(text, 16)
+
+
+def sum_of_parts(part_checksums: Iterable[str]) -> str:
+    """A multi-part version's checksum from its parts': each part's is Σ_t key(t) · (partial sum of t
+    over the elements it owns), so the parts' checksums add up to the whole (16 hex digits each)."""
+    return to_hex(sum(from_hex(c) for c in part_checksums))
 
 
 def checksum(named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> str:
@@ -203,10 +214,12 @@ __all__ = [
     "checksum",
     "combine",
     "from_hex",
+    "is_hex",
     "name_key",
     "partial_terms",
     "positional_sum",
     "positional_sum_tensor",
+    "sum_of_parts",
     "tensor_sum",
     "to_hex",
     "verify_partials",

@@ -150,6 +150,19 @@ class ShardingError(DeltaError, ValueError):
     on every rank, naming the tensor and the ranks; nothing of the version is published."""
 
 
+class CommitFailedError(DeltaError):
+    """A commit failed on some rank and every rank was rolled back (500): nothing changed."""
+
+
+class RollbackFailedError(DeltaError):
+    """A commit failed and so did its rollback: the ranks may hold different weights (500). The engine
+    stops scheduling and refuses later commits: restart the server."""
+
+
+class InjectedFaultError(DeltaError):
+    """The test hook's fault ("fault": "commit@<rank>" with VLLM_DELTA_TEST_FAULTS=1), after the writes."""
+
+
 class WorkerError(DeltaError):
     """An error a worker rank reported across the RPC boundary, with the HTTP status it maps to."""
 

@@ -23,12 +23,13 @@ import mmap
 import os
 import struct
 from dataclasses import asdict, dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple, TypeGuard, get_args
 
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save, save_file
 
+from .checksums import is_hex, sum_of_parts
 from .errors import FormatError, ShapeMismatchError
 
 FORMAT_NAME = "vllm-delta"
@@ -37,9 +38,9 @@ PART_FORMAT_VERSION = 2  # part files of multi-part versions
 STREAMS_FORMAT_VERSION = 3  # deltas of a file-level codec (one file or a part)
 READ_FORMAT_VERSIONS = (FORMAT_VERSION, PART_FORMAT_VERSION, STREAMS_FORMAT_VERSION)
 FILE_PAYLOAD = ""  # the tensor name of a file-level codec's payload keys (`::<part>`)
-KINDS = ("anchor", "delta")
+VersionKind = Literal["anchor", "delta"]  # what a version is: a full image, or the changes since its base
+KINDS: tuple[VersionKind, ...] = get_args(VersionKind)
 SEP = "::"
-_MASK64 = (1 << 64) - 1
 
 DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
@@ -54,6 +55,11 @@ _ST_DTYPES = {
     "U8": torch.uint8,
     "BOOL": torch.bool,
 }
+
+
+def is_kind(value: object) -> TypeGuard[VersionKind]:
+    """Whether `value` is a version kind (the check where a kind comes in as a plain string)."""
+    return value in KINDS
 
 
 def num_rows(shape: list[int] | tuple[int, ...]) -> int:
@@ -75,7 +81,7 @@ class TensorEntry:
     dtype: str  # "BF16" | "F16" | "F32"
     checksum: str  # per-tensor positional sum of the whole tensor at this version (16 hex digits)
     nnz: int = 0  # changed elements (deltas); stored elements for anchors (numel in one-file versions)
-    enc: dict = field(default_factory=dict)  # codec metadata (deltas, changed tensors only)
+    enc: dict[str, Any] = field(default_factory=dict)  # codec metadata (deltas, changed tensors only)
 
     @property
     def numel(self) -> int:
@@ -102,7 +108,7 @@ class PartInfo:
 @dataclass
 class VersionHeader:
     version: int
-    kind: str  # "anchor" | "delta"
+    kind: VersionKind
     tensors: dict[str, TensorEntry]
     checksum: str  # whole-model checksum at this version
     base: int | None = None  # deltas: the version they apply to
@@ -110,9 +116,9 @@ class VersionHeader:
     codec: str | None = None  # deltas
     format_version: int = FORMAT_VERSION
     created: float = 0.0
-    extra: dict = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
     part: PartInfo | None = None  # part files only
-    enc: dict = field(default_factory=dict)  # format 3: the file-level codec's metadata
+    enc: dict[str, Any] = field(default_factory=dict)  # format 3: the file-level codec's metadata
 
     @property
     def nnz(self) -> int:
@@ -159,16 +165,16 @@ class VersionHeader:
         v = self.version
         if not isinstance(v, int) or v < 0:
             raise FormatError(f"bad version number {v!r}")
-        if self.kind not in KINDS:
+        if not is_kind(self.kind):
             raise FormatError(f"unknown kind {self.kind!r}", version=v)
         if self.kind == "delta" and (not isinstance(self.base, int) or self.base >= v or not self.codec):
             raise FormatError(f"delta needs a codec and a base below it (base={self.base!r})", version=v)
         if self.format_version == STREAMS_FORMAT_VERSION and (self.kind != "delta" or not isinstance(self.enc, dict)):
             raise FormatError("format version 3 is a delta with its file-level codec metadata", version=v)
-        if not _is_hex16(self.checksum) or not (self.base_checksum is None or _is_hex16(self.base_checksum)):
+        if not is_hex(self.checksum) or not (self.base_checksum is None or is_hex(self.base_checksum)):
             raise FormatError("checksum and base_checksum must be 16 lower-case hex digits", version=v)
         for name, t in self.tensors.items():
-            if not _is_hex16(t.checksum):
+            if not is_hex(t.checksum):
                 raise FormatError("the checksum must be 16 lower-case hex digits", version=v, tensor=name)
             if t.dtype not in DTYPES:
                 raise FormatError(f"unsupported dtype {t.dtype!r}", version=v, tensor=name)
@@ -182,7 +188,8 @@ class VersionHeader:
         ok = all(isinstance(x, int) and not isinstance(x, bool) for x in (part.index, part.count))
         if not ok or not 0 <= part.index < part.count or not isinstance(part.rows, dict):
             raise FormatError(f"bad part description {part.index!r} of {part.count!r}", version=v)
-        _check_hex(part.checksum, v)
+        if not is_hex(part.checksum):
+            raise FormatError(f"a checksum is 16 lower-case hex digits, not {part.checksum!r:.40}", version=v)
         for name, entry in self.tensors.items():
             rows = part.rows.get(name)
             if rows is None:
@@ -204,15 +211,6 @@ class VersionHeader:
         unknown = set(part.rows) - set(self.tensors)
         if unknown:
             raise FormatError(f"part {part.index} owns rows of unknown tensors {sorted(unknown)[:3]}", version=v)
-
-
-def _check_hex(text: Any, version: int) -> None:
-    if not isinstance(text, str) or len(text) != 16 or any(c not in "0123456789abcdef" for c in text):
-        raise FormatError(f"a checksum is 16 lower-case hex digits, not {text!r:.40}", version=version)
-
-
-def _is_hex16(value: object) -> bool:
-    return isinstance(value, str) and len(value) == 16 and all(c in "0123456789abcdef" for c in value)
 
 
 def payload_key(name: str, part: str) -> str:
@@ -240,7 +238,7 @@ class Piece(NamedTuple):
     tensor hold disjoint positions and come in position order."""
 
     nnz: int
-    enc: dict
+    enc: dict[str, Any]
     payload: dict[str, torch.Tensor]
     start: int = 0
     stop: int = 0
@@ -250,7 +248,7 @@ class VersionFile:
     """A local version file (one-file version, or one part of a multi-part version), memory-mapped.
     Validates the container and header on open."""
 
-    def __init__(self, path: str | os.PathLike, *, expect_version: int | None = None):
+    def __init__(self, path: str | os.PathLike[str], *, expect_version: int | None = None):
         self.path = os.fspath(path)
         try:
             self._f = safe_open(self.path, framework="pt", device="cpu")
@@ -262,7 +260,7 @@ class VersionFile:
             raise FormatError(f"{self.path} is not a vllm-delta version file", version=expect_version)
         self._keys = set(keys)
         self._map: mmap.mmap | None = None  # our own private mapping of the payload (see `_tensor`)
-        self._entries: dict[str, dict] = {}
+        self._entries: dict[str, dict[str, Any]] = {}
         self._base = 0
         self._parts: dict[str, list[str]] = {}
         self._file_payload: dict[str, torch.Tensor] | None = None
@@ -338,7 +336,8 @@ class VersionFile:
         entry = self._entries[key]
         dtype = _ST_DTYPES.get(entry["dtype"])
         if dtype is None:
-            return self._f.get_tensor(key)
+            stored: torch.Tensor = self._f.get_tensor(key)
+            return stored
         start, end = entry["data_offsets"]
         if end == start:
             return torch.empty(entry["shape"], dtype=dtype)
@@ -385,10 +384,10 @@ class VersionFile:
         self._map = None
         self._file_payload = None
 
-    def __enter__(self):
+    def __enter__(self) -> VersionFile:
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 
@@ -455,9 +454,9 @@ class Version:
             self._owners[name] = owners
             nnz = sum(p.header.tensors[name].nnz for p in self.parts)
             tensors[name] = TensorEntry(shape=list(entry.shape), dtype=entry.dtype, checksum=entry.checksum, nnz=nnz)
-        total = sum(int(info.checksum, 16) for info in infos if info is not None) & _MASK64
-        if f"{total:016x}" != first.checksum:
-            raise FormatError(f"the parts' checksums add up to {total:016x}, not {first.checksum}", version=v)
+        total = sum_of_parts(info.checksum for info in infos if info is not None)
+        if total != first.checksum:
+            raise FormatError(f"the parts' checksums add up to {total}, not {first.checksum}", version=v)
         self.header = VersionHeader(
             version=v,
             kind=first.kind,
@@ -493,10 +492,10 @@ class Version:
         for p in self.parts:
             p.close()
 
-    def __enter__(self):
+    def __enter__(self) -> Version:
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 

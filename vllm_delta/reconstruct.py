@@ -12,7 +12,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 from safetensors.torch import save_file
@@ -22,7 +22,7 @@ from . import codec as codecs
 from .bits import int_view
 from .checksums import combine, tensor_sum, to_hex
 from .errors import ChecksumMismatchError, FormatError, ShapeMismatchError
-from .format import VersionLike
+from .format import VersionHeader, VersionLike
 from .store import DeltaStore
 
 SHARD_BYTES = 5 << 30
@@ -76,7 +76,7 @@ def replay_tensor(files: list[VersionLike], name: str) -> torch.Tensor:
     return out
 
 
-def iter_version(files: list[VersionLike], names=None) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_version(files: list[VersionLike], names: Iterable[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, tensor) for every tensor of the last file's version (or only `names`)."""
     for name in names if names is not None else files[-1].header.tensors:
         yield name, replay_tensor(files, name)
@@ -99,7 +99,9 @@ def _checked_stream(files: list[VersionLike], progress: bool) -> Iterator[tuple[
         )
 
 
-def replay(store: DeltaStore, version: int | str = "latest", *, progress: bool = False) -> tuple[int, dict]:
+def replay(
+    store: DeltaStore, version: int | str = "latest", *, progress: bool = False
+) -> tuple[int, dict[str, torch.Tensor]]:
     """(version, {HF name: tensor}) of `version`, bit-exact, every tensor and the whole model checked."""
     target = store.resolve(version)
     return target, dict(_checked_stream(open_chain(store, target), progress))
@@ -133,7 +135,9 @@ def materialize(store: DeltaStore, version: int | str, out_dir: str, *, progress
     return out_dir
 
 
-def _write_shards(directory: str, header, tensors: Iterator[tuple[str, torch.Tensor]], metadata: dict) -> None:
+def _write_shards(
+    directory: str, header: VersionHeader, tensors: Iterator[tuple[str, torch.Tensor]], metadata: dict[str, str]
+) -> None:
     """Group tensors (in header order) into shards of at most SHARD_BYTES, written as they fill."""
     sizes = {n: e.numel * e.torch_dtype.itemsize for n, e in header.tensors.items()}
     groups: list[list[str]] = [[]]

@@ -1,6 +1,6 @@
 """Versioned delta store over fsspec: atomic publish, listing, chains, retention (docs/FORMAT.md).
 
-Layout under the store root:
+Layout under the store root (names: `records.py`):
 
     versions/<version:010d>.json                                  commit record of one version (VersionRecord)
     data/<version:010d>.<kind>.<token>.safetensors                the version file (format.py), or
@@ -17,350 +17,76 @@ that lists its parts (`parts`: file, bytes, checksum and sha256 of each).
 Reading (docs/FORMAT.md, "Reading"): a reader's view is never older than one call. Listings and
 reads of records and assets bypass fsspec's listing caches; decisions that depend on a record re-read
 it (`fresh=True`); `latest()` on S3 lists only the records after the newest one seen, with a full
-listing at least every FULL_LISTING_S. Every remote operation has a deadline (`timeout_s`); a
-timeout raises StoreTimeoutError (504), an unreachable store StoreUnavailableError (503), both
-naming the store. Downloads of remote stores land in a cache that verifies every file before use
-(size, and the record's sha256 of the file when it has one), heals (a bad copy is fetched again) and is pruned
-by the server (`prune_cache`).
+listing at least every FULL_LISTING_S.
+
+`DeltaStore` is what reads and writes a store; its parts that change for other reasons live beside
+it: the record schema (`records.py`), the filesystem access with its deadlines and errors
+(`storefs.py`), the verified download cache (`cache.py`), the retention policy (`retention.py`) and
+the replica reports retention protects (`replicas.py`). Writing stays here: it is the other half of
+the commit protocol whose reading is here (record last, never replaced), and the two change together.
 """
 
 from __future__ import annotations
 
-import builtins  # VersionRecord has a field named `bytes`
-import contextlib
 import dataclasses
-import errno
-import hashlib
-import json
 import logging
 import os
-import re
 import secrets
-import shutil
-import tempfile
 import threading
 import time
-import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import MISSING, asdict, dataclass, fields
-from datetime import datetime
 from typing import Any
 
-import fsspec
-from fsspec.asyn import AsyncFileSystem
-from fsspec.implementations.local import LocalFileSystem
-
+from . import replicas
+from .cache import DownloadCache, file_sha256
 from .errors import (
-    CacheError,
     DeltaError,
     FormatError,
     IntegrityError,
     MissingBaseError,
-    StoreTimeoutError,
-    StoreUnavailableError,
     VersionExistsError,
     VersionNotFoundError,
-    short,
 )
-from .format import KINDS, Version, VersionFile, VersionHeader, VersionLike
+from .format import Version, VersionFile, VersionHeader, VersionKind, VersionLike, is_kind
+from .records import (
+    ASSETS_DIR,
+    DATA_DIR,
+    MAX_PARTS,
+    MAX_VERSION,
+    RECORD_NAME_RE,
+    TMP_PREFIX,
+    VERSIONS_DIR,
+    DataFile,
+    PartRecord,
+    VersionRecord,
+    asset_parts,
+    check_object_name,
+    check_size,
+    data_name,
+    record_name,
+)
+from .retention import LEFTOVER_AGE_S, check_keep_anchors, doomed_versions, is_leftover
+from .storefs import (
+    DEFAULT_TIMEOUT_S,
+    StoreFS,
+    basename,
+    fsync,
+    modified,
+    normalize_uri,
+    store_error,
+)
 
 log = logging.getLogger(__name__)
 
-RECORD_FORMAT = "vllm-delta-record"
-RECORD_FORMAT_VERSION = 1  # one-file versions
-RECORD_PARTS_FORMAT_VERSION = 2  # multi-part versions
-VERSIONS_DIR = "versions"
-DATA_DIR = "data"
-ASSETS_DIR = "assets"
-TMP_PREFIX = ".tmp-"  # never a committed name: readers skip it, retain removes old ones
-LEFTOVER_AGE_S = 3600.0  # a publish older than this is dead, not slow
-MAX_VERSION = 10**10 - 1  # ten digits keep names sorted as numbers
-
-DEFAULT_TIMEOUT_S = 60.0  # deadline of one store operation (a download: plus its size at MIN_RATE)
-DOWNLOAD_MIN_BYTES_PER_S = 5e6  # a download of n bytes may take timeout_s + n / this
 FULL_LISTING_S = 60.0  # latest(): a full listing at least this often (retention, rewritten stores)
-RECORD_CACHE = 64  # parsed records (and verified cache files) kept per store; least recently used go first
-TMP_STALE_S = 600.0  # cache: a temp download untouched for this long is a leftover of a dead process
-# s3fs/botocore defaults retry a frozen server for ~7 minutes (5 botocore x 5 s3fs attempts x 15 s):
-# a few short attempts here, and every call also gets an asyncio deadline (`timeout=`).
-S3_CONFIG: dict[str, Any] = {
-    "connect_timeout": 5,
-    "read_timeout": 20,
-    "retries": {"total_max_attempts": 3, "mode": "standard"},
-}
+RECORD_CACHE = 64  # parsed records kept per store; least recently used go first
 
 # Files moved in from mkstemp are 0600; committed files get the mode a plain create would give them.
 _UMASK = os.umask(0o022)
 os.umask(_UMASK)
 _FILE_MODE = 0o666 & ~_UMASK
-
-_RECORD_NAME = re.compile(r"^(\d{10})\.json$")
-_DATA_NAME = re.compile(r"^(\d{10})\.(anchor|delta)\.([0-9a-f]{16})(?:\.part(\d{5}))?\.safetensors$")
-MAX_PARTS = 10**5  # five digits of part index in a part file's name
-_HEX16 = re.compile(r"^[0-9a-f]{16}$")
-_SHA256 = re.compile(r"^[0-9a-f]{64}$")
-
-
-def record_name(version: int) -> str:
-    return f"{version:010d}.json"
-
-
-def data_name(version: int, kind: str, token: str, part: int | None = None) -> str:
-    suffix = "" if part is None else f".part{part:05d}"
-    return f"{version:010d}.{kind}.{token}{suffix}.safetensors"
-
-
-def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
-
-
-def _is_hex(x: object) -> bool:
-    return isinstance(x, str) and _HEX16.match(x) is not None
-
-
-def _check_sha256(value: object, what: str) -> None:
-    if value is not None and not (isinstance(value, str) and _SHA256.match(value)):
-        raise ValueError(f"{what} must be 64 lower-case hex digits, not {short(value)}")
-
-
-@dataclass(frozen=True)
-class PartRecord:
-    """One part of a multi-part version, as its record lists it."""
-
-    file: str  # data file path relative to the store root
-    bytes: int  # its size
-    checksum: str  # Σ_t key(t) · (partial sum of t over the part's elements): the parts add up to the whole
-    sha256: str | None = None  # hex digest of the part file
-
-    @classmethod
-    def from_dict(cls, doc: dict) -> PartRecord:
-        return cls(file=doc["file"], bytes=doc["bytes"], checksum=doc["checksum"], sha256=doc.get("sha256"))
-
-    def to_dict(self) -> dict:
-        doc = asdict(self)
-        if self.sha256 is None:
-            del doc["sha256"]
-        return doc
-
-
-@dataclass(frozen=True)
-class DataFile:
-    """One data file of a version, as a reader checks it: where, how big, and its sha256 if known."""
-
-    file: str
-    bytes: int
-    sha256: str | None
-
-
-@dataclass(frozen=True)
-class VersionRecord:
-    """The commit record of one version, stored as JSON at versions/<version:010d>.json.
-
-    One-file versions (record format 1) name their file in `file`; multi-part versions (record
-    format 2) have `file` None and list their parts in `parts` (`bytes` is then the parts' total)."""
-
-    version: int
-    kind: str  # "anchor" | "delta"
-    base: int | None
-    codec: str | None
-    file: str | None  # data file path relative to the store root (one-file versions)
-    bytes: int  # size of the data file (of all parts)
-    nnz: int  # changed elements (numel for anchors)
-    numel: int
-    checksum: str  # whole-model checksum at this version
-    base_checksum: str | None
-    created: float
-    sha256: str | None = None  # hex digest of the data file (optional: older records have none)
-    parts: tuple[PartRecord, ...] = ()  # multi-part versions, in part order
-
-    @property
-    def density(self) -> float:
-        return self.nnz / self.numel if self.numel else 0.0
-
-    @property
-    def files(self) -> list[str]:
-        """Every data file of the version (relative to the store root), in part order."""
-        return [d.file for d in self.data_files]
-
-    @property
-    def sizes(self) -> list[int]:
-        return [d.bytes for d in self.data_files]
-
-    @property
-    def data_files(self) -> list[DataFile]:
-        if self.file is not None:
-            return [DataFile(self.file, self.bytes, self.sha256)]
-        return [DataFile(p.file, p.bytes, p.sha256) for p in self.parts]
-
-    def to_json(self) -> str:
-        doc = asdict(self)
-        if doc["sha256"] is None:
-            del doc["sha256"]  # exactly what a reader without the field wrote
-        if self.parts:
-            del doc["file"]
-            doc["parts"] = [p.to_dict() for p in self.parts]
-            doc = {"format": RECORD_FORMAT, "format_version": RECORD_PARTS_FORMAT_VERSION, **doc}
-        else:
-            del doc["parts"]  # exactly record format 1
-            doc = {"format": RECORD_FORMAT, "format_version": RECORD_FORMAT_VERSION, **doc}
-        return json.dumps(doc, sort_keys=True, indent=1)
-
-    @classmethod
-    def from_json(cls, text: str | builtins.bytes, *, where: str = "record") -> VersionRecord:
-        try:
-            doc = json.loads(text)
-            fv = doc.get("format_version")
-            if doc.get("format") != RECORD_FORMAT or fv not in (RECORD_FORMAT_VERSION, RECORD_PARTS_FORMAT_VERSION):
-                raise ValueError(
-                    f"not a {RECORD_FORMAT} v{RECORD_FORMAT_VERSION} or v{RECORD_PARTS_FORMAT_VERSION} document"
-                )
-            # Unknown keys are ignored so that a later minor addition doesn't hide versions; optional
-            # fields (those with a default) may be absent.
-            common = {
-                f.name: doc[f.name]
-                for f in fields(cls)
-                if f.name not in ("file", "parts") and (f.name in doc or f.default is MISSING)
-            }
-            if fv == RECORD_FORMAT_VERSION:
-                rec = cls(file=doc["file"], **common)
-            else:
-                if not isinstance(doc["parts"], list):
-                    raise ValueError("parts must be a list")
-                rec = cls(file=None, parts=tuple(PartRecord.from_dict(p) for p in doc["parts"]), **common)
-            rec._validate()
-        except (ValueError, TypeError, KeyError, AttributeError) as exc:
-            raise FormatError(f"unreadable commit record {where}: {exc}") from None
-        return rec
-
-    def _validate(self) -> None:
-        ints = (self.version, self.bytes, self.nnz, self.numel)
-        if not all(_is_int(x) for x in ints):
-            raise ValueError("version, bytes, nnz and numel must be non-negative integers")
-        if self.kind not in KINDS:
-            raise ValueError(f"unknown kind {self.kind!r}")
-        if self.kind == "delta" and not (isinstance(self.base, int) and 0 <= self.base < self.version):
-            raise ValueError(f"a delta needs a base below its version, got {self.base!r}")
-        if not isinstance(self.created, (int, float)) or isinstance(self.created, bool):
-            raise ValueError("bad created time")
-        for key in ("checksum", "base_checksum"):
-            value = getattr(self, key)
-            if (value is not None or key == "checksum") and not (isinstance(value, str) and _HEX16.match(value)):
-                raise ValueError(f"{key} must be 16 lower-case hex digits, not {short(value)}")
-        _check_sha256(self.sha256, "sha256")
-        if self.file is not None:
-            if self.parts:
-                raise ValueError("a record names one file or lists parts, not both")
-            self._check_file(self.file, None)
-            return
-        if self.sha256 is not None:
-            raise ValueError("a multi-part record has a sha256 per part, not one for the version")
-        if not self.parts or len(self.parts) > MAX_PARTS:
-            raise ValueError("a multi-part record lists its parts")
-        for i, part in enumerate(self.parts):
-            if not isinstance(part.file, str) or not _is_int(part.bytes) or not _is_hex(part.checksum):
-                raise ValueError(f"bad part {i}: {short(part)}")
-            _check_sha256(part.sha256, f"part {i}'s sha256")
-            self._check_file(part.file, i)
-        if len(set(self.files)) != len(self.parts) or sum(p.bytes for p in self.parts) != self.bytes:
-            raise ValueError("parts must be distinct files whose sizes add up to bytes")
-        total = 0
-        for part in self.parts:
-            total = (total + int(part.checksum, 16)) & ((1 << 64) - 1)
-        if f"{total:016x}" != self.checksum:
-            raise ValueError(f"the parts' checksums add up to {total:016x}, not {self.checksum}")
-
-    def _check_file(self, file: str, part: int | None) -> None:
-        folder, _, name = file.partition("/")
-        m = _DATA_NAME.match(name)
-        index = None if not m or m.group(4) is None else int(m.group(4))
-        if folder != DATA_DIR or not m or int(m.group(1)) != self.version or m.group(2) != self.kind or index != part:
-            what = f"{self.kind} {self.version}" + ("" if part is None else f" part {part}")
-            raise ValueError(f"data file {file!r} does not belong to {what}")
-
-
-def _normalize(uri: str | os.PathLike) -> str:
-    uri = os.fspath(uri)
-    if "://" not in uri:
-        return os.path.abspath(os.path.expanduser(uri))
-    if uri.startswith("file://"):
-        return "file://" + os.path.abspath(os.path.expanduser(uri[len("file://") :]))
-    return uri.rstrip("/")
-
-
-def _basename(path: str) -> str:
-    return path.rstrip("/").rsplit("/", 1)[-1]
-
-
-def _fsync(path: str, *, directory: bool = False) -> None:
-    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _modified(entry: dict) -> float | None:
-    """Last-modified time of an fsspec listing entry (local, s3fs and HfFileSystem spell it differently)."""
-    for key in ("uploaded_at", "LastModified", "mtime", "last_modified"):
-        value = entry.get(key)
-        if isinstance(value, datetime):
-            return value.timestamp()
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-    return None
-
-
-_TIMEOUT_NAMES = frozenset(
-    {"FSTimeoutError", "ReadTimeoutError", "ConnectTimeoutError", "ReadTimeout", "ConnectTimeout", "TimeoutException"}
-)
-_UNAVAILABLE_NAMES = frozenset(
-    {
-        "EndpointConnectionError",
-        "ConnectionClosedError",
-        "ClientConnectorError",
-        "ServerDisconnectedError",
-        "ClientOSError",
-        "ClientPayloadError",
-        "ConnectError",
-        "RemoteProtocolError",
-        "ProxyConnectionError",
-    }
-)
-_CACHE_ERRNOS = frozenset({errno.ENOSPC, errno.EROFS, errno.EDQUOT, errno.EFBIG, errno.EACCES, errno.EPERM})
-
-
-def store_error(exc: BaseException, uri: str, what: str) -> DeltaError | None:
-    """The DeltaError a failed store operation means (timeout 504, unreachable 503), or None if it is
-    none of those. Recognized by class name, so that neither botocore nor aiohttp need be imported."""
-    names = {c.__name__ for c in type(exc).__mro__}
-    if names & _TIMEOUT_NAMES or isinstance(exc, TimeoutError):
-        return StoreTimeoutError(f"store {uri} did not answer in time ({what}): {type(exc).__name__}: {str(exc)[:200]}")
-    if names & _UNAVAILABLE_NAMES or isinstance(exc, ConnectionError):
-        return StoreUnavailableError(f"store {uri} is unreachable ({what}): {type(exc).__name__}: {str(exc)[:200]}")
-    return None
-
-
-def _storage_options(uri: str, options: dict, timeout_s: float) -> dict:
-    """fsspec options as given, plus deadlines for S3 (the user's own keys win) and a private instance
-    for remote filesystems: fsspec shares instances (and their listing caches) between equal options."""
-    protocol = fsspec.core.split_protocol(uri)[0]
-    if protocol in (None, "file", "local"):
-        return dict(options)
-    out = {"skip_instance_cache": True, **options}
-    if protocol in ("s3", "s3a"):
-        config = {**S3_CONFIG, "read_timeout": min(20.0, max(1.0, timeout_s))}
-        out["config_kwargs"] = {**config, **dict(options.get("config_kwargs") or {})}
-    return out
-
-
-def file_sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 class DeltaStore:
@@ -372,88 +98,50 @@ class DeltaStore:
     def __init__(
         self,
         uri: str,
-        storage_options: dict | None = None,
+        storage_options: dict[str, Any] | None = None,
         cache_dir: str | None = None,
         *,
         timeout_s: float = DEFAULT_TIMEOUT_S,
     ):
-        self.uri = _normalize(uri)
+        self.uri = normalize_uri(uri)
         self.storage_options = dict(storage_options or {})
         self.timeout_s = float(timeout_s)
-        options = _storage_options(self.uri, self.storage_options, self.timeout_s)
-        self.fs, self.root = fsspec.core.url_to_fs(self.uri, **options)
-        self.is_local = isinstance(self.fs, LocalFileSystem)
-        self.root = self.root.rstrip("/") or self.root
-        # fsspec's asyncio deadline (`timeout=` on every call) exists for async filesystems only.
-        self._async = isinstance(self.fs, AsyncFileSystem)
-        self._s3 = hasattr(self.fs, "_call_s3")
-        if self._s3:
-            self.fs.retries = 1  # s3fs's own retry loop around botocore's (an attribute, not an option)
-        self._cache_dir = cache_dir
-        self._own_cache = False
+        self.io = StoreFS(self.uri, self.storage_options, self.timeout_s)
+        self._cache = DownloadCache(self.uri, cache_dir)
         self._records: OrderedDict[int, VersionRecord] = OrderedDict()  # LRU of parsed records
         self._valid: set[int] = set()  # versions whose records parsed, as of the last listing
         self._newest_key: str | None = None  # record name of the newest version seen (incremental listing)
         self._full_at = -float("inf")  # time.monotonic() of the last full listing
-        self._verified: OrderedDict[str, tuple[int, int, int]] = OrderedDict()  # cache path -> stat it passed at
         self._warned: set[str] = set()
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"DeltaStore({self.uri!r})"
 
+    @property
+    def fs(self) -> Any:
+        """The fsspec filesystem the store lives in."""
+        return self.io.fs
+
+    @property
+    def root(self) -> str:
+        """The store's path in `fs`."""
+        return self.io.root
+
+    @property
+    def is_local(self) -> bool:
+        return self.io.is_local
+
     # -- paths -------------------------------------------------------------------------------
     def _path(self, *parts: str) -> str:
-        return "/".join((self.root, *parts))
+        return self.io.path(*parts)
 
     def _record_path(self, version: int) -> str:
         return self._path(VERSIONS_DIR, record_name(version))
 
-    # -- remote operations: fresh, bounded, with errors that name the store ---------------------
-    def _kw(self, timeout: float | None = None) -> dict:
-        return {"timeout": timeout or self.timeout_s} if self._async else {}
-
-    @contextlib.contextmanager
-    def _remote(self, what: str) -> Iterator[None]:
-        """Translate a timeout or an unreachable store into StoreTimeoutError / StoreUnavailableError."""
-        try:
-            yield
-        except (FileNotFoundError, DeltaError):
-            raise
-        except Exception as exc:
-            err = store_error(exc, self.uri, what)
-            if err is None:
-                raise
-            raise err from exc
-
-    def _cat(self, path: str, what: str) -> builtins.bytes:
-        """One object's bytes, read afresh (a stale parent listing would answer 'not found' unasked)."""
-        if self.is_local:
-            with open(path, "rb") as f:
-                return f.read()
-        with self._remote(what):
-            self.fs.invalidate_cache(path)
-            if self._s3:
-                return self.fs.cat_file(path, max_concurrency=1, **self._kw())  # one GET, no HEAD
-            return self.fs.cat_file(path, **self._kw())
-
-    def _ls(self, folder: str) -> list[dict]:
+    def _ls(self, folder: str) -> list[dict[str, Any]]:
         """Files directly in `folder`, listed afresh (fsspec caches listings of remote stores)."""
-        path = self._path(folder)
-        with self._remote(f"listing {folder}/"):
-            self.fs.invalidate_cache(path)
-            try:
-                entries = self.fs.ls(path, detail=True, **self._kw())
-            except FileNotFoundError:
-                return []
-        return [e for e in entries if e.get("type") == "file"]
-
-    def _exists(self, path: str) -> bool:
-        if self.is_local:
-            return os.path.exists(path)
-        with self._remote(f"looking up {path}"):
-            self.fs.invalidate_cache(path)
-            return self.fs.exists(path, **self._kw())
+        return self.io.ls(folder)
 
     def _warn_once(self, key: str, message: str) -> None:
         with self._lock:
@@ -491,7 +179,7 @@ class DeltaStore:
             # one: a record committed by another process after that listing would look absent forever.
             self.fs.invalidate_cache(path)
         try:
-            text = self._cat(path, f"reading {VERSIONS_DIR}/{record_name(version)}")
+            text = self.io.cat(path, f"reading {VERSIONS_DIR}/{record_name(version)}")
         except FileNotFoundError:
             self._forget(version)
             return None
@@ -511,8 +199,8 @@ class DeltaStore:
         """Committed versions, ascending (a fresh listing each call; a record is parsed once)."""
         found = []
         for entry in self._ls(VERSIONS_DIR):
-            name = _basename(entry["name"])
-            m = _RECORD_NAME.match(name)
+            name = basename(entry["name"])
+            m = RECORD_NAME_RE.match(name)
             if not m:
                 if not name.startswith(TMP_PREFIX):
                     self._warn_once(name, f"ignoring {VERSIONS_DIR}/{name}: not a record name")
@@ -532,9 +220,9 @@ class DeltaStore:
     def latest(self) -> int | None:
         """The newest committed version. On S3, between full listings (every FULL_LISTING_S), one
         ListObjectsV2 of the records after the newest seen and one GET confirming it."""
-        if self._s3 and self._newest_key is not None and time.monotonic() - self._full_at < FULL_LISTING_S:
-            for name in self._list_records_after(self._newest_key):
-                m = _RECORD_NAME.match(name)
+        if self.io.is_s3 and self._newest_key is not None and time.monotonic() - self._full_at < FULL_LISTING_S:
+            for name in self.io.list_after(VERSIONS_DIR, self._newest_key):
+                m = RECORD_NAME_RE.match(name)
                 if m and self._load_record(int(m.group(1))) is not None:
                     with self._lock:
                         self._newest_key = max(self._newest_key or name, name)
@@ -545,20 +233,6 @@ class DeltaStore:
             # The newest record seen is gone: the store was emptied or rewritten. List everything.
         versions = self.versions()
         return versions[-1] if versions else None
-
-    def _list_records_after(self, key: str) -> list[str]:
-        """Names in versions/ that sort after `key` (S3 ListObjectsV2 StartAfter, every page)."""
-        bucket, _, prefix = self.root.partition("/")
-        folder = f"{prefix}/{VERSIONS_DIR}/" if prefix else f"{VERSIONS_DIR}/"
-        names: list[str] = []
-        kwargs: dict = {"Bucket": bucket, "Prefix": folder, "StartAfter": folder + key}
-        with self._remote(f"listing {VERSIONS_DIR}/ after {key}"):
-            while True:
-                page = self.fs.call_s3("list_objects_v2", **kwargs, **self._kw())
-                names += [o["Key"][len(folder) :] for o in page.get("Contents", [])]
-                if not page.get("IsTruncated") or not page.get("NextContinuationToken"):
-                    return names
-                kwargs["ContinuationToken"] = page["NextContinuationToken"]
 
     def resolve(self, version: int | str) -> int:
         """A committed version number from an int, a decimal string or "latest" (read afresh)."""
@@ -646,7 +320,7 @@ class DeltaStore:
             size = os.path.getsize(path)
         except FileNotFoundError:
             raise self._missing_data(rec, data.file) from None
-        self._check_size(rec, data, size)
+        check_size(data, size, version=rec.version)
         return path
 
     def open(self, version: int, *, record: VersionRecord | None = None, fresh: bool = False) -> VersionLike:
@@ -678,110 +352,45 @@ class DeltaStore:
             )
         return vf
 
-    def _check_size(self, rec: VersionRecord, data: DataFile, size: int) -> None:
-        if size != data.bytes:
-            raise IntegrityError(
-                f"data file {data.file} holds {size} bytes, its record says {data.bytes} (truncated or replaced)",
-                version=rec.version,
-            )
-
     def _missing_data(self, rec: VersionRecord, file: str) -> Exception:
-        if not self._exists(self._record_path(rec.version)):
+        if not self.io.exists(self._record_path(rec.version)):
             self._forget(rec.version)
             return VersionNotFoundError(f"version {rec.version} was removed from store {self.uri}", version=rec.version)
         return IntegrityError(f"record names data file {file}, which is missing", version=rec.version)
 
     # -- the download cache (remote stores) -----------------------------------------------------
-    def _download_dir(self) -> str:
-        with self._lock:
-            if self._cache_dir is None:
-                self._cache_dir = tempfile.mkdtemp(prefix="vllm-delta-cache-")
-                self._own_cache = True
-                weakref.finalize(self, shutil.rmtree, self._cache_dir, ignore_errors=True)
-        if self._own_cache:
-            folder = self._cache_dir
-        else:
-            # One folder per store, so that a cache_dir shared by several stores never mixes them.
-            folder = os.path.join(self._cache_dir, hashlib.sha256(self.uri.encode()).hexdigest()[:16])
-        try:
-            os.makedirs(folder, exist_ok=True)
-        except OSError as exc:
-            raise CacheError(f"cannot use the download cache {folder}: {exc.strerror or exc}") from None
-        return folder
-
-    def _verified_copy(self, path: str, data: DataFile) -> bool:
-        """Whether `path` holds the data file: its size, and its sha256 when the record has one
-        (hashed once per process while the file's size, mtime and inode stay the same)."""
-        try:
-            st = os.stat(path)
-        except FileNotFoundError:
-            return False
-        if st.st_size != data.bytes:
-            return False
-        if data.sha256 is None:
-            return True
-        stamp = (st.st_size, st.st_mtime_ns, st.st_ino)
-        with self._lock:
-            if self._verified.get(path) == stamp:
-                self._verified.move_to_end(path)
-                return True
-        if file_sha256(path) != data.sha256:
-            return False
-        with self._lock:
-            self._verified[path] = stamp
-            while len(self._verified) > RECORD_CACHE:
-                self._verified.popitem(last=False)
-        return True
-
     def _cached(self, rec: VersionRecord, data: DataFile) -> str:
         """A verified copy of one of the record's files in the cache: the one there, or a fresh download."""
-        folder = self._download_dir()
-        final = os.path.join(folder, _basename(data.file))
-        if self._verified_copy(final, data):
-            return final
-        if os.path.exists(final):
-            log.warning("%s: cached %s does not match its record: fetching it again", self.uri, final)
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(final)
-        # A unique temp name, then a rename: concurrent readers never see a partial download.
-        tmp = os.path.join(folder, f"{TMP_PREFIX}{secrets.token_hex(8)}-{_basename(data.file)}")
-        try:
-            self._cache_write(tmp, lambda: open(tmp, "wb").close())  # a read-only cache fails here, clearly
-            src = self._path(data.file)
+
+        def download(dest: str) -> None:
             try:
-                with self._remote(f"downloading {data.file}"):
-                    self.fs.invalidate_cache(src)
-                    self.fs.get_file(src, tmp, **self._kw(self.timeout_s + data.bytes / DOWNLOAD_MIN_BYTES_PER_S))
+                self.io.download(self._path(data.file), dest, data.bytes, f"downloading {data.file}")
             except FileNotFoundError:
                 raise self._missing_data(rec, data.file) from None
-            except OSError as exc:
-                if exc.errno in _CACHE_ERRNOS:
-                    raise CacheError(f"cannot write the download cache {folder}: {exc.strerror or exc}") from None
-                raise
-            self._check_size(rec, data, os.path.getsize(tmp))
-            if data.sha256 is not None and file_sha256(tmp) != data.sha256:
-                raise IntegrityError(
-                    f"data file {data.file} does not have the sha256 its record says (damaged or replaced)",
-                    version=rec.version,
-                )
-            self._cache_write(final, lambda: os.replace(tmp, final))
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(tmp)
-        if data.sha256 is not None:
-            st = os.stat(final)
-            with self._lock:
-                self._verified[final] = (st.st_size, st.st_mtime_ns, st.st_ino)
-        return final
 
-    @staticmethod
-    def _cache_write(path: str, write: Callable[[], object]) -> None:
-        try:
-            write()
-        except OSError as exc:
-            raise CacheError(
-                f"cannot write the download cache at {path}: {exc.strerror or exc} (nothing was applied)"
-            ) from None
+        return self._cache.copy(data, version=rec.version, download=download)
+
+    def _download_dir(self) -> str:
+        return self._cache.folder()
+
+    def cache_bytes(self) -> int:
+        """Bytes this store's download cache holds (0 for local stores)."""
+        return 0 if self.is_local else self._cache.total_bytes()
+
+    def prune_cache(
+        self,
+        keep: Iterable[int] = (),
+        versions: Iterable[int] | None = None,
+        *,
+        max_bytes: int | None = None,
+        protect: Iterable[int] = (),
+    ) -> list[str]:
+        """Prune the download cache of a remote store (`cache.DownloadCache.prune`: copies of `versions`
+        but `keep`, dead temp files, then the oldest beyond `max_bytes` but `protect`); returns the
+        deleted names. A local store has no cache: nothing to do."""
+        if self.is_local:
+            return []
+        return self._cache.prune(keep, versions, max_bytes=max_bytes, protect=protect)
 
     # -- writing -----------------------------------------------------------------------------
     def publish(self, header: VersionHeader, local_path: str, *, move: bool = False) -> VersionRecord:
@@ -793,7 +402,7 @@ class DeltaStore:
         if header.part is not None:
             raise ValueError("a part file is uploaded with put_part and committed with commit_parts")
         self._check_file_holds(header, local_path)
-        if self._exists(self._record_path(v)):
+        if self.io.exists(self._record_path(v)):
             raise VersionExistsError(f"version {v} already exists in store {self.uri}", version=v)
         token = secrets.token_hex(8)
         file = f"{DATA_DIR}/{data_name(v, header.kind, token)}"
@@ -847,7 +456,7 @@ class DeltaStore:
         self,
         *,
         version: int,
-        kind: str,
+        kind: VersionKind,  # checked again here: it may come from another rank
         base: int | None,
         codec: str | None,
         nnz: int,
@@ -863,6 +472,8 @@ class DeltaStore:
         record is written like a one-file version's (atomic, never replaced: VersionExistsError).
         The parts' checksums must add up to `checksum`. Nothing is deleted on failure: the caller
         decides (`discard_parts`)."""
+        if not is_kind(kind):
+            raise FormatError(f"bad multi-part record: unknown kind {kind!r}", version=version)
         rec = VersionRecord(
             version=version,
             kind=kind,
@@ -878,32 +489,30 @@ class DeltaStore:
             parts=tuple(parts),
         )
         try:
-            rec._validate()
+            rec.validate()
         except (ValueError, TypeError) as exc:
             raise FormatError(f"bad multi-part record: {exc}", version=version) from None
         if version > MAX_VERSION:
             raise ValueError(f"version {version} exceeds {MAX_VERSION}")
-        if self._exists(self._record_path(version)):
+        if self.io.exists(self._record_path(version)):
             raise VersionExistsError(f"version {version} already exists in store {self.uri}", version=version)
-        for part in parts:
-            path = self._path(part.file)
-            try:
-                if self.is_local:
-                    size = os.path.getsize(path)
-                else:
-                    with self._remote(f"checking {part.file}"):
-                        self.fs.invalidate_cache(path)
-                        size = self.fs.info(path, **self._kw())["size"]
-            except FileNotFoundError:
-                raise IntegrityError(f"part {part.file} is not in the store", version=version) from None
-            if size != part.bytes:
-                raise IntegrityError(f"part {part.file} holds {size} bytes, not {part.bytes}", version=version)
+        self._check_parts_stored(parts, version)
         if self.is_local:
-            _fsync(self._path(DATA_DIR), directory=True)
+            fsync(self._path(DATA_DIR), directory=True)
             os.makedirs(self._path(VERSIONS_DIR), exist_ok=True)
         self._commit_record(rec, secrets.token_hex(8))
         self._remember(rec)
         return rec
+
+    def _check_parts_stored(self, parts: Iterable[PartRecord], version: int) -> None:
+        """Every part is in the store with its recorded size (one stat each), or IntegrityError."""
+        for part in parts:
+            try:
+                size = self.io.size(self._path(part.file), f"checking {part.file}")
+            except FileNotFoundError:
+                raise IntegrityError(f"part {part.file} is not in the store", version=version) from None
+            if size != part.bytes:
+                raise IntegrityError(f"part {part.file} holds {size} bytes, not {part.bytes}", version=version)
 
     def discard_parts(self, parts: Iterable[PartRecord]) -> None:
         """Remove uploaded parts of a version that is not committed (best effort)."""
@@ -944,45 +553,18 @@ class DeltaStore:
         data = self._path(file)
         if not self.is_local:
             # An S3 object (and a bucket file) becomes visible only when its upload completes.
-            with self._remote(f"uploading {file}"):
-                # The deadline matters most here: a PUT to a frozen server waits forever for its
-                # `100 Continue` otherwise (aiohttp arms no timer for it).
-                self.fs.put_file(src, data, **self._kw(self.timeout_s + nbytes / DOWNLOAD_MIN_BYTES_PER_S))
-                self.fs.invalidate_cache(data)
-                size = self.fs.info(data, **self._kw())["size"]
-                if size != nbytes:
-                    self.fs.rm_file(data, **self._kw())
-                    raise IntegrityError(f"store kept {size} of {nbytes} bytes of {file}", version=version)
+            size = self.io.upload(src, data, nbytes, f"uploading {file}")
+            if size != nbytes:
+                self.io.remove(data, f"removing {file}")
+                raise IntegrityError(f"store kept {size} of {nbytes} bytes of {file}", version=version)
             return False
-        data_dir = self._path(DATA_DIR)
-        os.makedirs(data_dir, exist_ok=True)
         os.makedirs(self._path(VERSIONS_DIR), exist_ok=True)
-        moved = False
-        if move:
-            _fsync(src)
-            try:
-                os.replace(src, data)
-                os.chmod(data, _FILE_MODE)
-                moved = True
-            except OSError as exc:
-                if exc.errno != errno.EXDEV:  # another filesystem: copy below
-                    raise
-        if not moved:
-            tmp = os.path.join(data_dir, f"{TMP_PREFIX}{token}.safetensors")
-            try:
-                shutil.copyfile(src, tmp)
-                _fsync(tmp)
-                os.replace(tmp, data)
-            finally:
-                if os.path.exists(tmp):
-                    os.remove(tmp)
-        _fsync(data_dir, directory=True)  # the data's name must be durable before the record's
-        return moved
+        tmp_name = f"{TMP_PREFIX}{token}.safetensors"
+        return self.io.place(src, data, move=move, tmp_name=tmp_name, mode=_FILE_MODE)
 
     def _remove_data(self, files: Iterable[str]) -> None:
         for file in files:
-            with self._remote(f"removing {file}"), contextlib.suppress(FileNotFoundError):
-                self.fs.rm_file(self._path(file), **self._kw())
+            self.io.remove(self._path(file), f"removing {file}")
 
     def _commit_record(self, rec: VersionRecord, token: str) -> None:
         if self.is_local:
@@ -1015,221 +597,100 @@ class DeltaStore:
         finally:
             if os.path.exists(tmp):
                 os.remove(tmp)
-        _fsync(versions_dir, directory=True)
+        fsync(versions_dir, directory=True)
 
     def _commit_remote_record(self, rec: VersionRecord) -> None:
         # Object stores have no no-clobber rename here: check, then one small PUT. Two publishers of
         # one version can still race inside this window; the design has one publisher per store.
-        if self._exists(self._record_path(rec.version)):
+        if self.io.exists(self._record_path(rec.version)):
             raise VersionExistsError(f"version {rec.version} already exists in store {self.uri}", version=rec.version)
-        with self._remote(f"writing {VERSIONS_DIR}/{record_name(rec.version)}"):
-            self.fs.pipe_file(self._record_path(rec.version), rec.to_json().encode(), **self._kw())
+        with self.io.guard(f"writing {VERSIONS_DIR}/{record_name(rec.version)}"):
+            self.fs.pipe_file(self._record_path(rec.version), rec.to_json().encode(), **self.io.deadline())
 
     # -- retention ---------------------------------------------------------------------------
     def retain(self, keep_anchors: int, *, protect: Iterable[int] = ()) -> list[int]:
         """Keep the newest `keep_anchors` anchors and everything from the oldest of them on, plus the
-        versions in `protect` and every version a live replica of the ledger reports serving
-        (`vllm_delta.ledger`), each with its chain.
+        versions in `protect` and every version a live replica reports serving (`replicas.py`; expired
+        reports are deleted first), each with its chain (`retention.doomed_versions`).
 
         Returns the deleted versions. Versions are deleted newest first, record before data, so
         that every visible record keeps its data and its whole chain at every moment. Leftovers of
         crashed publishes older than LEFTOVER_AGE_S are removed too.
         """
-        if keep_anchors < 1:
-            raise ValueError("keep_anchors must be at least 1")
-        from .ledger import Ledger  # the ledger reads this store: imported here, not at module level
-
-        ledger = Ledger(self)
-        ledger.expire()
-        protected = set(protect) | ledger.live_versions()
+        check_keep_anchors(keep_anchors)
+        now = time.time()
+        reports = replicas.read_reports(self)
+        replicas.expire_reports(self, reports, now=now)
+        protected = set(protect) | replicas.live_versions(reports, now=now)
         recs = {r.version: r for r in self.records()}
-        anchors = sorted(v for v, r in recs.items() if r.kind == "anchor")
-        deleted = []
-        if len(anchors) > keep_anchors:
-            oldest_kept = anchors[-keep_anchors]
-            keep = {v for v in recs if v >= oldest_kept} | (protected & set(recs))
-            # A kept delta whose chain reaches below the oldest kept anchor keeps that chain.
-            for v in list(keep):
-                while (b := recs[v].base) is not None and recs[v].kind == "delta" and b in recs and b not in keep:
-                    keep.add(b)
-                    v = b
-            for v in sorted(set(recs) - keep, reverse=True):
-                self._delete(recs[v])
-                deleted.append(v)
+        deleted = doomed_versions(recs.values(), keep_anchors, protected=protected)
+        for v in deleted:
+            self._delete(recs[v])
         self._remove_leftovers()
         return sorted(deleted)
 
     def _delete(self, rec: VersionRecord) -> None:
         for path in (self._record_path(rec.version), *(self._path(f) for f in rec.files)):
-            with self._remote(f"deleting {path}"), contextlib.suppress(FileNotFoundError):
-                self.fs.rm_file(path, **self._kw())
+            self.io.remove(path, f"deleting {path}")
             if path.endswith(".json"):
                 self._forget(rec.version)
         self.prune_cache(keep=(), versions=[rec.version])
 
     def _remove_leftovers(self) -> None:
-        named = {_basename(f) for r in self.records() for f in r.files}
-        cutoff = time.time() - LEFTOVER_AGE_S
+        named = {basename(f) for r in self.records() for f in r.files}
+        now = time.time()
         for folder in (DATA_DIR, VERSIONS_DIR, ASSETS_DIR):
             for entry in self._ls(folder):
-                name = _basename(entry["name"])
-                ours = name.startswith(TMP_PREFIX) or (folder == DATA_DIR and _DATA_NAME.match(name))
-                if not ours or name in named:
-                    continue
-                mtime = _modified(entry)
-                if mtime is not None and mtime < cutoff:
+                name = basename(entry["name"])
+                if is_leftover(folder, name, modified(entry), named=named, now=now):
                     log.info("%s: removing leftover %s/%s", self.uri, folder, name)
-                    with self._remote(f"deleting {folder}/{name}"), contextlib.suppress(FileNotFoundError):
-                        self.fs.rm_file(entry["name"], **self._kw())
+                    self.io.remove(entry["name"], f"deleting {folder}/{name}")
 
-    def _cache_files(self) -> list[os.DirEntry]:
-        if self.is_local or self._cache_dir is None:
-            return []
-        try:
-            return [e for e in os.scandir(self._download_dir()) if e.is_file(follow_symlinks=False)]
-        except (FileNotFoundError, CacheError):
-            return []
-
-    def cache_bytes(self) -> int:
-        """Bytes this store's download cache holds (0 for local stores)."""
-        total = 0
-        for e in self._cache_files():
-            with contextlib.suppress(FileNotFoundError):
-                total += e.stat(follow_symlinks=False).st_size
-        return total
-
-    def prune_cache(
-        self,
-        keep: Iterable[int] = (),
-        versions: Iterable[int] | None = None,
-        *,
-        max_bytes: int | None = None,
-        protect: Iterable[int] = (),
-    ) -> list[str]:
-        """Delete downloaded copies (remote stores) of `versions` (default: all) except `keep`, and temp
-        downloads nobody has touched for TMP_STALE_S (a killed process's partial files). Then, with
-        `max_bytes`, delete kept copies too, oldest version first, until the cache fits, except those
-        of `protect` (a staged update's). Returns the deleted names."""
-        keep, protect, only = set(keep), set(protect), None if versions is None else set(versions)
-        removed, kept = [], []
-        stale = time.time() - TMP_STALE_S
-        for e in self._cache_files():
-            try:
-                st = e.stat(follow_symlinks=False)
-            except FileNotFoundError:
-                continue
-            m = _DATA_NAME.match(e.name)
-            if e.name.startswith(TMP_PREFIX):
-                drop = st.st_mtime < stale
-            elif m:
-                v = int(m.group(1))
-                drop = v not in keep and (only is None or v in only)
-                if not drop:
-                    kept.append((v, e.path, e.name, st.st_size))
-            else:
-                continue
-            if drop and self._unlink(e.path):
-                removed.append(e.name)
-        if max_bytes is not None:
-            total = sum(size for *_, size in kept)
-            for v, path, name, size in sorted(kept):
-                if total <= max_bytes:
-                    break
-                if v in protect:
-                    continue
-                if self._unlink(path):
-                    removed.append(name)
-                    total -= size
-            if total > max_bytes:
-                log.warning(
-                    "%s: the download cache holds %d bytes (cap %d): all of it is in use", self.uri, total, max_bytes
-                )
-        return removed
-
-    def _unlink(self, path: str) -> bool:
-        try:
-            os.remove(path)
-        except FileNotFoundError:
-            return False
-        except OSError as exc:  # a read-only cache: nothing to prune, and nothing new lands there either
-            log.warning("%s: cannot prune %s: %s", self.uri, path, exc.strerror or exc)
-            return False
-        with self._lock:
-            self._verified.pop(path, None)
-        return True
-
-    # -- assets ------------------------------------------------------------------------------
-    def _asset_path(self, name: str) -> str:
-        parts = name.split("/")
-        if not name or any(p in ("", ".", "..") or p.startswith(TMP_PREFIX) for p in parts) or "\\" in name:
-            raise ValueError(f"bad asset name {name!r}")
-        return self._path(ASSETS_DIR, *parts)
-
+    # -- assets and other small mutable objects (the replica ledger) ------------------------------
     def put_asset(self, name: str, data: bytes) -> None:
         """Store a small file (config.json, tokenizer files) atomically, replacing an older one."""
-        self._write_small(self._asset_path(name), data)
+        self.io.write_small(self._path(ASSETS_DIR, *asset_parts(name)), data)
 
     def get_asset(self, name: str) -> bytes:
+        path = self._path(ASSETS_DIR, *asset_parts(name))
         try:
-            return self._read_small(self._asset_path(name))
+            return self.io.cat(path, f"reading {path}")
         except FileNotFoundError:
             raise FileNotFoundError(f"no asset {name!r} in store {self.uri}") from None
 
-    # -- small mutable objects (assets, the replica ledger) ----------------------------------------
-    def _write_small(self, path: str, data: bytes) -> None:
-        """Write a small object atomically, replacing an older one (readers see old or new, whole)."""
-        if not self.is_local:
-            with self._remote(f"writing {path}"):
-                self.fs.pipe_file(path, bytes(data), **self._kw())  # an object store PUT is atomic
-            return
-        folder = os.path.dirname(path)
-        os.makedirs(folder, exist_ok=True)
-        tmp = os.path.join(folder, f"{TMP_PREFIX}{secrets.token_hex(8)}")
-        try:
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.remove(tmp)
-
-    def _read_small(self, path: str) -> bytes:
-        """A small object as it is now (listing caches bypassed: it may have changed or just appeared)."""
-        return self._cat(path, f"reading {path}")
+    def assets(self) -> list[str]:
+        names = self.io.find(ASSETS_DIR)
+        return sorted(n for n in names if not basename(n).startswith(TMP_PREFIX))
 
     def write_object(self, folder: str, name: str, data: bytes) -> None:
-        """A small mutable object at `<folder>/<name>` under the store root (e.g. `replicas/<id>.json`)."""
-        self._write_small(self._object_path(folder, name), data)
+        """A small mutable object at `<folder>/<name>` under the store root (e.g. `replicas/<id>.json`),
+        written atomically (readers see the old or the new one, whole)."""
+        self.io.write_small(self._object_path(folder, name), data)
 
     def read_object(self, folder: str, name: str) -> bytes:
-        return self._read_small(self._object_path(folder, name))
+        """An object as it is now (listing caches bypassed: it may have changed or just appeared)."""
+        path = self._object_path(folder, name)
+        return self.io.cat(path, f"reading {path}")
 
     def list_objects(self, folder: str) -> list[str]:
         """Names of the committed objects directly in `folder` (temporary files skipped), listed afresh."""
-        self._object_path(folder, "x")
-        names = (_basename(e["name"]) for e in self._ls(folder))
+        check_object_name(folder, "x")
+        names = (basename(e["name"]) for e in self._ls(folder))
         return sorted(n for n in names if not n.startswith(TMP_PREFIX))
 
     def delete_object(self, folder: str, name: str) -> None:
-        with self._remote(f"deleting {folder}/{name}"), contextlib.suppress(FileNotFoundError):
-            self.fs.rm_file(self._object_path(folder, name), **self._kw())
+        self.io.remove(self._object_path(folder, name), f"deleting {folder}/{name}")
 
     def _object_path(self, folder: str, name: str) -> str:
-        if folder in (VERSIONS_DIR, DATA_DIR) or not folder.isidentifier():
-            raise ValueError(f"bad object folder {folder!r}")
-        if not name or "/" in name or "\\" in name or name in (".", "..") or name.startswith(TMP_PREFIX):
-            raise ValueError(f"bad object name {name!r}")
+        check_object_name(folder, name)
         return self._path(folder, name)
 
-    def assets(self) -> list[str]:
-        folder = self._path(ASSETS_DIR)
-        try:
-            with self._remote(f"listing {ASSETS_DIR}/"):
-                self.fs.invalidate_cache(folder)
-                paths = self.fs.find(folder, **self._kw())
-        except FileNotFoundError:
-            return []
-        names = [p[len(folder) + 1 :] for p in paths if p.startswith(folder + "/")]
-        return sorted(n for n in names if not _basename(n).startswith(TMP_PREFIX))
+
+__all__ = [
+    "LEFTOVER_AGE_S",
+    "TMP_PREFIX",
+    "DeltaStore",
+    "PartRecord",
+    "VersionRecord",
+    "store_error",
+]

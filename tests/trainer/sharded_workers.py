@@ -20,6 +20,7 @@ from vllm_delta.store import DeltaStore
 from vllm_delta.testing.models import TinyModelSpec
 from vllm_delta.testing.sharded import fsdp_model, full_image
 from vllm_delta.testing.training import train_steps
+from vllm_delta.trainer import PublisherOptions, ShardingOptions, StoreOptions
 
 SPEC = TinyModelSpec(arch="qwen3", hidden_size=128, intermediate_size=256, num_layers=2, num_heads=2, num_kv_heads=1)
 SPEC_UNEVEN = TinyModelSpec(
@@ -46,9 +47,19 @@ def fsdp_train_and_publish(rank, world, root, spec, steps, anchor_every, codec, 
     publishes the gathered full weights with a single-process Publisher into root/single."""
     model = fsdp_model(spec, seed=11)
     kw = dict(anchor_every=anchor_every, codec=codec)
-    pubs = [Publisher(os.path.join(root, "sharded"), group=dist.group.WORLD, timeout=60, **kw)]
+    pubs = [
+        Publisher(
+            os.path.join(root, "sharded"),
+            group=dist.group.WORLD,
+            options=PublisherOptions(sharding=ShardingOptions(timeout_s=60)),
+            **kw,
+        )
+    ]
     if s3 is not None:
-        pubs.append(Publisher(s3["uri"], storage_options=s3["options"], group=dist.group.WORLD, timeout=60, **kw))
+        options = PublisherOptions(
+            store=StoreOptions(storage_options=s3["options"]), sharding=ShardingOptions(timeout_s=60)
+        )
+        pubs.append(Publisher(s3["uri"], group=dist.group.WORLD, options=options, **kw))
     single = Publisher(os.path.join(root, "single"), **kw) if rank == 0 else None
     infos = []
     steps_iter = train_steps(model, steps, lr=lr, seed=11)
@@ -128,7 +139,12 @@ def _mapping(rank: int, world: int, v: int, *, hand_rows=None, drop=None, extra=
 
 def mapping_publish(rank, world, root):
     """Versions 0..4 of the mapping (anchor every 3), sharded and single-process (rank 0)."""
-    pub = Publisher(os.path.join(root, "sharded"), group=dist.group.WORLD, anchor_every=3, timeout=60)
+    pub = Publisher(
+        os.path.join(root, "sharded"),
+        group=dist.group.WORLD,
+        anchor_every=3,
+        options=PublisherOptions(sharding=ShardingOptions(timeout_s=60)),
+    )
     single = Publisher(os.path.join(root, "single"), anchor_every=3) if rank == 0 else None
     owned = []
     for v in range(5):
@@ -150,7 +166,7 @@ def mapping_publish(rank, world, root):
 def disagreements(rank, world, root):
     """Each disagreement raises the same ShardingError on every rank, and nothing becomes visible."""
     uri = os.path.join(root, "errors")
-    pub = Publisher(uri, group=dist.group.WORLD, timeout=60)
+    pub = Publisher(uri, group=dist.group.WORLD, options=PublisherOptions(sharding=ShardingOptions(timeout_s=60)))
     pub.publish(_mapping(rank, world, 0), version=0)
     pub.flush()
     seen = {}
@@ -235,7 +251,12 @@ def upload_failure(rank, world, root):
     store = FailingStore(uri)
     if rank == 1:
         store.fail_version = 2
-    pub = Publisher(store, group=dist.group.WORLD, anchor_every=100, timeout=60)
+    pub = Publisher(
+        store,
+        group=dist.group.WORLD,
+        anchor_every=100,
+        options=PublisherOptions(sharding=ShardingOptions(timeout_s=60)),
+    )
     kinds = []
     for v in range(2):
         kinds.append(pub.publish(_mapping(rank, world, v), version=v).kind)
@@ -302,7 +323,12 @@ def killed_rank(rank, world, root, die_at):
     store = DyingStore(uri)
     if rank == world - 1:
         store.die_at = die_at
-    pub = Publisher(store, group=dist.group.WORLD, anchor_every=100, timeout=20)
+    pub = Publisher(
+        store,
+        group=dist.group.WORLD,
+        anchor_every=100,
+        options=PublisherOptions(sharding=ShardingOptions(timeout_s=20)),
+    )
     for v in range(die_at + 1):
         info = pub.publish(_hand_mapping(rank, world, v), version=v)
     t0 = time.monotonic()

@@ -15,6 +15,7 @@ from vllm_delta import codec as codecs
 from vllm_delta.store import DeltaStore
 from vllm_delta.trainer import kernels
 from vllm_delta.trainer.detect import Detected, FlatSnapshot
+from vllm_delta.trainer.options import DetectOptions, PublisherOptions
 from vllm_delta.trainer.shard import Owned
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -179,7 +180,11 @@ def test_publisher_on_cuda_replays_bit_exact(tmp_path, backend):
     }
     params["w1"][:3] = float("nan")
     images = {}
-    with Publisher(str(tmp_path / "s"), detect_backend=backend, chunk_elems=100_000, anchor_every=3) as pub:
+    with Publisher(
+        str(tmp_path / "s"),
+        anchor_every=3,
+        options=PublisherOptions(detect=DetectOptions(backend=backend, chunk_elems=100_000)),
+    ) as pub:
         for v in range(5):
             if v:
                 for t in params.values():
@@ -422,7 +427,9 @@ def test_publisher_backends_publish_the_same_versions(tmp_path):
         ps = {n: t.clone() for n, t in params.items()}
         g = torch.Generator().manual_seed(1)
         root = str(tmp_path / backend)
-        with Publisher(root, detect_backend=backend, chunk_elems=1000, anchor_every=3) as pub:
+        with Publisher(
+            root, anchor_every=3, options=PublisherOptions(detect=DetectOptions(backend=backend, chunk_elems=1000))
+        ) as pub:
             assert pub.snapshot.bitmask is (backend != "triton-chunked")  # "torch" never runs the kernels
             infos = []
             for v in range(4):

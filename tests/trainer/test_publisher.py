@@ -10,7 +10,7 @@ from vllm_delta import Publisher, replay
 from vllm_delta.store import DeltaStore
 from vllm_delta.testing.models import TinyModelSpec, build_model
 from vllm_delta.testing.training import bf16_image, build_master_model, train_steps
-from vllm_delta.trainer import PublishError
+from vllm_delta.trainer import DetectOptions, PublisherOptions, PublishError, StoreOptions, UploadOptions
 
 SPEC = TinyModelSpec(hidden_size=128, intermediate_size=256, num_layers=2, num_heads=2, num_kv_heads=1, vocab_size=512)
 
@@ -52,7 +52,7 @@ def test_every_version_replays_bit_exact(tmp_path, codec):
 
 def test_bf16_params_named_tensors_and_cpu_snapshot(tmp_path):
     model = build_model(SPEC, seed=4)  # bf16 parameters, no master copy
-    with Publisher(str(tmp_path / "s"), snapshot_device="cpu") as pub:
+    with Publisher(str(tmp_path / "s"), options=PublisherOptions(detect=DetectOptions(snapshot_device="cpu"))) as pub:
         pub.publish(dict(model.named_parameters()))
         with torch.no_grad():
             p = model.model.layers[0].mlp.up_proj.weight
@@ -88,7 +88,7 @@ def test_publish_returns_before_the_upload_ends(tmp_path):
 
     store.publish = gated_publish
     model = build_master_model(SPEC, seed=6)
-    pub = Publisher(store, queue_size=2)
+    pub = Publisher(store, options=PublisherOptions(upload=UploadOptions(queue_size=2)))
     info = pub.publish(model)
     assert entered.wait(30)
     assert not info.uploaded.done() and store.versions() == []
@@ -140,7 +140,7 @@ def test_error_in_queued_deltas_is_not_dropped_silently(tmp_path):
 
     store.publish = flaky_publish
     model = build_master_model(SPEC, seed=8)
-    pub = Publisher(store, anchor_every=100, queue_size=4)
+    pub = Publisher(store, anchor_every=100, options=PublisherOptions(upload=UploadOptions(queue_size=4)))
     pub.publish(model)
     for _ in train_steps(model, 1, seed=8):
         info1 = pub.publish(model)
@@ -167,7 +167,9 @@ def test_version_rules(tmp_path):
 
 def test_retention_keeps_recent_anchors(tmp_path):
     model = build_master_model(SPEC, seed=10)
-    with Publisher(str(tmp_path / "s"), anchor_every=2, keep_anchors=2) as pub:
+    with Publisher(
+        str(tmp_path / "s"), anchor_every=2, options=PublisherOptions(store=StoreOptions(keep_anchors=2))
+    ) as pub:
         pub.publish(model)
         for _ in train_steps(model, 6, seed=10):
             pub.publish(model)
@@ -180,7 +182,9 @@ def test_retention_keeps_recent_anchors(tmp_path):
 def test_s3_store(tmp_path, s3_server):
     uri = s3_server.uri("publisher-test")
     model = build_master_model(SPEC, seed=11)
-    with Publisher(uri, storage_options=s3_server.storage_options, anchor_every=3) as pub:
+    with Publisher(
+        uri, anchor_every=3, options=PublisherOptions(store=StoreOptions(storage_options=s3_server.storage_options))
+    ) as pub:
         pub.publish(model)
         for _ in train_steps(model, 3, seed=11):
             pub.publish(model)

@@ -49,13 +49,13 @@ def greedy(llm, prompts) -> list[str]:
 
 
 def live_checksum(llm) -> str:
-    from vllm_delta.checksums import combine, to_hex
+    from vllm_delta.checksums import MASK64, combine, to_hex
 
     total: dict[str, int] = {}
     for part in llm.collective_rpc("delta_live_sums"):
         assert "error" not in part, part
         for name, s in part["sums"].items():
-            total[name] = (total.get(name, 0) + int(s, 16)) & ((1 << 64) - 1)
+            total[name] = (total.get(name, 0) + int(s, 16)) & MASK64
     return to_hex(combine(total.items()))
 
 

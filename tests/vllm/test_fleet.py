@@ -22,12 +22,13 @@ from vllm_helpers import LLAMA
 from vllm_delta import DeltaStore, Publisher, checksum
 from vllm_delta.cli import main as cli_main
 from vllm_delta.ledger import Ledger
+from vllm_delta.server_api import FollowStatus, from_wire
 from vllm_delta.testing.models import PROMPTS, save_tiny_model
 from vllm_delta.testing.s3 import S3Server
 from vllm_delta.testing.server import VllmServer
 from vllm_delta.testing.training import bf16_image, build_master_model, train_steps
+from vllm_delta.trainer.options import PublisherOptions, StoreOptions
 from vllm_delta.trainer.staleness import StalenessGate, StalenessPolicy
-from vllm_delta.vllm.messages import FollowStatus
 
 pytestmark = pytest.mark.vllm
 
@@ -80,7 +81,11 @@ def trainer(s3, tmp_path_factory) -> Iterator[Trainer]:
     model = build_master_model(LLAMA, seed=3)
     model_dir = str(root / "model")
     save_tiny_model(model, model_dir, weights=False)
-    pub = Publisher(s3.uri("fleet"), storage_options=s3.storage_options, anchor_every=ANCHOR_EVERY)
+    pub = Publisher(
+        s3.uri("fleet"),
+        anchor_every=ANCHOR_EVERY,
+        options=PublisherOptions(store=StoreOptions(storage_options=s3.storage_options)),
+    )
     t = Trainer(model_dir, pub, model)
     t.publish(0)
     yield t
@@ -128,7 +133,7 @@ def server_b(s3, trainer, cache_dir, server_a) -> Iterator[VllmServer]:
 
 
 def follow_of(server: VllmServer) -> FollowStatus:
-    return FollowStatus.from_json(server.status()["follow"])
+    return from_wire(FollowStatus, server.status()["follow"])
 
 
 def wait_for(what: str, predicate: Callable[[], bool], timeout: float = CONVERGE_S) -> None:

@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from vllm_delta.errors import UnsupportedModelError
-from vllm_delta.vllm import derived
-from vllm_delta.vllm.derived import check_targets, observe, report_of, snapshot
-from vllm_delta.vllm.handlers import Handler, register_handler, unregister_handler
+from vllm_delta.server_api import to_wire
+from vllm_delta.vllm.postprocess import derived
+from vllm_delta.vllm.postprocess.derived import check_targets, observe, report_of, snapshot
+from vllm_delta.vllm.postprocess.handlers import Handler, register_handler, unregister_handler
 
 pytestmark = pytest.mark.vllm
 
@@ -170,7 +171,7 @@ def _toy_store(tmp_path):
 
 def _loaded_toy(store):
     from vllm_delta.reconstruct import open_chain, replay_tensor
-    from vllm_delta.vllm.replica import DeltaReplica, Served
+    from vllm_delta.vllm.worker.replica import DeltaReplica, Served
 
     files = open_chain(store, 0)
     model = DerivedToy()
@@ -202,7 +203,7 @@ def test_a_recompute_handler_keeps_the_derived_copy_current(tmp_path):
     try:
         replica.prepare({n: tuple(e.shape) for n, e in files[-1].header.tensors.items()})
         replica.served = served_cls.from_header(files[-1].header)
-        cov = replica.coverage()
+        cov = to_wire(replica.coverage())
         assert cov["recomputed"] == {"tensors": 1, "elements": 24, "names": ["w_t"], "handlers": ["toy-transpose"]}
         assert cov["in_place"]["tensors"] == 2 and not cov["fully_in_place"]
         assert {"name": "toy-transpose", "cost": "O(w) copy per update"} in cov["handlers"]
@@ -216,7 +217,7 @@ def test_a_recompute_handler_keeps_the_derived_copy_current(tmp_path):
 
 
 def test_owning_param_prefers_the_real_parameter_over_an_alias():
-    from vllm_delta.vllm.probe import _owning_param, _param_index
+    from vllm_delta.vllm.worker.probe import _owning_param, _param_index
 
     model = torch.nn.Module()
     base = torch.zeros(8, 8, dtype=torch.bfloat16)

@@ -1,4 +1,4 @@
-"""The engine-core side of in-flight updates (enginecore.py) on real vLLM scheduler objects, in this
+"""The engine-core side of in-flight updates (engine_core/reserved.py) on real vLLM scheduler objects, in this
 process: no engine runs. A real `Scheduler` (KVCacheManager, BlockPool, Requests with block hashes)
 is built from the tiny Llama's config; the workers are a fake executor that scripts each rank's reply.
 
@@ -19,8 +19,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from vllm_delta.vllm import enginecore
-from vllm_delta.vllm.messages import UpdateRequest, error_reply
+from vllm_delta.server_api import UpdateRequest, from_wire
+from vllm_delta.vllm.engine_core import reserved as enginecore
+from vllm_delta.vllm.shared import rpc
+from vllm_delta.vllm.shared.rpc import error_reply
 
 pytestmark = pytest.mark.vllm
 
@@ -131,7 +133,7 @@ PROMPT = list(range(10, 50))  # 40 tokens: 2 full blocks of 16
 
 
 def commit(core, fault=None) -> dict:
-    return enginecore.inflight_commit(core, ticket="t", version=4, fault=fault)
+    return enginecore.commit_between_steps(core, ticket="t", version=4, fault=fault)
 
 
 def test_preflight_refuses_a_kv_connector(vllm_objects):
@@ -153,10 +155,11 @@ def test_a_refusal_reaches_the_client_as_409(vllm_objects, llama_run):
     from starlette.requests import Request as HttpRequest
 
     from vllm_delta.errors import InflightRefusedError
-    from vllm_delta.vllm.api import route
-    from vllm_delta.vllm.options import StoreSpec
-    from vllm_delta.vllm.plan import UpdatePlan
-    from vllm_delta.vllm.service import DeltaService, Prefetched
+    from vllm_delta.vllm.api_server.endpoints import route
+    from vllm_delta.vllm.api_server.service import DeltaService
+    from vllm_delta.vllm.api_server.steps import commit_through_engine_core
+    from vllm_delta.vllm.shared.commit import CommitOptions, Staged, Update
+    from vllm_delta.vllm.shared.options import StoreSpec
 
     class Core:  # the engine core as vLLM's utility dispatch sees it
         def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
@@ -174,11 +177,11 @@ def test_a_refusal_reaches_the_client_as_409(vllm_objects, llama_run):
             return core.collective_rpc(method, timeout, args, kwargs)
 
     service = DeltaService(Client(), StoreSpec(llama_run.store))
-    staged = Prefetched(0, UpdatePlan(1, [1], False), "t", "delta", [], 0.0)
+    staged = Staged(Update("t", [1], 1), [], 0.0)
 
     @route
     async def handler(request):
-        return await service.commit_inflight(staged)
+        return await commit_through_engine_core(service.api, staged, CommitOptions("inflight"))
 
     answer = asyncio.run(handler(HttpRequest({"type": "http", "method": "POST", "path": "/", "headers": []})))
     body = json.loads(answer.body)
@@ -262,7 +265,7 @@ def test_reserved_names_and_labels_held_for_batches_in_flight(vllm_objects):
     inner = make_core(vllm_objects, batch_queue=deque(["batch N", "batch N+1"]))
     core.__dict__.update(inner.__dict__)
     assert core.collective_rpc("delta_status") == ["forwarded", "delta_status"]
-    [reply] = core.collective_rpc(enginecore.INFLIGHT_COMMIT, kwargs={"ticket": "t", "version": 4})
+    [reply] = core.collective_rpc(rpc.COMMIT_ALL.name, kwargs={"ticket": "t", "version": 4})
     assert reply["batches_in_flight"] == 2 and core._weight_version == "4"
 
     def labels(n):
@@ -275,17 +278,17 @@ def test_reserved_names_and_labels_held_for_batches_in_flight(vllm_objects):
 
     assert labels(1) == ["3"]  # batch N ran on the old weights
     core.batch_queue = deque(["batch N+1", "batch N+2"])  # N+1 ran on 3, N+2 on 4
-    [reply] = core.collective_rpc(enginecore.INFLIGHT_COMMIT, kwargs={"ticket": "t", "version": 5})
+    [reply] = core.collective_rpc(rpc.COMMIT_ALL.name, kwargs={"ticket": "t", "version": 5})
     assert labels(4) == ["3", "4", "5", "5"]
-    [label] = core.collective_rpc(enginecore.SET_LABEL, kwargs={"version": 6, "mode": "keep"})
+    [label] = core.collective_rpc(rpc.SET_LABEL.name, kwargs={"version": 6, "mode": "keep"})
     assert label["label"] == "6" and labels(1) == ["6"]
-    [err] = core.collective_rpc(enginecore.SET_LABEL, kwargs={"bogus": 1})
+    [err] = core.collective_rpc(rpc.SET_LABEL.name, kwargs={"bogus": 1})
     assert "error" in err  # a bad call answers an error, never raises across the utility
 
 
 def test_update_request_accepts_inflight():
-    assert UpdateRequest.from_body({"version": 3, "mode": "inflight"}).mode == "inflight"
+    assert from_wire(UpdateRequest, {"version": 3, "mode": "inflight"}).mode == "inflight"
     from vllm_delta.errors import BadRequestError
 
     with pytest.raises(BadRequestError, match="inflight"):
-        UpdateRequest.from_body({"version": 3, "mode": "sometime"})
+        from_wire(UpdateRequest, {"version": 3, "mode": "sometime"})

@@ -14,6 +14,7 @@ from vllm_delta.store import DeltaStore
 from vllm_delta.testing.models import PROMPTS
 from vllm_delta.testing.server import VllmServer
 from vllm_delta.testing.sharded import publish_sharded_run
+from vllm_delta.trainer import PublisherOptions, ShardingOptions
 
 pytestmark = pytest.mark.vllm
 
@@ -23,7 +24,13 @@ LRS = [1e-6, 1e-6, 1e-6, 1e-6, 3e-3]  # RL-like steps, then a large one (outputs
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     return publish_sharded_run(
-        str(tmp_path_factory.mktemp("sharded")), QWEN_TIED, world=2, lr=LRS, seed=3, anchor_every=4, timeout=120
+        str(tmp_path_factory.mktemp("sharded")),
+        QWEN_TIED,
+        world=2,
+        lr=LRS,
+        seed=3,
+        anchor_every=4,
+        options=PublisherOptions(sharding=ShardingOptions(timeout_s=120)),
     )
 
 

@@ -14,11 +14,11 @@ from vllm_delta.errors import (
     UnsupportedModelError,
     VersionNotFoundError,
 )
+from vllm_delta.server_api import StageRequest, UpdateRequest, from_wire, to_wire
 from vllm_delta.store import DeltaStore
-from vllm_delta.vllm.messages import StageRequest, UpdateRequest
-from vllm_delta.vllm.options import LoaderOptions, server_store, split_extra_config
-from vllm_delta.vllm.plan import plan_update
-from vllm_delta.vllm.probe import CopyRecord, ProbeResult, finalize_layout, record_to_segment
+from vllm_delta.vllm.shared.options import LoaderOptions, server_store, split_extra_config
+from vllm_delta.vllm.shared.plan import plan_update
+from vllm_delta.vllm.worker.probe import CopyRecord, ProbeResult, finalize_layout, record_to_segment
 
 pytestmark = pytest.mark.vllm
 
@@ -144,45 +144,38 @@ def test_finalize_layout_owners_and_coverage():
 def test_bad_requests(body, match, monkeypatch):
     monkeypatch.delenv("VLLM_DELTA_TEST_FAULTS", raising=False)
     with pytest.raises(BadRequestError, match=match):
-        UpdateRequest.from_body(body)
+        from_wire(UpdateRequest, body)
     assert BadRequestError("x").http_status == 400
 
 
 def test_good_request_defaults():
-    assert UpdateRequest.from_body({"version": "latest"}) == UpdateRequest("latest", False, "keep", "delta", None)
-    r = UpdateRequest.from_body({"version": 3, "mode": "abort", "allow_reanchor": True})
+    assert from_wire(UpdateRequest, {"version": "latest"}) == UpdateRequest("latest", False, "keep", "delta", None)
+    r = from_wire(UpdateRequest, {"version": 3, "mode": "abort", "allow_reanchor": True})
     assert (r.version, r.allow_reanchor, r.mode) == (3, True, "abort")
     with pytest.raises(BadRequestError, match="unknown fields"):
-        StageRequest.from_body({"version": 3, "mode": "abort"})  # staging takes no mode
+        from_wire(StageRequest, {"version": 3, "mode": "abort"})  # staging takes no mode
 
 
 def test_rpc_messages_cross_vllms_msgpack_boundary():
     """Worker replies are plain values through vLLM's own serializer; sums are exact 64-bit ints."""
     from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
+    from vllm_delta.checksums import MASK64
     from vllm_delta.errors import WorkerError
-    from vllm_delta.vllm.messages import (
-        Committed,
-        ErrorPayload,
-        RankSums,
-        StagePoll,
-        StageSummary,
-        WorkerStatus,
-        error_reply,
-        reply_error,
-    )
+    from vllm_delta.vllm.shared.messages import Committed, ErrorPayload, RankSums, StagePoll, StageSummary, WorkerStatus
+    from vllm_delta.vllm.shared.rpc import error_reply, reply_error
 
     def wire(value):
-        return MsgpackDecoder().decode(MsgpackEncoder().encode(value.to_wire()))
+        return MsgpackDecoder().decode(MsgpackEncoder().encode(to_wire(value)))
 
-    summary = StageSummary([3, 4], {"a": (1 << 64) - 1, "b": 0}, nnz=7, bytes=96, stage_ms=1.5, timings={"total": 1.0})
-    assert StagePoll.from_wire(wire(StagePoll(summary))).summary == summary
-    assert StagePoll.from_wire(wire(StagePoll(None))) == StagePoll(None)
+    summary = StageSummary([3, 4], {"a": MASK64, "b": 0}, nnz=7, bytes=96, stage_ms=1.5, timings={"total": 1.0})
+    assert from_wire(StagePoll, wire(StagePoll.of(summary))).summary == summary
+    assert from_wire(StagePoll, wire(StagePoll.of(None))) == StagePoll.of(None)
     assert wire(summary)["partials"] == {"a": "ffffffffffffffff", "b": "0000000000000000"}
-    assert RankSums.from_wire(wire(RankSums(2, {"a": 1 << 63}))) == RankSums(2, {"a": 1 << 63})
+    assert from_wire(RankSums, wire(RankSums(2, {"a": 1 << 63}))) == RankSums(2, {"a": 1 << 63})
     status = WorkerStatus(1, None, None, False, ["x"], [])
-    assert WorkerStatus.from_wire(wire(status)) == status
-    assert Committed.from_wire(wire(Committed(0.25))).apply_ms == 0.25
+    assert from_wire(WorkerStatus, wire(status)) == status
+    assert from_wire(Committed, wire(Committed(0.25))).apply_ms == 0.25
     reply = MsgpackDecoder().decode(MsgpackEncoder().encode(error_reply(NotSuccessorError("no", version=3))))
     err = reply_error(reply)
     assert err == ErrorPayload("NotSuccessorError", 409, "no (version 3)") and reply_error({"apply_ms": 1.0}) is None
@@ -195,9 +188,10 @@ def test_rpc_messages_cross_vllms_msgpack_boundary():
 
 
 def test_update_result_answers():
-    from vllm_delta.vllm.messages import UpdateResult
+    from vllm_delta.server_api import UpdateResult
 
-    noop = UpdateResult(5, 5, 0.0, 0.0, 0.0, 0, 0, [], "keep", "delta").to_json()
+    common = dict(apply_ms=0.0, stage_ms=0.0, nnz=0, bytes=0, applied=[], mode="keep", method="delta")
+    noop = to_wire(UpdateResult(version=5, previous_version=5, pause_ms=0.0, **common))
     assert list(noop) == [
         "version",
         "previous_version",
@@ -210,8 +204,24 @@ def test_update_result_answers():
         "mode",
         "method",
     ]
-    full = UpdateResult(6, None, 1.23456, 0.5, 2.0, 9, 99, [6], "wait", "vllm", False, True, 9, 120, {"total": 1.0})
-    out = full.to_json()
+    full = UpdateResult(
+        version=6,
+        previous_version=None,
+        pause_ms=1.23456,
+        apply_ms=0.5,
+        stage_ms=2.0,
+        nnz=9,
+        bytes=99,
+        applied=[6],
+        mode="wait",
+        method="vllm",
+        reanchored=False,
+        prefetched=True,
+        elements_written=9,
+        staged_bytes=120,
+        timings={"total": 1.0},
+    )
+    out = to_wire(full)
     assert out["pause_ms"] == 1.235 and out["previous_version"] is None and out["prefetched"] is True
     assert out["reanchored"] is False and out["timings"] == {"total": 1.0} and out["staged_bytes"] == 120
 
@@ -239,7 +249,7 @@ def test_plugin_registers_everything_once():
     from vllm.v1.worker.gpu_worker import Worker
 
     from vllm_delta.vllm import plugin
-    from vllm_delta.vllm.loader import DeltaModelLoader
+    from vllm_delta.vllm.worker.loader import DeltaModelLoader
 
     plugin.register()
     plugin._done = False  # a second process-level call must be harmless too (vLLM calls it repeatedly)
@@ -253,7 +263,7 @@ def test_plugin_registers_everything_once():
 def test_cpu_linears_keep_their_weight():
     from vllm.model_executor.layers import utils
 
-    from vllm_delta.vllm.cpu import keep_plain_cpu_linears
+    from vllm_delta.vllm.postprocess.cpu_linear import keep_plain_cpu_linears
 
     keep_plain_cpu_linears()
     layer = torch.nn.Linear(128, 64, bias=False).to(torch.bfloat16)
@@ -313,7 +323,7 @@ def _toy_versions(tmp_path):
 
 def test_replica_on_a_toy_model(tmp_path):
     from vllm_delta.reconstruct import open_chain, replay_tensor
-    from vllm_delta.vllm.replica import DeltaReplica, Served
+    from vllm_delta.vllm.worker.replica import DeltaReplica, Served
 
     store, images, checksum = _toy_versions(tmp_path)
     model = ToyModel()
@@ -347,7 +357,7 @@ def sum_all(replica) -> int:
 
 
 def test_quantized_models_are_refused():
-    from vllm_delta.vllm.probe import check_supported
+    from vllm_delta.vllm.worker.probe import check_supported
 
     model = ToyModel()
     model.quant_config = object()
@@ -365,16 +375,17 @@ def test_update_deadline_and_status_while_busy(llama_run, tmp_path):
     import time
 
     from vllm_delta.errors import StoreTimeoutError
-    from vllm_delta.vllm.messages import RankSums, WorkerStatus
-    from vllm_delta.vllm.options import StoreSpec
-    from vllm_delta.vllm.service import DeltaService
+    from vllm_delta.vllm.api_server.service import DeltaService
+    from vllm_delta.vllm.shared.messages import RankSums, WorkerStatus
+    from vllm_delta.vllm.shared.options import StoreSpec
 
     class FakeEngine:
         async def collective_rpc(self, name, timeout=None, kwargs=None):
             if name == "delta_status":
-                return [WorkerStatus(0, 0, llama_run.checksums[0], True).to_wire()]
+                live = {"w": 7} if kwargs.get("live_sums") else None
+                return [to_wire(WorkerStatus(0, 0, llama_run.checksums[0], True, live_sums=live))]
             if name == "delta_live_sums":
-                return [RankSums(0, {"w": 7}).to_wire()]
+                return [to_wire(RankSums(0, {"w": 7}))]
             raise AssertionError(f"unexpected RPC {name}")
 
     class SlowStore(DeltaStore):

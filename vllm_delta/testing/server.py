@@ -16,20 +16,15 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from typing import Any
 
+from .ports import free_port
+
 PLUGINS = "vllm_delta,vllm_delta_api"
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ServerError(RuntimeError):

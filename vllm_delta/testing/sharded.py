@@ -14,20 +14,14 @@ from __future__ import annotations
 import datetime
 import os
 import queue
-import socket
 import time
 import traceback
 from collections.abc import Callable
 from typing import Any
 
 from .models import TinyModelSpec, save_tiny_model
+from .ports import free_port
 from .runs import PublishedRun
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _entry(
@@ -218,4 +212,4 @@ def publish_sharded_run(
     return run
 
 
-__all__ = ["fsdp_model", "free_port", "full_image", "publish_sharded_run", "run_ranks"]
+__all__ = ["fsdp_model", "full_image", "publish_sharded_run", "run_ranks"]

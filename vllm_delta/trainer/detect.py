@@ -24,6 +24,7 @@ and re-reads an int8 mask and runs `nonzero`. Its outputs are the chunked path's
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -200,7 +201,7 @@ class FlatSnapshot:
 
     def _stream_ctx(self, dev: torch.device):
         if dev.type != "cuda":
-            return _nullctx()
+            return contextlib.nullcontext()
         if self._stream is None or self._stream.device != dev:
             self._stream = torch.cuda.Stream(dev)
         # Ordered after everything the caller queued (the optimizer step) without a host wait.
@@ -415,14 +416,6 @@ class FlatSnapshot:
             counts=host[0][:t],
             sums=[v & MASK64 for v in host[1][:t]],
         )
-
-
-class _nullctx:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 __all__ = [

@@ -106,7 +106,7 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return local if isinstance(local, torch.Tensor) else t.to_local()  # type: ignore[attr-defined]
 
 
-_SPECS: dict[tuple, tuple[tuple[int, ...], int, bool]] = {}  # (shape, mesh, placements) -> local rows
+_SPECS: dict[tuple[object, ...], tuple[tuple[int, ...], int, bool]] = {}  # (shape, mesh, placements) -> local rows
 
 
 def _dtensor_rows(name: str, t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], int, bool] | None:

@@ -1,3 +1,13 @@
-"""vLLM glue: the general plugin (plugin.py), the load format "delta" (loader.py), the HTTP routes
-(api.py, service.py), the native weight-transfer backend (backend.py) and what each worker holds
-(replica.py, probe.py, worker.py). vLLM types appear only under this package. docs/VLLM.md explains it."""
+"""vLLM glue, laid out by the process each module runs in (docs/VLLM.md, "Where the code lives").
+
+    plugin.py      every vLLM process: the general plugin's entry point (registers what follows)
+    shared/        imported by all three: typed messages and their codec, the RPC declarations, the
+                   two-phase commit, the server's options, the successor rule
+    api_server/    the API server process: HTTP routes (the endpoint plugin), the update service,
+                   follow mode, weight-version spans on completions, metrics
+    engine_core/   the engine-core process: reserved collective_rpc names (commits, labels)
+    worker/        the worker processes: the load format, the replica and its RPC methods, the layout
+                   probe, vLLM's sparse path, the weight-transfer backend
+    postprocess/   vLLM's post-processing observed, and the handlers that keep such models correct
+
+vLLM types appear only under this package."""

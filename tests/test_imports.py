@@ -1,0 +1,173 @@
+"""The package's import graph: no cycle, and no module importing a layer above its own (issue 16).
+
+Every `import` / `from ... import` of a vllm_delta module counts, wherever it is written (inside a
+function, under TYPE_CHECKING): a deferred import is still a dependency, and the one cycle this check
+was written for (`store.retain` importing `ledger`, which imports `store`) was a deferred one. The
+implicit import of a module's parent package is not counted (Python initializes the parent first).
+
+A new top-level module or subpackage gets a place in LAYERS; a subpackage's modules share its layer.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+PACKAGE = "vllm_delta"
+ROOT = Path(__file__).resolve().parent.parent / PACKAGE
+
+# Lowest first. A module may import modules of its own layer (if that makes no cycle) or lower ones.
+LAYERS: list[tuple[str, ...]] = [
+    ("errors", "bits", "attribution"),  # leaves
+    ("checksums",),  # the checksum definition
+    ("wire",),  # the generic dataclass <-> plain values codec
+    ("server_api",),  # the HTTP contract of a server: request and answer bodies (clients and plugin)
+    ("format", "codec"),  # the wire: version files, codecs
+    ("writer", "records", "replicas"),  # building versions; commit records and replica reports
+    ("storefs", "cache", "retention"),  # the store's filesystem access, download cache, retention policy
+    ("store",),  # DeltaStore
+    ("ledger", "reconstruct"),  # the fleet view; replay and materialize
+    ("trainer", "apply"),  # the publishing side; the apply engine (plain tensors, no vLLM)
+    ("integrations", "testing"),  # trainer callbacks; test fixtures
+    ("vllm",),  # the vLLM plugin (the only code that sees vLLM types)
+    ("cli", "demo", ""),  # entry points, and the package itself ("": vllm_delta/__init__.py)
+]
+
+
+def module_files(root: Path = ROOT, package: str = PACKAGE) -> dict[str, Path]:
+    """Dotted module name -> file, for every module of the package."""
+    out = {}
+    for path in sorted(root.rglob("*.py")):
+        parts = [package, *path.relative_to(root).with_suffix("").parts]
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+def imports_of(module: str, path: Path, modules: Mapping[str, Path]) -> set[str]:
+    """The package modules `module` imports (a `from X import name` of a submodule counts as that submodule)."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                target = f"{base}.{node.module}" if node.module else base
+            else:
+                target = node.module or ""
+            for alias in node.names:
+                sub = f"{target}.{alias.name}"
+                found.add(sub if sub in modules else target)
+    return {m for m in found if m in modules and m != module}
+
+
+def import_graph(modules: Mapping[str, Path]) -> dict[str, set[str]]:
+    return {m: imports_of(m, path, modules) for m, path in modules.items()}
+
+
+def find_cycles(graph: Mapping[str, Iterable[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (or a module importing itself)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def visit(v: str) -> None:  # Tarjan; the package is small enough for recursion
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1 or v in graph.get(v, ()):
+                cycles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return cycles
+
+
+def layer_of(module: str, layers: list[tuple[str, ...]] = LAYERS, package: str = PACKAGE) -> int | None:
+    """The layer of the longest LAYERS entry that names the module or a package above it."""
+    rel = module[len(package) + 1 :] if module != package else ""
+    best: tuple[int, int] | None = None  # (length of the entry, layer)
+    for level, names in enumerate(layers):
+        for name in names:
+            if rel == name or (name and rel.startswith(name + ".")):
+                if best is None or len(name) > best[0]:
+                    best = (len(name), level)
+    return None if best is None else best[1]
+
+
+def upward_imports(
+    graph: Mapping[str, Iterable[str]], layers: list[tuple[str, ...]] = LAYERS, package: str = PACKAGE
+) -> list[str]:
+    out = []
+    for m, targets in sorted(graph.items()):
+        for t in sorted(targets):
+            lm, lt = layer_of(m, layers, package), layer_of(t, layers, package)
+            if lm is not None and lt is not None and lt > lm:
+                out.append(f"{m} (layer {lm}) imports {t} (layer {lt})")
+    return out
+
+
+def test_every_module_has_a_layer():
+    unplaced = [m for m in module_files() if layer_of(m) is None]
+    assert not unplaced, f"give these modules a place in LAYERS: {unplaced}"
+
+
+def test_the_package_has_no_import_cycle():
+    cycles = find_cycles(import_graph(module_files()))
+    assert not cycles, f"import cycles: {cycles}"
+
+
+def test_no_module_imports_a_higher_layer():
+    upward = upward_imports(import_graph(module_files()))
+    assert not upward, "upward imports:\n" + "\n".join(upward)
+
+
+def test_the_store_never_imports_the_ledger():
+    graph = import_graph(module_files())
+    for m in ("vllm_delta.store", "vllm_delta.retention"):
+        assert "vllm_delta.ledger" not in graph[m]
+
+
+def test_the_checks_find_what_they_look_for(tmp_path):
+    """The checker itself, on a package written here: a deferred import that closes a cycle, and a
+    leaf that imports a higher layer, are both found."""
+    pkg = tmp_path / "toy"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "low.py").write_text("def f():\n    from .high import g\n")
+    (pkg / "high.py").write_text("from . import low\nfrom .sub import deep\n")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "sub" / "deep.py").write_text("from ..low import f\nimport toy.high\n")
+    modules = module_files(pkg, "toy")
+    graph = import_graph(modules)
+    assert graph["toy.low"] == {"toy.high"} and graph["toy.high"] == {"toy.low", "toy.sub.deep"}
+    assert graph["toy.sub.deep"] == {"toy.low", "toy.high"}
+    assert find_cycles(graph) == [["toy.high", "toy.low", "toy.sub.deep"]]
+    layers = [("low",), ("sub",), ("high", "")]
+    assert layer_of("toy.sub.deep", layers, "toy") == 1 and layer_of("toy", layers, "toy") == 2
+    assert upward_imports(graph, layers, "toy") == [
+        "toy.low (layer 0) imports toy.high (layer 2)",
+        "toy.sub.deep (layer 1) imports toy.high (layer 2)",
+    ]
+    assert find_cycles({"a": {"b"}, "b": set()}) == []

@@ -1,0 +1,161 @@
+"""Replica reports: what one server writes about itself into the store it follows, and reading them.
+
+A report is one small JSON object, `replicas/<replica id>.json` (docs/FORMAT.md, "Replica reports").
+This module is the report's schema and the reading every consumer shares: the ledger's fleet view
+(`ledger.py`) and retention (`DeltaStore.retain` protects what live replicas serve). It reaches the
+store through the small-object calls alone (`ReportObjects`), so the store can use it without a
+cycle. Reports are advisory: a garbage or foreign object is skipped with a warning (it must never
+hide the other replicas or break a trainer).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, fields
+from typing import Protocol
+
+from .errors import FormatError
+
+log = logging.getLogger(__name__)
+
+REPLICAS_DIR = "replicas"
+REPORT_FORMAT = "vllm-delta-replica"
+REPORT_FORMAT_VERSION = 1
+STALE_AFTER_S = 60.0  # a heartbeat older than this: the replica is stale
+EXPIRE_AFTER_S = 24 * 3600.0  # older than this: the report is deleted
+_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+def valid_replica_id(replica_id: object) -> bool:
+    """1-128 letters, digits, '.', '_' or '-', not starting with a punctuation mark (a safe object name)."""
+    return isinstance(replica_id, str) and _ID.match(replica_id) is not None
+
+
+@dataclass(frozen=True)
+class ReplicaReport:
+    """What one server says about itself (one JSON object under `replicas/`)."""
+
+    replica_id: str
+    host: str
+    served_version: int | None
+    checksum: str | None  # the live checksum of the served weights (what /v1/delta/status reports)
+    version_checksum: str | None  # what the served version's header records
+    newest_seen: int | None  # the newest version the replica has seen in the store
+    last_pause_ms: float | None
+    last_error: str | None
+    heartbeat: float  # unix time of this report
+    started: float  # unix time the replica started
+
+    @property
+    def lag(self) -> int | None:
+        """Versions between the newest seen and the served one."""
+        if self.newest_seen is None or self.served_version is None:
+            return None
+        return max(0, self.newest_seen - self.served_version)
+
+    def to_json(self) -> bytes:
+        doc = {"format": REPORT_FORMAT, "format_version": REPORT_FORMAT_VERSION, **asdict(self)}
+        return json.dumps(doc, sort_keys=True, indent=1).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes | str, *, where: str = "report") -> ReplicaReport:
+        try:
+            doc = json.loads(data)
+            if not isinstance(doc, dict) or doc.get("format") != REPORT_FORMAT:
+                raise ValueError(f"not a {REPORT_FORMAT} document")
+            if doc.get("format_version") != REPORT_FORMAT_VERSION:
+                raise ValueError(f"unknown format version {doc.get('format_version')!r}")
+            report = cls(**{f.name: doc[f.name] for f in fields(cls)})
+            report.validate()
+        except (ValueError, TypeError, KeyError) as exc:
+            raise FormatError(f"unreadable replica report {where}: {str(exc)[:200]}") from None
+        return report
+
+    def validate(self) -> None:
+        if not valid_replica_id(self.replica_id):
+            raise ValueError(f"bad replica id {self.replica_id!r:.80}")
+        for name in ("served_version", "newest_seen"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+                raise ValueError(f"{name} must be a non-negative integer or null")
+        for name in ("heartbeat", "started"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool):
+                raise ValueError(f"{name} must be a number")
+        for name in ("host", "checksum", "version_checksum", "last_error"):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, str):
+                raise ValueError(f"{name} must be a string or null")
+
+
+class ReportObjects(Protocol):
+    """The store calls the reports are read and deleted with (DeltaStore's small-object API)."""
+
+    @property
+    def uri(self) -> str: ...
+
+    def read_object(self, folder: str, name: str) -> bytes: ...
+
+    def list_objects(self, folder: str) -> list[str]: ...
+
+    def delete_object(self, folder: str, name: str) -> None: ...
+
+
+def read_reports(objects: ReportObjects) -> list[ReplicaReport]:
+    """Every readable report; garbage is skipped with a warning."""
+    out = []
+    for name in objects.list_objects(REPLICAS_DIR):
+        if not name.endswith(".json"):
+            continue
+        try:
+            out.append(ReplicaReport.from_json(objects.read_object(REPLICAS_DIR, name), where=name))
+        except FileNotFoundError:
+            continue  # expired or replaced between the listing and the read
+        except FormatError as exc:
+            log.warning("%s: ignoring %s/%s: %s", objects.uri, REPLICAS_DIR, name, exc)
+    return out
+
+
+def is_live(report: ReplicaReport, *, now: float, stale_after_s: float = STALE_AFTER_S) -> bool:
+    """Whether the report's heartbeat is fresh."""
+    return now - report.heartbeat <= stale_after_s
+
+
+def live_versions(reports: Iterable[ReplicaReport], *, now: float, stale_after_s: float = STALE_AFTER_S) -> set[int]:
+    """Versions that live replicas serve (retention keeps them)."""
+    return {
+        r.served_version
+        for r in reports
+        if r.served_version is not None and is_live(r, now=now, stale_after_s=stale_after_s)
+    }
+
+
+def expire_reports(
+    objects: ReportObjects,
+    reports: Iterable[ReplicaReport],
+    *,
+    now: float,
+    expire_after_s: float = EXPIRE_AFTER_S,
+) -> list[str]:
+    """Delete the reports older than `expire_after_s`; returns their replica ids."""
+    gone = [r.replica_id for r in reports if now - r.heartbeat > expire_after_s]
+    for replica_id in gone:
+        objects.delete_object(REPLICAS_DIR, f"{replica_id}.json")
+    return gone
+
+
+__all__ = [
+    "EXPIRE_AFTER_S",
+    "REPLICAS_DIR",
+    "STALE_AFTER_S",
+    "ReplicaReport",
+    "ReportObjects",
+    "expire_reports",
+    "is_live",
+    "live_versions",
+    "read_reports",
+    "valid_replica_id",
+]

@@ -1,0 +1,339 @@
+"""The HTTP contract of a vllm-delta server (docs/VLLM.md): the request and answer bodies of /v1/delta/*.
+
+The server plugin answers with these types and clients read them with the same types (the TRL
+integration, routers, tests): `from_wire(ServerStatus, requests.get(url).json())`. Nothing here needs
+vLLM, so a trainer-side client imports it without the plugin. Every body converts through the generic
+codec (wire.py) with the two functions of this module:
+
+    to_wire(body)          -> plain values (the JSON answer)
+    from_wire(cls, data)   -> the body, checked against its type hints
+
+The requests check their raw JSON first (`check_wire`: a 400 names the first problem). The vocabularies
+(update modes, commit methods, operations) are `Literal` aliases defined here once. The worker and
+engine-core messages are in vllm/shared/messages.py.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, fields
+from typing import Any, Literal, TypeVar, get_args
+
+from . import wire
+from .errors import BadRequestError, short
+from .wire import Millis, omit_none
+
+PauseMode = Literal["keep", "wait", "abort"]  # vLLM's pause modes
+UpdateMode = Literal["keep", "wait", "abort", "inflight"]  # "inflight": no pause (engine_core/reserved.py)
+Method = Literal["delta", "vllm"]  # our scatter | vLLM's load_checkpoint_weight_patches (vllm_path.py)
+Operation = Literal["update", "stage"]
+LabelCause = Literal["keep", "wait", "abort", "inflight", "startup", "pause"]  # why the label changed
+
+UPDATE_MODES: tuple[UpdateMode, ...] = get_args(UpdateMode)
+PAUSE_MODES: tuple[PauseMode, ...] = get_args(PauseMode)
+METHODS: tuple[Method, ...] = get_args(Method)
+
+# Test hook: with VLLM_DELTA_TEST_FAULTS=1 an update may name a fault ("commit@<rank>") that makes
+# that rank fail right after its writes, to prove the cross-rank rollback on a real server.
+FAULTS_ENV = "VLLM_DELTA_TEST_FAULTS"
+
+Json = dict[str, Any]
+M = TypeVar("M")
+
+
+def to_wire(message: Any) -> Any:
+    """The plain form of a body or message: the HTTP answer's JSON, or what crosses vLLM's msgpack boundary."""
+    return wire.encode(message)
+
+
+def from_wire(cls: type[M], data: Any) -> M:
+    """A body or message from its plain form (an HTTP body, a client's JSON, an RPC reply or argument)."""
+    return wire.decode(cls, data)
+
+
+# -- HTTP requests ---------------------------------------------------------------------------------
+def _check_body(body: Any, known: set[str]) -> None:
+    """The request's fields, checked in a fixed order (the first problem is the 400's message)."""
+    if not isinstance(body, dict):
+        raise BadRequestError("the body must be a JSON object")
+    unknown = set(body) - known
+    if unknown:
+        raise BadRequestError(f"unknown fields {short(sorted(map(str, unknown)))} (known: {sorted(known)})")
+    if "version" not in body:
+        raise BadRequestError('"version" is required: a version number or "latest"')
+    version = body["version"]
+    if isinstance(version, bool) or not (version == "latest" or (isinstance(version, int) and version >= 0)):
+        raise BadRequestError(f'"version" must be a non-negative integer or "latest", not {short(version)}')
+    if not isinstance(body.get("allow_reanchor", False), bool):
+        raise BadRequestError('"allow_reanchor" must be true or false')
+    mode = body.get("mode", "keep")
+    if mode not in UPDATE_MODES:
+        raise BadRequestError(f'"mode" must be one of {", ".join(UPDATE_MODES)}, not {short(mode)}')
+    method = body.get("method", "delta")
+    if method not in METHODS:
+        raise BadRequestError(f'"method" must be one of {", ".join(METHODS)}, not {short(method)}')
+    if body.get("fault") is not None and os.environ.get(FAULTS_ENV) != "1":
+        raise BadRequestError(f'"fault" is a test hook, enabled only with {FAULTS_ENV}=1')
+
+
+@dataclass(frozen=True)
+class StageRequest:
+    """POST /v1/delta/stage: stage now, apply later (no pause)."""
+
+    version: int | str  # a version number or "latest"
+    allow_reanchor: bool = False
+    method: Method = "delta"
+
+    @classmethod
+    def check_wire(cls, body: Any) -> None:
+        _check_body(body, {f.name for f in fields(cls)})
+
+
+@dataclass(frozen=True)
+class UpdateRequest:
+    """POST /v1/delta/update_weights."""
+
+    version: int | str  # a version number or "latest"
+    allow_reanchor: bool = False
+    mode: UpdateMode = "keep"
+    method: Method = "delta"
+    fault: str | None = None  # test hook (FAULTS_ENV)
+
+    @classmethod
+    def check_wire(cls, body: Any) -> None:
+        _check_body(body, {f.name for f in fields(cls)})
+
+
+# -- HTTP answers ----------------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class StageResult:
+    """200 answer of /v1/delta/stage. `target`, `nnz` and `bytes` only when something was staged."""
+
+    version: int | None  # the served version
+    staged: list[int]
+    target: int | None = omit_none()
+    stage_ms: Millis = 0.0
+    nnz: int | None = omit_none()
+    bytes: int | None = omit_none()
+
+
+@dataclass(frozen=True, kw_only=True)
+class InflightAnswer:
+    """The `inflight` part of an in-flight update's answer: what the engine core did (CommittedAll
+    without the per-request switch indices, which are in the timeline)."""
+
+    label: str
+    previous_label: str
+    engine_step: int
+    engine_ms: Millis
+    apply_ms: Millis
+    dropped_blocks: int
+    dropped_blocks_in_use: int
+    tainted: int
+    batches_in_flight: int
+    requests_running: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class UpdateResult:
+    """200 answer of /v1/delta/update_weights (docs/VLLM.md). The fields after `method` are present only
+    when versions were applied: an update to the version already served answers without them."""
+
+    version: int
+    previous_version: int | None
+    pause_ms: Millis
+    apply_ms: Millis
+    stage_ms: Millis
+    nnz: int  # changed elements the applied versions record
+    bytes: int  # file bytes of the applied versions
+    applied: list[int]
+    mode: UpdateMode
+    method: Method
+    reanchored: bool | None = omit_none()
+    prefetched: bool | None = omit_none()
+    elements_written: int | None = omit_none()  # summed over ranks
+    staged_bytes: int | None = omit_none()  # summed over ranks
+    timings: dict[str, float] | None = omit_none()  # staging stages of rank 0, ms
+    inflight: InflightAnswer | None = omit_none()  # mode "inflight": what the engine core did
+
+
+@dataclass(frozen=True, kw_only=True)
+class AppliedUpdate(UpdateResult):
+    """The last applied update in GET /v1/delta/status: its answer, and when it was applied."""
+
+    time: float
+
+    @classmethod
+    def of(cls, result: UpdateResult, when: float) -> AppliedUpdate:
+        return cls(**{f.name: getattr(result, f.name) for f in fields(result)}, time=when)
+
+
+@dataclass(frozen=True)
+class InProgress:
+    """An update or prefetch running now (GET /v1/delta/status answers without waiting for it)."""
+
+    operation: Operation
+    version: int | str  # as requested: a number or "latest"
+    since: float  # unix time it started
+    seconds: Millis = 0.0  # how long it has run, as of the answer
+
+    def as_of_now(self) -> InProgress:
+        return InProgress(self.operation, self.version, self.since, max(0.0, time.time() - self.since))
+
+
+@dataclass(frozen=True)
+class Failure:
+    """The last update or prefetch that failed (what it answered)."""
+
+    operation: Operation
+    version: int | str
+    type: str
+    status: int
+    message: str
+    time: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class FollowStatus:
+    """The `follow` part of GET /v1/delta/status: where a following (or reporting) server stands.
+    Clients (the example, tests) read it with `from_wire(FollowStatus, status["follow"])`."""
+
+    following: bool  # delta_follow: the server applies new versions on its own
+    store: str
+    served: int | None
+    newest_seen: int | None  # the store's newest version at the last poll
+    lag: int | None  # newest_seen - served
+    last_error: str | None
+    last_error_version: int | None  # the version that failed (None: a store fault, not a version)
+    last_error_time: float | None
+    skipped: dict[int, str]  # bad versions never applied (and not retried): version -> why
+    polls: int
+    updates: int  # updates the follower applied
+    last_pause_ms: Millis | None
+    reporting: bool  # writing this replica's report to the store's ledger
+    replica_id: str | None
+    poll_s: float
+    mode: UpdateMode
+
+
+# -- the coverage report (DeltaReplica.coverage, in WorkerStatus and GET /v1/delta/status) ---------
+@dataclass(frozen=True)
+class Counted:
+    tensors: int
+    elements: int
+
+
+@dataclass(frozen=True)
+class ViaVllm:
+    """Tensors through vLLM's sparse path: O(tensor size) per update, with the probe's reason."""
+
+    tensors: int
+    elements: int
+    names: list[str]
+    reasons: dict[str, str]
+
+
+@dataclass(frozen=True)
+class Recomputed:
+    """vLLM-side tensors a handler rebuilds after every update."""
+
+    tensors: int
+    elements: int
+    names: list[str]
+    handlers: list[str]
+
+
+@dataclass(frozen=True)
+class HandlerInfo:
+    name: str
+    cost: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class Coverage:
+    """How the served model's tensors take updates: in place, through vLLM's sparse path, recomputed."""
+
+    tensors: int
+    elements: int
+    in_place: Counted
+    vllm_path: ViaVllm
+    recomputed: Recomputed
+    fully_in_place: bool
+    handlers: list[HandlerInfo]
+    post_processing: dict[str, int] | None  # what vLLM's post-processing did, by category
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServerStatus:
+    """200 answer of GET /v1/delta/status. While an update runs, the answer is the state known before it
+    (`as_of`: when that was read from the workers) and `update_in_progress` says what runs. `follow` is
+    null unless the server follows or reports."""
+
+    version: int | None
+    store: str
+    checksum: str | None  # of the live parameters, summed over ranks (None: not known yet)
+    version_checksum: str | None  # what the served version's header records
+    staged: list[int]  # the prefetched update's versions
+    last_update: AppliedUpdate | None
+    tensors_via_vllm_path: list[str]
+    coverage: Coverage | None = None
+    as_of: float | None = None
+    update_in_progress: InProgress | None = None
+    last_failure: Failure | None = None
+    follow: FollowStatus | None = None
+
+
+# -- GET /v1/delta/timeline (also the engine core's reply to rpc.ENGINE_TIMELINE) -------------------
+@dataclass(frozen=True, kw_only=True)
+class HistoryEntry:
+    """One label change in the engine core's history: an update in a pause (or the start-up label), or
+    an in-flight commit (the fields from `engine_ms` to `switch`)."""
+
+    mode: LabelCause
+    version: int | None
+    label: str
+    previous_label: str
+    engine_step: int
+    engine_ms: float | None = omit_none()
+    apply_ms: float | None = omit_none()
+    dropped_blocks: int | None = omit_none()
+    dropped_blocks_in_use: int | None = omit_none()
+    tainted: int | None = omit_none()
+    batches_in_flight: int | None = omit_none()
+    switch: dict[str, int] | None = omit_none()
+    time: float
+
+
+@dataclass(frozen=True)
+class ChoiceSpans:
+    """The spans of one choice of a response: [[version, start, end], ...] (api_server attribution)."""
+
+    index: int
+    weight_versions: list[list[Any]]
+
+
+@dataclass(frozen=True, kw_only=True)
+class CommitSwitch:
+    """A commit a response lived through, with its requests' switch indices (timeline by id)."""
+
+    version: int | None
+    label: str
+    engine_step: int
+    time: float
+    switch: dict[str, int]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Timeline:
+    """rpc.ENGINE_TIMELINE (the engine core's label history) and GET /v1/delta/timeline, which adds, for
+    ?id=<response id>, the spans of that response's choices and the commits it lived through."""
+
+    label: str
+    engine_step: int
+    inconsistent: str | None
+    history: list[HistoryEntry]
+    history_limit: int
+    id: str | None = omit_none()
+    choices: list[ChoiceSpans] | None = omit_none()
+    commits: list[CommitSwitch] | None = omit_none()

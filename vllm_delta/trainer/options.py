@@ -1,0 +1,109 @@
+"""The Publisher's rarer settings, one dataclass per job, composed at the call site:
+
+    from vllm_delta import Publisher
+    from vllm_delta.trainer import DetectOptions, PublisherOptions, StoreOptions
+
+    Publisher("s3://bucket/run1", anchor_every=20, options=PublisherOptions(
+        store=StoreOptions(storage_options={"client_kwargs": {...}}, keep_anchors=3),
+        detect=DetectOptions(snapshot_device="cpu", pin_snapshot=True),
+    ))
+
+The everyday settings stay keywords of `Publisher` itself: `anchor_every`, `codec`, `group`,
+`max_staleness`, `min_replicas`. Each dataclass checks its own values when it is built, so a bad
+setting fails at the call site, before any thread, file or process group exists.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..format import DTYPE_NAMES
+from .detect import CHUNK_ELEMS
+from .staleness import StalenessPolicy
+
+
+@dataclass(frozen=True)
+class DetectOptions:
+    """Change detection (detect.FlatSnapshot): which kernels compare, and where the last published
+    image (2 bytes per owned element) lives. `backend`: "triton", "triton-chunked" or "torch"
+    (detect.BACKENDS, checked by FlatSnapshot); None: $VLLM_DELTA_DETECT_BACKEND, else "triton" on CUDA."""
+
+    backend: str | None = None
+    chunk_elems: int = CHUNK_ELEMS  # elements compared per chunk on the chunked paths (bounds temporaries)
+    snapshot_device: str | torch.device | None = None  # None: the parameters' device
+    pin_snapshot: bool = False  # pinned host memory, with snapshot_device="cpu"
+
+    def __post_init__(self) -> None:
+        if self.chunk_elems < 1:
+            raise ValueError(f"chunk_elems must be >= 1, not {self.chunk_elems}")
+
+
+@dataclass(frozen=True)
+class UploadOptions:
+    """The upload thread (uploader.py): how far it may fall behind, and its packing pool."""
+
+    queue_size: int = 2  # versions waiting for the upload thread; `publish` blocks beyond (bounds memory)
+    pack_threads: int | None = None  # zstd packing pool (zstd releases the GIL); None: min(16, CPUs)
+
+    def __post_init__(self) -> None:
+        if self.queue_size < 1:
+            raise ValueError(f"queue_size must be >= 1, not {self.queue_size}")
+        if self.pack_threads is not None and self.pack_threads < 1:
+            raise ValueError(f"pack_threads must be >= 1 (or None), not {self.pack_threads}")
+
+
+@dataclass(frozen=True)
+class StoreOptions:
+    """The store: how to reach it (when the Publisher is given a URI) and what to keep."""
+
+    storage_options: dict[str, Any] | None = None  # fsspec options (S3 endpoint, credentials, ...)
+    keep_anchors: int | None = None  # after each anchor, `store.retain(keep_anchors)`; None keeps everything
+
+    def __post_init__(self) -> None:
+        if self.keep_anchors is not None and self.keep_anchors < 1:
+            raise ValueError(f"keep_anchors must be >= 1 (or None), not {self.keep_anchors}")
+
+
+@dataclass(frozen=True)
+class ShardingOptions:
+    """A sharded publisher (`Publisher(..., group=...)`)."""
+
+    timeout_s: float = 600.0  # how long a rank waits for the others in a collective before it raises
+
+    def __post_init__(self) -> None:
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s must be positive, not {self.timeout_s}")
+
+
+@dataclass(frozen=True)
+class PublisherOptions:
+    """Everything `Publisher` takes besides its keywords, grouped by job."""
+
+    dtype: torch.dtype = torch.bfloat16  # what is published (and compared): the servers' weight dtype
+    detect: DetectOptions = field(default_factory=DetectOptions)
+    upload: UploadOptions = field(default_factory=UploadOptions)
+    store: StoreOptions = field(default_factory=StoreOptions)
+    sharding: ShardingOptions = field(default_factory=ShardingOptions)
+    # Bounded staleness with every knob (timeout, poll interval); `Publisher(max_staleness=K,
+    # min_replicas=R)` is the short form of `staleness=StalenessPolicy(K, R)`.
+    staleness: StalenessPolicy | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPE_NAMES:
+            raise ValueError(f"publishable dtypes: {list(DTYPE_NAMES)} (not {self.dtype})")
+
+    def staleness_policy(self, max_staleness: int | None, min_replicas: int) -> StalenessPolicy | None:
+        """The policy `publish` waits on: from Publisher's keywords or from `staleness`, not both."""
+        if max_staleness is None:
+            return self.staleness
+        if self.staleness is not None:
+            raise ValueError(
+                "bounded staleness is set twice: pass max_staleness/min_replicas or options.staleness, not both"
+            )
+        return StalenessPolicy(max_staleness, min_replicas)
+
+
+__all__ = ["DetectOptions", "PublisherOptions", "ShardingOptions", "StoreOptions", "UploadOptions"]

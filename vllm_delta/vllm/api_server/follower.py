@@ -1,0 +1,252 @@
+"""Follow mode: a server that follows its store on its own, and reports to the store's ledger.
+
+    --model-loader-extra-config '{"delta_store": URI, "delta_follow": true, "delta_poll_s": 2,
+                                  "delta_report": true}'
+
+Beside the DeltaService, in the API process's event loop, the follower polls the store's newest
+version (one small read per poll: `DeltaStore.latest`), and when it is newer than the served one
+applies it through the service's own `update` (the same lock as /v1/delta/update_weights, so an
+update from a client and one from the follower never interleave or apply twice). The plan (plan.py)
+catches up in one pause: the deltas after the served version, or the newest anchor's chain when the
+served version is not on the target's chain. A chain longer than `chain_cap` versions is walked in
+several updates of at most `chain_cap` versions each (there is no shorter path: a version's chain is
+unique, and its anchor comes before the served version).
+
+A version that fails its checks (404/409/422) is never applied: the follower logs it, keeps serving,
+reports it in status and in the ledger, and does not retry that target; it moves on when a newer
+version appears (whose chain may avoid the bad one, e.g. after the trainer's next anchor). Store
+faults (timeouts, an unreachable store: 5xx) are retried at the next poll.
+
+With `"delta_report": true` the follower writes this replica's report to the store's ledger
+(`vllm_delta.ledger`) when its version changes and every `delta_report_s` as a heartbeat. A store
+it cannot write to disables reporting with one warning (read-only followers simply don't report).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from ...errors import DeltaError, http_status
+from ...ledger import Ledger, ReplicaReport
+from ...server_api import FollowStatus
+from ...store import DeltaStore
+from ..shared.options import FollowOptions
+
+__all__ = ["FollowOptions", "FollowState", "Follower", "default_replica_id", "next_target"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class FollowState:
+    """The follower's own bookkeeping; `snapshot()` is what status shows (server_api.FollowStatus)."""
+
+    store: str
+    newest_seen: int | None = None
+    served: int | None = None
+    last_error: str | None = None
+    last_error_version: int | None = None
+    last_error_time: float | None = None
+    skipped: dict[int, str] = field(default_factory=dict)  # bad targets (bounded): version -> why
+    polls: int = 0
+    updates: int = 0
+    last_pause_ms: float | None = None
+    reporting: bool = False
+    replica_id: str | None = None
+
+    @property
+    def lag(self) -> int | None:
+        if self.newest_seen is None or self.served is None:
+            return None
+        return max(0, self.newest_seen - self.served)
+
+    def snapshot(self, options: FollowOptions) -> FollowStatus:
+        return FollowStatus(
+            following=options.follow,
+            store=self.store,
+            served=self.served,
+            newest_seen=self.newest_seen,
+            lag=self.lag,
+            last_error=self.last_error,
+            last_error_version=self.last_error_version,
+            last_error_time=self.last_error_time,
+            skipped=dict(sorted(self.skipped.items())),
+            polls=self.polls,
+            updates=self.updates,
+            last_pause_ms=self.last_pause_ms,
+            reporting=self.reporting,
+            replica_id=self.replica_id,
+            poll_s=options.poll_s,
+            mode=options.mode,
+        )
+
+
+MAX_SKIPPED = 32  # remembered bad targets (older ones are forgotten: they are behind anyway)
+
+
+class Follower:
+    """Polls the store and applies new versions.
+
+    The server is reached through three coroutines of the service, injected so that the follower
+    is testable without vLLM: `served()` -> the served version, `apply(version)` -> pause_ms of one
+    update under the service's lock, or None when the server already serves that version or a newer
+    one (a client's /v1/delta/update_weights got there first), `checksums()` -> (live checksum, the
+    served version's recorded checksum), read only for ledger reports.
+
+    With `follow` off and `report` on, the loop only reports (a pushed server in the ledger)."""
+
+    def __init__(
+        self,
+        store: DeltaStore,
+        options: FollowOptions,
+        *,
+        served: Callable[[], Awaitable[int | None]],
+        apply: Callable[[int], Awaitable[float | None]],
+        checksums: Callable[[], Awaitable[tuple[str | None, str | None]]],
+    ):
+        self.store = store
+        self.options = options
+        self._served = served
+        self._apply = apply
+        self._checksums = checksums
+        self.state = FollowState(store=store.uri, reporting=options.report)
+        if options.report:
+            self.state.replica_id = options.replica_id or default_replica_id()
+        self._started = time.time()
+        self._last_report = 0.0
+        self._task: asyncio.Task[None] | None = None
+        self._stop = asyncio.Event()
+
+    # -- lifecycle ------------------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="vllm-delta-follower")
+
+    async def stop(self) -> None:
+        self._stop.set()
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001 - stopping
+                pass
+
+    @property
+    def status(self) -> FollowStatus:
+        return self.state.snapshot(self.options)
+
+    async def _run(self) -> None:
+        period = self.options.poll_s if self.options.follow else self.options.report_s
+        while not self._stop.is_set():
+            try:
+                await self.poll_once()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the loop never dies: report and poll again
+                self._error(None, exc)
+            try:
+                await asyncio.wait_for(self._stop.wait(), timeout=period)
+            except asyncio.TimeoutError:
+                pass
+
+    # -- one poll ---------------------------------------------------------------------------------------
+    async def poll_once(self) -> None:
+        st = self.state
+        st.polls += 1
+        newest = await asyncio.to_thread(self.store.latest)
+        st.newest_seen = newest
+        served = st.served = await self._served()
+        changed = False
+        if self.options.follow and newest is not None and (served is None or newest > served):
+            changed = await self._advance(served, newest)
+            if changed:
+                st.served = await self._served()
+        await self._maybe_report(changed)
+
+    async def _advance(self, served: int | None, newest: int) -> bool:
+        """One update on the way to `newest`; True if the served version changed (by us or a client)."""
+        st = self.state
+        if newest in st.skipped:
+            return False
+        target = await asyncio.to_thread(next_target, self.store, served, newest, self.options.chain_cap)
+        if target in st.skipped:  # an intermediate step of a long chain that already failed
+            return False
+        try:
+            pause_ms = await self._apply(target)
+        except DeltaError as exc:
+            self._error(target, exc)
+            if http_status(exc) < 500:  # the version itself is bad: never applied, never retried
+                st.skipped[target] = str(exc)[:300]
+                while len(st.skipped) > MAX_SKIPPED:
+                    del st.skipped[min(st.skipped)]
+            return False
+        if pause_ms is not None:
+            st.last_pause_ms = pause_ms
+            st.updates += 1
+            log.info("vllm-delta: following %s: now serving version %d", self.store.uri, target)
+        return True
+
+    async def _maybe_report(self, changed: bool) -> None:
+        st = self.state
+        due = changed or time.monotonic() - self._last_report >= self.options.report_s
+        if st.reporting and due:
+            checksum, version_checksum = await self._checksums()
+            await asyncio.to_thread(self._report, checksum, version_checksum)
+
+    def _error(self, version: int | None, exc: BaseException) -> None:
+        st = self.state
+        st.last_error = f"{type(exc).__name__}: {exc}"[:500]
+        st.last_error_version = version
+        st.last_error_time = time.time()
+        log.warning("vllm-delta: following %s: %s", self.store.uri, st.last_error)
+
+    def _report(self, checksum: str | None, version_checksum: str | None) -> None:
+        st = self.state
+        self._last_report = time.monotonic()
+        if not st.reporting or st.replica_id is None:
+            return
+        report = ReplicaReport(
+            replica_id=st.replica_id,
+            host=socket.gethostname(),
+            served_version=st.served,
+            checksum=checksum,
+            version_checksum=version_checksum,
+            newest_seen=st.newest_seen,
+            last_pause_ms=st.last_pause_ms,
+            last_error=st.last_error,
+            heartbeat=time.time(),
+            started=self._started,
+        )
+        try:
+            Ledger(self.store).report(report)
+        except PermissionError as exc:
+            st.reporting = False
+            log.warning("vllm-delta: no write access to %s: not reporting to its ledger (%s)", self.store.uri, exc)
+        except Exception as exc:  # noqa: BLE001 - a store fault: the next heartbeat tries again
+            log.warning("vllm-delta: could not write the replica report to %s: %s", self.store.uri, exc)
+
+
+def next_target(store: DeltaStore, served: int | None, newest: int, chain_cap: int) -> int:
+    """The version to apply next on the way to `newest`: `newest` itself, unless the served version
+    lies on its chain more than `chain_cap` deltas back (then the version `chain_cap` steps on)."""
+    if served is None:
+        return newest
+    chain = [r.version for r in store.chain(newest)]
+    if served in chain:
+        i = chain.index(served)
+        if len(chain) - 1 - i > chain_cap:
+            return chain[i + chain_cap]
+    return newest
+
+
+def default_replica_id() -> str:
+    """Host, process and a random suffix: unique per server process, stable while it runs."""
+    host = "".join(c if c.isalnum() or c in "-_." else "-" for c in socket.gethostname())[:40] or "host"
+    return f"{host}-{os.getpid()}-{uuid.uuid4().hex[:6]}"

@@ -1,0 +1,200 @@
+"""The update protocol, written once: stage every rank -> verify -> commit every rank -> roll every rank
+back if one failed -> release.
+
+    TwoPhaseCommit.apply(update, options)   the whole order (this class owns it; subclasses fill in the
+                                            steps for the process they run in, like vLLM's
+                                            BaseModelLoader.load_model)
+      .stage(update)                        stage + verify: nothing is written; on failure nothing is
+                                            held and a 422 drops the versions' cached copies
+      .commit(staged, options)              commit every rank (rolled back everywhere if one failed),
+                                            then release
+    commit_all(ranks, ...)                  commit every rank; if any failed, roll every rank back
+
+Who runs what (the transport differs, never the order; rpc.py):
+
+    API process    TwoPhaseCommit (api_server/service.py): staging on the workers' background threads, polled
+                   over RPC; its commit step is ONE engine-core call (rpc.COMMIT_ALL)
+    engine core    commit_all over model_executor.collective_rpc, inside the API's pause or between
+                   two engine steps (engine_core/reserved.py), with the label change as its after-writes step
+    worker ranks   TwoPhaseCommit (the weight-transfer backend): every rank runs the whole protocol,
+                   exchanging its replies with the other ranks (the same replies, in rank order;
+                   worker/backend.py)
+
+The steps are coroutines so that the API process never blocks its event loop; where the transport is
+synchronous (engine core, worker ranks) `run_sync` drives them without an event loop: nothing in
+them suspends.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any, Generic, Protocol, TypeVar, cast
+
+from ...checksums import Sums, verify_partials
+from ...errors import http_status
+from ...format import VersionHeader
+from ...server_api import Method, UpdateMode
+from .messages import Committed, RolledBack, StageSummary
+from .rpc import Replies
+
+T = TypeVar("T")
+Out = TypeVar("Out")
+
+
+def run_sync(step: Coroutine[Any, Any, T]) -> T:
+    """Run a protocol coroutine whose transport is synchronous (it completes without suspending)."""
+    try:
+        step.send(None)
+    except StopIteration as done:
+        return cast(T, done.value)
+    step.close()
+    raise RuntimeError("a synchronous transport suspended: run this protocol step in an event loop")
+
+
+@dataclass(frozen=True)
+class Update:
+    """What to stage: versions in order (a chain), under one ticket on every rank."""
+
+    ticket: str
+    versions: list[int]
+    target: int
+    method: Method = "delta"
+
+
+@dataclass(frozen=True)
+class Staged:
+    """An update staged and verified on every rank: nothing written yet, buffers held by the ticket."""
+
+    update: Update
+    summaries: list[StageSummary]  # one per rank
+    stage_ms: float
+
+
+@dataclass(frozen=True)
+class CommitOptions:
+    mode: UpdateMode = "keep"  # how requests ride through it (the API process pauses, or not)
+    fault: str | None = None  # test hook (messages.FAULTS_ENV)
+
+
+# -- commit every rank, roll every rank back -------------------------------------------------------
+class CommittingRanks(Protocol):
+    """Every rank at once (replies in rank order): rpc.Workers, or a worker rank and its peers."""
+
+    async def commit(self, ticket: str, method: Method = "delta", fault: str | None = None) -> Replies[Committed]: ...
+
+    async def rollback(self, ticket: str) -> Replies[RolledBack]: ...
+
+
+@dataclass(frozen=True)
+class AllCommitted(Generic[T]):
+    apply_ms: float  # the in-place writes, slowest rank
+    after: T  # what the after-writes step returned
+
+
+@dataclass(frozen=True)
+class AllRolledBack:
+    """A rank failed (it restored itself) or the after-writes step did; every rank was rolled back."""
+
+    failure: str  # "rank R: Type: message" of the first failure
+
+
+@dataclass(frozen=True)
+class RollbackFailed:
+    """A rank failed, and rolling every rank back failed too: the ranks may hold different weights."""
+
+    failure: str
+    rollback_failure: str
+
+
+CommitOutcome = AllCommitted[T] | AllRolledBack | RollbackFailed
+
+
+async def commit_all(
+    ranks: CommittingRanks,
+    ticket: str,
+    *,
+    method: Method = "delta",
+    fault: str | None = None,
+    after_writes: Callable[[float], T],
+) -> CommitOutcome[T]:
+    """Commit `ticket` on every rank. If a rank failed (or the transport did: a worker died), or then
+    `after_writes(apply_ms)` failed, roll every rank back before anything else runs on the ranks."""
+    try:
+        replies = await ranks.commit(ticket, method, fault)
+    except Exception as exc:  # noqa: BLE001 - e.g. a worker died: roll back what can be
+        failure = f"{type(exc).__name__}: {exc}"
+    else:
+        failure = replies.failure() or ""
+        if replies.ok:
+            apply_ms = max((r.apply_ms for r in replies.all()), default=0.0)
+            try:
+                return AllCommitted(apply_ms, after_writes(apply_ms))
+            except Exception as exc:  # noqa: BLE001 - after the writes: undo them, the caller sees the failure
+                failure = f"after the writes: {type(exc).__name__}: {exc}"
+    try:
+        rolled = await ranks.rollback(ticket)
+        rollback_failure = None if rolled.ok else rolled.failures()
+    except Exception as exc:  # noqa: BLE001 - becomes the inconsistent outcome
+        rollback_failure = f"{type(exc).__name__}: {exc}"
+    if rollback_failure is not None:
+        return RollbackFailed(failure, rollback_failure)
+    return AllRolledBack(failure)
+
+
+# -- the whole order -------------------------------------------------------------------------------
+class TwoPhaseCommit(ABC, Generic[Out]):
+    """Owns the order of an update; subclasses fill in the steps where they run. `Out`: what a commit
+    returns there (the API process: its timings; the weight-transfer backend: nothing)."""
+
+    async def apply(self, update: Update, options: CommitOptions) -> Out:
+        return await self.commit(await self.stage(update), options)
+
+    async def stage(self, update: Update) -> Staged:
+        """Stage on every rank, then verify the ranks' partials against the target's header before
+        anything is written. On failure the ticket is released on every rank, and an integrity
+        failure (422) drops the cached copies of the versions: the next try fetches them again."""
+        t0 = time.perf_counter()
+        try:
+            try:
+                summaries = (await self.stage_ranks(update)).all()
+                current, target = await self.verification_basis(update)
+                verify_partials(current, [s.partials for s in summaries], target)
+            except BaseException:
+                await self.release(update.ticket)
+                raise
+        except Exception as exc:
+            if http_status(exc) == 422:
+                await self.drop_cached(update.versions)
+            raise
+        return Staged(update, summaries, (time.perf_counter() - t0) * 1e3)
+
+    async def commit(self, staged: Staged, options: CommitOptions) -> Out:
+        """Commit every rank (every rank rolled back if one failed), then release the ticket."""
+        try:
+            return await self.commit_ranks(staged, options)
+        finally:
+            await self.release(staged.update.ticket)
+
+    # -- the steps -------------------------------------------------------------------------------
+    @abstractmethod
+    async def stage_ranks(self, update: Update) -> Replies[StageSummary]:
+        """Every rank stages its share; its summary holds its checksum partials."""
+
+    @abstractmethod
+    async def verification_basis(self, update: Update) -> tuple[Sums, VersionHeader]:
+        """(the served per-tensor sums the partials add to, the header of the target version)."""
+
+    @abstractmethod
+    async def commit_ranks(self, staged: Staged, options: CommitOptions) -> Out:
+        """commit_all, here or in the engine core; raises unless every rank committed."""
+
+    @abstractmethod
+    async def release(self, ticket: str) -> None:
+        """Drop the ticket's buffers on every rank (best effort)."""
+
+    @abstractmethod
+    async def drop_cached(self, versions: list[int]) -> None:
+        """Drop the download cache's copies of these versions."""

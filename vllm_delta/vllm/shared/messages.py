@@ -1,0 +1,194 @@
+"""The typed messages between the API process, the engine core and the workers (rpc.py declares the calls).
+
+What a worker rank answers (`WorkerStatus`, `StageSummary`, ...) and what the engine core answers
+(`CommittedAll`, `LabelSet`, the timeline). They cross vLLM's msgpack boundary in their plain form,
+through the same two functions as the HTTP bodies (`vllm_delta.server_api.to_wire` / `from_wire`,
+over the generic codec of wire.py), so nothing outside the codec reads a payload by key. 64-bit
+checksum sums are ints in Python and 16 hex digits on the wire (`HexSums`). A failing rank answers
+`ErrorReply` instead (rpc.py tells the two apart). The HTTP bodies and the vocabularies are in
+vllm_delta/server_api.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ...errors import WorkerError, http_status
+from ...server_api import Coverage, InflightAnswer
+from ...wire import HexSums
+
+
+# -- RPC replies of one worker rank ----------------------------------------------------------------
+@dataclass(frozen=True)
+class ErrorPayload:
+    """An exception raised in a worker or the engine core, carried across the RPC boundary with its
+    HTTP status."""
+
+    type: str
+    status: int
+    message: str
+
+    @classmethod
+    def from_exception(cls, exc: BaseException) -> ErrorPayload:
+        return cls(type(exc).__name__, http_status(exc), str(exc))
+
+    def to_error(self, rank: int | None) -> WorkerError:
+        return WorkerError(self.message, status=self.status, rank=rank, type_name=self.type)
+
+    def describe(self, rank: int) -> str:
+        return f"rank {rank}: {self.type}: {self.message}"
+
+
+@dataclass(frozen=True)
+class ErrorReply:
+    """What a worker method (or a reserved engine-core call) answers instead of raising."""
+
+    error: ErrorPayload
+
+
+@dataclass(frozen=True)
+class WorkerStatus:
+    """rpc.STATUS: what one rank serves."""
+
+    rank: int
+    version: int | None
+    checksum: str | None  # whole-model checksum the served version's header records
+    prepared: bool  # the layout has been probed
+    fallback: list[str] = field(default_factory=list)  # tensors through vLLM's sparse path
+    tickets: list[str] = field(default_factory=list)  # staged updates held
+    coverage: Coverage | None = None
+    live_sums: HexSums | None = None  # this rank's share of the live per-tensor sums, when asked for
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """rpc.PREPARE: the tensors the probe sent through vLLM's sparse path."""
+
+    fallback: list[str]
+
+
+@dataclass(frozen=True)
+class RankSums:
+    """rpc.LIVE_SUMS (this rank's share of the live per-tensor sums) and rpc.SERVED_SUMS (the sums
+    the served version's header records): HF name -> sum mod 2^64."""
+
+    version: int | None  # the served version
+    sums: HexSums
+
+
+@dataclass(frozen=True)
+class StageSummary:
+    """A rank's staged update: its checksum partials Σ w(p)(new - old) per tensor (owned elements)."""
+
+    versions: list[int]
+    partials: HexSums
+    nnz: int  # elements this rank will write
+    bytes: int  # staged device bytes
+    stage_ms: float
+    timings: dict[str, float] = field(default_factory=dict)  # ms per staging phase
+
+
+@dataclass(frozen=True)
+class StageStarted:
+    """rpc.STAGE_START: staging runs on the worker's background thread."""
+
+    started: str  # the ticket
+
+
+@dataclass(frozen=True)
+class StagePoll:
+    """rpc.STAGE_POLL: the summary once staging is done."""
+
+    done: bool
+    summary: StageSummary | None = None
+
+    @classmethod
+    def of(cls, summary: StageSummary | None) -> StagePoll:
+        return cls(summary is not None, summary)
+
+
+@dataclass(frozen=True)
+class Committed:
+    """rpc.COMMIT: the rank's in-place writes took `apply_ms`."""
+
+    apply_ms: float
+
+
+@dataclass(frozen=True)
+class RolledBack:
+    """rpc.ROLLBACK: False when the rank had nothing committed to undo."""
+
+    rolled_back: bool
+
+
+@dataclass(frozen=True)
+class Released:
+    """rpc.RELEASE: the ticket's buffers are dropped."""
+
+    released: str
+
+
+# -- engine-core replies (engine_core/reserved.py: reserved collective_rpc names) ------------------------------
+@dataclass(frozen=True, kw_only=True)
+class CommittedAll:
+    """rpc.COMMIT_ALL: every rank committed, in a pause or (mode "inflight") between two engine steps,
+    and the label changed. The prefix-cache and request numbers are those of an in-flight commit (0 in
+    a pause: the API process resets the prefix cache itself)."""
+
+    version: int
+    label: str  # vLLM's weight-version label from now on
+    previous_label: str
+    engine_step: int  # labelled engine steps before the commit: the first step on the new weights is the next
+    engine_ms: float  # the engine loop's stall: preflight, writes on every rank, invalidation, label
+    apply_ms: float  # the in-place writes, slowest rank
+    dropped_blocks: int  # prefix-cache blocks whose hash was dropped
+    dropped_blocks_in_use: int  # ... of them still held (and valid) for running requests
+    tainted: int  # requests holding KV at the commit: they never insert prefix-cache hashes
+    batches_in_flight: int  # batches already dispatched (batch queue): they keep the old label
+    switch: dict[str, int]  # generate() request id -> index of its first output token on the new weights
+    time: float  # wall clock (time.time()) at the commit
+
+    def answer(self) -> InflightAnswer:
+        """The HTTP answer's `inflight` part."""
+        return InflightAnswer(
+            label=self.label,
+            previous_label=self.previous_label,
+            engine_step=self.engine_step,
+            engine_ms=self.engine_ms,
+            apply_ms=self.apply_ms,
+            dropped_blocks=self.dropped_blocks,
+            dropped_blocks_in_use=self.dropped_blocks_in_use,
+            tainted=self.tainted,
+            batches_in_flight=self.batches_in_flight,
+            requests_running=len(self.switch),
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class LabelSet:
+    """rpc.SET_LABEL: the weight-version label set at start-up (or by hand)."""
+
+    label: str
+    previous_label: str
+    engine_step: int
+    time: float
+
+
+@dataclass(frozen=True)
+class PrefixCleared:
+    """What dropping the prefix-cache hashes found (engine_core/reserved.py: drop_prefix_hashes)."""
+
+    hash_keys: int
+    blocks: int
+    blocks_in_use: int
+
+
+@dataclass(frozen=True)
+class PrefixState:
+    """rpc.PREFIX_STATE: how many blocks carry a prefix hash, which requests are tainted (tests)."""
+
+    hash_keys: int
+    hashed_blocks: int
+    tainted: list[str]
+    async_scheduling: bool
+    batch_queue: int | None

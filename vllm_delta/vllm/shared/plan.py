@@ -1,0 +1,92 @@
+"""Which versions an update applies, given what the server serves: the successor rule.
+
+A server at S asked for T (T > S):
+- T's chain passes through S: the deltas after S, in order, in one pause. The first delta's
+  recorded base checksum must equal S's checksum, else 409 (the store was rewritten under the
+  server: same version numbers, other weights).
+- T's chain starts at an anchor after S (the publisher anchors every N versions): T's chain,
+  anchor included, is staged against the live weights; only the elements that differ are written,
+  so the pause stays sparse. Allowed when the store's record of S still has S's checksum (same
+  run), else 409.
+Anything else needs `"allow_reanchor": true` (409 without it): T older than S (a deliberate
+rollback of the policy), or S unknown (a server not started with --load-format delta).
+
+Every record the decision depends on is read afresh from the store (`fresh=True`): a store wiped and
+refilled by another run reuses version numbers, and a record remembered from the old run would
+let the new run's versions through.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ...errors import NotSuccessorError, VersionNotFoundError
+from ...store import DeltaStore, VersionRecord
+
+
+@dataclass
+class UpdatePlan:
+    target: int
+    versions: list[int]  # to stage, in order ([] if the server already serves the target)
+    reanchor: bool  # the plan starts at an anchor: staged against the live weights
+    nnz: int = 0  # changed elements the applied versions record (anchors: all elements)
+    bytes: int = 0  # size of the applied version files
+    records: list[VersionRecord] = field(default_factory=list)  # of `versions`, as read for this decision
+
+
+def plan_update(
+    store: DeltaStore,
+    served_version: int | None,
+    served_checksum: str | None,
+    requested: int | str,
+    allow_reanchor: bool = False,
+) -> UpdatePlan:
+    target = store.resolve(requested)
+    if served_version == target:
+        store.record(target, fresh=True)
+        return UpdatePlan(target, [], False)
+    records = store.plan(served_version, target, fresh=True)
+    first = records[0]
+    through_served = served_version is not None and first.kind == "delta" and first.base == served_version
+    if through_served:
+        if first.base_checksum and served_checksum and first.base_checksum != served_checksum:
+            raise NotSuccessorError(
+                f"delta {first.version} expects base checksum {first.base_checksum}, the served version "
+                f"{served_version} has {served_checksum} (was the store rewritten?)",
+                version=first.version,
+            )
+    elif not allow_reanchor:
+        why: str | None
+        if served_version is None:
+            why = "the served version is unknown (the server was not started with --load-format delta)"
+        elif target < served_version:
+            why = f"it is older than the served version {served_version}"
+        else:
+            why = _same_run(store, served_version, served_checksum)
+        if why:
+            raise NotSuccessorError(
+                f'version {target} is not a successor: {why}; send "allow_reanchor": true to replay its whole chain',
+                version=target,
+            )
+    return UpdatePlan(
+        target,
+        [r.version for r in records],
+        not through_served,
+        nnz=sum(r.nnz for r in records),
+        bytes=sum(r.bytes for r in records),
+        records=records,
+    )
+
+
+def _same_run(store: DeltaStore, served_version: int, served_checksum: str | None) -> str | None:
+    """Why a newer anchor line is not this server's run, or None if it is."""
+    try:
+        rec = store.record(served_version, fresh=True)
+    except VersionNotFoundError:
+        return None  # retention removed the served version: a newer anchor is the only way forward
+    if served_checksum and rec.checksum != served_checksum:
+        return (
+            f"the store's version {served_version} has checksum {rec.checksum}, the server's {served_checksum} "
+            "(was the store rewritten?)"
+        )
+    return None

@@ -1,0 +1,181 @@
+"""vLLM's native weight-transfer API, backed by the store: `--weight-transfer-config '{"backend": "delta"}'`.
+
+    init_weight_transfer_engine {"init_info": {}}            (optional {"store": URI} if the server
+                                                               was not started with --load-format delta)
+    start_weight_update                                       (no-op: updates are in place)
+    update_weights {"update_info": {"version": N | "latest", "allow_reanchor": false}}
+    finish_weight_update                                      (no-op)
+
+`update_weights` runs on every rank at once: each stages its share, the ranks exchange checksum
+partials and verify them against the version header before anyone writes, then all commit; if a
+rank fails, every rank rolls back. Pausing generation around it is the caller's business, as for
+every native backend (vLLM's /pause and /resume, or `LLM` being synchronous).
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+
+from ...checksums import Sums
+from ...errors import CommitFailedError, RollbackFailedError
+from ...format import VersionHeader, VersionLike
+from ...server_api import Method
+from ..shared import rpc
+from ..shared.commit import (
+    AllCommitted,
+    AllRolledBack,
+    CommitOptions,
+    Staged,
+    TwoPhaseCommit,
+    Update,
+    commit_all,
+    run_sync,
+)
+from ..shared.messages import Committed, RolledBack, StageSummary
+from ..shared.options import StoreSpec, server_store
+from ..shared.plan import UpdatePlan, plan_update
+from . import dist
+from .methods import open_store
+from .replica import DeltaReplica, replica_of
+
+if TYPE_CHECKING:
+    from ...store import DeltaStore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class DeltaInitInfo(WeightTransferInitInfo):
+    store: str | None = None
+    storage_options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class DeltaUpdateInfo(WeightTransferUpdateInfo):
+    version: int | str = "latest"
+    allow_reanchor: bool = False
+
+
+class DeltaWeightTransferEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateInfo]):
+    init_info_cls = DeltaInitInfo
+    update_info_cls = DeltaUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, config: Any, vllm_config: Any, device: Any, model: torch.nn.Module) -> None:
+        super().__init__(config, vllm_config, device, model)
+        load = vllm_config.load_config
+        self.spec: StoreSpec | None = server_store(load.load_format, load.model_loader_extra_config)
+
+    def init_transfer_engine(self, init_info: DeltaInitInfo) -> None:
+        if init_info.store:
+            self.spec = StoreSpec(init_info.store, dict(init_info.storage_options or {}))
+
+    def start_weight_update(self) -> None:
+        pass
+
+    def finish_weight_update(self) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        pass
+
+    def receive_weights(self, update_info: DeltaUpdateInfo) -> None:
+        if self.spec is None:
+            raise ValueError("no store: start with --load-format delta or pass init_info {'store': URI}")
+        store = open_store(self.spec)
+        replica = replica_of(self.model)
+        target = store.resolve(update_info.version)
+        if not replica.prepared:  # every rank gets here together: the probe's exchange is collective
+            replica.prepare({n: tuple(e.shape) for n, e in store.open(target, fresh=True).header.tensors.items()})
+        plan = plan_update(store, replica.served.version, replica.served.checksum, target, update_info.allow_reanchor)
+        if not plan.versions:
+            return
+        steps = RankUpdate(replica, store, plan)
+        run_sync(steps.apply(Update(uuid.uuid4().hex, plan.versions, plan.target), CommitOptions()))
+        if replica.rank == 0:  # the ranks of a host share the cache: keep the served version's chain
+            try:
+                keep = [r.version for r in store.chain(plan.target)]
+                store.prune_cache(keep, max_bytes=self.spec.cache_max_bytes)
+            except Exception as exc:  # noqa: BLE001 - pruned next time
+                log.warning("vllm-delta: pruning the download cache failed: %s", exc)
+
+
+class GatheredRanks:
+    """Every rank at once, seen from one worker rank: this rank's reply, exchanged with the others'
+    (a collective: every rank makes the same calls in the same order)."""
+
+    def __init__(self, replica: DeltaReplica):
+        self.replica = replica
+
+    async def commit(self, ticket: str, method: Method = "delta", fault: str | None = None) -> rpc.Replies[Committed]:
+        def commit() -> Committed:
+            return Committed(self.replica.commit(ticket, fault=fault, method=method))
+
+        return rpc.Replies.decode(Committed, dist.all_gather_object(rpc.answer(rpc.COMMIT.name, commit)))
+
+    async def rollback(self, ticket: str) -> rpc.Replies[RolledBack]:
+        def rollback() -> RolledBack:
+            return RolledBack(self.replica.rollback(ticket))
+
+        return rpc.Replies.decode(RolledBack, dist.all_gather_object(rpc.answer(rpc.ROLLBACK.name, rollback)))
+
+
+class RankUpdate(TwoPhaseCommit[None]):
+    """The protocol's steps on one worker rank (vLLM's weight-transfer backend): every rank stages
+    its share synchronously, the ranks exchange their summaries and verify them against the version
+    header before anyone writes, all commit, and all roll back if one fails. The caller pauses."""
+
+    def __init__(self, replica: DeltaReplica, store: DeltaStore, plan: UpdatePlan):
+        self.replica = replica
+        self.store = store
+        self.plan = plan
+        self.files: list[VersionLike] = []
+
+    async def stage_ranks(self, update: Update) -> rpc.Replies[StageSummary]:
+        def stage() -> StageSummary:
+            # Opened inside the exchanged step: a rank that can't read a file reports it to every rank.
+            self.files = [self.store.open(r.version, record=r) for r in self.plan.records]
+            return self.replica.stage(update.ticket, self.files)
+
+        return rpc.Replies.decode(StageSummary, dist.all_gather_object(rpc.answer("staging", stage)))
+
+    async def verification_basis(self, update: Update) -> tuple[Sums, VersionHeader]:
+        served = self.replica.served  # the same on every rank: the served version's header
+        current = served.sums if served.version is not None else self.replica.live_sums_all_ranks()
+        return current, self.files[-1].header
+
+    async def commit_ranks(self, staged: Staged, options: CommitOptions) -> None:
+        outcome = await commit_all(
+            GatheredRanks(self.replica), staged.update.ticket, method=staged.update.method, after_writes=_nothing
+        )
+        if isinstance(outcome, AllCommitted):
+            return
+        version = staged.update.target
+        if isinstance(outcome, AllRolledBack):
+            raise CommitFailedError(
+                f"update to version {version} failed and was rolled back on every rank: {outcome.failure}"
+            )
+        raise RollbackFailedError(
+            f"update to version {version} failed ({outcome.failure}) and could not be rolled back: "
+            f"{outcome.rollback_failure}"
+        )
+
+    async def release(self, ticket: str) -> None:
+        self.replica.release(ticket)
+
+    async def drop_cached(self, versions: list[int]) -> None:
+        self.store.prune_cache(versions=versions)
+
+
+def _nothing(apply_ms: float) -> None:
+    return None
