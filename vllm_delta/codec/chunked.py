@@ -34,7 +34,7 @@ import threading
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple, get_args
 
 import numpy as np
 import torch
@@ -43,7 +43,7 @@ import zstandard
 from ..bits import int_view, wrap_diff
 from ..checksums import chunk_hash_np, chunk_hashes_np
 from ..errors import CodecError, DeltaError, PositionError
-from . import gpu
+from . import gpu, kernels
 from .base import Batch, BatchSections, Changes, Ctx, HostCopy, Sections, err, segment_ids
 
 log = logging.getLogger(__name__)
@@ -61,6 +61,9 @@ INDEX_WIDTH = N_PLANES + 4  # per chunk: 5 frame sizes, big elements, gap escape
 SLICE_ELEMS = 1 << 22  # elements turned into planes at a time on the device (bounds temporaries)
 MAX_CHUNK_ELEMS = 1 << 24
 PAYLOAD_PARTS = ("blob", "index", "gap_esc", "mag_esc")  # file-level payload keys (`::<part>`)
+EncodeBackend = Literal["torch", "triton"]  # the device encoder: the fused kernel, or the torch reference
+ENCODE_BACKENDS: tuple[EncodeBackend, ...] = get_args(EncodeBackend)
+_ENCODE_FAILED: set[str] = set()  # devices where the Triton encoder failed (not tried again)
 
 
 def align(n: int, to: int = FRAME_ALIGN) -> int:
@@ -184,20 +187,135 @@ def encode_planes(
     chunk_elems: int = CHUNK_ELEMS,
     slice_elems: int = SLICE_ELEMS,
     context: tuple[torch.Tensor, torch.Tensor] | None = None,
+    backend: EncodeBackend | None = None,
 ) -> Planes:
     """Device work of the encoder: the planes of a batch's changes, in the batch's element order.
 
-    Works in slices of `slice_elems` elements (a multiple of `chunk_elems`), so its temporaries
-    stay at ~40 B x slice_elems whatever the number of changes; one host synchronization per slice
-    (the escapes, which are rare). `context`: (position, tensor index) of the element before the
-    batch's first (1-element tensors), when the batch continues an earlier one (`StreamEncoder`)."""
+    `context`: (position, tensor index) of the element before the batch's first (1-element
+    tensors), when the batch continues an earlier one (`StreamEncoder`). `backend`: "triton" (the
+    fused kernel of kernels.py, one launch and one host wait for the whole batch), "torch" (slices
+    of `slice_elems` elements, ~70 small kernels and one host wait each: the reference), or None:
+    Triton on CUDA where it runs (a kernel failure is logged once and the torch path used)."""
     if chunk_elems % 128 or not 0 < chunk_elems <= MAX_CHUNK_ELEMS:
         raise ValueError(f"chunk_elems must be a multiple of 128 in (0, {MAX_CHUNK_ELEMS}]")
     slice_elems = max(chunk_elems, slice_elems // chunk_elems * chunk_elems)
-    before = context
+    dev = batch.positions.device
+    chosen = backend or _default_encode_backend(dev)
+    if chosen == "triton":
+        if not kernels.available(dev):
+            raise ValueError(f"the Triton encoder does not run on {dev}")
+        try:
+            return _encode_triton(batch, chunk_elems, slice_elems, context)
+        except Exception as exc:  # noqa: BLE001 - a kernel that does not build here: the torch path
+            if backend is not None:
+                raise
+            _ENCODE_FAILED.add(str(dev))
+            log.warning("vllm-delta: the Triton encoder failed on %s, encoding with torch: %s", dev, exc)
+    elif chosen != "torch":
+        raise ValueError(f"encode backend must be one of {ENCODE_BACKENDS}, not {chosen!r}")
+    return _encode_torch(batch, chunk_elems, slice_elems, context)
+
+
+def _default_encode_backend(dev: torch.device) -> EncodeBackend:
+    return "triton" if dev.type == "cuda" and kernels.available(dev) and str(dev) not in _ENCODE_FAILED else "torch"
+
+
+def _slice_terms(
+    batch: Batch, a: int, b: int, starts_t: torch.Tensor, context: tuple[torch.Tensor, torch.Tensor] | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gaps, differences) of the batch's elements [a, b), int64: the gap from the previous element
+    of the same tensor (or from the tensor's start), and new - old mod 2^bits read signed."""
     pos_all, seg_all = batch.positions, batch.seg
-    dev, n = pos_all.device, pos_all.numel()
+    pos, seg = pos_all[a:b], seg_all[a:b]
+    prev = torch.empty_like(pos)
+    prev_seg = torch.empty_like(seg)
+    prev[1:] = pos[:-1]
+    prev_seg[1:] = seg[:-1]
+    if a:
+        prev[:1] = pos_all[a - 1 : a]
+        prev_seg[:1] = seg_all[a - 1 : a]
+    elif context is not None:
+        prev[:1] = context[0]
+        prev_seg[:1] = context[1]
+    else:
+        prev[:1] = -1
+        prev_seg[:1] = -1  # no element before: the first starts its tensor's chain
+    gaps = pos - torch.where(seg != prev_seg, starts_t[seg] - 1, prev) - 1
+    del prev, prev_seg
     width = int_view(batch.new).element_size()
+    return gaps, wrap_diff(int_view(batch.new[a:b]), int_view(batch.old[a:b]), width)
+
+
+def _encode_triton(
+    batch: Batch, chunk_elems: int, slice_elems: int, context: tuple[torch.Tensor, torch.Tensor] | None
+) -> Planes:
+    """`encode_planes` by the fused kernel; escapes (rare) gathered by torch from the chunks that have any."""
+    pos, dev, n = batch.positions, batch.positions.device, batch.positions.numel()
+    layout = PlaneLayout(n, chunk_elems)
+    buf = torch.empty(layout.size, dtype=torch.uint8, device=dev)
+    counts = torch.zeros(3, layout.chunks, dtype=torch.int64, device=dev)
+    starts_t = torch.tensor(batch.starts, dtype=torch.int64).to(dev, non_blocking=dev.type == "cuda")
+    if context is not None:
+        ctx = torch.cat([context[0].reshape(1), context[1].reshape(1)]).to(torch.int64)
+    else:
+        ctx = torch.full((2,), -1, dtype=torch.int64, device=dev)
+    kernels.encode_chunks(
+        pos,
+        batch.seg,
+        int_view(batch.new),
+        int_view(batch.old),
+        starts_t,
+        buf,
+        counts,
+        ctx,
+        chunk_elems=chunk_elems,
+        plane_starts=layout.starts,
+        width=int_view(batch.new).element_size(),
+        gap_escape=GAP_ESCAPE,
+        mag_bias=MAG_BIAS,
+        mag_escape=MAG_ESCAPE,
+    )
+    escaped = np.flatnonzero(counts[1:].sum(0).cpu().numpy())  # the one host wait
+    gap_esc: list[torch.Tensor] = []
+    mag_esc: list[torch.Tensor] = []
+    for a, b in _runs(escaped, chunk_elems, n):
+        for s0 in range(a, b, slice_elems):
+            gaps, d = _slice_terms(batch, s0, min(b, s0 + slice_elems), starts_t, context)
+            m = d.abs_()
+            gap_esc.append(gaps[gaps >= GAP_ESCAPE])
+            mag_esc.append(m[m >= MAG_BIAS + MAG_ESCAPE])
+    empty = torch.zeros(0, dtype=torch.int64, device=dev)
+    return Planes(
+        layout=layout,
+        buf=buf,
+        n_big=counts[0],
+        n_gap_esc=counts[1],
+        n_mag_esc=counts[2],
+        gap_esc=torch.cat(gap_esc) if gap_esc else empty,
+        mag_esc=torch.cat(mag_esc) if mag_esc else empty,
+    )
+
+
+def _runs(chunks: np.ndarray, chunk_elems: int, n: int) -> list[tuple[int, int]]:
+    """Element ranges of sorted chunk indices, consecutive chunks merged."""
+    out: list[tuple[int, int]] = []
+    for k in chunks.tolist():
+        a, b = k * chunk_elems, min(n, (k + 1) * chunk_elems)
+        if out and out[-1][1] == a:
+            out[-1] = (out[-1][0], b)
+        else:
+            out.append((a, b))
+    return out
+
+
+def _encode_torch(
+    batch: Batch, chunk_elems: int, slice_elems: int, context: tuple[torch.Tensor, torch.Tensor] | None
+) -> Planes:
+    """`encode_planes` in slices of `slice_elems` elements (a multiple of `chunk_elems`), so its
+    temporaries stay at ~40 B x slice_elems whatever the number of changes; one host
+    synchronization per slice (the escapes, which are rare)."""
+    pos_all = batch.positions
+    dev, n = pos_all.device, pos_all.numel()
     layout = PlaneLayout(n, chunk_elems)
     lo0, hi0, sign0, big0, mag0 = layout.starts
     buf = torch.empty(layout.size, dtype=torch.uint8, device=dev)
@@ -209,22 +327,7 @@ def encode_planes(
     for a in range(0, n, slice_elems):
         b = min(n, a + slice_elems)
         k0 = a // chunk_elems
-        pos, seg = pos_all[a:b], seg_all[a:b]
-        prev = torch.empty_like(pos)
-        prev[1:] = pos[:-1]
-        first = torch.empty(b - a, dtype=torch.bool, device=dev)
-        torch.ne(seg[1:], seg[:-1], out=first[1:])
-        if a:
-            prev[:1] = pos_all[a - 1 : a]
-            torch.ne(seg[:1], seg_all[a - 1 : a], out=first[:1])
-        elif before is not None:
-            prev[:1] = before[0]
-            torch.ne(seg[:1], before[1], out=first[:1])
-        else:
-            first[:1] = True
-        gaps = pos - torch.where(first, starts_t[seg] - 1, prev) - 1
-        del prev, first
-        d = wrap_diff(int_view(batch.new[a:b]), int_view(batch.old[a:b]), width)
+        gaps, d = _slice_terms(batch, a, b, starts_t, context)
         neg = d < 0
         m = d.abs_()
         g_esc, m_esc = gaps >= GAP_ESCAPE, m >= MAG_BIAS + MAG_ESCAPE
@@ -902,7 +1005,8 @@ class StreamEncoder:
     def _encode(self, part: tuple[torch.Tensor, ...]) -> None:
         pos, seg, new, old = part
         batch = Batch(positions=pos, new=new, old=old, seg=seg, counts=[], starts=self.starts, numels=[])
-        self.parts.append(encode_planes(batch, self.codec.chunk_elems, self.codec.slice_elems, self._prev))
+        c = self.codec
+        self.parts.append(encode_planes(batch, c.chunk_elems, c.slice_elems, self._prev, c.encode_backend))
         self._prev = (pos[-1:].clone(), seg[-1:].clone())
 
     def finish(self, counts: Sequence[int]) -> ChunkedBatch:
@@ -924,10 +1028,18 @@ class ChunkedCodec:
     needs_base = True
     file_level = True
 
-    def __init__(self, level: int = ZSTD_LEVEL, chunk_elems: int = CHUNK_ELEMS, slice_elems: int = SLICE_ELEMS):
+    def __init__(
+        self,
+        level: int = ZSTD_LEVEL,
+        chunk_elems: int = CHUNK_ELEMS,
+        slice_elems: int = SLICE_ELEMS,
+        encode_backend: EncodeBackend | None = None,
+    ):
+        """`encode_backend`: the device encoder (`encode_planes`): None picks Triton on CUDA."""
         self.level = level
         self.chunk_elems = chunk_elems
         self.slice_elems = slice_elems
+        self.encode_backend = encode_backend
 
     # -- trainer side ------------------------------------------------------------------------
     def prepare(
@@ -938,7 +1050,9 @@ class ChunkedCodec:
 
     def prepare_batch(self, batch: Batch) -> ChunkedBatch:
         """Device work for many tensors at once: the planes, on the batch's device and stream."""
-        parts = [encode_planes(batch, self.chunk_elems, self.slice_elems)] if batch.positions.numel() else []
+        if not batch.positions.numel():
+            return ChunkedBatch(self, batch.counts, batch.starts, [])
+        parts = [encode_planes(batch, self.chunk_elems, self.slice_elems, backend=self.encode_backend)]
         return ChunkedBatch(self, batch.counts, batch.starts, parts)
 
     def stream(self, starts: Sequence[int]) -> StreamEncoder:

@@ -1,0 +1,186 @@
+"""Triton kernels of the chunked codec (chunked.py): the device halves of encode and decode, fused.
+
+The torch code in chunked.py is the reference (and the path on machines without Triton); these
+kernels compute the same bytes, bit for bit (tests/test_codec_kernels.py runs both under
+TRITON_INTERPRET=1 on the CPU, and on the GPU):
+
+* `encode_chunks`: one program per chunk of E elements turns a batch's changes (positions, tensor
+  index, new and old bits) into the chunk's planes: gap low/high bytes, sign and big bits, the big
+  elements' magnitude codes at their rank in the chunk, and the chunk's counts (big elements, gap
+  and value escapes). The torch encoder runs ~70 small kernels and a host wait per 4M-element
+  slice; this is one launch per pass of detection. The escapes' values (rare) are gathered
+  afterwards, by torch, from the chunks that have any (`chunked.encode_planes`).
+* `decode_chunks`: one program per chunk turns planes back into gaps (escapes patched) and
+  differences, and flags a chunk whose counts disagree with the index; the positions (a prefix sum
+  over the run) and the range checks stay in torch (`chunked._decode`).
+* `chunk_hashes`: the positional hash of each chunk's bytes (checksums.chunk_hashes), one program
+  per chunk, no index tensors.
+* `compact_frames`: frames compressed by nvCOMP into fixed-size slots -> one blob, each frame
+  padded with zeros to FRAME_ALIGN (what a boolean-mask gather did with ~16 B of indices per byte).
+
+Triton is optional: `available(device)` says whether the kernels can run (CUDA with Triton; the CPU
+only under TRITON_INTERPRET=1, for tests).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:  # Triton is optional: CPU installs work without it (the torch path).
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised where Triton is absent
+    triton = None
+    tl = None
+
+ENCODE_ROWS = 128  # rows of 8 elements per step of a program (1024 elements)
+ENCODE_WARPS = 4
+HASH_BLOCK = 1024  # words per step of `chunk_hashes`
+COPY_BLOCK = 4096  # bytes per step of `compact_frames`
+
+
+def available(device: torch.device) -> bool:
+    """Whether the kernels run on `device`: CUDA with Triton, or the CPU under TRITON_INTERPRET=1."""
+    if triton is None:
+        return False
+    if device.type == "cuda":
+        return True
+    return device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+
+
+if triton is not None:
+
+    @triton.jit
+    def _encode_kernel(
+        pos_ptr,
+        seg_ptr,
+        new_ptr,
+        old_ptr,
+        starts_ptr,
+        buf_ptr,
+        counts_ptr,
+        ctx_ptr,
+        n,
+        chunks,
+        lo0,
+        hi0,
+        sign0,
+        big0,
+        mag0,
+        E: tl.constexpr,
+        ROWS: tl.constexpr,
+        MASK: tl.constexpr,
+        HALF: tl.constexpr,
+        FULL: tl.constexpr,
+        GAP_ESCAPE: tl.constexpr,
+        MAG_BIAS: tl.constexpr,
+        MAG_ESCAPE: tl.constexpr,
+    ):
+        k = tl.program_id(0).to(tl.int64)
+        c0 = k * E
+        r = tl.arange(0, ROWS)[:, None]
+        c = tl.arange(0, 8)[None, :]
+        weight = (tl.zeros([1, 8], dtype=tl.int32) + 1) << c
+        ctx_pos = tl.load(ctx_ptr)  # the element before the batch: position, tensor index (-1: none)
+        ctx_seg = tl.load(ctx_ptr + 1)
+        n_big = tl.sum(tl.zeros([ROWS], dtype=tl.int32), axis=0)
+        n_gap = n_big
+        n_mag = n_big
+        for b0 in range(0, E, ROWS * 8):
+            i = c0 + b0 + r * 8 + c  # [ROWS, 8] element indices
+            m = i < n
+            pos = tl.load(pos_ptr + i, mask=m, other=0)
+            seg = tl.load(seg_ptr + i, mask=m, other=0)
+            has_prev = m & (i > 0)
+            prev_pos = tl.load(pos_ptr + i - 1, mask=has_prev, other=0)
+            prev_seg = tl.load(seg_ptr + i - 1, mask=has_prev, other=0)
+            prev_pos = tl.where(i == 0, ctx_pos, prev_pos)
+            prev_seg = tl.where(i == 0, ctx_seg, prev_seg)
+            start = tl.load(starts_ptr + seg, mask=m, other=0)
+            gap = pos - tl.where(seg != prev_seg, start - 1, prev_pos) - 1
+            d = (
+                tl.load(new_ptr + i, mask=m, other=0).to(tl.int64) - tl.load(old_ptr + i, mask=m, other=0).to(tl.int64)
+            ) & MASK
+            d = tl.where(d >= HALF, d - FULL, d)
+            mag = tl.abs(d)
+            big = m & (mag > 1)
+            n_gap += tl.sum((m & (gap >= GAP_ESCAPE)).to(tl.int32), axis=None)
+            n_mag += tl.sum((m & (mag >= MAG_BIAS + MAG_ESCAPE)).to(tl.int32), axis=None)
+            g = tl.minimum(gap, GAP_ESCAPE)
+            tl.store(buf_ptr + lo0 + i, (g & 0xFF).to(tl.uint8), mask=m)
+            tl.store(buf_ptr + hi0 + i, ((g >> 8) & 0xFF).to(tl.uint8), mask=m)
+            byte = (c0 + b0) // 8 + tl.arange(0, ROWS)
+            on = byte * 8 < n
+            sign = tl.sum(tl.where(m & (d < 0), weight, 0), axis=1)
+            tl.store(buf_ptr + sign0 + byte, sign.to(tl.uint8), mask=on)
+            bigs = big.to(tl.int32)
+            tl.store(buf_ptr + big0 + byte, tl.sum(bigs * weight, axis=1).to(tl.uint8), mask=on)
+            row = tl.sum(bigs, axis=1)
+            rank = n_big + (tl.cumsum(row, axis=0) - row)[:, None] + (tl.cumsum(bigs, axis=1) - bigs)
+            code = tl.minimum(tl.maximum(mag - MAG_BIAS, 0), MAG_ESCAPE).to(tl.uint8)
+            tl.store(buf_ptr + mag0 + c0 + rank, code, mask=big)
+            n_big += tl.sum(row, axis=0)
+        tl.store(counts_ptr + k, n_big.to(tl.int64))
+        tl.store(counts_ptr + chunks + k, n_gap.to(tl.int64))
+        tl.store(counts_ptr + 2 * chunks + k, n_mag.to(tl.int64))
+
+
+def encode_chunks(
+    positions: torch.Tensor,
+    seg: torch.Tensor,
+    new: torch.Tensor,
+    old: torch.Tensor,
+    starts: torch.Tensor,
+    buf: torch.Tensor,
+    counts: torch.Tensor,
+    context: torch.Tensor,
+    *,
+    chunk_elems: int,
+    plane_starts: tuple[int, int, int, int, int],
+    width: int,
+    gap_escape: int,
+    mag_bias: int,
+    mag_escape: int,
+) -> None:
+    """The planes of `positions.numel()` changes into `buf` (laid out from `plane_starts`: gap low,
+    gap high, sign bits, big bits, magnitude codes strided by chunk) and each chunk's counts into
+    `counts` (int64 [3, chunks]: big elements, gap escapes, value escapes). `context`: int64 [2] on
+    the device, (position, tensor index) of the element before the first ((-1, -1): none);
+    `starts`: int64 per tensor index, where its gap chain starts."""
+    n = positions.numel()
+    chunks = counts.shape[1]
+    if not n:
+        return
+    bits = 8 * width
+    lo0, hi0, sign0, big0, mag0 = plane_starts
+    _encode_kernel[(chunks,)](
+        positions,
+        seg,
+        new,
+        old,
+        starts,
+        buf,
+        counts,
+        context,
+        n,
+        chunks,
+        lo0,
+        hi0,
+        sign0,
+        big0,
+        mag0,
+        E=chunk_elems,
+        ROWS=min(ENCODE_ROWS, chunk_elems // 8),
+        MASK=(1 << bits) - 1,
+        HALF=1 << (bits - 1),
+        FULL=1 << bits,
+        GAP_ESCAPE=gap_escape,
+        MAG_BIAS=mag_bias,
+        MAG_ESCAPE=mag_escape,
+        num_warps=ENCODE_WARPS,
+    )
+
+
+__all__ = ["available", "encode_chunks"]
