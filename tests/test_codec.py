@@ -363,3 +363,49 @@ def test_chunked_stream_encoder_equals_prepare_batch(cuts):
     assert all(torch.equal(got.payload[k], want.payload[k]) for k in want.payload)
     with pytest.raises(ValueError, match="changes encoded"):
         c.stream(batch.starts).finish(batch.counts)
+
+
+@pytest.mark.parametrize("threads", [0, 3])
+def test_streamed_delta_file_holds_what_assemble_delta_gives(tmp_path, threads):
+    """writer.write_delta streams a chunked file (format.PayloadWriter); it reads back as the file
+    assemble_delta + format.write gives: same header, same payload tensors."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from vllm_delta import format as fmt
+    from vllm_delta import writer
+
+    g = torch.Generator().manual_seed(3)
+    shapes = {"a": (300, 40), "b": (7,), "c": (5000,)}
+    changes, sums = {}, {}
+    for name, shape in shapes.items():
+        numel = int(np.prod(shape))
+        pos = torch.nonzero(torch.rand(numel, generator=g) < 0.3).reshape(-1)
+        old = torch.randint(-3000, 3000, (pos.numel(),), generator=g).to(torch.int16)
+        changes[name] = (pos, (old + 1).to(torch.int16), old)
+        sums[name] = 11
+    c = codec.ChunkedCodec(chunk_elems=128, slice_elems=256)
+    dtypes = dict.fromkeys(shapes, torch.bfloat16)
+
+    def prepared():
+        return {n: writer.prepare_changes(c, shapes[n], torch.bfloat16, sums[n], changes[n]) for n in shapes}
+
+    pool = ThreadPoolExecutor(threads) if threads else None
+    of = writer.DeltaOf(version=5, base=4, base_checksum="0" * 16, created=1.0)
+    timings: dict[str, float] = {}
+    path = str(tmp_path / "streamed.safetensors")
+    header = writer.write_delta(path, of, c, prepared(), pool=pool, timings=timings)
+    ref_header, ref_payload = writer.assemble_delta(
+        version=5, base=4, base_checksum="0" * 16, codec=c, tensors=prepared(), created=1.0
+    )
+    assert header == ref_header and set(timings) == {"pack", "write"}
+    vf = fmt.VersionFile(path, expect_version=5)
+    assert vf.header == ref_header
+    got = vf.file_payload()
+    for key, t in ref_payload.items():
+        assert torch.equal(got[key.split("::", 1)[1]], t), key
+    for name in shapes:
+        (piece,) = vf.pieces(name)
+        ch = codec.decode("chunked", piece.payload, piece.enc, numel=piece.stop, nnz=piece.nnz, dtype=dtypes[name])
+        assert torch.equal(ch.positions, changes[name][0])
+    if pool is not None:
+        pool.shutdown()

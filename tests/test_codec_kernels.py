@@ -198,3 +198,48 @@ def test_segment_ids_helper_matches_batches():
     assert bool((seg[1:] >= seg[:-1]).all())
     same = seg[1:] == seg[:-1]
     assert bool((pos[1:][same] > pos[:-1][same]).all())
+
+
+@needs_kernels
+def test_hash_kernel_is_the_checksum_definition():
+    from vllm_delta.checksums import chunk_hashes
+
+    g = torch.Generator().manual_seed(10)
+    sizes = np.array([16, 0, 4096, 8, 65536 + 16, 48], dtype=np.int64)
+    blob = torch.randint(0, 256, (int(sizes.sum()),), generator=g, dtype=torch.uint8)
+    assert torch.equal(kernels.chunk_hashes(blob, sizes), chunk_hashes(blob, torch.from_numpy(sizes)))
+    assert kernels.chunk_hashes(blob[:0], np.zeros(0, dtype=np.int64)).numel() == 0
+
+
+@needs_kernels
+def test_compact_frames_pads_with_zeros_and_drops_slot_garbage():
+    g = torch.Generator().manual_seed(11)
+    cap, got = 64, np.array([1, 64, 17, 32, 5], dtype=np.int64)
+    slots = torch.randint(1, 256, (got.size * cap,), generator=g, dtype=torch.uint8)  # garbage everywhere
+    padded = -(-got // 16) * 16
+    out = kernels.compact_frames(slots, cap, got, padded)
+    want = []
+    for i, (n, p) in enumerate(zip(got, padded)):
+        frame = slots[i * cap : i * cap + n]
+        want += [frame, torch.zeros(int(p - n), dtype=torch.uint8)]
+    assert torch.equal(out, torch.cat(want))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_hash_and_compact_kernels_on_cuda():
+    from vllm_delta.checksums import chunk_hashes
+
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(12)
+    sizes = np.random.default_rng(0).integers(0, 20_000, 3000) // 16 * 16
+    blob = torch.randint(0, 256, (int(sizes.sum()),), generator=g, dtype=torch.uint8, device=dev)
+    assert torch.equal(kernels.chunk_hashes(blob, sizes), chunk_hashes(blob, torch.from_numpy(sizes)))
+    cap, got = 70_000, np.random.default_rng(1).integers(1, 70_000, 1500)
+    slots = torch.randint(1, 256, (got.size * cap,), generator=g, dtype=torch.uint8, device=dev)
+    padded = -(-got // 16) * 16
+    out = kernels.compact_frames(slots, cap, got, padded)
+    rows = slots.view(-1, cap).clone()
+    col = torch.arange(cap, device=dev)
+    rows.masked_fill_(col[None, :] >= torch.from_numpy(got).to(dev)[:, None], 0)
+    assert torch.equal(out, rows[col[None, :] < torch.from_numpy(padded).to(dev)[:, None]])

@@ -22,6 +22,8 @@ import json
 import mmap
 import os
 import struct
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Executor, Future
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, NamedTuple, TypeGuard, get_args
 
@@ -55,6 +57,7 @@ _ST_DTYPES = {
     "U8": torch.uint8,
     "BOOL": torch.bool,
 }
+_ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
 
 
 def is_kind(value: object) -> TypeGuard[VersionKind]:
@@ -230,6 +233,149 @@ def serialize(header: VersionHeader, payload: dict[str, torch.Tensor]) -> bytes:
 def write(path: str, header: VersionHeader, payload: dict[str, torch.Tensor]) -> None:
     header.validate()
     save_file({k: v.contiguous() for k, v in payload.items()}, path, metadata=_metadata(header))
+
+
+class PayloadWriter:
+    """A version file written while its payload is produced (the chunked codec's pipelined upload):
+    the data section first, every payload part appended in order at the next offset by positioned
+    writes (on `pool`'s threads when given, each after its `ready()`: a device-to-host copy), the
+    header last, into room reserved before the data and padded with spaces (which safetensors
+    allows). The same file as `write` up to the order of the payload and the header's padding.
+
+    `parts`: every payload key the file will hold, in the order they come, with its dtype and
+    number of dimensions (the room for the header is reserved from them). Appends to a part
+    concatenate along dimension 0; each part starts aligned to its element size."""
+
+    PIECE_BYTES = 8 << 20  # a large append is written by several threads in pieces of this size
+    _BOUND = 10**15  # every size and offset in the header is below this (1 PB)
+
+    def __init__(
+        self,
+        path: str,
+        header: VersionHeader,
+        parts: Sequence[tuple[str, torch.dtype, int]],
+        pool: Executor | None = None,
+    ):
+        header.validate()
+        self.path = path
+        self._meta = _metadata(header)
+        self._parts = list(parts)
+        self._pool = pool
+        placeholder = {key: (dtype, [self._BOUND] * ndim, self._BOUND, self._BOUND) for key, dtype, ndim in self._parts}
+        self._room = -(-len(self._header_bytes(placeholder)) // 8) * 8
+        self._fd: int | None = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self._futures: list[Future[None]] = []
+        self._restart()
+
+    def _restart(self) -> None:
+        self._at = 0  # next offset in the data section
+        self._tensors: dict[str, tuple[torch.dtype, list[int], int, int]] = {}  # key -> dtype, shape, start, end
+        self._next = 0  # parts started
+
+    def _header_bytes(self, tensors: Mapping[str, tuple[torch.dtype, list[int], int, int]]) -> bytes:
+        doc: dict[str, Any] = {"__metadata__": self._meta}
+        for key, (dtype, shape, start, end) in tensors.items():
+            doc[key] = {"dtype": _ST_NAMES[dtype], "shape": shape, "data_offsets": [start, end]}
+        return json.dumps(doc, separators=(",", ":")).encode()
+
+    def append(self, part: str, data: torch.Tensor, ready: Callable[[], None] | None = None) -> None:
+        """Append host tensor `data` to payload `part` (the current part, or the next in order)."""
+        if self._fd is None:
+            raise ValueError("the file is closed")
+        if part not in self._tensors:  # the next part starts
+            if self._next >= len(self._parts) or self._parts[self._next][0] != part:
+                order = [k for k, _, _ in self._parts]
+                raise ValueError(f"payload part {part!r} out of order (parts: {order}, {self._next} started)")
+            self._next += 1
+        elif part != self._parts[self._next - 1][0]:
+            raise ValueError(f"payload part {part!r} was finished: the next part began")
+        _, dtype, ndim = self._parts[self._next - 1]
+        if data.dtype != dtype or data.dim() != ndim or data.device.type != "cpu":
+            raise ValueError(
+                f"payload part {part!r} takes {ndim}-d {dtype} host tensors, not {data.dtype} {data.shape}"
+            )
+        size = data.element_size()
+        if part not in self._tensors:
+            if self._at % size:
+                raise ValueError(f"payload part {part!r} would start at an offset not aligned to {size} bytes")
+            self._tensors[part] = (dtype, [0, *data.shape[1:]], self._at, self._at)
+        dt, shape, start, end = self._tensors[part]
+        if list(data.shape[1:]) != shape[1:]:
+            raise ValueError(f"payload part {part!r}: rows of {list(data.shape[1:])}, earlier {shape[1:]}")
+        nbytes = data.numel() * size
+        self._tensors[part] = (dt, [shape[0] + int(data.shape[0]), *shape[1:]], start, end + nbytes)
+        at = self._at
+        self._at += nbytes
+        if not nbytes:
+            return
+        raw = data.contiguous().reshape(-1).view(torch.uint8)
+        for a in range(0, nbytes, self.PIECE_BYTES):
+            piece = raw[a : a + self.PIECE_BYTES]
+            offset = 8 + self._room + at + a
+            if self._pool is None:
+                _pwrite(self._fd, piece, offset, ready)
+            else:
+                self._futures.append(self._pool.submit(_pwrite, self._fd, piece, offset, ready))
+
+    def _drain(self) -> BaseException | None:
+        first = None
+        for f in self._futures:
+            try:
+                f.result()
+            except BaseException as exc:  # noqa: BLE001 - the first is raised after every write ended
+                first = first or exc
+        self._futures = []
+        return first
+
+    def restart(self) -> None:
+        """Drop what was appended (a codec falling back to another path writes the payload again)."""
+        self._drain()
+        self._restart()
+
+    def close(self) -> None:
+        """Wait for every write, then write the header; raises the first write error."""
+        if self._fd is None:
+            return
+        try:
+            error = self._drain()
+            if error is not None:
+                raise error
+            missing = [k for k, _, _ in self._parts if k not in self._tensors]
+            if missing:
+                raise ValueError(f"payload parts never written: {missing}")
+            text = self._header_bytes(self._tensors)
+            if len(text) > self._room:  # pragma: no cover - the room was reserved with bounds on every number
+                raise ValueError("the header outgrew the room reserved for it")
+            head = struct.pack("<Q", self._room) + text + b" " * (self._room - len(text))
+            os.pwrite(self._fd, head, 0)
+            os.ftruncate(self._fd, 8 + self._room + self._at)
+        finally:
+            self.abort()
+
+    def abort(self) -> None:
+        """Stop: wait for the writes in flight and close the file (the caller removes it)."""
+        self._drain()
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> PayloadWriter:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
+def _pwrite(fd: int, data: torch.Tensor, offset: int, ready: Callable[[], None] | None) -> None:
+    if ready is not None:
+        ready()
+    view = memoryview(data.numpy()).cast("B")  # type: ignore[arg-type]  # numpy arrays are buffers
+    while view.nbytes:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
 
 
 class Piece(NamedTuple):

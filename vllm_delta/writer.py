@@ -6,7 +6,8 @@
 
 The Publisher splits the same work in two, so that the training thread does only the device part:
 the codec's `prepare_batch` (detection output of all tensors -> codec sections, on the parameters'
-device) at `publish`, `assemble_delta` (zstd packing on a thread pool, header) on the upload thread.
+device) at `publish`, `write_delta` (packing on a thread pool or nvCOMP, header, file) on the upload
+thread; for the chunked codec the file is written while it is encoded (format.PayloadWriter).
 A sharded publisher writes one *part* per rank: `assemble_delta(..., part=PartInfo)` and
 `encode_anchor_part` build a part file's header (the whole version's tensor table, the part's own
 nnz and payload).
@@ -15,7 +16,7 @@ nnz and payload).
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
@@ -31,9 +32,11 @@ from .format import (
     PART_FORMAT_VERSION,
     STREAMS_FORMAT_VERSION,
     PartInfo,
+    PayloadWriter,
     TensorEntry,
     VersionHeader,
     payload_key,
+    write,
 )
 
 Changes = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (positions int64, new bits, old bits)
@@ -110,27 +113,121 @@ def assemble_delta(
 
         packed = dict(zip(changed, pool.map(pack, changed) if pool is not None else map(pack, changed)))
         format_version = FORMAT_VERSION if part is None else PART_FORMAT_VERSION
-    entries = {}
-    for name, t in tensors.items():
-        parts, meta = packed.get(name, ({}, {}))
-        entries[name] = TensorEntry(
-            shape=list(t.shape), dtype=DTYPE_NAMES[t.dtype], checksum=to_hex(t.checksum), nnz=t.nnz, enc=meta
-        )
+    for name, (parts, _) in packed.items():
         payload.update({payload_key(name, key): p for key, p in parts.items()})
-    header = VersionHeader(
-        version=version,
-        kind="delta",
-        tensors=entries,
-        checksum=checksum or to_hex(combine((n, t.checksum) for n, t in tensors.items())),
-        base=base,
-        base_checksum=base_checksum,
-        codec=codec.name,
-        created=created,
-        format_version=format_version,
-        part=part,
-        enc=file_enc,
+    header = _delta_header(
+        DeltaOf(version, base, base_checksum, created, checksum, part),
+        codec,
+        tensors,
+        {n: meta for n, (_, meta) in packed.items()},
+        file_enc,
+        format_version,
     )
     return header, payload
+
+
+@dataclass(frozen=True)
+class DeltaOf:
+    """What a delta is, besides its tensors: its version, base, creation time, and for a part file
+    the part and the whole version's checksum (None: combined from the tensors' sums)."""
+
+    version: int
+    base: int
+    base_checksum: str | None
+    created: float = 0.0
+    checksum: str | None = None
+    part: PartInfo | None = None
+
+
+def _delta_header(
+    of: DeltaOf,
+    codec: codecs.Codec,
+    tensors: Mapping[str, PreparedTensor],
+    tensor_enc: Mapping[str, dict[str, Any]],
+    file_enc: dict[str, Any],
+    format_version: int,
+) -> VersionHeader:
+    entries = {
+        name: TensorEntry(
+            shape=list(t.shape),
+            dtype=DTYPE_NAMES[t.dtype],
+            checksum=to_hex(t.checksum),
+            nnz=t.nnz,
+            enc=tensor_enc.get(name, {}),
+        )
+        for name, t in tensors.items()
+    }
+    return VersionHeader(
+        version=of.version,
+        kind="delta",
+        tensors=entries,
+        checksum=of.checksum or to_hex(combine((n, t.checksum) for n, t in tensors.items())),
+        base=of.base,
+        base_checksum=of.base_checksum,
+        codec=codec.name,
+        created=of.created,
+        format_version=format_version,
+        part=of.part,
+        enc=file_enc,
+    )
+
+
+def write_delta(
+    path: str,
+    of: DeltaOf,
+    codec: codecs.Codec,
+    tensors: Mapping[str, PreparedTensor],
+    *,
+    pool: Executor | None = None,
+    busy_ms: list[float] | None = None,
+    timings: dict[str, float] | None = None,
+) -> VersionHeader:
+    """`assemble_delta` written to `path`. A file-level codec streams its payload into the file as it
+    is encoded (format.PayloadWriter: the GPU path compresses, copies and writes in overlapping
+    runs; the header goes in last); other codecs pack everything, then write. `timings` gets "pack"
+    (ms until the codec's packing returned: for a streamed file, with the writes it overlapped) and
+    "write" (the rest: the whole write, or the writes still in flight and the header)."""
+    times = timings if timings is not None else {}
+    t0 = time.perf_counter()
+    changed = [n for n, t in tensors.items() if t.sections is not None]
+    if not (codecs.is_file_level(codec) and changed):
+        header, payload = assemble_delta(
+            version=of.version,
+            base=of.base,
+            base_checksum=of.base_checksum,
+            codec=codec,
+            tensors=tensors,
+            pool=pool,
+            created=of.created,
+            checksum=of.checksum,
+            part=of.part,
+            busy_ms=busy_ms,
+        )
+        t1 = time.perf_counter()
+        write(path, header, payload)
+    else:
+        plan = codec.plan_file([(n, _sections(tensors[n])) for n in changed])
+        header = _delta_header(of, codec, tensors, plan.tensor_enc, plan.enc, STREAMS_FORMAT_VERSION)
+        parts = [(payload_key(FILE_PAYLOAD, key), dtype, ndim) for key, dtype, ndim in plan.parts]
+        with PayloadWriter(path, header, parts, pool) as out:
+            plan.write_to(_FileParts(out), pool, busy_ms)
+            t1 = time.perf_counter()
+    t2 = time.perf_counter()
+    times["pack"], times["write"] = (t1 - t0) * 1e3, (t2 - t1) * 1e3
+    return header
+
+
+class _FileParts:
+    """A file-level codec's parts, stored under `::<part>` (codecs.PayloadSink)."""
+
+    def __init__(self, out: PayloadWriter):
+        self.out = out
+
+    def append(self, part: str, data: torch.Tensor, ready: Callable[[], None] | None = None) -> None:
+        self.out.append(payload_key(FILE_PAYLOAD, part), data, ready)
+
+    def restart(self) -> None:
+        self.out.restart()
 
 
 def _sections(t: PreparedTensor) -> codecs.Sections:
@@ -214,10 +311,12 @@ def encode_anchor_part(
 
 __all__ = [
     "Changes",
+    "DeltaOf",
     "PreparedTensor",
     "assemble_delta",
     "encode_anchor",
     "encode_anchor_part",
     "encode_delta",
     "prepare_changes",
+    "write_delta",
 ]

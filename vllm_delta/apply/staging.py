@@ -30,7 +30,6 @@ import numpy as np
 import torch
 import zstandard
 
-from .. import checksums
 from .. import codec as codecs
 from ..bits import INT_DTYPE, int_view
 from ..codec import chunked, gpu
@@ -315,7 +314,7 @@ class Decoder:
         blob = host.to(dev, non_blocking=True)
         t0 = self._span(timings, "h2d", t0)
         want = torch.from_numpy(streams.index[k0:k1, chunked.COL_HASH].copy()).to(dev, non_blocking=True)
-        got = checksums.chunk_hashes(blob, streams.chunk_bytes[k0:k1])
+        got = gpu.hashes(blob, streams.chunk_bytes[k0:k1])
         bad = (got != want).nonzero().reshape(-1)
         if bad.numel():
             k = k0 + int(bad[0])

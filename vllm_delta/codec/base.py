@@ -199,11 +199,59 @@ class FilePayload(Protocol):
     tensor_enc: dict[str, dict[str, Any]]  # each packed tensor's `enc`
 
 
+class PayloadSink(Protocol):
+    """Where a file-level codec streams its payload: parts in order, each in one or more appends
+    (concatenated along dimension 0). `ready()`, if given, waits until `data` holds its bytes (a
+    device-to-host copy in flight). `restart()` drops everything appended (a fallback writes again).
+    format.PayloadWriter writes a file as the parts come; MemorySink keeps them."""
+
+    def append(self, part: str, data: torch.Tensor, ready: Callable[[], None] | None = None) -> None: ...
+
+    def restart(self) -> None: ...
+
+
+class MemorySink:
+    """A PayloadSink that keeps the parts in memory (`payload()`: each part's appends concatenated)."""
+
+    def __init__(self) -> None:
+        self._parts: dict[str, list[tuple[torch.Tensor, Callable[[], None] | None]]] = {}
+
+    def append(self, part: str, data: torch.Tensor, ready: Callable[[], None] | None = None) -> None:
+        self._parts.setdefault(part, []).append((data, ready))
+
+    def restart(self) -> None:
+        self._parts.clear()
+
+    def payload(self) -> dict[str, torch.Tensor]:
+        out = {}
+        for part, pieces in self._parts.items():
+            for _, ready in pieces:
+                if ready is not None:
+                    ready()
+            tensors = [t for t, _ in pieces]
+            out[part] = (tensors[0] if len(tensors) == 1 else torch.cat(tensors)).contiguous()
+        return out
+
+
+class FileWrite(Protocol):
+    """A file-level codec's plan for one file: its metadata, known before the payload is written
+    (the header's `enc` and each tensor's), and `write_to`, which streams the payload."""
+
+    enc: dict[str, Any]
+    tensor_enc: dict[str, dict[str, Any]]
+    parts: list[tuple[str, torch.dtype, int]]  # the payload's parts in order: name, dtype, dimensions
+
+    def write_to(self, sink: PayloadSink, pool: Executor | None = None, busy_ms: list[float] | None = None) -> None: ...
+
+
 class FileCodec(Codec, Protocol):
-    """A codec whose payload covers every changed tensor of a file (format 3): `pack_file` packs
-    them all at once (the Sections of one `prepare_batch`, or of `prepare` per tensor)."""
+    """A codec whose payload covers every changed tensor of a file (format 3): `plan_file` lays out
+    all of them at once (the Sections of one `prepare_batch`, or of `prepare` per tensor) and
+    streams the payload into a sink; `pack_file` is the same into memory."""
 
     file_level: bool
+
+    def plan_file(self, tensors: Sequence[tuple[str, Sections]]) -> FileWrite: ...
 
     def pack_file(
         self, tensors: Sequence[tuple[str, Sections]], pool: Executor | None = None, busy_ms: list[float] | None = None

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
@@ -44,7 +45,7 @@ from ..bits import int_view, wrap_diff
 from ..checksums import chunk_hash_np, chunk_hashes_np
 from ..errors import CodecError, DeltaError, PositionError
 from . import gpu, kernels
-from .base import Batch, BatchSections, Changes, Ctx, HostCopy, Sections, err, segment_ids
+from .base import Batch, BatchSections, Changes, Ctx, HostCopy, MemorySink, PayloadSink, Sections, err, segment_ids
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +61,7 @@ COL_BIG, COL_GAP_ESC, COL_MAG_ESC, COL_HASH = N_PLANES, N_PLANES + 1, N_PLANES +
 INDEX_WIDTH = N_PLANES + 4  # per chunk: 5 frame sizes, big elements, gap escapes, mag escapes, hash
 SLICE_ELEMS = 1 << 22  # elements turned into planes at a time on the device (bounds temporaries)
 MAX_CHUNK_ELEMS = 1 << 24
+PIECE_CHUNKS = 256  # GPU path: chunks compressed, copied to the host and written at a time
 PAYLOAD_PARTS = ("blob", "index", "gap_esc", "mag_esc")  # file-level payload keys (`::<part>`)
 EncodeBackend = Literal["torch", "triton"]  # the device encoder: the fused kernel, or the torch reference
 ENCODE_BACKENDS: tuple[EncodeBackend, ...] = get_args(EncodeBackend)
@@ -903,8 +905,8 @@ class ChunkedBatch(BatchSections):
     """`prepare_batch`'s (or a `StreamEncoder`'s) result: the batch's planes on its device (queued on
     the caller's stream; one Planes per run of whole chunks), and what the header needs per tensor.
     `wait()` waits for the device work, `split()` gives one Sections per tensor (pointing back here;
-    None where nothing changed), `pack()` compresses: with nvCOMP on the planes' GPU when it is
-    available, else with zstandard on the host."""
+    None where nothing changed), `write_to()` compresses into a payload sink (`pack()`: into memory):
+    with nvCOMP on the planes' GPU when it is available, else with zstandard on the host."""
 
     def __init__(self, codec: ChunkedCodec, counts: Sequence[int], starts: Sequence[int], parts: list[Planes]):
         self.codec = codec
@@ -933,49 +935,116 @@ class ChunkedBatch(BatchSections):
     def tensor_enc(self, i: int) -> dict[str, Any]:
         return {"at": int(self.ats[i]), "start": int(self.starts[i])}
 
-    def pack(self, pool: Executor | None = None, busy_ms: list[float] | None = None) -> FilePack:
-        import time
+    def file_enc(self) -> dict[str, Any]:
+        return {"chunk_elems": self.codec.chunk_elems, "elems": self.n}
 
+    def pack(self, pool: Executor | None = None, busy_ms: list[float] | None = None) -> FilePack:
+        sink = MemorySink()
+        self.write_to(sink, pool, busy_ms)
+        return FilePack(payload=sink.payload(), enc=self.file_enc(), tensor_enc={})
+
+    def write_to(self, sink: PayloadSink, pool: Executor | None = None, busy_ms: list[float] | None = None) -> None:
+        """The payload's parts (PAYLOAD_LAYOUT, in order) into `sink`. On the GPU path the blob goes
+        in runs of PIECE_CHUNKS chunks, each copied to pinned memory while the next is compressed
+        (a file sink writes each as its copy lands); the index, whose hashes come with the runs, after."""
         self.wait()
         t0 = time.perf_counter()
-        packed: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
         dev = self.device
+        done = False
         if dev.type == "cuda":
             backend, why = gpu.backend(dev)
             if backend is not None:
                 try:
-                    packed = [(*gpu.compress_planes(backend, p), p.gap_esc.cpu(), p.mag_esc.cpu()) for p in self.parts]
-                    assert all(x[1].shape[1] == INDEX_WIDTH for x in packed)
+                    with torch.cuda.stream(gpu.encode_stream(dev)):
+                        self._write_gpu(sink, backend)
                     gpu.note_path("encodes", f"on {dev} with nvCOMP {backend.version}")
+                    done = True
                 except Exception as exc:  # noqa: BLE001 - OOM, nvCOMP failure: the CPU path writes the same format
                     why = f"nvCOMP failed ({type(exc).__name__}: {exc})"
                     log.warning("vllm-delta: GPU encode failed, encoding on the CPU instead: %s", why)
-            if packed is None:
+                    sink.restart()
+            if not done:
                 gpu.note_path("encodes", f"on the CPU (zstandard): {why}")
         else:
             gpu.note_path("encodes", "on the CPU (zstandard): the changes are on the CPU")
-        if packed is None:
-            host = HostCopy(dev)
-            on_host = [planes_to_host(p, host) for p in self.parts]
-            host.done()
-            host.wait()
-            packed = []
-            for p in on_host:
-                blob_np, index_np = compress_cpu(p, self.codec.level, pool)
-                packed.append((torch.from_numpy(blob_np.copy()), torch.from_numpy(index_np), p.gap_esc, p.mag_esc))
+        if not done:
+            self._write_cpu(sink, pool)
         if busy_ms is not None:
             busy_ms.append((time.perf_counter() - t0) * 1e3)
-        return FilePack(
-            payload={key: _cat([x[k] for x in packed], k) for k, key in enumerate(PAYLOAD_PARTS)},
-            enc={"chunk_elems": self.codec.chunk_elems, "elems": self.n},
-            tensor_enc={},
-        )
+
+    def _write_gpu(self, sink: PayloadSink, backend: gpu.GpuZstd) -> None:
+        rows: list[tuple[np.ndarray, np.ndarray, torch.Tensor, Any]] = []
+        for p in self.parts:
+            counts = torch.stack([p.n_big, p.n_gap_esc, p.n_mag_esc], dim=1).cpu().numpy()
+            offsets, sizes = p.layout.frames(counts[:, 0])
+            for k0 in range(0, p.layout.chunks, PIECE_CHUNKS):
+                k1 = min(p.layout.chunks, k0 + PIECE_CHUNKS)
+                blob, comp, hashes = gpu.compress_chunks(backend, p.buf, offsets[k0:k1], sizes[k0:k1])
+                host = torch.empty(blob.numel(), dtype=torch.uint8, pin_memory=True)
+                host.copy_(blob, non_blocking=True)
+                host_hashes = torch.empty(k1 - k0, dtype=torch.int64, pin_memory=True)
+                host_hashes.copy_(hashes, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record()
+                sink.append("blob", host, event.synchronize)
+                rows.append((comp, counts[k0:k1], host_hashes, event))
+        if not rows:
+            sink.append("blob", torch.zeros(0, dtype=torch.uint8))
+        for *_, event in rows:
+            event.synchronize()
+        sink.append("index", _index([np.concatenate([c, n, h.numpy()[:, None]], axis=1) for c, n, h, _ in rows]))
+        self._write_escapes(sink)
+
+    def _write_cpu(self, sink: PayloadSink, pool: Executor | None) -> None:
+        host = HostCopy(self.device)
+        on_host = [planes_to_host(p, host) for p in self.parts]
+        host.done()
+        host.wait()
+        index = []
+        for p in on_host:
+            blob_np, index_np = compress_cpu(p, self.codec.level, pool)
+            sink.append("blob", torch.from_numpy(blob_np.copy()))
+            index.append(index_np)
+        if not on_host:
+            sink.append("blob", torch.zeros(0, dtype=torch.uint8))
+        sink.append("index", _index(index))
+        self._write_escapes(sink)
+
+    def _write_escapes(self, sink: PayloadSink) -> None:
+        for key in ("gap_esc", "mag_esc"):
+            tables = [getattr(p, key).cpu() for p in self.parts]
+            sink.append(key, torch.cat(tables) if tables else torch.zeros(0, dtype=torch.int64))
 
 
-def _cat(parts: list[torch.Tensor], k: int) -> torch.Tensor:
-    if not parts:
-        return torch.zeros((0, INDEX_WIDTH) if k == 1 else 0, dtype=torch.uint8 if k == 0 else torch.int64)
-    return (parts[0] if len(parts) == 1 else torch.cat(parts)).contiguous()
+def _index(rows: list[np.ndarray]) -> torch.Tensor:
+    if not rows:
+        return torch.zeros((0, INDEX_WIDTH), dtype=torch.int64)
+    out = torch.from_numpy(np.concatenate(rows).astype(np.int64))
+    assert out.shape[1] == INDEX_WIDTH
+    return out
+
+
+# the payload's parts in the order they are written: name, dtype, dimensions
+PAYLOAD_LAYOUT: list[tuple[str, torch.dtype, int]] = [
+    ("blob", torch.uint8, 1),
+    ("index", torch.int64, 2),
+    ("gap_esc", torch.int64, 1),
+    ("mag_esc", torch.int64, 1),
+]
+
+
+@dataclass
+class FilePlan:
+    """A chunked file laid out before it is written (base.FileWrite): the header's `enc`, the
+    tensors' `enc`, the payload's parts; `write_to` streams the payload."""
+
+    batch: ChunkedBatch
+    enc: dict[str, Any]
+    tensor_enc: dict[str, dict[str, Any]]
+    parts: list[tuple[str, torch.dtype, int]]
+
+    def write_to(self, sink: PayloadSink, pool: Executor | None = None, busy_ms: list[float] | None = None) -> None:
+        self.batch.write_to(sink, pool, busy_ms)
 
 
 class StreamEncoder:
@@ -1059,11 +1128,9 @@ class ChunkedCodec:
         """`prepare_batch` for changes that arrive in passes (`StreamEncoder`)."""
         return StreamEncoder(self, starts)
 
-    def pack_file(
-        self, tensors: Sequence[tuple[str, Sections]], pool: Executor | None = None, busy_ms: list[float] | None = None
-    ) -> FilePack:
-        """The file payload of the changed tensors given (Sections of one `prepare_batch`, or of
-        `prepare`, laid out in the order given)."""
+    def plan_file(self, tensors: Sequence[tuple[str, Sections]]) -> FilePlan:
+        """The file of the changed tensors given (Sections of one `prepare_batch`, or of `prepare`,
+        laid out in the order given): its metadata now, its payload by `write_to`."""
         batches = {id(s.meta.get("batch")): s.meta.get("batch") for _, s in tensors}
         if len(batches) == 1 and None not in batches.values():
             (prepared,) = batches.values()
@@ -1072,10 +1139,20 @@ class ChunkedCodec:
             if any("changes" not in s.meta for _, s in tensors):
                 raise ValueError("pack_file takes the Sections of one prepare_batch, or of prepare")
             prepared = self.prepare_batch(_concat([s for _, s in tensors]))
-        out = prepared.pack(pool, busy_ms)
-        for i, (name, s) in enumerate(tensors):
-            out.tensor_enc[name] = prepared.tensor_enc(s.meta["tensor"] if "batch" in s.meta else i)
-        return out
+        tensor_enc = {
+            name: prepared.tensor_enc(s.meta["tensor"] if "batch" in s.meta else i)
+            for i, (name, s) in enumerate(tensors)
+        }
+        return FilePlan(prepared, prepared.file_enc(), tensor_enc, list(PAYLOAD_LAYOUT))
+
+    def pack_file(
+        self, tensors: Sequence[tuple[str, Sections]], pool: Executor | None = None, busy_ms: list[float] | None = None
+    ) -> FilePack:
+        """The file payload of the changed tensors given, in memory (`plan_file` into a MemorySink)."""
+        plan = self.plan_file(tensors)
+        sink = MemorySink()
+        plan.write_to(sink, pool, busy_ms)
+        return FilePack(payload=sink.payload(), enc=plan.enc, tensor_enc=plan.tensor_enc)
 
     def pack(self, sections: Sections, dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """One tensor as a file of its own: the payload and its `enc` (with the file's under "file")."""

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from ..checksums import chunk_hashes
+from . import kernels
 
 log = logging.getLogger(__name__)
 
@@ -116,31 +117,24 @@ class GpuZstd:
     def _stream(self) -> int:
         return torch.cuda.current_stream(self.device).cuda_stream
 
-    def compress(self, buf: torch.Tensor, offsets: np.ndarray, sizes: np.ndarray) -> tuple[torch.Tensor, np.ndarray]:
-        """Frames buf[offsets[i] : offsets[i] + sizes[i]] (sizes > 0) -> (their compressed bytes, each
-        zero-padded to FRAME_ALIGN, concatenated, on the device; compressed sizes)."""
+    def compress(
+        self, buf: torch.Tensor, offsets: np.ndarray, sizes: np.ndarray
+    ) -> tuple[torch.Tensor, int, np.ndarray]:
+        """Frames buf[offsets[i] : offsets[i] + sizes[i]] (sizes > 0), compressed into slots of `cap`
+        bytes (frame i at slots[i * cap :]): (slots, cap, compressed sizes). Waits for nvCOMP."""
         nv, codec = self.nvcomp, self._codec()
         stream = self._stream()
         sample = nv.as_array(buf[: int(sizes.max())], stream)
         cap = -(-int(codec.get_max_comp_buffer_size(sample)) // FRAME_ALIGN) * FRAME_ALIGN
-        parts, got_all = [], []
-        for i in range(0, len(sizes), FRAMES_PER_CALL):
-            off, size = offsets[i : i + FRAMES_PER_CALL], sizes[i : i + FRAMES_PER_CALL]
-            nf = len(size)
-            out = torch.zeros(nf * cap, dtype=torch.uint8, device=self.device)
-            srcs = nv.as_arrays(buf, [int(x) for x in off], [int(x) for x in size], stream)
-            dsts = nv.as_arrays(out, [f * cap for f in range(nf)], [cap] * nf, stream)
-            res = codec.encode(srcs, out=dsts)
-            got = np.asarray(res.buffer_sizes, dtype=np.int64)  # waits for the compression
-            if (got <= 0).any() or (got > cap).any():
-                raise RuntimeError(f"nvCOMP returned compressed sizes outside (0, {cap}]")
-            rows = out.view(nf, cap)
-            col = torch.arange(cap, device=self.device)
-            got_t = torch.from_numpy(got).to(self.device)
-            rows.masked_fill_(col[None, :] >= got_t[:, None], 0)  # nvCOMP may leave scratch past the end
-            parts.append(rows[col[None, :] < ((got_t + FRAME_ALIGN - 1) // FRAME_ALIGN * FRAME_ALIGN)[:, None]])
-            got_all.append(got)
-        return torch.cat(parts), np.concatenate(got_all)
+        nf = len(sizes)
+        slots = torch.empty(nf * cap, dtype=torch.uint8, device=self.device)
+        srcs = nv.as_arrays(buf, [int(x) for x in offsets], [int(x) for x in sizes], stream)
+        dsts = nv.as_arrays(slots, [f * cap for f in range(nf)], [cap] * nf, stream)
+        res = codec.encode(srcs, out=dsts)
+        got = np.asarray(res.buffer_sizes, dtype=np.int64)  # waits for the compression
+        if (got <= 0).any() or (got > cap).any():
+            raise RuntimeError(f"nvCOMP returned compressed sizes outside (0, {cap}]")
+        return slots, cap, got
 
     def decompress(
         self,
@@ -168,7 +162,7 @@ class GpuZstd:
         raw = np.concatenate([rng.integers(0, 40, 50_000), np.zeros(15_536, dtype=np.int64)]).astype(np.uint8)
         with torch.cuda.device(self.device):
             dev = torch.from_numpy(raw).to(self.device)
-            blob, sizes = self.compress(dev, np.array([0]), np.array([raw.size]))
+            blob, sizes = compress_frames(self, dev, np.array([0]), np.array([raw.size]))
             frame = blob[: int(sizes[0])].cpu().numpy().tobytes()
             if zstandard.ZstdDecompressor().decompress(frame, max_output_size=raw.size) != raw.tobytes():
                 raise RuntimeError("nvCOMP's zstd frame does not decode to its input with zstandard")
@@ -192,26 +186,59 @@ def _encode_stream(device: torch.device) -> Any:
         return _streams[device.index]
 
 
-def compress_planes(be: GpuZstd, planes: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """A device Planes (chunked.py, computed and waited for) -> (blob, index int64 [chunks, 9]),
-    both on the host: every frame compressed by nvCOMP, padded, hashed per chunk on the device; only
-    the compressed bytes cross to the host. Runs on a stream of its own and waits for it."""
-    with torch.cuda.stream(_encode_stream(planes.buf.device)):
-        return _compress_planes(be, planes)
+def encode_stream(device: torch.device) -> Any:
+    """A stream of its own for encodes (the Publisher's upload thread): nvCOMP on the thread's
+    default (legacy) stream would wait for, and hold up, the training stream."""
+    return _encode_stream(device)
 
 
-def _compress_planes(be: GpuZstd, planes: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    counts = torch.stack([planes.n_big, planes.n_gap_esc, planes.n_mag_esc], dim=1).cpu().numpy()
-    offsets, sizes = planes.layout.frames(counts[:, 0])
+def compress_frames(
+    be: GpuZstd, buf: torch.Tensor, offsets: np.ndarray, sizes: np.ndarray
+) -> tuple[torch.Tensor, np.ndarray]:
+    """Frames of `buf` (sizes > 0) -> (their compressed bytes, each zero-padded to FRAME_ALIGN, end to
+    end on the device; compressed sizes), at most FRAMES_PER_CALL frames per nvCOMP call."""
+    blobs, got_all = [], []
+    for i in range(0, len(sizes), FRAMES_PER_CALL):
+        slots, cap, got = be.compress(buf, offsets[i : i + FRAMES_PER_CALL], sizes[i : i + FRAMES_PER_CALL])
+        blobs.append(compact(slots, cap, got))
+        got_all.append(got)
+    if not blobs:
+        return torch.zeros(0, dtype=torch.uint8, device=buf.device), np.zeros(0, dtype=np.int64)
+    return (blobs[0] if len(blobs) == 1 else torch.cat(blobs)), np.concatenate(got_all)
+
+
+def compact(slots: torch.Tensor, cap: int, got: np.ndarray) -> torch.Tensor:
+    """Compressed frames in slots of `cap` bytes -> end to end, each zero-padded to FRAME_ALIGN (the
+    Triton kernel where it runs; else masks, ~16 B of indices per byte)."""
+    padded = -(-got // FRAME_ALIGN) * FRAME_ALIGN
+    if kernels.available(slots.device):
+        return kernels.compact_frames(slots, cap, got, padded)
+    nf = got.size
+    rows = slots[: nf * cap].view(nf, cap)
+    col = torch.arange(cap, device=slots.device)
+    got_t = torch.from_numpy(got).to(slots.device)
+    rows.masked_fill_(col[None, :] >= got_t[:, None], 0)  # nvCOMP may leave scratch past the end
+    pad_t = torch.from_numpy(padded).to(slots.device)
+    return rows[col[None, :] < pad_t[:, None]]
+
+
+def hashes(blob: torch.Tensor, chunk_bytes: np.ndarray) -> torch.Tensor:
+    """`checksums.chunk_hashes` on the device: the Triton kernel where it runs."""
+    if kernels.available(blob.device):
+        return kernels.chunk_hashes(blob, chunk_bytes)
+    return chunk_hashes(blob, torch.from_numpy(np.asarray(chunk_bytes, dtype=np.int64)))
+
+
+def compress_chunks(
+    be: GpuZstd, buf: torch.Tensor, offsets: np.ndarray, sizes: np.ndarray
+) -> tuple[torch.Tensor, np.ndarray, torch.Tensor]:
+    """A run of chunks of a planes buffer (their frames' `offsets` and raw `sizes`, [chunks, planes])
+    -> (the chunks' compressed bytes end to end on the device, compressed sizes [chunks, planes] (0
+    for empty frames), the chunks' hashes (device int64)), on the current stream."""
     used = sizes.reshape(-1) > 0
-    blob, got = be.compress(planes.buf, offsets.reshape(-1)[used], sizes.reshape(-1)[used])
-    comp = np.zeros(sizes.size, dtype=np.int64)
-    comp[used] = got
-    comp = comp.reshape(sizes.shape)
+    blob, got = compress_frames(be, buf, offsets.reshape(-1)[used], sizes.reshape(-1)[used])
+    flat = np.zeros(sizes.size, dtype=np.int64)
+    flat[used] = got
+    comp = flat.reshape(sizes.shape)
     chunk_bytes = (-(-comp // FRAME_ALIGN) * FRAME_ALIGN).sum(axis=1)
-    hashes = chunk_hashes(blob, torch.from_numpy(chunk_bytes).to(blob.device)).cpu().numpy()
-    index = np.concatenate([comp, counts, hashes[:, None]], axis=1).astype(np.int64)
-    host = torch.empty(blob.numel(), dtype=torch.uint8, pin_memory=True)
-    host.copy_(blob, non_blocking=True)
-    torch.cuda.current_stream(blob.device).synchronize()
-    return host, torch.from_numpy(index)
+    return blob, comp, hashes(blob, chunk_bytes)

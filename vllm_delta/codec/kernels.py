@@ -26,7 +26,10 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import torch
+
+from ..checksums import WEIGHT_INT64
 
 try:  # Triton is optional: CPU installs work without it (the torch path).
     import triton
@@ -126,6 +129,30 @@ if triton is not None:
         tl.store(counts_ptr + chunks + k, n_gap.to(tl.int64))
         tl.store(counts_ptr + 2 * chunks + k, n_mag.to(tl.int64))
 
+    @triton.jit
+    def _hash_kernel(words_ptr, start_ptr, count_ptr, out_ptr, WEIGHT: tl.constexpr, BLOCK: tl.constexpr):
+        k = tl.program_id(0)
+        start = tl.load(start_ptr + k)
+        cnt = tl.load(count_ptr + k)
+        acc = tl.zeros([BLOCK], dtype=tl.int64)
+        for j0 in range(0, cnt, BLOCK):
+            j = j0 + tl.arange(0, BLOCK).to(tl.int64)
+            m = j < cnt
+            w = tl.load(words_ptr + start + j, mask=m, other=0)
+            acc += tl.where(m, (j + 1) * WEIGHT * w, 0)
+        tl.store(out_ptr + k, tl.sum(acc, axis=0))
+
+    @triton.jit
+    def _compact_kernel(src_ptr, got_ptr, dst_ptr, pad_ptr, out_ptr, cap, BLOCK: tl.constexpr):
+        f = tl.program_id(0).to(tl.int64)
+        got = tl.load(got_ptr + f)
+        dst = tl.load(dst_ptr + f)
+        pad = tl.load(pad_ptr + f)
+        for b0 in range(0, pad, BLOCK):
+            i = b0 + tl.arange(0, BLOCK).to(tl.int64)
+            x = tl.load(src_ptr + f * cap + i, mask=i < got, other=0)
+            tl.store(out_ptr + dst + i, x, mask=i < pad)
+
 
 def encode_chunks(
     positions: torch.Tensor,
@@ -183,4 +210,37 @@ def encode_chunks(
     )
 
 
-__all__ = ["available", "encode_chunks"]
+def chunk_hashes(blob: torch.Tensor, chunk_bytes: np.ndarray) -> torch.Tensor:
+    """`checksums.chunk_hashes` by one program per chunk: `blob` uint8 on the device (chunks laid
+    end to end, `chunk_bytes` each, multiples of 8) -> int64 [chunks] on its device."""
+    counts = np.asarray(chunk_bytes, dtype=np.int64) // 8
+    out = torch.zeros(counts.size, dtype=torch.int64, device=blob.device)
+    if not counts.size:
+        return out
+    table = torch.from_numpy(np.stack([np.cumsum(counts) - counts, counts]))
+    table = table.to(blob.device, non_blocking=blob.device.type == "cuda")
+    words = blob.view(torch.int64) if blob.numel() else torch.zeros(1, dtype=torch.int64, device=blob.device)
+    _hash_kernel[(counts.size,)](words, table[0], table[1], out, WEIGHT=WEIGHT_INT64, BLOCK=HASH_BLOCK)
+    return out
+
+
+def compact_frames(
+    slots: torch.Tensor, cap: int, sizes: np.ndarray, padded: np.ndarray, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Frames in fixed slots (frame i in slots[i * cap : i * cap + sizes[i]]) -> one buffer of the
+    frames end to end, each taking padded[i] >= sizes[i] bytes, zeros after its own (uint8, on the
+    slots' device; `out` if given, at least padded.sum() bytes)."""
+    dev = slots.device
+    ends = np.cumsum(padded)
+    total = int(ends[-1]) if ends.size else 0
+    if out is None:
+        out = torch.empty(total, dtype=torch.uint8, device=dev)
+    if not total:
+        return out
+    table = torch.from_numpy(np.stack([np.asarray(sizes, dtype=np.int64), ends - padded, np.asarray(padded)]))
+    table = table.to(torch.int64).to(dev, non_blocking=dev.type == "cuda")
+    _compact_kernel[(int(np.asarray(sizes).size),)](slots, table[0], table[1], table[2], out, cap, BLOCK=COPY_BLOCK)
+    return out
+
+
+__all__ = ["available", "chunk_hashes", "compact_frames", "encode_chunks"]
