@@ -175,7 +175,7 @@ def test_stream_encoder_on_triton_writes_the_same_file():
 
 def test_encode_backend_is_checked():
     batch = make_batch(7, [10], [100])
-    with pytest.raises(ValueError, match="encode backend"):
+    with pytest.raises(ValueError, match="planes backend"):
         chunked.encode_planes(batch, 128, 256, backend="cuda")  # type: ignore[arg-type]
 
 
@@ -243,3 +243,68 @@ def test_hash_and_compact_kernels_on_cuda():
     col = torch.arange(cap, device=dev)
     rows.masked_fill_(col[None, :] >= torch.from_numpy(got).to(dev)[:, None], 0)
     assert torch.equal(out, rows[col[None, :] < torch.from_numpy(padded).to(dev)[:, None]])
+
+
+def _decode_both(planes: chunked.Planes, batch: Batch, views: chunked.PlaneViews | None = None):
+    """Decode a batch's planes with both backends; (torch's Decoded or error, Triton's)."""
+    counts = np.array(batch.counts, dtype=np.int64)
+    at = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    numels = np.array(batch.numels, dtype=np.int64)
+    spans = chunked.Spans.of(at, counts, batch.starts, numels, np.arange(counts.size))
+    out = []
+    for backend in ("torch", "triton"):
+        v = views if views is not None else chunked.plane_views(planes)
+        try:
+            out.append(chunked.decode_planes(v, 0, spans, chunked.Carry(), lambda i: {"tensor": f"t{i}"}, backend))
+        except Exception as exc:  # noqa: BLE001 - compared below
+            out.append(exc)
+    return out
+
+
+@needs_kernels
+@pytest.mark.parametrize("case", CASES, ids=[f"case{c[0]}" for c in CASES])
+def test_triton_decoder_is_the_torch_decoder(case):
+    seed, counts, numels, width, chunk = case
+    batch = make_batch(seed, counts, numels, width)
+    planes = chunked.encode_planes(batch, chunk, 4 * chunk, backend="torch")
+    ref, got = _decode_both(planes, batch)
+    assert torch.equal(ref.positions, batch.positions)
+    for name in ("positions", "diffs", "span"):
+        assert torch.equal(getattr(got, name), getattr(ref, name)), name
+    assert got.first == ref.first and np.array_equal(got.counts, ref.counts)
+
+
+@needs_kernels
+@pytest.mark.parametrize("fault", ["big", "gap_escapes", "mag_escapes", "mag_escape_value", "gap_escape_value"])
+def test_triton_decoder_flags_what_the_torch_decoder_flags(fault):
+    """A corrupt index count or escape table: both backends raise the same error (the Triton path's
+    flag sends the run through torch's checks, which name the chunk)."""
+    batch = make_batch(1, [300, 0, 5, 2000], [5000, 7, 9, 300_000])
+    planes = chunked.encode_planes(batch, 128, 512, backend="torch")
+    v = chunked.plane_views(planes)
+    if fault == "big":
+        v = v._replace(n_big=v.n_big.clone().index_add_(0, torch.tensor([3]), torch.tensor([1])))
+    elif fault == "gap_escapes":
+        k = int(planes.n_gap_esc.nonzero()[0])
+        v = v._replace(n_gap_esc=v.n_gap_esc.clone().index_add_(0, torch.tensor([k]), torch.tensor([-1])))
+    elif fault == "mag_escapes":
+        k = int(planes.n_mag_esc.nonzero()[0])
+        v = v._replace(n_mag_esc=v.n_mag_esc.clone().index_add_(0, torch.tensor([k]), torch.tensor([1])))
+    elif fault == "mag_escape_value":
+        v = v._replace(mag_esc=v.mag_esc.clone().index_fill_(0, torch.tensor([0]), 3))
+    else:
+        v = v._replace(gap_esc=v.gap_esc.clone().index_fill_(0, torch.tensor([0]), -5))
+    ref, got = _decode_both(planes, batch, v)
+    assert isinstance(ref, Exception) and type(got) is type(ref) and str(got) == str(ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_triton_decoder_on_cuda():
+    dev = torch.device("cuda")
+    batch = make_batch(13, [200_000, 3, 1_500_000, 50_000], [20_000_000, 5, 150_000_000, 5_000_000], 2, dev)
+    planes = chunked.encode_planes(batch, chunked.CHUNK_ELEMS, chunked.SLICE_ELEMS, backend="triton")
+    ref, got = _decode_both(planes, batch)
+    assert torch.equal(ref.positions, batch.positions)
+    for name in ("positions", "diffs", "span"):
+        assert torch.equal(getattr(got, name), getattr(ref, name)), name

@@ -63,9 +63,9 @@ SLICE_ELEMS = 1 << 22  # elements turned into planes at a time on the device (bo
 MAX_CHUNK_ELEMS = 1 << 24
 PIECE_CHUNKS = 256  # GPU path: chunks compressed, copied to the host and written at a time
 PAYLOAD_PARTS = ("blob", "index", "gap_esc", "mag_esc")  # file-level payload keys (`::<part>`)
-EncodeBackend = Literal["torch", "triton"]  # the device encoder: the fused kernel, or the torch reference
-ENCODE_BACKENDS: tuple[EncodeBackend, ...] = get_args(EncodeBackend)
-_ENCODE_FAILED: set[str] = set()  # devices where the Triton encoder failed (not tried again)
+PlanesBackend = Literal["torch", "triton"]  # planes on the device: the fused kernels, or the torch reference
+PLANES_BACKENDS: tuple[PlanesBackend, ...] = get_args(PlanesBackend)
+_KERNEL_FAILED: set[str] = set()  # devices where a Triton kernel failed (not tried again)
 
 
 def align(n: int, to: int = FRAME_ALIGN) -> int:
@@ -189,7 +189,7 @@ def encode_planes(
     chunk_elems: int = CHUNK_ELEMS,
     slice_elems: int = SLICE_ELEMS,
     context: tuple[torch.Tensor, torch.Tensor] | None = None,
-    backend: EncodeBackend | None = None,
+    backend: PlanesBackend | None = None,
 ) -> Planes:
     """Device work of the encoder: the planes of a batch's changes, in the batch's element order.
 
@@ -202,7 +202,7 @@ def encode_planes(
         raise ValueError(f"chunk_elems must be a multiple of 128 in (0, {MAX_CHUNK_ELEMS}]")
     slice_elems = max(chunk_elems, slice_elems // chunk_elems * chunk_elems)
     dev = batch.positions.device
-    chosen = backend or _default_encode_backend(dev)
+    chosen = backend or _default_backend(dev)
     if chosen == "triton":
         if not kernels.available(dev):
             raise ValueError(f"the Triton encoder does not run on {dev}")
@@ -211,15 +211,15 @@ def encode_planes(
         except Exception as exc:  # noqa: BLE001 - a kernel that does not build here: the torch path
             if backend is not None:
                 raise
-            _ENCODE_FAILED.add(str(dev))
+            _KERNEL_FAILED.add(str(dev))
             log.warning("vllm-delta: the Triton encoder failed on %s, encoding with torch: %s", dev, exc)
     elif chosen != "torch":
-        raise ValueError(f"encode backend must be one of {ENCODE_BACKENDS}, not {chosen!r}")
+        raise ValueError(f"planes backend must be one of {PLANES_BACKENDS}, not {chosen!r}")
     return _encode_torch(batch, chunk_elems, slice_elems, context)
 
 
-def _default_encode_backend(dev: torch.device) -> EncodeBackend:
-    return "triton" if dev.type == "cuda" and kernels.available(dev) and str(dev) not in _ENCODE_FAILED else "torch"
+def _default_backend(dev: torch.device) -> PlanesBackend:
+    return "triton" if dev.type == "cuda" and kernels.available(dev) and str(dev) not in _KERNEL_FAILED else "torch"
 
 
 def _slice_terms(
@@ -755,20 +755,35 @@ class Decoded(NamedTuple):
     counts: np.ndarray  # int64: elements of each of them
 
 
-def decode_planes(v: PlaneViews, elem0: int, spans: Spans, carry: Carry, ctx_of) -> Decoded:
+def decode_planes(
+    v: PlaneViews, elem0: int, spans: Spans, carry: Carry, ctx_of, backend: PlanesBackend | None = None
+) -> Decoded:
     """Device work of the decoder for one run of whole chunks (its first element is the file's
     `elem0`): escapes patched and checked against the chunks' counts, positions from the gap chains
     of the spans (a span that began in an earlier run continues from `carry`, updated here), every
     position checked against its span's range. Vectorized over the spans: no per-tensor work, and
     one host synchronization (every check folded into one flag; when it is set, the run is decoded
-    again checking as it goes, to find the fault and raise the error naming it). `ctx_of(span
-    index)` names a tensor for errors."""
+    again checking as it goes, by torch, to find the fault and raise the error naming it). `ctx_of(span
+    index)` names a tensor for errors. `backend`: the planes' decode ("triton": one fused kernel;
+    "torch": the reference; None: Triton on CUDA where it runs)."""
+    dev = v.lo.device
+    chosen = backend or _default_backend(dev)
+    if chosen not in PLANES_BACKENDS or (chosen == "triton" and not kernels.available(dev)):
+        raise ValueError(f"planes backend {chosen!r} does not run on {dev}")
     i0 = int(np.searchsorted(spans.end, elem0, side="right"))
     if i0 < len(spans) and spans.at[i0] < elem0 and (carry.span != i0 or carry.last is None):
         raise err(CodecError, "a tensor's elements continue a run that was not decoded", ctx_of(i0))
     saved = Carry()
     saved.span, saved.last = carry.span, carry.last
-    out, checks = _decode(v, elem0, spans, carry, _Checks(eager=False))
+    try:
+        out, checks = _decode(v, elem0, spans, carry, _Checks(eager=False), chosen)
+    except Exception as exc:
+        if backend is not None or chosen != "triton" or isinstance(exc, DeltaError):
+            raise
+        _KERNEL_FAILED.add(str(dev))  # a kernel that does not build here: the torch path from now on
+        log.warning("vllm-delta: the Triton decoder failed on %s, decoding with torch: %s", dev, exc)
+        carry.span, carry.last = saved.span, saved.last
+        out, checks = _decode(v, elem0, spans, carry, _Checks(eager=False), "torch")
     if checks.flag is not None and bool(checks.flag):  # the one synchronization
         _decode(
             v,
@@ -776,6 +791,7 @@ def decode_planes(v: PlaneViews, elem0: int, spans: Spans, carry: Carry, ctx_of)
             spans,
             saved,
             _Checks(eager=True, elem0=elem0, chunk_elems=v.chunk_elems, spans=spans, ctx_of=ctx_of),
+            "torch",
         )
         raise err(CodecError, f"elements {elem0}..{elem0 + v.n} do not decode", ctx_of(min(i0, len(spans) - 1)))
     return out
@@ -820,13 +836,37 @@ class _Checks:
             )
 
 
-def _decode(v: PlaneViews, elem0: int, spans: Spans, carry: Carry, check: _Checks) -> tuple[Decoded, _Checks]:
-    """`decode_planes`' work, its checks made through `check`."""
+def _escape_checks(v: PlaneViews, check: _Checks) -> None:
+    if v.gap_esc.numel():
+        check((v.gap_esc < 0).any(), PositionError, "negative gap escape")
+    if v.mag_esc.numel():
+        check(
+            ((v.mag_esc < MAG_BIAS + MAG_ESCAPE) | (v.mag_esc > 1 << 31)).any(), CodecError, "value escape out of range"
+        )
+
+
+def _planes_triton(v: PlaneViews, check: _Checks) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gap + 1, difference) per element by the fused kernel; its per-chunk count checks folded in."""
+    counts = torch.stack([v.n_big, v.n_gap_esc, v.n_mag_esc])
+    inc, diffs, bad = kernels.decode_chunks(
+        (v.lo, v.hi, v.sign, v.big, v.mag),
+        counts,
+        v.gap_esc,
+        v.mag_esc,
+        chunk_elems=v.chunk_elems,
+        gap_escape=GAP_ESCAPE,
+        mag_bias=MAG_BIAS,
+        mag_escape=MAG_ESCAPE,
+    )
+    check(bad != 0, CodecError, "big elements or escapes do not match the index")
+    _escape_checks(v, check)
+    return inc, diffs
+
+
+def _planes_torch(v: PlaneViews, check: _Checks) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gap + 1, difference) per element, int64, escapes patched, counts checked against the index."""
     n, e = v.n, v.chunk_elems
     dev = v.lo.device
-    nb = dev.type == "cuda"
-    i0 = int(np.searchsorted(spans.end, elem0, side="right"))
-    i1 = int(np.searchsorted(spans.at, elem0 + n, side="left"))
     gaps = v.lo.to(torch.int64).bitwise_or_(v.hi.to(torch.int64).bitwise_left_shift_(8))
     g_esc = gaps == GAP_ESCAPE
     check(chunk_counts(g_esc, e) != v.n_gap_esc, CodecError, "gap escapes do not match the index")
@@ -855,9 +895,24 @@ def _decode(v: PlaneViews, elem0: int, spans: Spans, carry: Carry, check: _Check
         m = torch.where(m_esc, v.mag_esc[at], m)
         del at
     diffs = torch.where(neg, -m, m)
-    del m, codes, neg, big, m_esc
-    c = torch.cumsum(gaps.add_(1), 0)  # p = base(span) + (C_i - C_{first(span) - 1})
-    del gaps
+    return gaps.add_(1), diffs
+
+
+def _decode(
+    v: PlaneViews, elem0: int, spans: Spans, carry: Carry, check: _Checks, backend: PlanesBackend
+) -> tuple[Decoded, _Checks]:
+    """`decode_planes`' work, its checks made through `check`."""
+    n = v.n
+    dev = v.lo.device
+    nb = dev.type == "cuda"
+    i0 = int(np.searchsorted(spans.end, elem0, side="right"))
+    i1 = int(np.searchsorted(spans.at, elem0 + n, side="left"))
+    if backend == "triton":
+        inc, diffs = _planes_triton(v, check)
+    else:
+        inc, diffs = _planes_torch(v, check)
+    c = torch.cumsum(inc, 0)  # p = base(span) + (C_i - C_{first(span) - 1})
+    del inc
     if i1 <= i0:
         empty = torch.zeros(0, dtype=torch.int64, device=dev)
         return Decoded(empty, empty, empty, i0, np.zeros(0, dtype=np.int64)), check
@@ -1102,7 +1157,7 @@ class ChunkedCodec:
         level: int = ZSTD_LEVEL,
         chunk_elems: int = CHUNK_ELEMS,
         slice_elems: int = SLICE_ELEMS,
-        encode_backend: EncodeBackend | None = None,
+        encode_backend: PlanesBackend | None = None,
     ):
         """`encode_backend`: the device encoder (`encode_planes`): None picks Triton on CUDA."""
         self.level = level

@@ -153,6 +153,73 @@ if triton is not None:
             x = tl.load(src_ptr + f * cap + i, mask=i < got, other=0)
             tl.store(out_ptr + dst + i, x, mask=i < pad)
 
+    @triton.jit
+    def _decode_kernel(
+        lo_ptr,
+        hi_ptr,
+        sign_ptr,
+        big_ptr,
+        mag_ptr,
+        want_ptr,
+        gesc_ptr,
+        mesc_ptr,
+        inc_ptr,
+        diff_ptr,
+        bad_ptr,
+        n,
+        chunks,
+        n_gesc,
+        n_mesc,
+        E: tl.constexpr,
+        ROWS: tl.constexpr,
+        GAP_ESCAPE: tl.constexpr,
+        MAG_BIAS: tl.constexpr,
+        MAG_ESCAPE: tl.constexpr,
+    ):
+        k = tl.program_id(0).to(tl.int64)
+        c0 = k * E
+        r = tl.arange(0, ROWS)[:, None]
+        c = tl.arange(0, 8)[None, :]
+        g_at = tl.load(want_ptr + 3 * chunks + k)  # where the chunk's escapes start in the tables
+        m_at = tl.load(want_ptr + 4 * chunks + k)
+        n_big = tl.sum(tl.zeros([ROWS], dtype=tl.int32), axis=0)
+        n_gap = n_big
+        n_mag = n_big
+        for b0 in range(0, E, ROWS * 8):
+            i = c0 + b0 + r * 8 + c
+            m = i < n
+            gap = tl.load(lo_ptr + i, mask=m, other=0).to(tl.int64)
+            gap = gap | (tl.load(hi_ptr + i, mask=m, other=0).to(tl.int64) << 8)
+            g_esc = m & (gap == GAP_ESCAPE)
+            gi = g_esc.to(tl.int32)
+            row = tl.sum(gi, axis=1)
+            g_idx = g_at + n_gap + (tl.cumsum(row, axis=0) - row)[:, None] + (tl.cumsum(gi, axis=1) - gi)
+            g_val = tl.load(gesc_ptr + g_idx, mask=g_esc & (g_idx < n_gesc), other=GAP_ESCAPE)
+            gap = tl.where(g_esc, g_val, gap)
+            n_gap += tl.sum(row, axis=0)
+            byte = (c0 + b0) // 8 + tl.arange(0, ROWS)
+            on = byte * 8 < n
+            neg = m & (((tl.load(sign_ptr + byte, mask=on, other=0).to(tl.int32)[:, None] >> c) & 1) != 0)
+            big = m & (((tl.load(big_ptr + byte, mask=on, other=0).to(tl.int32)[:, None] >> c) & 1) != 0)
+            bi = big.to(tl.int32)
+            row = tl.sum(bi, axis=1)
+            rank = n_big + (tl.cumsum(row, axis=0) - row)[:, None] + (tl.cumsum(bi, axis=1) - bi)
+            code = tl.load(mag_ptr + c0 + rank, mask=big & (rank < E), other=0).to(tl.int64)
+            n_big += tl.sum(row, axis=0)
+            m_esc = big & (code == MAG_ESCAPE)
+            mi = m_esc.to(tl.int32)
+            row = tl.sum(mi, axis=1)
+            m_idx = m_at + n_mag + (tl.cumsum(row, axis=0) - row)[:, None] + (tl.cumsum(mi, axis=1) - mi)
+            mag = tl.where(big, code + MAG_BIAS, 1)
+            ok = m_esc & (m_idx < n_mesc)
+            mag = tl.where(ok, tl.load(mesc_ptr + m_idx, mask=ok, other=0), mag)
+            n_mag += tl.sum(row, axis=0)
+            tl.store(inc_ptr + i, gap + 1, mask=m)
+            tl.store(diff_ptr + i, tl.where(neg, -mag, mag), mask=m)
+        bad = (n_big.to(tl.int64) != tl.load(want_ptr + k)) | (n_gap.to(tl.int64) != tl.load(want_ptr + chunks + k))
+        bad = bad | (n_mag.to(tl.int64) != tl.load(want_ptr + 2 * chunks + k))
+        tl.store(bad_ptr + k, bad.to(tl.int32))
+
 
 def encode_chunks(
     positions: torch.Tensor,
@@ -210,6 +277,59 @@ def encode_chunks(
     )
 
 
+def decode_chunks(
+    planes: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    counts: torch.Tensor,
+    gap_esc: torch.Tensor,
+    mag_esc: torch.Tensor,
+    *,
+    chunk_elems: int,
+    gap_escape: int,
+    mag_bias: int,
+    mag_escape: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A run of whole chunks' planes (gap low, gap high, sign bits, big bits, magnitude codes
+    [chunks, E]; one device) -> (gap + 1 per element, int64, escapes patched; the difference per
+    element, int64; per chunk whether its big elements, gap escapes or value escapes disagree with
+    `counts`, int32). `counts`: int64 [3, chunks] on the device, the index's (big, gap escapes,
+    value escapes); the escape tables hold the run's escapes in order."""
+    lo, hi, sign, big, mag = planes
+    n, chunks = lo.numel(), counts.shape[1]
+    dev = lo.device
+    inc = torch.empty(n, dtype=torch.int64, device=dev)
+    diffs = torch.empty(n, dtype=torch.int64, device=dev)
+    bad = torch.zeros(chunks, dtype=torch.int32, device=dev)
+    if not n:
+        return inc, diffs, bad
+    # the index's counts, then where each chunk's escapes start (exclusive prefix sums)
+    want = torch.cat([counts.reshape(-1), torch.cumsum(counts[1:], 1).sub_(counts[1:]).reshape(-1)])
+    empty = torch.zeros(1, dtype=torch.int64, device=dev)
+    _decode_kernel[(chunks,)](
+        lo,
+        hi,
+        sign,
+        big,
+        mag,
+        want,
+        gap_esc if gap_esc.numel() else empty,
+        mag_esc if mag_esc.numel() else empty,
+        inc,
+        diffs,
+        bad,
+        n,
+        chunks,
+        gap_esc.numel(),
+        mag_esc.numel(),
+        E=chunk_elems,
+        ROWS=min(ENCODE_ROWS, chunk_elems // 8),
+        GAP_ESCAPE=gap_escape,
+        MAG_BIAS=mag_bias,
+        MAG_ESCAPE=mag_escape,
+        num_warps=ENCODE_WARPS,
+    )
+    return inc, diffs, bad
+
+
 def chunk_hashes(blob: torch.Tensor, chunk_bytes: np.ndarray) -> torch.Tensor:
     """`checksums.chunk_hashes` by one program per chunk: `blob` uint8 on the device (chunks laid
     end to end, `chunk_bytes` each, multiples of 8) -> int64 [chunks] on its device."""
@@ -243,4 +363,4 @@ def compact_frames(
     return out
 
 
-__all__ = ["available", "chunk_hashes", "compact_frames", "encode_chunks"]
+__all__ = ["available", "chunk_hashes", "compact_frames", "decode_chunks", "encode_chunks"]
