@@ -253,3 +253,65 @@ def test_corrupt_chunked_payloads_raise_like_the_codec(device, what, exc):
     assert any(i.name in str(got.value) for i in items)
     if what == "byte":
         assert "chunk 3 " in str(got.value) and "corrupt" in str(got.value)
+
+
+def _chunked_version_file(tmp_path, tensors):
+    """The bf16 tensors as a one-file chunked version (format 3), written and opened."""
+    from vllm_delta import format as fmt
+    from vllm_delta import writer
+
+    shapes = {name: (numel,) for name, numel, *_ in tensors}
+    header, payload = writer.encode_delta(
+        version=7,
+        base=6,
+        base_checksum="0" * 16,
+        codec=codecs.ChunkedCodec(chunk_elems=128, slice_elems=384),
+        shapes=shapes,
+        dtypes=dict.fromkeys(shapes, torch.bfloat16),
+        changes={name: (pos, new, old) for name, _, pos, new, old in tensors},
+        sums=dict.fromkeys(shapes, 0),
+    )
+    path = str(tmp_path / "v7.safetensors")
+    fmt.write(path, header, payload)
+    return fmt.VersionFile(path), shapes
+
+
+def test_one_file_chunked_versions_stage_from_arrays_like_items(tmp_path, monkeypatch):
+    """`changed_items` reads a one-file format-3 version straight into FilePieces (no per-tensor
+    objects, what a mixture of experts needs); they decode as the per-piece Items do."""
+    from vllm_delta.apply import staging
+    from vllm_delta.apply.layout import DeviceLayout, Layout
+
+    tensors = [t for t in _tensors(5) if t[3].dtype == torch.int16]
+    vf, shapes = _chunked_version_file(tmp_path, tensors)
+    dl = DeviceLayout(Layout.identity({**shapes, "untouched": (9,)}), torch.device("cpu"))
+    fast = staging.changed_items(vf, dl)[2]
+    assert isinstance(fast, staging.FilePieces) and fast.names == [n for n, *_ in tensors]
+    monkeypatch.setattr(staging, "_file_pieces", lambda *a: None)
+    slow = staging.changed_items(vf, dl)[2]
+    assert isinstance(slow, list)
+    assert staging.item_indices(fast) == staging.item_indices(slow)
+    got = {}
+    for items in (fast, slow):
+        dec = Decoder(torch.device("cpu"), chunk_elems=300, threads=2)
+        chunks = list(dec.decode(7, "chunked", items, 2, {}))
+        got[id(items)] = (torch.cat([c.p for c in chunks]), torch.cat([c.diffs for c in chunks]))
+        dec.close()
+    (p1, d1), (p2, d2) = got.values()
+    assert torch.equal(p1, p2) and torch.equal(d1, d2)
+    assert torch.equal(p1, torch.cat([pos for _, _, pos, _, _ in tensors]))
+
+
+def test_malformed_piece_metadata_in_a_one_file_version_names_the_tensor(tmp_path):
+    from vllm_delta.apply import staging
+    from vllm_delta.apply.layout import DeviceLayout, Layout
+
+    tensors = [t for t in _tensors(6) if t[3].dtype == torch.int16]
+    vf, shapes = _chunked_version_file(tmp_path, tensors)
+    vf.header.tensors["sparse"].enc = {"start": 0}  # no "at"
+    dl = DeviceLayout(Layout.identity(shapes), torch.device("cpu"))
+    items = staging.changed_items(vf, dl)[2]
+    assert isinstance(items, list)  # the per-piece path, which checks each tensor's metadata
+    with pytest.raises(CodecError, match="lacks 'at'") as exc:
+        list(Decoder(torch.device("cpu"), threads=1).decode(7, "chunked", items, 2, {}))
+    assert exc.value.tensor == "sparse"

@@ -54,7 +54,7 @@ from ..format import TensorEntry, VersionHeader, VersionLike
 from . import scatter as scatter_ops
 from .chain import merge_chain
 from .layout import DeviceLayout, Layout, Segment, Selection
-from .staging import CHUNK_ELEMS, Chunk, Decoder, changed_items
+from .staging import CHUNK_ELEMS, Chunk, Decoder, changed_items, item_indices
 
 _STATE = itertools.count(1)
 
@@ -265,7 +265,7 @@ class ApplyEngine:
         if len(files) == 1 and files[0].header.kind == "delta":
             vf = files[0]
             for width, items in changed_items(vf, self.dlayout).items():
-                run.changed.update(it.index for it in items)
+                run.changed.update(item_indices(items))
                 for chunk in self._decoder.decode(vf.version, vf.header.codec or "", items, width, run.timings):
                     self._emit(run, width, chunk.t_idx, chunk.p, chunk.runs, chunk)
                     run.note_mem()
