@@ -47,7 +47,7 @@ from vllm_delta.apply import scatter as S  # noqa: E402
 from vllm_delta.apply.engine import ApplyEngine  # noqa: E402
 from vllm_delta.bits import bit_view  # noqa: E402
 from vllm_delta.checksums import MASK64  # noqa: E402
-from vllm_delta.codec import gpu  # noqa: E402
+from vllm_delta.codec import chunked, gpu  # noqa: E402
 from vllm_delta.format import VersionFile  # noqa: E402
 from vllm_delta.testing.apply_fixtures import (  # noqa: E402
     QWEN3,
@@ -204,6 +204,7 @@ def run_config(spec, layout, targets, hf, engine, density, args, device, tmpdir,
     vf = None
     for label in args.stage_paths.split(","):
         codec_name, _, path_kind = label.partition(":")
+        path_kind, _, planes = path_kind.partition("/")  # "/torch": the chunked codec's torch planes
         if path_kind == "gpu" and not gpu.backend(device)[0]:
             continue
         path = os.path.join(tmpdir, f"{spec.name}-{density}-{codec_name}.safetensors")
@@ -211,6 +212,8 @@ def run_config(spec, layout, targets, hf, engine, density, args, device, tmpdir,
             write_delta(path, version=1, base=0, codec=codec_name, shapes=layout.hf_shapes, changes=changes, pool=pool)
             written.append(path)
         os.environ[gpu.PATH_ENV] = "cpu" if path_kind == "cpu" else "auto"
+        if planes:
+            os.environ[chunked.PLANES_ENV] = planes
         f = VersionFile(path)
         stagings, st = [], None
         for _ in range(args.stage_reps):
@@ -219,6 +222,7 @@ def run_config(spec, layout, targets, hf, engine, density, args, device, tmpdir,
             st = engine.stage([f])
             stagings.append(dict(st.timings))
         os.environ.pop(gpu.PATH_ENV, None)
+        os.environ.pop(chunked.PLANES_ENV, None)
         steady = stagings[1:] or stagings
         rec = {
             "file_bytes": os.path.getsize(path),
@@ -434,7 +438,8 @@ def main() -> int:
     ap.add_argument(
         "--stage-paths",
         default="chunked:gpu,chunked:cpu,compact",
-        help="staging paths, the first is the update the other measurements use (codec[:cpu|gpu])",
+        help="staging paths, the first is the update the other measurements use (codec[:cpu|gpu[/torch]]; "
+        "/torch: the chunked codec's torch planes instead of its Triton kernels)",
     )
     ap.add_argument("--skip", default="", help="comma list of baselines to skip: nanmask, variants, index_copy")
     ap.add_argument("--out", default=os.environ.get("OUT", ""))

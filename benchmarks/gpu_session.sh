@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # One lent-GPU call: `STAGES="tests publish apply" bash benchmarks/gpu_session.sh` from the repository
 # root. Stages (each bounded by its own timeout, logs under $OUT):
-#   tests     pytest -m gpu tests/apply tests/trainer tests/test_codec_gpu.py (kernels, engine, detection,
-#             the chunked codec's nvCOMP path against its CPU path)
+#   tests     pytest -m gpu tests/apply tests/trainer tests/test_codec_gpu.py tests/test_codec_kernels.py (kernels,
+#             engine, detection, the chunked codec's nvCOMP path against its CPU path, its Triton kernels
+#             against its torch reference)
 #   codec     benchmarks/codec_gpu.py qwen3-8b + qwen3-30b-a3b: the codecs alone, old path beside new [issue 17]
-#   publish   benchmarks/publish_gpu.py W=1 (triton, then the torch detection path)   [issue 9]
+#   publish   benchmarks/publish_gpu.py W=1                                          [issues 9, 17]
+#   publish_torch  benchmarks/publish_gpu.py W=1 with the torch detection path        [issue 9]
 #   world2    benchmarks/publish_gpu.py --world 2 (FSDP2 over NCCL; a 2-GPU machine)   [issue 9]
 #   apply     benchmarks/apply_gpu.py qwen3-8b + qwen3-30b-a3b at 1% and 3%, staging per path [issues 11, 17]
 #   moe       benchmarks/publish_gpu.py for qwen3-30b-a3b, 12 of its 48 layers          [issue 17]
@@ -35,13 +37,13 @@ run() {  # name timeout command...
 }
 for stage in ${STAGES:-tests publish apply}; do
   case $stage in
-    tests)   run pytest_gpu 200 python3 -m pytest -q -m gpu tests/apply tests/trainer tests/test_codec_gpu.py --maxfail=20 -p no:cacheprovider ;;
+    tests)   run pytest_gpu ${TESTS_LIMIT:-200} python3 -m pytest -q -m gpu tests/apply tests/trainer tests/test_codec_gpu.py tests/test_codec_kernels.py --maxfail=20 -p no:cacheprovider ;;
     codec)   run codec_gpu 300 python3 benchmarks/codec_gpu.py --out "$OUT" ${CODEC_ARGS:-} ;;
-    moe)     run publish_moe 300 python3 benchmarks/publish_gpu.py --model qwen3-30b-a3b --layers 12 --steps 4 --out "$OUT/moe" ${PUBLISH_ARGS:-} ;;
-    publish) run publish_w1 330 python3 benchmarks/publish_gpu.py --out "$OUT" ${PUBLISH_ARGS:-}
-             run publish_w1_torch 180 python3 benchmarks/publish_gpu.py --backend torch --codecs chunked:gpu --out "$OUT/torch" ${PUBLISH_ARGS:-} ;;
+    moe)     run publish_moe ${MOE_LIMIT:-300} python3 benchmarks/publish_gpu.py --model qwen3-30b-a3b --layers 12 --steps 4 --out "$OUT/moe" ${MOE_ARGS:-} ;;
+    publish) run publish_w1 ${PUBLISH_LIMIT:-330} python3 benchmarks/publish_gpu.py --out "$OUT" ${PUBLISH_ARGS:-} ;;
+    publish_torch) run publish_w1_torch 180 python3 benchmarks/publish_gpu.py --backend torch --codecs chunked:gpu --out "$OUT/torch" ${PUBLISH_ARGS:-} ;;
     world2)  run publish_w2 420 python3 benchmarks/publish_gpu.py --world 2 --codecs compact,chunked:gpu --out "$OUT" ${PUBLISH_ARGS:-} ;;
-    apply)   run apply_gpu 420 python3 benchmarks/apply_gpu.py --models qwen3-8b,qwen3-30b-a3b --densities 0.01,0.03 --out "$OUT" ${APPLY_ARGS:-} ;;
+    apply)   run apply_gpu ${APPLY_LIMIT:-420} python3 benchmarks/apply_gpu.py --models qwen3-8b,qwen3-30b-a3b --densities 0.01,0.03 --out "$OUT" ${APPLY_ARGS:-} ;;
     trainer) run trainer_gpu 120 python3 benchmarks/trainer_gpu.py --out "$OUT" ;;
     detect)  run detect_gpu 300 python3 benchmarks/detect_gpu.py --out "$OUT" ${DETECT_ARGS:-} ;;
     *) echo "unknown stage $stage" ;;

@@ -52,7 +52,7 @@ from torch import nn  # noqa: E402
 
 from vllm_delta.apply.engine import ApplyEngine  # noqa: E402
 from vllm_delta.checksums import combine, to_hex  # noqa: E402
-from vllm_delta.codec import gpu  # noqa: E402
+from vllm_delta.codec import chunked, gpu  # noqa: E402
 from vllm_delta.store import DeltaStore  # noqa: E402
 from vllm_delta.testing.apply_fixtures import QWEN3, QWEN3_MOE, model_layout  # noqa: E402
 from vllm_delta.trainer import DetectOptions, Publisher, PublisherOptions, ShardingOptions, UploadOptions  # noqa: E402
@@ -232,17 +232,21 @@ def run_rank(rank: int, world: int, cfg: Config) -> dict:
     out: dict = {"rank": rank, "plain_step_ms": plain, "lr": lr, "params": n_params, "runs": {}}
     for codec_cfg in cfg.codecs:
         codec_name, _, path = codec_cfg.partition(":")
+        path, _, planes = path.partition("/")  # "chunked:gpu/torch": the torch planes (before the Triton kernels)
         if path == "gpu" and dev.type == "cuda" and gpu.backend(dev)[0] is None:
             out["runs"][codec_cfg] = {"skipped": gpu.backend(dev)[1]}
             continue
         os.environ[gpu.PATH_ENV] = "cpu" if path == "cpu" else "auto"
-        store_dir = f"{cfg.store}-{codec_name}-{path or 'auto'}"
+        if planes:
+            os.environ[chunked.PLANES_ENV] = planes
+        store_dir = f"{cfg.store}-{codec_name}-{path or 'auto'}-{planes or 'default'}"
         try:
             out["runs"][codec_cfg] = _publish_run(
                 cfg, codec_name, store_dir, module, layout, targets, engine, step, group, dev, world, rank
             )
         finally:
             os.environ.pop(gpu.PATH_ENV, None)
+            os.environ.pop(chunked.PLANES_ENV, None)
             shutil.rmtree(store_dir, ignore_errors=True)
     if engine is not None:
         engine.close()
@@ -425,7 +429,8 @@ def main() -> int:
     ap.add_argument(
         "--codecs",
         default="compact,chunked:cpu,chunked:gpu",
-        help="codec configurations, one after the other in this process (codec[:cpu|gpu])",
+        help="codec configurations, one after the other in this process (codec[:cpu|gpu[/torch]]; /torch: the "
+        "chunked codec's torch planes instead of its Triton kernels)",
     )
     ap.add_argument("--layers", type=int, default=None, help="decoder layers (default: the model's)")
     ap.add_argument("--density", type=float, default=0.01)

@@ -30,6 +30,7 @@ the whole file at once: no per-tensor work, which is what mixture-of-experts mod
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -218,7 +219,12 @@ def encode_planes(
     return _encode_torch(batch, chunk_elems, slice_elems, context)
 
 
+PLANES_ENV = "VLLM_DELTA_PLANES_BACKEND"  # "torch": never the Triton kernels (default: Triton on CUDA)
+
+
 def _default_backend(dev: torch.device) -> PlanesBackend:
+    if os.environ.get(PLANES_ENV, "").strip().lower() == "torch":
+        return "torch"
     return "triton" if dev.type == "cuda" and kernels.available(dev) and str(dev) not in _KERNEL_FAILED else "torch"
 
 
