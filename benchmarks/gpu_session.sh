@@ -4,6 +4,7 @@
 #   tests     pytest -m gpu tests/apply tests/trainer tests/test_codec_gpu.py tests/test_codec_kernels.py (kernels,
 #             engine, detection, the chunked codec's nvCOMP path against its CPU path, its Triton kernels
 #             against its torch reference)
+#   calls     benchmarks/codec_calls.py: the chunked codec's GPU steps by call size (tuning)     [issue 17]
 #   codec     benchmarks/codec_gpu.py qwen3-8b + qwen3-30b-a3b: the codecs alone, old path beside new [issue 17]
 #   publish   benchmarks/publish_gpu.py W=1                                          [issues 9, 17]
 #   publish_torch  benchmarks/publish_gpu.py W=1 with the torch detection path        [issue 9]
@@ -38,6 +39,7 @@ run() {  # name timeout command...
 for stage in ${STAGES:-tests publish apply}; do
   case $stage in
     tests)   run pytest_gpu ${TESTS_LIMIT:-200} python3 -m pytest -q -m gpu tests/apply tests/trainer tests/test_codec_gpu.py tests/test_codec_kernels.py --maxfail=20 -p no:cacheprovider ;;
+    calls)   run codec_calls ${CALLS_LIMIT:-200} python3 benchmarks/codec_calls.py --out "$OUT" ${CALLS_ARGS:-} ;;
     codec)   run codec_gpu 300 python3 benchmarks/codec_gpu.py --out "$OUT" ${CODEC_ARGS:-} ;;
     moe)     run publish_moe ${MOE_LIMIT:-300} python3 benchmarks/publish_gpu.py --model qwen3-30b-a3b --layers 12 --steps 4 --out "$OUT/moe" ${MOE_ARGS:-} ;;
     publish) run publish_w1 ${PUBLISH_LIMIT:-330} python3 benchmarks/publish_gpu.py --out "$OUT" ${PUBLISH_ARGS:-} ;;

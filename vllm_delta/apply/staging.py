@@ -41,8 +41,7 @@ from .layout import DeviceLayout
 log = logging.getLogger(__name__)
 
 CHUNK_ELEMS = 1 << 23  # changed elements decoded per device chunk (bounds temporary memory)
-GPU_RUN_ELEMS = 1 << 24  # chunked, GPU path: elements per nvCOMP call (3.3 B each of device planes); small
-# enough that the first run's read is short and the later runs' reads overlap the device's work
+GPU_RUN_ELEMS = 1 << 26  # chunked, GPU path: elements per nvCOMP call (3.3 B each of device planes)
 READ_PIECE_BYTES = 4 << 20  # compressed bytes copied into pinned memory per task
 
 

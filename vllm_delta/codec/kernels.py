@@ -55,7 +55,9 @@ def available(device: torch.device) -> bool:
 
 if triton is not None:
 
-    @triton.jit
+    # Sizes and offsets are not specialized on (divisibility, == 1): every version has other values, and a
+    # specialization is a compile (~1 s) inside an update.
+    @triton.jit(do_not_specialize=["n", "chunks", "lo0", "hi0", "sign0", "big0", "mag0"])
     def _encode_kernel(
         pos_ptr,
         seg_ptr,
@@ -142,7 +144,7 @@ if triton is not None:
             acc += tl.where(m, (j + 1) * WEIGHT * w, 0)
         tl.store(out_ptr + k, tl.sum(acc, axis=0))
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["cap"])
     def _compact_kernel(src_ptr, got_ptr, dst_ptr, pad_ptr, out_ptr, cap, BLOCK: tl.constexpr):
         f = tl.program_id(0).to(tl.int64)
         got = tl.load(got_ptr + f)
@@ -153,7 +155,7 @@ if triton is not None:
             x = tl.load(src_ptr + f * cap + i, mask=i < got, other=0)
             tl.store(out_ptr + dst + i, x, mask=i < pad)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["n", "chunks", "n_gesc", "n_mesc"])
     def _decode_kernel(
         lo_ptr,
         hi_ptr,
@@ -311,8 +313,8 @@ def decode_chunks(
         big,
         mag,
         want,
-        gap_esc if gap_esc.numel() else empty,
-        mag_esc if mag_esc.numel() else empty,
+        gap_esc.clone() if gap_esc.numel() else empty,  # own (aligned) copies: a pointer's alignment is
+        mag_esc.clone() if mag_esc.numel() else empty,  # specialized on, and slices of the tables vary
         inc,
         diffs,
         bad,
