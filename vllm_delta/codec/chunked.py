@@ -257,24 +257,23 @@ def _slice_terms(
 def _encode_triton(
     batch: Batch, chunk_elems: int, slice_elems: int, context: tuple[torch.Tensor, torch.Tensor] | None
 ) -> Planes:
-    """`encode_planes` by the fused kernel; escapes (rare) gathered by torch from the chunks that have any."""
+    """`encode_planes` by the fused kernel: the planes and counts, then (only when there are any) the
+    escapes' values, in a second launch."""
     pos, dev, n = batch.positions, batch.positions.device, batch.positions.numel()
     layout = PlaneLayout(n, chunk_elems)
     buf = torch.empty(layout.size, dtype=torch.uint8, device=dev)
-    counts = torch.zeros(3, layout.chunks, dtype=torch.int64, device=dev)
     starts_t = torch.tensor(batch.starts, dtype=torch.int64).to(dev, non_blocking=dev.type == "cuda")
     if context is not None:
         ctx = torch.cat([context[0].reshape(1), context[1].reshape(1)]).to(torch.int64)
     else:
         ctx = torch.full((2,), -1, dtype=torch.int64, device=dev)
-    kernels.encode_chunks(
+    counts, gap_esc, mag_esc = kernels.encode_chunks(
         pos,
         batch.seg,
         int_view(batch.new),
         int_view(batch.old),
         starts_t,
         buf,
-        counts,
         ctx,
         chunk_elems=chunk_elems,
         plane_starts=layout.starts,
@@ -283,37 +282,15 @@ def _encode_triton(
         mag_bias=MAG_BIAS,
         mag_escape=MAG_ESCAPE,
     )
-    escaped = np.flatnonzero(counts[1:].sum(0).cpu().numpy())  # the one host wait
-    gap_esc: list[torch.Tensor] = []
-    mag_esc: list[torch.Tensor] = []
-    for a, b in _runs(escaped, chunk_elems, n):
-        for s0 in range(a, b, slice_elems):
-            gaps, d = _slice_terms(batch, s0, min(b, s0 + slice_elems), starts_t, context)
-            m = d.abs_()
-            gap_esc.append(gaps[gaps >= GAP_ESCAPE])
-            mag_esc.append(m[m >= MAG_BIAS + MAG_ESCAPE])
-    empty = torch.zeros(0, dtype=torch.int64, device=dev)
     return Planes(
         layout=layout,
         buf=buf,
         n_big=counts[0],
         n_gap_esc=counts[1],
         n_mag_esc=counts[2],
-        gap_esc=torch.cat(gap_esc) if gap_esc else empty,
-        mag_esc=torch.cat(mag_esc) if mag_esc else empty,
+        gap_esc=gap_esc,
+        mag_esc=mag_esc,
     )
-
-
-def _runs(chunks: np.ndarray, chunk_elems: int, n: int) -> list[tuple[int, int]]:
-    """Element ranges of sorted chunk indices, consecutive chunks merged."""
-    out: list[tuple[int, int]] = []
-    for k in chunks.tolist():
-        a, b = k * chunk_elems, min(n, (k + 1) * chunk_elems)
-        if out and out[-1][1] == a:
-            out[-1] = (out[-1][0], b)
-        else:
-            out.append((a, b))
-    return out
 
 
 def _encode_torch(

@@ -54,7 +54,6 @@ def available(device: torch.device) -> bool:
 
 
 if triton is not None:
-
     # Sizes and offsets are not specialized on (divisibility, == 1): every version has other values, and a
     # specialization is a compile (~1 s) inside an update.
     @triton.jit(do_not_specialize=["n", "chunks", "lo0", "hi0", "sign0", "big0", "mag0"])
@@ -67,6 +66,8 @@ if triton is not None:
         buf_ptr,
         counts_ptr,
         ctx_ptr,
+        gesc_ptr,
+        mesc_ptr,
         n,
         chunks,
         lo0,
@@ -82,7 +83,11 @@ if triton is not None:
         GAP_ESCAPE: tl.constexpr,
         MAG_BIAS: tl.constexpr,
         MAG_ESCAPE: tl.constexpr,
+        ESCAPES: tl.constexpr,
     ):
+        """ESCAPES=False: the planes and each chunk's counts. ESCAPES=True (a second launch, once the
+        counts' prefix sums are in `counts_ptr` rows 3 and 4): only the escapes' values, each at its
+        chunk's offset plus its rank in the chunk."""
         k = tl.program_id(0).to(tl.int64)
         c0 = k * E
         r = tl.arange(0, ROWS)[:, None]
@@ -93,6 +98,11 @@ if triton is not None:
         n_big = tl.sum(tl.zeros([ROWS], dtype=tl.int32), axis=0)
         n_gap = n_big
         n_mag = n_big
+        g_at = 0
+        m_at = 0
+        if ESCAPES:
+            g_at = tl.load(counts_ptr + 3 * chunks + k)
+            m_at = tl.load(counts_ptr + 4 * chunks + k)
         for b0 in range(0, E, ROWS * 8):
             i = c0 + b0 + r * 8 + c  # [ROWS, 8] element indices
             m = i < n
@@ -105,31 +115,45 @@ if triton is not None:
             prev_seg = tl.where(i == 0, ctx_seg, prev_seg)
             start = tl.load(starts_ptr + seg, mask=m, other=0)
             gap = pos - tl.where(seg != prev_seg, start - 1, prev_pos) - 1
-            d = (
-                tl.load(new_ptr + i, mask=m, other=0).to(tl.int64) - tl.load(old_ptr + i, mask=m, other=0).to(tl.int64)
-            ) & MASK
+            d = tl.load(new_ptr + i, mask=m, other=0).to(tl.int64) - tl.load(old_ptr + i, mask=m, other=0).to(tl.int64)
+            d = d & MASK
             d = tl.where(d >= HALF, d - FULL, d)
             mag = tl.abs(d)
-            big = m & (mag > 1)
-            n_gap += tl.sum((m & (gap >= GAP_ESCAPE)).to(tl.int32), axis=None)
-            n_mag += tl.sum((m & (mag >= MAG_BIAS + MAG_ESCAPE)).to(tl.int32), axis=None)
-            g = tl.minimum(gap, GAP_ESCAPE)
-            tl.store(buf_ptr + lo0 + i, (g & 0xFF).to(tl.uint8), mask=m)
-            tl.store(buf_ptr + hi0 + i, ((g >> 8) & 0xFF).to(tl.uint8), mask=m)
-            byte = (c0 + b0) // 8 + tl.arange(0, ROWS)
-            on = byte * 8 < n
-            sign = tl.sum(tl.where(m & (d < 0), weight, 0), axis=1)
-            tl.store(buf_ptr + sign0 + byte, sign.to(tl.uint8), mask=on)
-            bigs = big.to(tl.int32)
-            tl.store(buf_ptr + big0 + byte, tl.sum(bigs * weight, axis=1).to(tl.uint8), mask=on)
-            row = tl.sum(bigs, axis=1)
-            rank = n_big + (tl.cumsum(row, axis=0) - row)[:, None] + (tl.cumsum(bigs, axis=1) - bigs)
-            code = tl.minimum(tl.maximum(mag - MAG_BIAS, 0), MAG_ESCAPE).to(tl.uint8)
-            tl.store(buf_ptr + mag0 + c0 + rank, code, mask=big)
-            n_big += tl.sum(row, axis=0)
-        tl.store(counts_ptr + k, n_big.to(tl.int64))
-        tl.store(counts_ptr + chunks + k, n_gap.to(tl.int64))
-        tl.store(counts_ptr + 2 * chunks + k, n_mag.to(tl.int64))
+            g_esc = m & (gap >= GAP_ESCAPE)
+            m_esc = m & (mag >= MAG_BIAS + MAG_ESCAPE)
+            if ESCAPES:
+                gi = g_esc.to(tl.int32)
+                row = tl.sum(gi, axis=1)
+                at = g_at + n_gap + (tl.cumsum(row, axis=0) - row)[:, None] + (tl.cumsum(gi, axis=1) - gi)
+                tl.store(gesc_ptr + at, gap, mask=g_esc)
+                n_gap += tl.sum(row, axis=0)
+                mi = m_esc.to(tl.int32)
+                row = tl.sum(mi, axis=1)
+                at = m_at + n_mag + (tl.cumsum(row, axis=0) - row)[:, None] + (tl.cumsum(mi, axis=1) - mi)
+                tl.store(mesc_ptr + at, mag, mask=m_esc)
+                n_mag += tl.sum(row, axis=0)
+            else:
+                big = m & (mag > 1)
+                n_gap += tl.sum(g_esc.to(tl.int32), axis=None)
+                n_mag += tl.sum(m_esc.to(tl.int32), axis=None)
+                g = tl.minimum(gap, GAP_ESCAPE)
+                tl.store(buf_ptr + lo0 + i, (g & 0xFF).to(tl.uint8), mask=m)
+                tl.store(buf_ptr + hi0 + i, ((g >> 8) & 0xFF).to(tl.uint8), mask=m)
+                byte = (c0 + b0) // 8 + tl.arange(0, ROWS)
+                on = byte * 8 < n
+                sign = tl.sum(tl.where(m & (d < 0), weight, 0), axis=1)
+                tl.store(buf_ptr + sign0 + byte, sign.to(tl.uint8), mask=on)
+                bigs = big.to(tl.int32)
+                tl.store(buf_ptr + big0 + byte, tl.sum(bigs * weight, axis=1).to(tl.uint8), mask=on)
+                row = tl.sum(bigs, axis=1)
+                rank = n_big + (tl.cumsum(row, axis=0) - row)[:, None] + (tl.cumsum(bigs, axis=1) - bigs)
+                code = tl.minimum(tl.maximum(mag - MAG_BIAS, 0), MAG_ESCAPE).to(tl.uint8)
+                tl.store(buf_ptr + mag0 + c0 + rank, code, mask=big)
+                n_big += tl.sum(row, axis=0)
+        if not ESCAPES:
+            tl.store(counts_ptr + k, n_big.to(tl.int64))
+            tl.store(counts_ptr + chunks + k, n_gap.to(tl.int64))
+            tl.store(counts_ptr + 2 * chunks + k, n_mag.to(tl.int64))
 
     @triton.jit
     def _hash_kernel(words_ptr, start_ptr, count_ptr, out_ptr, WEIGHT: tl.constexpr, BLOCK: tl.constexpr):
@@ -230,7 +254,6 @@ def encode_chunks(
     old: torch.Tensor,
     starts: torch.Tensor,
     buf: torch.Tensor,
-    counts: torch.Tensor,
     context: torch.Tensor,
     *,
     chunk_elems: int,
@@ -239,34 +262,25 @@ def encode_chunks(
     gap_escape: int,
     mag_bias: int,
     mag_escape: int,
-) -> None:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The planes of `positions.numel()` changes into `buf` (laid out from `plane_starts`: gap low,
-    gap high, sign bits, big bits, magnitude codes strided by chunk) and each chunk's counts into
-    `counts` (int64 [3, chunks]: big elements, gap escapes, value escapes). `context`: int64 [2] on
-    the device, (position, tensor index) of the element before the first ((-1, -1): none);
-    `starts`: int64 per tensor index, where its gap chain starts."""
+    gap high, sign bits, big bits, magnitude codes strided by chunk); returns each chunk's counts
+    (int64 [3, chunks]: big elements, gap escapes, value escapes) and the escapes' values (int64, in
+    element order: gaps >= `gap_escape`, |differences| >= `mag_bias + mag_escape`). One host wait
+    (the escapes' total), then a second launch only when there are escapes. `context`: int64 [2] on
+    the device, (position, tensor index) of the element before the first ((-1, -1): none); `starts`:
+    int64 per tensor index, where its gap chain starts."""
     n = positions.numel()
-    chunks = counts.shape[1]
+    dev = positions.device
+    chunks = -(-n // chunk_elems)
+    table = torch.zeros(5, chunks, dtype=torch.int64, device=dev)  # counts, then the escapes' offsets
+    empty = torch.zeros(0, dtype=torch.int64, device=dev)
     if not n:
-        return
+        return table[:3], empty, empty
     bits = 8 * width
     lo0, hi0, sign0, big0, mag0 = plane_starts
-    _encode_kernel[(chunks,)](
-        positions,
-        seg,
-        new,
-        old,
-        starts,
-        buf,
-        counts,
-        context,
-        n,
-        chunks,
-        lo0,
-        hi0,
-        sign0,
-        big0,
-        mag0,
+    args = (positions, seg, new, old, starts, buf, table, context)
+    consts = dict(
         E=chunk_elems,
         ROWS=min(ENCODE_ROWS, chunk_elems // 8),
         MASK=(1 << bits) - 1,
@@ -277,6 +291,18 @@ def encode_chunks(
         MAG_ESCAPE=mag_escape,
         num_warps=ENCODE_WARPS,
     )
+    sizes = (n, chunks, lo0, hi0, sign0, big0, mag0)
+    _encode_kernel[(chunks,)](*args, empty, empty, *sizes, ESCAPES=False, **consts)
+    totals = table[1:3].sum(1).tolist()  # the one host wait
+    if not any(totals):
+        return table[:3], empty, empty
+    table[3:5] = torch.cumsum(table[1:3], 1) - table[1:3]
+    gap_esc = torch.empty(int(totals[0]), dtype=torch.int64, device=dev)
+    mag_esc = torch.empty(int(totals[1]), dtype=torch.int64, device=dev)
+    _encode_kernel[(chunks,)](
+        *args, gap_esc if totals[0] else empty, mag_esc if totals[1] else empty, *sizes, ESCAPES=True, **consts
+    )
+    return table[:3], gap_esc, mag_esc
 
 
 def decode_chunks(
