@@ -8,7 +8,8 @@ bf16 tensors, gaps with the density's mean, AdamW-like differences), on one GPU:
   the trainer's detection hands them over (passes of `--pass-changes`, `StreamEncoder`);
 * compress: every frame with nvCOMP, at several frames per call (`gpu.FRAMES_PER_CALL`);
 * write: `ChunkedBatch.write_to` into memory (compress + compact + hash + device-to-host copy), at
-  several runs of chunks per piece (`chunked.PIECE_CHUNKS`);
+  several sizes of the copies (`chunked.COPY_PIECE_BYTES`), from one part and from the trainer's
+  passes (merged), and into a file on /dev/shm (format.PayloadWriter, 16 writer threads);
 * inflate: nvCOMP decompression of the file's frames, at several chunks per call;
 * decode: the planes back to gaps and differences, Triton kernel against torch, 128 chunks a run.
 
@@ -25,7 +26,9 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
@@ -35,6 +38,7 @@ import torch  # noqa: E402
 
 from vllm_delta.codec import chunked, gpu  # noqa: E402
 from vllm_delta.codec.base import Batch, MemorySink, segment_ids  # noqa: E402
+from vllm_delta.format import PayloadWriter, VersionHeader  # noqa: E402
 from vllm_delta.testing.apply_fixtures import apply_diffs, realistic_diffs  # noqa: E402
 
 
@@ -134,12 +138,36 @@ def main() -> int:
             )
         gpu.FRAMES_PER_CALL = saved
         prepared = chunked.ChunkedBatch(c, batch.counts, batch.starts, [planes])
-        saved_piece = chunked.PIECE_CHUNKS
-        for pc in (128, 256, 512, 1024, 4096):
-            chunked.PIECE_CHUNKS = pc
-            gpu.FRAMES_PER_CALL = max(saved, 5 * pc)
-            note("write", f"{pc} chunks/piece", timed(lambda: prepared.write_to(MemorySink()), args.reps))
-        chunked.PIECE_CHUNKS, gpu.FRAMES_PER_CALL = saved_piece, saved
+        saved_piece = chunked.COPY_PIECE_BYTES
+        for mb in (2, 8, 32):
+            chunked.COPY_PIECE_BYTES = mb << 20
+            note("write", f"memory, {mb} MB copies", timed(lambda: prepared.write_to(MemorySink()), args.reps))
+        chunked.COPY_PIECE_BYTES = saved_piece
+
+        def streamed() -> chunked.ChunkedBatch:
+            s = c.stream([0] * 400)
+            for a in range(0, args.changes, args.pass_changes):
+                b = min(args.changes, a + args.pass_changes)
+                s.add(batch.positions[a:b], batch.seg[a:b], batch.new[a:b], batch.old[a:b])
+            return s.finish(batch.counts)
+
+        parts = streamed()
+        note(
+            "write", f"memory, {len(parts.parts)} parts merged", timed(lambda: parts.write_to(MemorySink()), args.reps)
+        )
+        pool = ThreadPoolExecutor(16)
+        tmp = tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+        header = VersionHeader(version=1, kind="delta", tensors={}, checksum="0" * 16, base=0, base_checksum="0" * 16)
+        header.codec, header.format_version, header.enc = "chunked", 3, prepared.file_enc()
+
+        def to_file() -> None:
+            path = os.path.join(tmp, "f.safetensors")
+            with PayloadWriter(path, header, chunked.PAYLOAD_LAYOUT, pool) as out:
+                parts.write_to(out)
+            os.unlink(path)
+
+        note("write", "file (/dev/shm), 16 threads", timed(to_file, args.reps))
+        pool.shutdown()
         sink = MemorySink()
         prepared.write_to(sink)
         payload = {k: v for k, v in sink.payload().items()}

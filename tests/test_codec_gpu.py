@@ -253,3 +253,27 @@ def test_missing_nvcomp_means_the_cpu_path(monkeypatch, caplog):
     assert any("decodes on the CPU: nvCOMP is not installed" in m for m in msgs)
     assert "inflate" not in timings
     gpu.reset()
+
+
+def test_gpu_written_file_from_passes_reads_back_on_the_cpu(nvcomp):
+    """The trainer's path: changes encoded pass by pass (several planes buffers, merged for one nvCOMP
+    call), written on the GPU; zstandard on the host reads every tensor back bit for bit."""
+    changes = [c for c in _changes(seed=5) if c[3].element_size() == 2]
+    dev = changes[0][2].device
+    counts = [int(c[2].numel()) for c in changes]
+    pos = torch.cat([c[2] for c in changes])
+    new = torch.cat([c[3] for c in changes])
+    old = torch.cat([c[4] for c in changes])
+    seg = codecs.segment_ids(torch.tensor(counts, device=dev), sum(counts))
+    c = codecs.ChunkedCodec()
+    stream = c.stream([0] * len(changes))
+    step = 70_001  # passes that end inside chunks and inside tensors
+    for a in range(0, pos.numel(), step):
+        stream.add(pos[a : a + step], seg[a : a + step], new[a : a + step], old[a : a + step])
+    batch = stream.finish(counts)
+    assert len(batch.parts) > 1
+    out = c.pack_file([(name, s) for (name, *_), s in zip(changes, batch.split())])
+    assert out.payload["index"].shape[0] == -(-sum(counts) // c.chunk_elems)
+    for it, (name, numel, p, nb, ob) in zip(_items(changes, out), changes):
+        ch = codecs.decode("chunked", it.parts, it.enc, numel=numel, nnz=it.nnz, dtype=it.dtype)
+        assert torch.equal(ch.positions, p.cpu()) and torch.equal(ch.new_bits(ob.cpu()), nb.cpu()), name

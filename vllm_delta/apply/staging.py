@@ -41,7 +41,8 @@ from .layout import DeviceLayout
 log = logging.getLogger(__name__)
 
 CHUNK_ELEMS = 1 << 23  # changed elements decoded per device chunk (bounds temporary memory)
-GPU_RUN_ELEMS = 1 << 26  # chunked, GPU path: elements per nvCOMP call (3.3 B each of device planes)
+GPU_RUN_ELEMS = 1 << 27  # chunked, GPU path: elements per nvCOMP call (3.3 B each of device planes): few
+# calls (~10 ms each on an H100 whatever their size, benchmarks/codec_calls.py); Qwen3-8B at 1% is one
 READ_PIECE_BYTES = 4 << 20  # compressed bytes copied into pinned memory per task
 
 

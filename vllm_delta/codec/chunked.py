@@ -62,7 +62,7 @@ COL_BIG, COL_GAP_ESC, COL_MAG_ESC, COL_HASH = N_PLANES, N_PLANES + 1, N_PLANES +
 INDEX_WIDTH = N_PLANES + 4  # per chunk: 5 frame sizes, big elements, gap escapes, mag escapes, hash
 SLICE_ELEMS = 1 << 22  # elements turned into planes at a time on the device (bounds temporaries)
 MAX_CHUNK_ELEMS = 1 << 24
-PIECE_CHUNKS = 256  # GPU path: chunks compressed, copied to the host and written at a time
+COPY_PIECE_BYTES = 8 << 20  # GPU path: compressed bytes copied to the host (and written) at a time
 PAYLOAD_PARTS = ("blob", "index", "gap_esc", "mag_esc")  # file-level payload keys (`::<part>`)
 PlanesBackend = Literal["torch", "triton"]  # planes on the device: the fused kernels, or the torch reference
 PLANES_BACKENDS: tuple[PlanesBackend, ...] = get_args(PlanesBackend)
@@ -982,9 +982,9 @@ class ChunkedBatch(BatchSections):
         return FilePack(payload=sink.payload(), enc=self.file_enc(), tensor_enc={})
 
     def write_to(self, sink: PayloadSink, pool: Executor | None = None, busy_ms: list[float] | None = None) -> None:
-        """The payload's parts (PAYLOAD_LAYOUT, in order) into `sink`. On the GPU path the blob goes
-        in runs of PIECE_CHUNKS chunks, each copied to pinned memory while the next is compressed
-        (a file sink writes each as its copy lands); the index, whose hashes come with the runs, after."""
+        """The payload's parts (PAYLOAD_LAYOUT, in order) into `sink`. On the GPU path the blob is
+        compressed by nvCOMP, then copied to pinned memory in pieces of COPY_PIECE_BYTES, and a file
+        sink writes each as its copy lands (the writes overlap the copies and each other)."""
         self.wait()
         t0 = time.perf_counter()
         dev = self.device
@@ -1011,27 +1011,50 @@ class ChunkedBatch(BatchSections):
             busy_ms.append((time.perf_counter() - t0) * 1e3)
 
     def _write_gpu(self, sink: PayloadSink, backend: gpu.GpuZstd) -> None:
-        rows: list[tuple[np.ndarray, np.ndarray, torch.Tensor, Any]] = []
-        for p in self.parts:
-            counts = torch.stack([p.n_big, p.n_gap_esc, p.n_mag_esc], dim=1).cpu().numpy()
-            offsets, sizes = p.layout.frames(counts[:, 0])
-            for k0 in range(0, p.layout.chunks, PIECE_CHUNKS):
-                k1 = min(p.layout.chunks, k0 + PIECE_CHUNKS)
-                blob, comp, hashes = gpu.compress_chunks(backend, p.buf, offsets[k0:k1], sizes[k0:k1])
-                host = torch.empty(blob.numel(), dtype=torch.uint8, pin_memory=True)
-                host.copy_(blob, non_blocking=True)
-                host_hashes = torch.empty(k1 - k0, dtype=torch.int64, pin_memory=True)
-                host_hashes.copy_(hashes, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record()
-                sink.append("blob", host, event.synchronize)
-                rows.append((comp, counts[k0:k1], host_hashes, event))
-        if not rows:
+        """nvCOMP over every frame of the file in as few calls as memory allows (a call costs ~10 ms
+        on an H100 whatever its size: benchmarks/codec_calls.py), then the blob to pinned memory in
+        pieces, each handed to the sink (written) as its copy lands."""
+        if not self.parts:
             sink.append("blob", torch.zeros(0, dtype=torch.uint8))
-        for *_, event in rows:
-            event.synchronize()
-        sink.append("index", _index([np.concatenate([c, n, h.numpy()[:, None]], axis=1) for c, n, h, _ in rows]))
+            sink.append("index", _index([]))
+            self._write_escapes(sink)
+            return
+        merged, bases = self._merge()
+        counts = torch.cat([torch.stack([p.n_big, p.n_gap_esc, p.n_mag_esc], dim=1) for p in self.parts])
+        counts_np = counts.cpu().numpy()
+        frames = [p.layout.frames(counts_np[k0 : k0 + p.layout.chunks, 0]) for p, k0 in zip(self.parts, self._firsts())]
+        offsets = np.concatenate([off + base for (off, _), base in zip(frames, bases)])
+        sizes = np.concatenate([size for _, size in frames])
+        blob, comp, hashes = gpu.compress_chunks(backend, merged, offsets, sizes)
+        del merged
+        host = torch.empty(blob.numel(), dtype=torch.uint8, pin_memory=True)
+        for a in range(0, blob.numel(), COPY_PIECE_BYTES):
+            b = min(blob.numel(), a + COPY_PIECE_BYTES)
+            host[a:b].copy_(blob[a:b], non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            sink.append("blob", host[a:b], event.synchronize)
+        if not blob.numel():
+            sink.append("blob", host)
+        hashes_np = hashes.cpu().numpy()
+        sink.append("index", _index([np.concatenate([comp, counts_np, hashes_np[:, None]], axis=1)]))
         self._write_escapes(sink)
+
+    def _firsts(self) -> list[int]:
+        """Each part's first chunk in the file."""
+        return [0, *np.cumsum([p.layout.chunks for p in self.parts]).tolist()][:-1]
+
+    def _merge(self) -> tuple[torch.Tensor, list[int]]:
+        """Every part's planes in one device buffer (one nvCOMP call reads them all): the parts'
+        buffers become views of it, so the separate ones are freed (memory: one copy at a time)."""
+        sizes = [p.buf.numel() for p in self.parts]
+        bases = [0, *np.cumsum(sizes).tolist()][:-1]
+        if len(self.parts) == 1:
+            return self.parts[0].buf, bases
+        merged = torch.cat([p.buf for p in self.parts])
+        for p, base, size in zip(self.parts, bases, sizes):
+            p.buf = merged[base : base + size]
+        return merged, bases
 
     def _write_cpu(self, sink: PayloadSink, pool: Executor | None) -> None:
         host = HostCopy(self.device)
