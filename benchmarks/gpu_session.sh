@@ -51,3 +51,5 @@ for stage in ${STAGES:-tests publish apply}; do
     *) echo "unknown stage $stage" ;;
   esac
 done
+echo "== fallbacks and failures logged (none is the expected outcome):"
+grep -h "failed\|falls back\|MISMATCH\|Traceback" "$OUT"/*.log "$OUT"/*/*.log 2>/dev/null | grep -v "^FAILED tests" | sort | uniq -c | head -20
