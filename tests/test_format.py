@@ -212,3 +212,24 @@ def test_payload_writer_restart_rewrites_from_the_start(tmp_path):
     loaded = load_file(path)
     assert torch.equal(loaded["blob"], torch.arange(16, dtype=torch.uint8))
     assert torch.equal(loaded["index"], torch.arange(3, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("hint", [1, 10_000_000])
+def test_payload_writer_size_hint_leaves_the_file_at_its_size(tmp_path, hint):
+    """Space allocated ahead (more or less than the payload) is not part of the file."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from safetensors.torch import load_file
+
+    from vllm_delta.format import PayloadWriter
+
+    header = anchor_header({}, 1)
+    blob = torch.arange(1000, dtype=torch.int64).to(torch.uint8)
+    path = str(tmp_path / "h")
+    with ThreadPoolExecutor(2) as pool:
+        with PayloadWriter(path, header, [("blob", torch.uint8, 1)], pool, size_hint=hint) as out:
+            out.append("blob", blob)
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+    assert os.path.getsize(path) == 8 + n + blob.numel()
+    assert torch.equal(load_file(path)["blob"], blob)

@@ -209,7 +209,7 @@ def write_delta(
         plan = codec.plan_file([(n, _sections(tensors[n])) for n in changed])
         header = _delta_header(of, codec, tensors, plan.tensor_enc, plan.enc, STREAMS_FORMAT_VERSION)
         parts = [(payload_key(FILE_PAYLOAD, key), dtype, ndim) for key, dtype, ndim in plan.parts]
-        with PayloadWriter(path, header, parts, pool) as out:
+        with PayloadWriter(path, header, parts, pool, size_hint=plan.size_hint) as out:
             plan.write_to(_FileParts(out), pool, busy_ms)
             t1 = time.perf_counter()
     t2 = time.perf_counter()

@@ -240,6 +240,7 @@ class FileWrite(Protocol):
     enc: dict[str, Any]
     tensor_enc: dict[str, dict[str, Any]]
     parts: list[tuple[str, torch.dtype, int]]  # the payload's parts in order: name, dtype, dimensions
+    size_hint: int  # the payload's expected bytes (a writer may allocate them ahead)
 
     def write_to(self, sink: PayloadSink, pool: Executor | None = None, busy_ms: list[float] | None = None) -> None: ...
 

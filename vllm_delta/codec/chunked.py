@@ -1103,6 +1103,7 @@ class FilePlan:
     enc: dict[str, Any]
     tensor_enc: dict[str, dict[str, Any]]
     parts: list[tuple[str, torch.dtype, int]]
+    size_hint: int = 0
 
     def write_to(self, sink: PayloadSink, pool: Executor | None = None, busy_ms: list[float] | None = None) -> None:
         self.batch.write_to(sink, pool, busy_ms)
@@ -1204,7 +1205,9 @@ class ChunkedCodec:
             name: prepared.tensor_enc(s.meta["tensor"] if "batch" in s.meta else i)
             for i, (name, s) in enumerate(tensors)
         }
-        return FilePlan(prepared, prepared.file_enc(), tensor_enc, list(PAYLOAD_LAYOUT))
+        # ~1.1-1.4 B per changed element (docs/PERFORMANCE.md), the index 72 B per chunk
+        hint = prepared.n * 5 // 4 + -(-prepared.n // self.chunk_elems) * INDEX_WIDTH * 8
+        return FilePlan(prepared, prepared.file_enc(), tensor_enc, list(PAYLOAD_LAYOUT), hint)
 
     def pack_file(
         self, tensors: Sequence[tuple[str, Sections]], pool: Executor | None = None, busy_ms: list[float] | None = None
