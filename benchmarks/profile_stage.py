@@ -1,7 +1,8 @@
 #!/usr/bin/env python
-"""Where staging time goes: torch.profiler over ApplyEngine.stage of one Qwen3-shaped delta (GPU).
+"""Where staging time goes: torch.profiler and cProfile over ApplyEngine.stage of one Qwen3-shaped
+delta (GPU): device kernels, and the Python functions (per-tensor work shows up there).
 
-python benchmarks/profile_stage.py [--model qwen3-8b] [--density 0.01]
+python benchmarks/profile_stage.py [--model qwen3-8b|qwen3-30b-a3b] [--density 0.01] [--codec chunked]
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from vllm_delta.apply.engine import ApplyEngine  # noqa: E402
 from vllm_delta.format import VersionFile  # noqa: E402
-from vllm_delta.testing.apply_fixtures import QWEN3, random_changes, write_delta  # noqa: E402
+from vllm_delta.testing.apply_fixtures import QWEN3, QWEN3_MOE, random_changes, write_delta  # noqa: E402
 
 
 def main():
@@ -29,9 +30,10 @@ def main():
     ap.add_argument("--model", default="qwen3-8b")
     ap.add_argument("--density", type=float, default=0.01)
     ap.add_argument("--rows", type=int, default=25)
+    ap.add_argument("--codec", default="chunked")
     args = ap.parse_args()
     dev = torch.device("cuda", 0)
-    spec = QWEN3[args.model]
+    spec = {**QWEN3, **QWEN3_MOE}[args.model]
     layout, targets, hf = build_model(spec, dev)
     changes = random_changes(hf, args.density, seed=1)
     with tempfile.TemporaryDirectory() as tmp:
@@ -40,7 +42,7 @@ def main():
             path,
             version=1,
             base=0,
-            codec="compact",
+            codec=args.codec,
             shapes=layout.hf_shapes,
             changes=changes,
             pool=ThreadPoolExecutor(16),
@@ -51,6 +53,16 @@ def main():
         for _ in range(2):
             staged = engine.stage([vf])
             del staged
+        import cProfile
+        import pstats
+
+        pr = cProfile.Profile()
+        pr.enable()
+        staged = engine.stage([vf])
+        pr.disable()
+        print({k: round(v, 1) for k, v in staged.timings.items()})
+        pstats.Stats(pr).sort_stats("cumulative").print_stats(args.rows)
+        del staged
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             staged = engine.stage([vf])
         print({k: round(v, 1) for k, v in staged.timings.items()})

@@ -52,8 +52,9 @@ from torch import nn  # noqa: E402
 
 from vllm_delta.apply.engine import ApplyEngine  # noqa: E402
 from vllm_delta.checksums import combine, to_hex  # noqa: E402
+from vllm_delta.codec import chunked, gpu  # noqa: E402
 from vllm_delta.store import DeltaStore  # noqa: E402
-from vllm_delta.testing.apply_fixtures import QWEN3, qwen3_layout  # noqa: E402
+from vllm_delta.testing.apply_fixtures import QWEN3, QWEN3_MOE, model_layout  # noqa: E402
 from vllm_delta.trainer import DetectOptions, Publisher, PublisherOptions, ShardingOptions, UploadOptions  # noqa: E402
 
 LINK_BYTES_PER_S = 10e9 / 8  # 10 Gbit/s
@@ -141,6 +142,7 @@ def calibrate(params: list[torch.Tensor], density: float) -> float:
 class Config:
     model: str
     layers: int | None
+    codecs: list[str]  # "codec[:cpu|gpu]": the codec, and for chunked the path (nvCOMP or zstandard)
     density: float
     steps: int
     warmup: int
@@ -182,10 +184,10 @@ def run_rank(rank: int, world: int, cfg: Config) -> dict:
     dev = torch.device("cuda", rank) if torch.cuda.is_available() and not cfg.smoke else torch.device("cpu")
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
-    spec = QWEN3[cfg.model]
+    spec = {**QWEN3, **QWEN3_MOE}[cfg.model]
     if cfg.layers is not None:
         spec = dataclasses.replace(spec, layers=cfg.layers)
-    target_shapes, layout = qwen3_layout(spec)
+    target_shapes, layout = model_layout(spec)
     shapes = dict(layout.hf_shapes)
     if world > 1:
         from torch.distributed.fsdp import fully_shard
@@ -209,35 +211,10 @@ def run_rank(rank: int, world: int, cfg: Config) -> dict:
     n_params = sum(int(torch.tensor(s).prod()) if s else 1 for s in shapes.values())
     group = dist.group.WORLD if world > 1 else None
     tempfile.tempdir = os.path.dirname(cfg.store)  # the publisher's temp files: renamed into the store
-    pub = Publisher(
-        cfg.store,
-        anchor_every=10**9,
-        group=group,
-        options=PublisherOptions(
-            detect=DetectOptions(backend=cfg.backend, chunk_elems=cfg.chunk_elems),
-            upload=UploadOptions(queue_size=2, pack_threads=cfg.threads),
-            sharding=ShardingOptions(timeout_s=600),
-        ),
-    )
-    store = DeltaStore(cfg.store)
-    t0 = time.perf_counter()
-    info0 = pub.publish(module, version=0)
-    pub.flush()
-    anchor_s = time.perf_counter() - t0
-    # the engine (rank 0) starts from the trainer's bf16 image at version 0
-    engine = None
     targets: list[torch.Tensor] = []
     if rank == 0:
         targets = [torch.zeros(s, dtype=torch.bfloat16, device=dev) for s in target_shapes.values()]
-    for name, p in module.named_parameters():  # a collective per tensor with FSDP2: every rank
-        full = p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
-        if rank == 0:
-            fill_targets(layout, targets, name, full.to(torch.bfloat16))
-        del full
-    if rank == 0:
-        engine = ApplyEngine(dict(zip(target_shapes, targets)), layout, dev)
-    _sync(dev)
-    _barrier(world)
+    engine = ApplyEngine(dict(zip(target_shapes, targets)), layout, dev) if rank == 0 else None
 
     def step() -> None:
         opt.step()
@@ -252,14 +229,64 @@ def run_rank(rank: int, world: int, cfg: Config) -> dict:
         _sync(dev)
         if i >= cfg.warmup:
             plain.append((time.perf_counter() - t) * 1e3)
-    # the versions after these steps: a re-anchor would distort (b); publish once to catch up (untimed)
+    out: dict = {"rank": rank, "plain_step_ms": plain, "lr": lr, "params": n_params, "runs": {}}
+    for codec_cfg in cfg.codecs:
+        codec_name, _, path = codec_cfg.partition(":")
+        path, _, planes = path.partition("/")  # "chunked:gpu/torch": the torch planes (before the Triton kernels)
+        if path == "gpu" and dev.type == "cuda" and gpu.backend(dev)[0] is None:
+            out["runs"][codec_cfg] = {"skipped": gpu.backend(dev)[1]}
+            continue
+        os.environ[gpu.PATH_ENV] = "cpu" if path == "cpu" else "auto"
+        if planes:
+            os.environ[chunked.PLANES_ENV] = planes
+        store_dir = f"{cfg.store}-{codec_name}-{path or 'auto'}-{planes or 'default'}"
+        try:
+            out["runs"][codec_cfg] = _publish_run(
+                cfg, codec_name, store_dir, module, layout, targets, engine, step, group, dev, world, rank
+            )
+        finally:
+            os.environ.pop(gpu.PATH_ENV, None)
+            os.environ.pop(chunked.PLANES_ENV, None)
+            shutil.rmtree(store_dir, ignore_errors=True)
+    if engine is not None:
+        engine.close()
+    return out
+
+
+def _publish_run(cfg, codec_name, store_dir, module, layout, targets, engine, step, group, dev, world, rank) -> dict:
+    """One codec configuration: a fresh store, an anchor of the current weights (the engine starts
+    from them), then (b) steps with publish and the time to live."""
+    pub = Publisher(
+        store_dir,
+        anchor_every=10**9,
+        codec=codec_name,
+        group=group,
+        options=PublisherOptions(
+            detect=DetectOptions(backend=cfg.backend, chunk_elems=cfg.chunk_elems),
+            upload=UploadOptions(queue_size=2, pack_threads=cfg.threads),
+            sharding=ShardingOptions(timeout_s=600),
+        ),
+    )
+    store = DeltaStore(store_dir)
+    t0 = time.perf_counter()
+    info0 = pub.publish(module, version=0)
+    pub.flush()
+    anchor_s = time.perf_counter() - t0
+    for name, p in module.named_parameters():  # a collective per tensor with FSDP2: every rank
+        full = p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
+        if rank == 0:
+            fill_targets(layout, targets, name, full.to(torch.bfloat16))
+        del full
+    _sync(dev)
+    _barrier(world)
+    # a first delta (untimed): kernels, pinned buffers, nvCOMP
     v = 1
+    step()
     pub.publish(module, version=v)
     pub.flush()
     if engine is not None:
         with store.open(v) as vf:
             engine.commit(engine.stage([vf]))
-    # (b) with publish, and the time to live
     rows = []
     for i in range(cfg.warmup + cfg.steps):
         v += 1
@@ -269,16 +296,22 @@ def run_rank(rank: int, world: int, cfg: Config) -> dict:
         step()
         _sync(dev)
         t_step = time.perf_counter()
+        mem0 = 0
+        if dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(dev)
+            mem0 = torch.cuda.memory_allocated(dev)
         info = pub.publish(module, version=v)
         t_pub = time.perf_counter()
         rec = info.uploaded.result()
         t_vis = time.perf_counter()
+        peak = (torch.cuda.max_memory_allocated(dev) - mem0) if dev.type == "cuda" else 0
         row = {
             "version": v,
             "step_ms": (t_step - t0) * 1e3,
             "step_publish_ms": (t_pub - t0) * 1e3,
             "publish_ms": (t_pub - t_step) * 1e3,
             "upload_ms": (t_vis - t_pub) * 1e3,
+            "publish_peak_mb": peak / 1e6,
             "nnz": info.nnz,
             "density": info.density,
             "bytes": rec.bytes,
@@ -299,19 +332,18 @@ def run_rank(rank: int, world: int, cfg: Config) -> dict:
                 commit_ms=(t_live - t_stage) * 1e3,
                 live_ms=(t_live - t_step) * 1e3,
                 link_10g_ms=2 * rec.bytes / LINK_BYTES_PER_S * 1e3,
+                **{f"st_{k}_ms": x for k, x in staged.timings.items() if k != "total"},
             )
+            del staged
         if i >= cfg.warmup:
             rows.append(row)
         _barrier(world)
     pub.close()
-    out: dict = {"rank": rank, "plain_step_ms": plain, "rows": rows, "lr": lr, "anchor_s": anchor_s}
-    out["params"] = n_params
-    out["anchor_checksum"] = info0.checksum
+    out: dict = {"rows": rows, "anchor_s": anchor_s, "anchor_checksum": info0.checksum}
     if engine is not None:
         live = to_hex(combine(engine.live_sums().items()))
         out["checksum_ok"] = live == info.checksum
         out["live_checksum"], out["publisher_checksum"] = live, info.checksum
-        engine.close()
     return out
 
 
@@ -326,64 +358,80 @@ def med(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
-def report(results: list[dict], cfg: Config, card: str, log: list[str]) -> dict:
+def summarize(results: list[dict], codec_cfg: str, cfg: Config) -> dict:
+    """Medians of one codec configuration's steps (rank 0), with every phase."""
     r0 = results[0]
-    rows = r0["rows"]
-    summary = {
-        "card": card,
-        "world": cfg.world,
-        "model": cfg.model,
-        "layers": cfg.layers,
-        "params": r0["params"],
-        "density": med([r["density"] for r in rows]),
-        "lr": r0["lr"],
-        "step_ms": med(r0["plain_step_ms"]),
-        "step_publish_ms": med([r["step_publish_ms"] for r in rows]),
-        "publish_ms": med([r["publish_ms"] for r in rows]),
-        "upload_ms": med([r["upload_ms"] for r in rows]),
-        "open_ms": med([r["open_ms"] for r in rows]),
-        "stage_ms": med([r["stage_ms"] for r in rows]),
-        "commit_ms": med([r["commit_ms"] for r in rows]),
-        "live_ms": med([r["live_ms"] for r in rows]),
-        "bytes": med([r["bytes"] for r in rows]),
-        "link_10g_ms": med([r["link_10g_ms"] for r in rows]),
-        "checksum_ok": r0.get("checksum_ok"),
-        "anchor_s": r0["anchor_s"],
-    }
-    for key in sorted({k for r in rows for k in r if k.startswith(("pub_", "up_"))}):
-        summary[key] = med([r[key] for r in rows if key in r])
-    summary["added_ms"] = summary["step_publish_ms"] - summary["step_ms"]
+    run = r0["runs"][codec_cfg]
+    if "skipped" in run:
+        return {"codec": codec_cfg, "skipped": run["skipped"]}
+    rows = run["rows"]
+    keys = sorted({k for r in rows for k in r if k.endswith(("_ms", "_mb")) or k in ("bytes", "density")})
+    s = {k: med([r[k] for r in rows if k in r]) for k in keys}
+    s.update(codec=codec_cfg, world=cfg.world, params=r0["params"], lr=r0["lr"], step_ms=med(r0["plain_step_ms"]))
+    s["added_ms"] = s["step_publish_ms"] - s["step_ms"]
+    s["checksum_ok"] = run.get("checksum_ok")
+    s["anchor_s"] = run["anchor_s"]
+    s["publish_peak_max_mb"] = max(r["publish_peak_mb"] for r in rows)
     for other in results[1:]:
-        summary[f"rank{other['rank']}_added_ms"] = med([r["step_publish_ms"] for r in other["rows"]]) - med(
-            other["plain_step_ms"]
-        )
-    s = summary
+        o = other["runs"][codec_cfg]
+        if "rows" in o:
+            s[f"rank{other['rank']}_added_ms"] = med([r["step_publish_ms"] for r in o["rows"]]) - med(
+                other["plain_step_ms"]
+            )
+    return s
+
+
+def report(results: list[dict], cfg: Config, card: str, log: list[str]) -> list[dict]:
+    summaries = [summarize(results, c, cfg) for c in cfg.codecs]
+    first = next(s for s in summaries if "skipped" not in s)
     log.append("")
     log.append(
         f"# {card}: {cfg.model}{'' if cfg.layers is None else f' ({cfg.layers} layers)'}, "
-        f"{s['params'] / 1e9:.2f}B params, W={cfg.world}, density {s['density']:.2%} "
-        f"(median of {len(rows)} steps), ms"
+        f"{first['params'] / 1e9:.2f}B params, W={cfg.world}, density {first['density']:.2%} "
+        f"(median of {cfg.steps} steps), ms; step without publish {first['step_ms']:.1f}"
     )
-    pub_parts = " ".join(f"{k[4:-3]} {v:.1f}" for k, v in s.items() if k.startswith("pub_"))
-    up_parts = " ".join(f"{k[3:-3]} {v:.1f}" for k, v in s.items() if k.startswith("up_"))
-    log.append(f"publish on the training thread: {pub_parts}")
-    log.append(f"upload thread: {up_parts}")
+    for s in summaries:
+        if "skipped" in s:
+            log(f"{s['codec']}: skipped ({s['skipped']})") if False else log.append(
+                f"## {s['codec']}: skipped ({s['skipped']})"
+            )
+            continue
+        log.append(f"## codec {s['codec']}")
+        log.append(
+            "publish on the training thread: "
+            + " ".join(f"{k[4:-3]} {v:.1f}" for k, v in s.items() if k.startswith("pub_") and k.endswith("_ms"))
+        )
+        log.append("upload thread: " + " ".join(f"{k[3:-3]} {v:.1f}" for k, v in s.items() if k.startswith("up_")))
+        log.append("server staging: " + " ".join(f"{k[3:-3]} {v:.1f}" for k, v in s.items() if k.startswith("st_")))
+        log.append(
+            f"publish peak GPU memory beyond the snapshot: {s['publish_peak_mb']:.0f} MB "
+            f"(max {s['publish_peak_max_mb']:.0f}); "
+            f"live checksum = publisher's: {s['checksum_ok']}"
+        )
     log.append(
-        f"{'step':>8} {'step+publish':>13} {'added':>7} | {'publish':>8} {'upload':>7} {'open':>6} "
-        f"{'stage':>7} {'commit':>7} {'live':>7} | {'MB':>7} {'+10Gb/s':>8}"
+        f"{'codec':>12} {'added':>7} | {'publish':>8} {'upload':>7} {'open':>6} {'stage':>7} {'commit':>7} "
+        f"{'live':>7} | {'MB':>7} {'+10Gb/s':>8} {'peak MB':>8}"
     )
-    log.append(
-        f"{s['step_ms']:>8.1f} {s['step_publish_ms']:>13.1f} {s['added_ms']:>7.1f} | {s['publish_ms']:>8.1f} "
-        f"{s['upload_ms']:>7.1f} {s['open_ms']:>6.1f} {s['stage_ms']:>7.1f} {s['commit_ms']:>7.1f} "
-        f"{s['live_ms']:>7.1f} | {s['bytes'] / 1e6:>7.1f} {s['link_10g_ms']:>8.1f}"
-    )
-    log.append(f"checksum of the engine's live weights = publisher's: {s['checksum_ok']}")
-    return summary
+    for s in summaries:
+        if "skipped" in s:
+            continue
+        log.append(
+            f"{s['codec']:>12} {s['added_ms']:>7.1f} | {s['publish_ms']:>8.1f} {s['upload_ms']:>7.1f} "
+            f"{s['open_ms']:>6.1f} {s['stage_ms']:>7.1f} {s['commit_ms']:>7.1f} {s['live_ms']:>7.1f} | "
+            f"{s['bytes'] / 1e6:>7.1f} {s['link_10g_ms']:>8.1f} {s['publish_peak_mb']:>8.0f}"
+        )
+    return summaries
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="qwen3-8b", choices=sorted(QWEN3))
+    ap.add_argument("--model", default="qwen3-8b", choices=sorted({**QWEN3, **QWEN3_MOE}))
+    ap.add_argument(
+        "--codecs",
+        default="compact,chunked:cpu,chunked:gpu",
+        help="codec configurations, one after the other in this process (codec[:cpu|gpu[/torch]]; /torch: the "
+        "chunked codec's torch planes instead of its Triton kernels)",
+    )
     ap.add_argument("--layers", type=int, default=None, help="decoder layers (default: the model's)")
     ap.add_argument("--density", type=float, default=0.01)
     ap.add_argument("--steps", type=int, default=6, help="timed steps per loop")
@@ -398,6 +446,7 @@ def main() -> int:
     args = ap.parse_args()
     if args.smoke:
         args.model, args.steps, args.warmup, args.threads = "qwen3-tiny", 2, 1, 2
+        args.codecs = "compact,chunked"
         torch.set_num_threads(1)  # tiny tensors: OpenMP threads only contend on a shared CPU
     elif not torch.cuda.is_available():
         print("needs CUDA (or --smoke)", file=sys.stderr)
@@ -417,6 +466,7 @@ def main() -> int:
         cfg = Config(
             model=args.model,
             layers=args.layers,
+            codecs=args.codecs.split(","),
             density=args.density if not args.smoke else 0.05,
             steps=args.steps,
             warmup=args.warmup,
@@ -443,10 +493,11 @@ def main() -> int:
         finally:
             if args.store is None:
                 shutil.rmtree(root, ignore_errors=True)
+        n0 = len(log)
         summary = report(results, cfg, card, log)
         summaries.append({"summary": summary, "ranks": results})
-        print("\n".join(log[-6:]), flush=True)
-        if not summary["checksum_ok"]:
+        print("\n".join(log[n0:]), flush=True)
+        if any(x.get("checksum_ok") is False for x in summary):
             print("MISMATCH: the engine's live checksum differs from the publisher's", file=sys.stderr)
             return 1
     if args.out:

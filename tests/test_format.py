@@ -118,3 +118,118 @@ def test_anchor_missing_tensor(tmp_path):
     with pytest.raises(FormatError, match="lacks"):
         VersionFile(p)
     assert os.path.exists(p)
+
+
+# -- PayloadWriter: a file written as its payload comes (the chunked codec's pipelined upload) --------
+
+
+def _streamed(tmp_path, tensors, pool=None, pieces=3):
+    from vllm_delta.format import PayloadWriter
+
+    path = str(tmp_path / "s.safetensors")
+    header = anchor_header({n: t for n, t in tensors.items() if t.dtype == torch.bfloat16}, 3)
+    parts = [(n, t.dtype, t.dim()) for n, t in tensors.items()]
+    with PayloadWriter(path, header, parts, pool) as out:
+        for n, t in tensors.items():
+            for piece in t.tensor_split(pieces) if t.dim() else [t]:
+                out.append(n, piece, ready=lambda: None)
+    return path, header
+
+
+@pytest.mark.parametrize("threads", [0, 4])
+def test_payload_writer_gives_a_file_safetensors_and_readers_read(tmp_path, threads, monkeypatch):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from safetensors.torch import load_file
+
+    from vllm_delta.format import PayloadWriter
+
+    monkeypatch.setattr(PayloadWriter, "PIECE_BYTES", 64)  # large appends: several positioned writes
+    g = torch.Generator().manual_seed(0)
+    tensors = {
+        "w": torch.randn(40, 8, generator=g).to(torch.bfloat16),
+        "blob": torch.randint(0, 256, (1000,), generator=g, dtype=torch.uint8),
+        "index": torch.randint(-(2**62), 2**62, (7, 9), generator=g, dtype=torch.int64),
+        "empty": torch.zeros(0, dtype=torch.int64),
+    }
+    pool = ThreadPoolExecutor(threads) if threads else None
+    path, header = _streamed(tmp_path, tensors, pool)
+    loaded = load_file(path)  # safetensors itself validates the container (offsets, sizes, padding)
+    for n, t in tensors.items():
+        assert loaded[n].dtype == t.dtype and torch.equal(loaded[n], t), n
+    vf = VersionFile(path, expect_version=3)
+    assert vf.header == header
+    assert torch.equal(vf.dense("w").view(torch.int16), tensors["w"].view(torch.int16))
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        assert (8 + n) % 8 == 0  # the data section stays 8-byte aligned
+    if pool is not None:
+        pool.shutdown()
+
+
+def test_payload_writer_refuses_out_of_order_parts_and_raises_write_errors(tmp_path):
+    from vllm_delta.format import PayloadWriter
+
+    t = torch.zeros(4, dtype=torch.int64)
+    header = anchor_header({}, 1)
+    parts = [("a", torch.int64, 1), ("b", torch.int64, 1)]
+    with PayloadWriter(str(tmp_path / "x"), header, parts) as out:
+        with pytest.raises(ValueError, match="out of order"):
+            out.append("b", t)
+        out.append("a", t)
+        with pytest.raises(ValueError, match="takes 1-d"):
+            out.append("a", t.reshape(2, 2))
+        out.append("b", t)
+        with pytest.raises(ValueError, match="was finished"):
+            out.append("a", t)
+    with pytest.raises(ValueError, match="never written"):
+        with PayloadWriter(str(tmp_path / "y"), header, parts) as out:
+            out.append("a", t)
+
+    def boom():
+        raise RuntimeError("the device copy failed")
+
+    with pytest.raises(RuntimeError, match="device copy failed"):
+        with PayloadWriter(str(tmp_path / "z"), header, parts) as out:
+            out.append("a", t, ready=boom)
+
+
+def test_payload_writer_restart_rewrites_from_the_start(tmp_path):
+    """A codec falling back mid-file (nvCOMP failed after a run was written) starts again: the file
+    holds only what came after the restart, and nothing of the longer first attempt."""
+    from safetensors.torch import load_file
+
+    from vllm_delta.format import PayloadWriter
+
+    header = anchor_header({}, 1)
+    parts = [("blob", torch.uint8, 1), ("index", torch.int64, 1)]
+    path = str(tmp_path / "r")
+    with PayloadWriter(path, header, parts) as out:
+        out.append("blob", torch.full((5000,), 7, dtype=torch.uint8))
+        out.restart()
+        out.append("blob", torch.arange(16, dtype=torch.uint8))
+        out.append("index", torch.arange(3, dtype=torch.int64))
+    loaded = load_file(path)
+    assert torch.equal(loaded["blob"], torch.arange(16, dtype=torch.uint8))
+    assert torch.equal(loaded["index"], torch.arange(3, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("hint", [1, 10_000_000])
+def test_payload_writer_size_hint_leaves_the_file_at_its_size(tmp_path, hint):
+    """Space allocated ahead (more or less than the payload) is not part of the file."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from safetensors.torch import load_file
+
+    from vllm_delta.format import PayloadWriter
+
+    header = anchor_header({}, 1)
+    blob = torch.arange(1000, dtype=torch.int64).to(torch.uint8)
+    path = str(tmp_path / "h")
+    with ThreadPoolExecutor(2) as pool:
+        with PayloadWriter(path, header, [("blob", torch.uint8, 1)], pool, size_hint=hint) as out:
+            out.append("blob", blob)
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+    assert os.path.getsize(path) == 8 + n + blob.numel()
+    assert torch.equal(load_file(path)["blob"], blob)

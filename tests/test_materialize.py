@@ -9,7 +9,7 @@ import torch
 import vllm_delta
 from vllm_delta.cli import main as cli
 from vllm_delta.errors import ChecksumMismatchError, IntegrityError, MissingBaseError
-from vllm_delta.format import VersionFile, payload_key, write
+from vllm_delta.format import FILE_PAYLOAD, VersionFile, payload_key, write
 from vllm_delta.reconstruct import materialize
 from vllm_delta.store import DeltaStore
 from vllm_delta.testing.models import TinyModelSpec
@@ -91,6 +91,8 @@ def _copy_store_with(root, tmp_path, version, mutate):
                     payload[name] = vf.dense(name).clone()
                 else:
                     payload.update({payload_key(name, k): v.clone() for k, v in vf.parts(name).items()})
+            if header.kind == "delta":  # a file-level codec's streams (format 3)
+                payload.update({payload_key(FILE_PAYLOAD, k): v.clone() for k, v in vf.parts(FILE_PAYLOAD).items()})
             mutate(header, payload)
             path = str(tmp_path / f"t{version}.safetensors")
             write(path, header, payload)
@@ -103,10 +105,9 @@ def test_checksum_mismatch_writes_nothing(run, tmp_path):
 
     def flip_one_value(header, payload):
         name = next(n for n, e in header.tensors.items() if e.nnz)
-        blob_key = payload_key(name, "blob")
         # re-encode is not needed: claim a different resulting checksum for the tensor
         header.tensors[name].checksum = f"{(int(header.tensors[name].checksum, 16) + 1) % (1 << 64):016x}"
-        assert blob_key in payload
+        assert payload_key(FILE_PAYLOAD, "blob") in payload or payload_key(name, "blob") in payload
 
     store = _copy_store_with(root, tmp_path, 2, flip_one_value)
     out = tmp_path / "never"

@@ -123,6 +123,7 @@ def store(tmp_path) -> DeltaStore:
     commit(s, write_parts(str(tmp_path), 0, None))
     commit(s, write_parts(str(tmp_path), 1, 0))
     commit(s, write_parts(str(tmp_path), 2, 1, codec="raw"))
+    commit(s, write_parts(str(tmp_path), 3, 2, codec="chunked"))
     return s
 
 
@@ -131,7 +132,7 @@ def test_multi_part_versions_read_like_one_file(store, tmp_path):
     assert rec.file is None and len(rec.parts) == 2 and rec.files[1].endswith(".part00001.safetensors")
     assert VersionRecord.from_json(rec.to_json()) == rec
     assert json.loads(rec.to_json())["format_version"] == 2
-    for v in (0, 1, 2):
+    for v in (0, 1, 2, 3):
         _, tensors = replay(store, v)
         want = weights(v)
         assert all(torch.equal(int_view(tensors[n]), int_view(want[n])) for n in want), v
@@ -187,7 +188,7 @@ def test_staging_reads_pieces(store):
     layout = Layout.identity(SHAPES)
     dl = DeviceLayout(layout, torch.device("cpu"))
     decoder = Decoder(torch.device("cpu"), threads=1)
-    for v in (1, 2):
+    for v in (1, 2, 3):
         with store.open(v) as vf:
             items = changed_items(vf, dl)[2]
             names = [it.name for it in items]
@@ -206,7 +207,7 @@ def test_positions_outside_a_parts_rows_are_refused(tmp_path):
     store = DeltaStore(str(tmp_path / "s"))
     commit(store, files)
     old = weights(0)
-    for codec in ("compact", "raw"):
+    for codec in ("compact", "raw", "chunked"):
         c = codecs.get_codec(codec)
         parts = []
         for k in range(2):
@@ -229,7 +230,7 @@ def test_positions_outside_a_parts_rows_are_refused(tmp_path):
         for k, (prepared, rows) in enumerate(parts):
             checksum = to_hex(0) if k == 0 else total
             header, payload = assemble_delta(
-                version=5 if codec == "compact" else 6,
+                version={"compact": 5, "raw": 6, "chunked": 7}[codec],
                 base=0,
                 base_checksum=store.record(0).checksum,
                 codec=c,
@@ -341,8 +342,12 @@ def test_headers_of_parts_are_validated():
         VersionHeader.from_json(json.dumps(dict(ok, part={**ok["part"], "rows": {"w": [0, 9]}})))
     with pytest.raises(FormatError, match="part description"):
         VersionHeader.from_json(json.dumps(dict(ok, part={**ok["part"], "index": 2})))
-    with pytest.raises(FormatError, match="unknown format version 3"):
-        VersionHeader.from_json(json.dumps(dict(ok, format_version=3)))
+    with pytest.raises(FormatError, match="unknown format version 4"):
+        VersionHeader.from_json(json.dumps(dict(ok, format_version=4)))
+    with pytest.raises(FormatError, match="format version 3 is a delta"):
+        VersionHeader.from_json(json.dumps(dict(ok, format_version=3)))  # anchors stay in formats 1 and 2
+    with pytest.raises(FormatError, match="no file-level codec metadata"):
+        VersionHeader.from_json(json.dumps(dict(ok, enc={"chunk_elems": 128})))
     one = dict(base, format_version=1, tensors={"w": {**e, "nnz": 8}})
     assert VersionHeader.from_json(json.dumps(one)).part is None
     assert "part" not in json.loads(VersionHeader.from_json(json.dumps(one)).to_json())

@@ -11,7 +11,8 @@ ranks, chunks) add up to the whole, in any order, and an update changes a tensor
 so any single changed element always changes the sum. The arithmetic is int64 with two's-complement
 wrap-around, which is exactly arithmetic mod 2^64 on CPU and GPU.
 
-This module is the one home of the constants and of every sum over them; it needs only torch.
+This module is the one home of the constants and of every sum over them (the chunked codec's chunk
+hashes included); it needs only torch and numpy.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import hashlib
 from collections.abc import Iterable, Mapping
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from .bits import UNSIGNED_MASK, unsigned_bits
@@ -65,6 +67,56 @@ def partial_terms(positions: torch.Tensor, new_bits: torch.Tensor, old_bits: tor
     mask = UNSIGNED_MASK[new_bits.element_size()]
     delta = (new_bits.to(torch.int64) & mask) - (old_bits.to(torch.int64) & mask)
     return positions.add_(1).mul_(WEIGHT_INT64).mul_(delta)
+
+
+def chunk_hashes(blob: torch.Tensor, chunk_bytes: torch.Tensor | np.ndarray) -> torch.Tensor:
+    """Hash of each chunk of a blob (the chunked codec's integrity check, docs/FORMAT.md):
+    h = Σ_j w(j) · word_j mod 2^64 over the chunk's little-endian 64-bit words (j from 0 in each
+    chunk). `blob` uint8, chunks laid end to end with `chunk_bytes` (int64, multiples of 8) bytes
+    each. Returns int64 [chunks] on the blob's device; `chunk_hash_np` is the same for one chunk."""
+    dev = blob.device
+    host_counts = torch.as_tensor(chunk_bytes, dtype=torch.int64).cpu() // 8
+    counts = host_counts.to(dev, non_blocking=True)
+    out = torch.zeros(counts.numel(), dtype=torch.int64, device=dev)
+    if not counts.numel():
+        return out
+    words = blob.view(torch.int64)
+    host_ends = torch.cumsum(host_counts, 0).tolist()
+    first, at = 0, 0
+    while first < counts.numel():  # groups of whole chunks of about _CHUNK words (bounded temporaries)
+        last = first
+        while last + 1 < counts.numel() and host_ends[last + 1] - at <= _CHUNK:
+            last += 1
+        stop = host_ends[last]
+        cnt = counts[first : last + 1]
+        seg = torch.repeat_interleave(torch.arange(cnt.numel(), device=dev), cnt, output_size=stop - at)
+        j = torch.arange(stop - at, dtype=torch.int64, device=dev) - (torch.cumsum(cnt, 0) - cnt)[seg]
+        terms = j.add_(1).mul_(WEIGHT_INT64).mul_(words[at:stop])
+        out[first : last + 1].index_add_(0, seg, terms)
+        first, at = last + 1, stop
+    return out
+
+
+def chunk_hashes_np(data: np.ndarray, chunk_bytes: np.ndarray) -> np.ndarray:
+    """`chunk_hashes` on the host: numpy uint8 `data` of chunks laid end to end (`chunk_bytes` each,
+    multiples of 8) -> int64 [chunks] (the index's signed values)."""
+    words = np.frombuffer(np.ascontiguousarray(data), dtype="<u8")
+    counts = np.asarray(chunk_bytes, dtype=np.int64) // 8
+    starts = np.cumsum(counts) - counts
+    j = np.arange(1, words.size + 1, dtype=np.uint64) - np.repeat(starts, counts).astype(np.uint64)
+    terms = words * (j * np.uint64(WEIGHT))
+    sums = np.add.reduceat(terms, starts) if words.size else np.zeros(0, dtype=np.uint64)
+    sums[counts == 0] = 0
+    return sums.view(np.int64)
+
+
+def chunk_hash_np(data: np.ndarray) -> int:
+    """`chunk_hashes` of one chunk's bytes (numpy uint8, length a multiple of 8), as a signed int64
+    value (what the index stores)."""
+    words = np.frombuffer(data.tobytes() if not data.flags.c_contiguous else data, dtype="<u8")
+    weights = np.arange(1, words.size + 1, dtype=np.uint64) * np.uint64(WEIGHT)
+    h = int((words * weights).sum(dtype=np.uint64))
+    return h - (1 << 64) if h >= 1 << 63 else h
 
 
 def name_key(name: str) -> int:
@@ -156,6 +208,9 @@ __all__ = [
     "MASK64",
     "Sums",
     "add_sums",
+    "chunk_hash_np",
+    "chunk_hashes_np",
+    "chunk_hashes",
     "checksum",
     "combine",
     "from_hex",

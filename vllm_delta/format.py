@@ -6,7 +6,10 @@ under its Hugging Face name, so an anchor file is itself a loadable checkpoint s
 each changed tensor's codec payload under `<hf name>::<part>`.
 
 A version is one file (format version 1, what a single-process Publisher writes) or several *part*
-files (format version 2, one per rank of a sharded publisher). A part file's header is the whole
+files (format version 2, one per rank of a sharded publisher). Format version 3 is a delta (one file
+or a part) written with a *file-level* codec (`chunked`): its payload is one set of streams for
+every changed tensor, stored under `::<part>` keys (an empty tensor name), the file's codec metadata
+in the header's `enc`, and each tensor's place in the streams in its own `enc`. A part file's header is the whole
 version's header (every tensor's shape, dtype and whole-tensor checksum) with the part's own `nnz`
 and codec metadata per tensor, plus `part`: its index, the part count, the rows of dim 0 it owns of
 each tensor, and the additive checksum of what it contributes. `Version` reads the parts of one
@@ -19,6 +22,8 @@ import json
 import mmap
 import os
 import struct
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Executor, Future
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, NamedTuple, TypeGuard, get_args
 
@@ -32,7 +37,9 @@ from .errors import FormatError, ShapeMismatchError
 FORMAT_NAME = "vllm-delta"
 FORMAT_VERSION = 1  # one-file versions
 PART_FORMAT_VERSION = 2  # part files of multi-part versions
-READ_FORMAT_VERSIONS = (FORMAT_VERSION, PART_FORMAT_VERSION)
+STREAMS_FORMAT_VERSION = 3  # deltas of a file-level codec (one file or a part)
+READ_FORMAT_VERSIONS = (FORMAT_VERSION, PART_FORMAT_VERSION, STREAMS_FORMAT_VERSION)
+FILE_PAYLOAD = ""  # the tensor name of a file-level codec's payload keys (`::<part>`)
 VersionKind = Literal["anchor", "delta"]  # what a version is: a full image, or the changes since its base
 KINDS: tuple[VersionKind, ...] = get_args(VersionKind)
 SEP = "::"
@@ -50,6 +57,7 @@ _ST_DTYPES = {
     "U8": torch.uint8,
     "BOOL": torch.bool,
 }
+_ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
 
 
 def is_kind(value: object) -> TypeGuard[VersionKind]:
@@ -113,6 +121,7 @@ class VersionHeader:
     created: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
     part: PartInfo | None = None  # part files only
+    enc: dict[str, Any] = field(default_factory=dict)  # format 3: the file-level codec's metadata
 
     @property
     def nnz(self) -> int:
@@ -126,6 +135,8 @@ class VersionHeader:
         doc = asdict(self)
         if self.part is None:
             del doc["part"]  # one-file headers are exactly format 1
+        if self.format_version < STREAMS_FORMAT_VERSION:
+            del doc["enc"]  # headers of formats 1 and 2 are exactly what their readers know
         return json.dumps(doc, separators=(",", ":"), sort_keys=True)
 
     @classmethod
@@ -139,8 +150,10 @@ class VersionHeader:
                     f"{', '.join(map(str, READ_FORMAT_VERSIONS))})",
                     version=raw.get("version"),
                 )
-            if (fv == PART_FORMAT_VERSION) != ("part" in raw):
+            if fv != STREAMS_FORMAT_VERSION and (fv == PART_FORMAT_VERSION) != ("part" in raw):
                 raise FormatError(f"format version {fv} {'needs' if fv == 2 else 'has no'} a part description")
+            if fv != STREAMS_FORMAT_VERSION and "enc" in raw:
+                raise FormatError(f"format version {fv} has no file-level codec metadata")
             tensors = {name: TensorEntry(**entry) for name, entry in raw.pop("tensors").items()}
             part = raw.pop("part", None)
             header = cls(tensors=tensors, part=PartInfo(**part) if part is not None else None, **raw)
@@ -159,6 +172,8 @@ class VersionHeader:
             raise FormatError(f"unknown kind {self.kind!r}", version=v)
         if self.kind == "delta" and (not isinstance(self.base, int) or self.base >= v or not self.codec):
             raise FormatError(f"delta needs a codec and a base below it (base={self.base!r})", version=v)
+        if self.format_version == STREAMS_FORMAT_VERSION and (self.kind != "delta" or not isinstance(self.enc, dict)):
+            raise FormatError("format version 3 is a delta with its file-level codec metadata", version=v)
         if not is_hex(self.checksum) or not (self.base_checksum is None or is_hex(self.base_checksum)):
             raise FormatError("checksum and base_checksum must be 16 lower-case hex digits", version=v)
         for name, t in self.tensors.items():
@@ -220,6 +235,162 @@ def write(path: str, header: VersionHeader, payload: dict[str, torch.Tensor]) ->
     save_file({k: v.contiguous() for k, v in payload.items()}, path, metadata=_metadata(header))
 
 
+class PayloadWriter:
+    """A version file written while its payload is produced (the chunked codec's pipelined upload):
+    the data section first, every payload part appended in order at the next offset by positioned
+    writes (on `pool`'s threads when given, each after its `ready()`: a device-to-host copy), the
+    header last, into room reserved before the data and padded with spaces (which safetensors
+    allows). The same file as `write` up to the order of the payload and the header's padding.
+
+    `parts`: every payload key the file will hold, in the order they come, with its dtype and
+    number of dimensions (the room for the header is reserved from them). Appends to a part
+    concatenate along dimension 0; each part starts aligned to its element size."""
+
+    PIECE_BYTES = 8 << 20  # a large append is written by several threads in pieces of this size
+    _BOUND = 10**15  # every size and offset in the header is below this (1 PB)
+
+    def __init__(
+        self,
+        path: str,
+        header: VersionHeader,
+        parts: Sequence[tuple[str, torch.dtype, int]],
+        pool: Executor | None = None,
+        size_hint: int = 0,
+    ):
+        """`size_hint`: the payload's expected bytes: allocated for the file up front, on the pool,
+        while the payload is still being encoded (a write into allocated pages is a copy; on tmpfs
+        allocating is half of a write's time). The file ends at its real size whatever the hint."""
+        header.validate()
+        self.path = path
+        self._meta = _metadata(header)
+        self._parts = list(parts)
+        self._pool = pool
+        placeholder = {key: (dtype, [self._BOUND] * ndim, self._BOUND, self._BOUND) for key, dtype, ndim in self._parts}
+        self._room = -(-len(self._header_bytes(placeholder)) // 8) * 8
+        self._fd: int | None = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self._futures: list[Future[None]] = []
+        self._restart()
+        if size_hint > 0 and self._pool is not None:
+            self._futures.append(self._pool.submit(_preallocate, self._fd, 8 + self._room + size_hint))
+
+    def _restart(self) -> None:
+        self._at = 0  # next offset in the data section
+        self._tensors: dict[str, tuple[torch.dtype, list[int], int, int]] = {}  # key -> dtype, shape, start, end
+        self._next = 0  # parts started
+
+    def _header_bytes(self, tensors: Mapping[str, tuple[torch.dtype, list[int], int, int]]) -> bytes:
+        doc: dict[str, Any] = {"__metadata__": self._meta}
+        for key, (dtype, shape, start, end) in tensors.items():
+            doc[key] = {"dtype": _ST_NAMES[dtype], "shape": shape, "data_offsets": [start, end]}
+        return json.dumps(doc, separators=(",", ":")).encode()
+
+    def append(self, part: str, data: torch.Tensor, ready: Callable[[], None] | None = None) -> None:
+        """Append host tensor `data` to payload `part` (the current part, or the next in order)."""
+        if self._fd is None:
+            raise ValueError("the file is closed")
+        if part not in self._tensors:  # the next part starts
+            if self._next >= len(self._parts) or self._parts[self._next][0] != part:
+                order = [k for k, _, _ in self._parts]
+                raise ValueError(f"payload part {part!r} out of order (parts: {order}, {self._next} started)")
+            self._next += 1
+        elif part != self._parts[self._next - 1][0]:
+            raise ValueError(f"payload part {part!r} was finished: the next part began")
+        _, dtype, ndim = self._parts[self._next - 1]
+        if data.dtype != dtype or data.dim() != ndim or data.device.type != "cpu":
+            raise ValueError(
+                f"payload part {part!r} takes {ndim}-d {dtype} host tensors, not {data.dtype} {data.shape}"
+            )
+        size = data.element_size()
+        if part not in self._tensors:
+            if self._at % size:
+                raise ValueError(f"payload part {part!r} would start at an offset not aligned to {size} bytes")
+            self._tensors[part] = (dtype, [0, *data.shape[1:]], self._at, self._at)
+        dt, shape, start, end = self._tensors[part]
+        if list(data.shape[1:]) != shape[1:]:
+            raise ValueError(f"payload part {part!r}: rows of {list(data.shape[1:])}, earlier {shape[1:]}")
+        nbytes = data.numel() * size
+        self._tensors[part] = (dt, [shape[0] + int(data.shape[0]), *shape[1:]], start, end + nbytes)
+        at = self._at
+        self._at += nbytes
+        if not nbytes:
+            return
+        raw = data.contiguous().reshape(-1).view(torch.uint8)
+        for a in range(0, nbytes, self.PIECE_BYTES):
+            piece = raw[a : a + self.PIECE_BYTES]
+            offset = 8 + self._room + at + a
+            if self._pool is None:
+                _pwrite(self._fd, piece, offset, ready)
+            else:
+                self._futures.append(self._pool.submit(_pwrite, self._fd, piece, offset, ready))
+
+    def _drain(self) -> BaseException | None:
+        first = None
+        for f in self._futures:
+            try:
+                f.result()
+            except BaseException as exc:  # noqa: BLE001 - the first is raised after every write ended
+                first = first or exc
+        self._futures = []
+        return first
+
+    def restart(self) -> None:
+        """Drop what was appended (a codec falling back to another path writes the payload again)."""
+        self._drain()
+        self._restart()
+
+    def close(self) -> None:
+        """Wait for every write, then write the header; raises the first write error."""
+        if self._fd is None:
+            return
+        try:
+            error = self._drain()
+            if error is not None:
+                raise error
+            missing = [k for k, _, _ in self._parts if k not in self._tensors]
+            if missing:
+                raise ValueError(f"payload parts never written: {missing}")
+            text = self._header_bytes(self._tensors)
+            if len(text) > self._room:  # pragma: no cover - the room was reserved with bounds on every number
+                raise ValueError("the header outgrew the room reserved for it")
+            head = struct.pack("<Q", self._room) + text + b" " * (self._room - len(text))
+            os.pwrite(self._fd, head, 0)
+            os.ftruncate(self._fd, 8 + self._room + self._at)
+        finally:
+            self.abort()
+
+    def abort(self) -> None:
+        """Stop: wait for the writes in flight and close the file (the caller removes it)."""
+        self._drain()
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> PayloadWriter:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
+def _preallocate(fd: int, size: int) -> None:
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError:  # a filesystem without it, or no room: the writes allocate as they go
+        pass
+
+
+def _pwrite(fd: int, data: torch.Tensor, offset: int, ready: Callable[[], None] | None) -> None:
+    if ready is not None:
+        ready()
+    view = memoryview(data.numpy()).cast("B")  # type: ignore[arg-type]  # numpy arrays are buffers
+    while view.nbytes:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
+
+
 class Piece(NamedTuple):
     """One part's changes of one tensor in a delta: decoded with the version's codec like a one-file
     delta's payload. Its positions lie in [start, stop) (the rows the part owns); the pieces of one
@@ -251,6 +422,7 @@ class VersionFile:
         self._entries: dict[str, dict[str, Any]] = {}
         self._base = 0
         self._parts: dict[str, list[str]] = {}
+        self._file_payload: dict[str, torch.Tensor] | None = None
         for k in keys:
             if SEP in k:
                 self._parts.setdefault(k.split(SEP, 1)[0], []).append(k)
@@ -335,22 +507,41 @@ class VersionFile:
         """A delta's payload for one tensor, by part name (empty if the tensor did not change)."""
         return {k.split(SEP, 1)[1]: self._tensor(k) for k in self._parts.get(name, ())}
 
+    def file_payload(self) -> dict[str, torch.Tensor]:
+        """A format-3 file's streams (the file-level codec's payload), by part name; one dict per
+        file, the same object for every piece of it (readers group pieces by it)."""
+        if self._file_payload is None:
+            self._file_payload = self.parts(FILE_PAYLOAD)
+        return self._file_payload
+
     def pieces(self, name: str) -> list[Piece]:
-        """A delta's changes of one tensor: one piece, or none if it did not change here."""
+        """A delta's changes of one tensor: one piece, or none if it did not change here.
+
+        For a file-level codec (format 3) the piece's payload is the file's streams and its `enc`
+        the tensor's own with the file's metadata under "file"."""
         h = self.header
         if h.kind != "delta":
             raise FormatError("an anchor has no pieces: read it with dense()", version=h.version, tensor=name)
         entry = h.tensors[name]
-        rows = self.rows(name)
-        if not entry.nnz or rows is None:
+        if not entry.nnz:
             return []
-        size = row_size(entry.shape)
-        return [Piece(entry.nnz, entry.enc, self.parts(name), rows[0] * size, rows[1] * size)]
+        if h.part is None:  # one file: the whole tensor (the common case, kept cheap: MoE files list ~20K tensors)
+            start, stop = 0, entry.numel
+        else:
+            rows = self.rows(name)
+            if rows is None:
+                return []
+            size = row_size(entry.shape)
+            start, stop = rows[0] * size, rows[1] * size
+        if h.format_version == STREAMS_FORMAT_VERSION:
+            return [Piece(entry.nnz, {**entry.enc, "file": h.enc}, self.file_payload(), start, stop)]
+        return [Piece(entry.nnz, entry.enc, self.parts(name), start, stop)]
 
     def close(self) -> None:
         # The memory maps go with the last reference (tensors handed out keep theirs alive).
         self._f = None  # type: ignore[assignment]
         self._map = None
+        self._file_payload = None
 
     def __enter__(self) -> VersionFile:
         return self
@@ -389,7 +580,7 @@ class Version:
         counts = {info.count for info in infos if info is not None}
         if indices != list(range(len(self.parts))) or counts != {len(self.parts)}:
             raise FormatError(f"parts {indices} of {sorted(counts)}: expected 0..{len(self.parts) - 1}", version=v)
-        same = ("version", "kind", "base", "base_checksum", "codec", "checksum")
+        same = ("format_version", "version", "kind", "base", "base_checksum", "codec", "checksum")
         for p in self.parts[1:]:
             h = p.header
             for key in same:
@@ -433,7 +624,7 @@ class Version:
             base=first.base,
             base_checksum=first.base_checksum,
             codec=first.codec,
-            format_version=PART_FORMAT_VERSION,
+            format_version=first.format_version,
             created=first.created,
             extra=dict(first.extra),
         )

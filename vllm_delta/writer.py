@@ -1,12 +1,13 @@
 """The one delta writer: per-tensor changes -> a version's header and payload (layout: format.py).
 
-    header, payload = encode_delta(version=7, base=6, base_checksum=..., codec="compact",
+    header, payload = encode_delta(version=7, base=6, base_checksum=..., codec="chunked",
                                    shapes=..., dtypes=..., changes={name: (positions, new, old)}, sums=...)
     format.write(path, header, payload)
 
 The Publisher splits the same work in two, so that the training thread does only the device part:
 the codec's `prepare_batch` (detection output of all tensors -> codec sections, on the parameters'
-device) at `publish`, `assemble_delta` (zstd packing on a thread pool, header) on the upload thread.
+device) at `publish`, `write_delta` (packing on a thread pool or nvCOMP, header, file) on the upload
+thread; for the chunked codec the file is written while it is encoded (format.PayloadWriter).
 A sharded publisher writes one *part* per rank: `assemble_delta(..., part=PartInfo)` and
 `encode_anchor_part` build a part file's header (the whole version's tensor table, the part's own
 nnz and payload).
@@ -15,7 +16,7 @@ nnz and payload).
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
@@ -24,7 +25,19 @@ import torch
 
 from . import codec as codecs
 from .checksums import combine, to_hex
-from .format import DTYPE_NAMES, FORMAT_VERSION, PART_FORMAT_VERSION, PartInfo, TensorEntry, VersionHeader, payload_key
+from .format import (
+    DTYPE_NAMES,
+    FILE_PAYLOAD,
+    FORMAT_VERSION,
+    PART_FORMAT_VERSION,
+    STREAMS_FORMAT_VERSION,
+    PartInfo,
+    PayloadWriter,
+    TensorEntry,
+    VersionHeader,
+    payload_key,
+    write,
+)
 
 Changes = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (positions int64, new bits, old bits)
 
@@ -71,43 +84,155 @@ def assemble_delta(
     busy_ms: list[float] | None = None,
 ) -> tuple[VersionHeader, dict[str, torch.Tensor]]:
     """Pack every changed tensor (on `pool` if given: zstd releases the GIL) into a delta's header
-    and payload. The whole-model checksum is combined from the tensors' sums unless given. With
-    `busy_ms`, each tensor's packing time is appended (their sum over the wall time: the parallelism).
+    and payload (a file-level codec packs them all into one set of streams: format 3). The
+    whole-model checksum is combined from the tensors' sums unless given. With `busy_ms`, each
+    tensor's (or the file's) packing time is appended (their sum over the wall time: the parallelism).
 
     A part file (`part`): `tensors` lists every tensor of the version with its whole-tensor checksum
     and this part's changes (nnz, sections); pass the whole version's `checksum`."""
     changed = [n for n, t in tensors.items() if t.sections is not None]
+    payload: dict[str, torch.Tensor] = {}
+    file_enc: dict[str, Any] = {}
+    if codecs.is_file_level(codec):
+        # one set of streams for the whole file (format 3): the codec packs every changed tensor
+        packed: dict[str, tuple[dict[str, torch.Tensor], dict[str, Any]]] = {n: ({}, {}) for n in changed}
+        if changed:
+            streams = codec.pack_file([(n, _sections(tensors[n])) for n in changed], pool, busy_ms)
+            payload.update({payload_key(FILE_PAYLOAD, key): t for key, t in streams.payload.items()})
+            packed = {n: ({}, streams.tensor_enc[n]) for n in changed}
+            file_enc = streams.enc
+        format_version = STREAMS_FORMAT_VERSION
+    else:
 
-    def pack(name: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        sections = tensors[name].sections
-        assert sections is not None
-        t0 = time.perf_counter()
-        out = codec.pack(sections, tensors[name].dtype)
-        if busy_ms is not None:
-            busy_ms.append((time.perf_counter() - t0) * 1e3)
-        return out
+        def pack(name: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+            t0 = time.perf_counter()
+            out = codec.pack(_sections(tensors[name]), tensors[name].dtype)
+            if busy_ms is not None:
+                busy_ms.append((time.perf_counter() - t0) * 1e3)
+            return out
 
-    packed = dict(zip(changed, pool.map(pack, changed) if pool is not None else map(pack, changed)))
-    entries, payload = {}, {}
-    for name, t in tensors.items():
-        parts, meta = packed.get(name, ({}, {}))
-        entries[name] = TensorEntry(
-            shape=list(t.shape), dtype=DTYPE_NAMES[t.dtype], checksum=to_hex(t.checksum), nnz=t.nnz, enc=meta
-        )
-        payload.update({payload_key(name, part): p for part, p in parts.items()})
-    header = VersionHeader(
-        version=version,
-        kind="delta",
-        tensors=entries,
-        checksum=checksum or to_hex(combine((n, t.checksum) for n, t in tensors.items())),
-        base=base,
-        base_checksum=base_checksum,
-        codec=codec.name,
-        created=created,
-        format_version=FORMAT_VERSION if part is None else PART_FORMAT_VERSION,
-        part=part,
+        packed = dict(zip(changed, pool.map(pack, changed) if pool is not None else map(pack, changed)))
+        format_version = FORMAT_VERSION if part is None else PART_FORMAT_VERSION
+    for name, (parts, _) in packed.items():
+        payload.update({payload_key(name, key): p for key, p in parts.items()})
+    header = _delta_header(
+        DeltaOf(version, base, base_checksum, created, checksum, part),
+        codec,
+        tensors,
+        {n: meta for n, (_, meta) in packed.items()},
+        file_enc,
+        format_version,
     )
     return header, payload
+
+
+@dataclass(frozen=True)
+class DeltaOf:
+    """What a delta is, besides its tensors: its version, base, creation time, and for a part file
+    the part and the whole version's checksum (None: combined from the tensors' sums)."""
+
+    version: int
+    base: int
+    base_checksum: str | None
+    created: float = 0.0
+    checksum: str | None = None
+    part: PartInfo | None = None
+
+
+def _delta_header(
+    of: DeltaOf,
+    codec: codecs.Codec,
+    tensors: Mapping[str, PreparedTensor],
+    tensor_enc: Mapping[str, dict[str, Any]],
+    file_enc: dict[str, Any],
+    format_version: int,
+) -> VersionHeader:
+    entries = {
+        name: TensorEntry(
+            shape=list(t.shape),
+            dtype=DTYPE_NAMES[t.dtype],
+            checksum=to_hex(t.checksum),
+            nnz=t.nnz,
+            enc=tensor_enc.get(name, {}),
+        )
+        for name, t in tensors.items()
+    }
+    return VersionHeader(
+        version=of.version,
+        kind="delta",
+        tensors=entries,
+        checksum=of.checksum or to_hex(combine((n, t.checksum) for n, t in tensors.items())),
+        base=of.base,
+        base_checksum=of.base_checksum,
+        codec=codec.name,
+        created=of.created,
+        format_version=format_version,
+        part=of.part,
+        enc=file_enc,
+    )
+
+
+def write_delta(
+    path: str,
+    of: DeltaOf,
+    codec: codecs.Codec,
+    tensors: Mapping[str, PreparedTensor],
+    *,
+    pool: Executor | None = None,
+    busy_ms: list[float] | None = None,
+    timings: dict[str, float] | None = None,
+) -> VersionHeader:
+    """`assemble_delta` written to `path`. A file-level codec streams its payload into the file as it
+    is encoded (format.PayloadWriter: the GPU path compresses, copies and writes in overlapping
+    runs; the header goes in last); other codecs pack everything, then write. `timings` gets "pack"
+    (ms until the codec's packing returned: for a streamed file, with the writes it overlapped) and
+    "write" (the rest: the whole write, or the writes still in flight and the header)."""
+    times = timings if timings is not None else {}
+    t0 = time.perf_counter()
+    changed = [n for n, t in tensors.items() if t.sections is not None]
+    if not (codecs.is_file_level(codec) and changed):
+        header, payload = assemble_delta(
+            version=of.version,
+            base=of.base,
+            base_checksum=of.base_checksum,
+            codec=codec,
+            tensors=tensors,
+            pool=pool,
+            created=of.created,
+            checksum=of.checksum,
+            part=of.part,
+            busy_ms=busy_ms,
+        )
+        t1 = time.perf_counter()
+        write(path, header, payload)
+    else:
+        plan = codec.plan_file([(n, _sections(tensors[n])) for n in changed])
+        header = _delta_header(of, codec, tensors, plan.tensor_enc, plan.enc, STREAMS_FORMAT_VERSION)
+        parts = [(payload_key(FILE_PAYLOAD, key), dtype, ndim) for key, dtype, ndim in plan.parts]
+        with PayloadWriter(path, header, parts, pool, size_hint=plan.size_hint) as out:
+            plan.write_to(_FileParts(out), pool, busy_ms)
+            t1 = time.perf_counter()
+    t2 = time.perf_counter()
+    times["pack"], times["write"] = (t1 - t0) * 1e3, (t2 - t1) * 1e3
+    return header
+
+
+class _FileParts:
+    """A file-level codec's parts, stored under `::<part>` (codecs.PayloadSink)."""
+
+    def __init__(self, out: PayloadWriter):
+        self.out = out
+
+    def append(self, part: str, data: torch.Tensor, ready: Callable[[], None] | None = None) -> None:
+        self.out.append(payload_key(FILE_PAYLOAD, part), data, ready)
+
+    def restart(self) -> None:
+        self.out.restart()
+
+
+def _sections(t: PreparedTensor) -> codecs.Sections:
+    assert t.sections is not None
+    return t.sections
 
 
 def encode_delta(
@@ -186,10 +311,12 @@ def encode_anchor_part(
 
 __all__ = [
     "Changes",
+    "DeltaOf",
     "PreparedTensor",
     "assemble_delta",
     "encode_anchor",
     "encode_anchor_part",
     "encode_delta",
     "prepare_changes",
+    "write_delta",
 ]

@@ -138,6 +138,7 @@ class World:
             dtype=self.dtypes,
             sums=hf_sums(self.hf[version]),
             frame_elems=frame_elems,
+            chunk_elems=128 if frame_elems else None,
         )
 
 
@@ -153,7 +154,7 @@ def _sums_move(engine, before, partials):
 
 @pytest.mark.parametrize("device,backend", cases())
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
-@pytest.mark.parametrize("codec", ["compact", "raw"])
+@pytest.mark.parametrize("codec", ["chunked", "compact", "raw"])
 def test_stage_commit_rollback(tmp_path, device, backend, scenario, codec):
     need(device, backend)
     w = World(scenario, device)
@@ -200,7 +201,7 @@ def test_chain_in_one_update(tmp_path, device, backend, scenario):
     need(device, backend)
     w = World(scenario, device)
     files = []
-    for v, codec in ((1, "compact"), (2, "raw"), (3, "compact")):
+    for v, codec in ((1, "chunked"), (2, "raw"), (3, "compact")):
         w.step(density=0.2, seed=v)
         w.write(tmp_path / f"v{v}.safetensors", v, codec, frame_elems=29)
         files.append(VersionFile(tmp_path / f"v{v}.safetensors"))

@@ -9,6 +9,7 @@ import torch
 
 from vllm_delta import codec as codecs
 from vllm_delta.apply.staging import Decoder, Item
+from vllm_delta.codec.chunked import FileStreams
 from vllm_delta.errors import CodecError, IntegrityError, PositionError
 from vllm_delta.testing.apply_fixtures import apply_diffs, realistic_diffs
 
@@ -41,6 +42,8 @@ def _tensors(seed=0):
 
 
 def _items(tensors, codec, frame_elems=64):
+    if codec == "chunked":
+        return _file_items(tensors)
     c = codecs.CompactCodec(frame_elems=frame_elems) if codec == "compact" else codecs.get_codec(codec)
     items = []
     for i, (name, numel, pos, new, old) in enumerate(tensors):
@@ -48,6 +51,26 @@ def _items(tensors, codec, frame_elems=64):
         parts, meta = c.pack(c.prepare(pos, new, old, numel), dtype)
         items.append(Item(index=i, name=name, numel=numel, nnz=pos.numel(), enc=meta, parts=parts, dtype=dtype))
     return items
+
+
+def _file_items(tensors, chunk_elems=128):
+    """The tensors as one chunked file (small chunks: many per tensor, tensors sharing chunks),
+    each an Item over the file's streams, as format.VersionFile.pieces gives them."""
+    c = codecs.ChunkedCodec(chunk_elems=chunk_elems, slice_elems=3 * chunk_elems)
+    sections = [(name, c.prepare(pos, new, old, numel)) for name, numel, pos, new, old in tensors]
+    out = c.pack_file(sections)
+    return [
+        Item(
+            index=i,
+            name=name,
+            numel=numel,
+            nnz=pos.numel(),
+            enc={**out.tensor_enc[name], "file": out.enc},
+            parts=out.payload,
+            dtype=torch.float32 if new.dtype == torch.int32 else torch.bfloat16,
+        )
+        for i, (name, numel, pos, new, old) in enumerate(tensors)
+    ]
 
 
 def _decode(items, codec, device, chunk_elems=100, threads=3):
@@ -66,7 +89,7 @@ def _decode(items, codec, device, chunk_elems=100, threads=3):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("codec", ["compact", "raw"])
+@pytest.mark.parametrize("codec", ["chunked", "compact", "raw"])
 @pytest.mark.parametrize("chunk_elems", [1, 100, 1 << 20])
 def test_decoder_matches_codec_decode(device, codec, chunk_elems):
     dev = _device(device)
@@ -78,7 +101,7 @@ def test_decoder_matches_codec_decode(device, codec, chunk_elems):
         p, vals = got[it.index]
         assert torch.equal(p.cpu(), ref.positions), name
         assert torch.equal(p.cpu(), pos), name
-        if codec == "compact":
+        if codec in ("compact", "chunked"):
             assert torch.equal(apply_diffs(old, vals.cpu().to(torch.int64)), new), name
         else:
             assert torch.equal(vals.cpu(), new), name
@@ -151,3 +174,144 @@ def test_raw_positions_checked():
     items[1].parts = {"idx": idx, "val": items[1].parts["val"]}
     with pytest.raises(PositionError, match="unsorted"):
         _decode(items, "raw", torch.device("cpu"))
+
+
+def test_chunked_decoder_reads_only_the_tensors_asked_for():
+    """A layout holding some tensors of a file: the others' chunks are skipped (or their elements
+    dropped where they share a chunk), the rest decode exactly."""
+    tensors = _tensors(seed=3)
+    items = _file_items(tensors)
+    keep = [items[0], items[2]]
+    got = _decode(keep, "chunked", torch.device("cpu"), chunk_elems=128)
+    assert sorted(got) == [0, 2]
+    for it in keep:
+        _, numel, pos, new, old = tensors[it.index]
+        p, d = got[it.index]
+        assert torch.equal(p, pos)
+        assert torch.equal(apply_diffs(old, d.to(torch.int64)), new)
+
+
+def _corrupt_chunked(items, what):
+    """A copy of the file's items with one fault in its streams or metadata."""
+    items = copy.deepcopy(items)
+    payload = dict(items[0].parts)
+    for it in items:
+        it.parts = payload
+    index = payload["index"].clone()
+    if what == "byte":  # one flipped byte in a compressed frame of chunk 3
+        blob = payload["blob"].clone()
+        blob[int(FileStreams(payload, items[0].enc["file"], {}).chunk_starts[3]) + 5] ^= 0x40
+        payload["blob"] = blob
+    elif what == "count":  # the index's big-element count of chunk 1, hash kept consistent
+        index[1, 5] += 1
+    elif what == "escapes":
+        payload["mag_esc"] = payload["mag_esc"][:-1]
+    elif what == "range":
+        items[0].numel = 10
+    elif what == "meta":
+        for it in items:
+            it.enc = {**it.enc, "file": {"chunk_elems": 100, "elems": 5}}
+    payload["index"] = index
+    if what == "missing":
+        del payload["index"]
+    return items
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "what,exc",
+    [
+        ("byte", CodecError),
+        ("count", CodecError),
+        ("escapes", CodecError),
+        ("range", PositionError),
+        ("missing", CodecError),
+        ("meta", CodecError),
+    ],
+)
+def test_corrupt_chunked_payloads_raise_like_the_codec(device, what, exc):
+    """Every fault is the same exception from the per-piece decode and from staging (CPU path here;
+    the GPU path in tests/test_codec_gpu.py), naming the version and a tensor; a corrupt chunk
+    names the chunk."""
+    dev = _device(device)
+    items = _corrupt_chunked(_file_items(_tensors()), what)
+    it = items[0]
+    with pytest.raises(exc) as ref_err:
+        codecs.decode(
+            "chunked",
+            it.parts,
+            it.enc,
+            numel=it.numel,
+            nnz=it.nnz,
+            dtype=it.dtype,
+            ctx={"version": 7, "tensor": it.name},
+        )
+    with pytest.raises(IntegrityError) as got:
+        _decode(items, "chunked", dev)
+    assert type(got.value) is type(ref_err.value)
+    assert "version 7" in str(got.value)
+    assert any(i.name in str(got.value) for i in items)
+    if what == "byte":
+        assert "chunk 3 " in str(got.value) and "corrupt" in str(got.value)
+
+
+def _chunked_version_file(tmp_path, tensors):
+    """The bf16 tensors as a one-file chunked version (format 3), written and opened."""
+    from vllm_delta import format as fmt
+    from vllm_delta import writer
+
+    shapes = {name: (numel,) for name, numel, *_ in tensors}
+    header, payload = writer.encode_delta(
+        version=7,
+        base=6,
+        base_checksum="0" * 16,
+        codec=codecs.ChunkedCodec(chunk_elems=128, slice_elems=384),
+        shapes=shapes,
+        dtypes=dict.fromkeys(shapes, torch.bfloat16),
+        changes={name: (pos, new, old) for name, _, pos, new, old in tensors},
+        sums=dict.fromkeys(shapes, 0),
+    )
+    path = str(tmp_path / "v7.safetensors")
+    fmt.write(path, header, payload)
+    return fmt.VersionFile(path), shapes
+
+
+def test_one_file_chunked_versions_stage_from_arrays_like_items(tmp_path, monkeypatch):
+    """`changed_items` reads a one-file format-3 version straight into FilePieces (no per-tensor
+    objects, what a mixture of experts needs); they decode as the per-piece Items do."""
+    from vllm_delta.apply import staging
+    from vllm_delta.apply.layout import DeviceLayout, Layout
+
+    tensors = [t for t in _tensors(5) if t[3].dtype == torch.int16]
+    vf, shapes = _chunked_version_file(tmp_path, tensors)
+    dl = DeviceLayout(Layout.identity({**shapes, "untouched": (9,)}), torch.device("cpu"))
+    fast = staging.changed_items(vf, dl)[2]
+    assert isinstance(fast, staging.FilePieces) and fast.names == [n for n, *_ in tensors]
+    monkeypatch.setattr(staging, "_file_pieces", lambda *a: None)
+    slow = staging.changed_items(vf, dl)[2]
+    assert isinstance(slow, list)
+    assert staging.item_indices(fast) == staging.item_indices(slow)
+    got = {}
+    for items in (fast, slow):
+        dec = Decoder(torch.device("cpu"), chunk_elems=300, threads=2)
+        chunks = list(dec.decode(7, "chunked", items, 2, {}))
+        got[id(items)] = (torch.cat([c.p for c in chunks]), torch.cat([c.diffs for c in chunks]))
+        dec.close()
+    (p1, d1), (p2, d2) = got.values()
+    assert torch.equal(p1, p2) and torch.equal(d1, d2)
+    assert torch.equal(p1, torch.cat([pos for _, _, pos, _, _ in tensors]))
+
+
+def test_malformed_piece_metadata_in_a_one_file_version_names_the_tensor(tmp_path):
+    from vllm_delta.apply import staging
+    from vllm_delta.apply.layout import DeviceLayout, Layout
+
+    tensors = [t for t in _tensors(6) if t[3].dtype == torch.int16]
+    vf, shapes = _chunked_version_file(tmp_path, tensors)
+    vf.header.tensors["sparse"].enc = {"start": 0}  # no "at"
+    dl = DeviceLayout(Layout.identity(shapes), torch.device("cpu"))
+    items = staging.changed_items(vf, dl)[2]
+    assert isinstance(items, list)  # the per-piece path, which checks each tensor's metadata
+    with pytest.raises(CodecError, match="lacks 'at'") as exc:
+        list(Decoder(torch.device("cpu"), threads=1).decode(7, "chunked", items, 2, {}))
+    assert exc.value.tensor == "sparse"

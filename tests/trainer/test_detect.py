@@ -484,3 +484,45 @@ def test_bitmask_path_large_on_cuda(density, fused):
                 pick = torch.rand(x.numel(), generator=gen, device=dev) < density
                 x.add_(torch.where(pick, x.abs() * 2**-7 + 1e-6, torch.zeros_like(x)))
             assert sum(_compare(owned, snaps).counts) > 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("path", ["bitmask", "chunked"])
+def test_changes_handed_on_pass_by_pass_make_the_same_file(device, path, monkeypatch):
+    """`changes(consume=...)` (the Publisher with the chunked codec): the passes' changes, encoded as
+    they come, give the same file as the changes all at once; the counts and sums are the same; and
+    the device never holds more than one pass's changes."""
+    from vllm_delta.trainer import detect
+
+    dev = _device(device)
+    monkeypatch.setattr(kernels, "DETECT_BLOCK", 256)
+    monkeypatch.setattr(detect, "STREAM_PASS_ELEMS", 1024)  # 4 blocks a pass: many passes
+    sizes = [1000, 0, 31, 256, 4096, 1, 513, 0, 2000]
+    xs = _tensors(dev, sizes, seed=3)
+    owned = _as_owned(xs, starts=[0, 0, 7, 0, 0, 3, 0, 0, 100])
+    backend = "triton" if path == "bitmask" else "triton-chunked"
+    snaps = {k: FlatSnapshot(backend=backend, chunk_elems=1500) for k in ("stream", "whole")}
+    for s in snaps.values():
+        s.anchor(owned)
+    c = codecs.ChunkedCodec(chunk_elems=128, slice_elems=256)
+    for step in range(2):
+        _move(xs, 0.3, seed=step + 5)
+        seen: list[int] = []
+        enc = c.stream([o.start for o in owned])
+
+        def consume(pos, seg, new, old, enc=enc, seen=seen):
+            seen.append(int(pos.numel()))
+            enc.add(pos, seg, new, old)
+
+        streamed = snaps["stream"].changes(owned, consume=consume)
+        whole = snaps["whole"].changes(owned)
+        assert streamed.positions.numel() == 0 and streamed.counts == whole.counts and streamed.sums == whole.sums
+        assert (len(seen) > 2) if path == "bitmask" else (len(seen) == 1)
+        assert sum(seen) == sum(whole.counts)
+        batch = codecs.Batch(
+            whole.positions, whole.new, whole.old, whole.seg, whole.counts, [o.start for o in owned], [0] * len(owned)
+        )
+        want = c.pack_file([(str(t), s) for t, s in enumerate(c.prepare_batch(batch).split()) if s is not None])
+        got = c.pack_file([(str(t), s) for t, s in enumerate(enc.finish(streamed.counts).split()) if s is not None])
+        assert got.tensor_enc == want.tensor_enc
+        assert all(torch.equal(got.payload[k], want.payload[k]) for k in want.payload)

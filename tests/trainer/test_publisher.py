@@ -21,7 +21,7 @@ def assert_same_bits(got: dict, want: dict):
         assert torch.equal(got[name].view(torch.int16), t.view(torch.int16)), name
 
 
-@pytest.mark.parametrize("codec", ["compact", "raw"])
+@pytest.mark.parametrize("codec", ["chunked", "compact", "raw"])
 def test_every_version_replays_bit_exact(tmp_path, codec):
     model = build_master_model(SPEC, seed=3)
     images = {}

@@ -17,7 +17,7 @@ import torch
 from ..bits import int_view, wrap_add
 from ..format import VersionLike
 from .layout import DeviceLayout, Selection
-from .staging import Decoder, changed_items
+from .staging import Decoder, changed_items, item_indices
 
 Pending = dict[int, tuple[torch.Tensor, torch.Tensor]]  # element width -> (sorted global ids, final bits)
 LiveBits = Callable[[int, list[Selection], int], torch.Tensor]  # (width, selections, n) -> live bits
@@ -55,7 +55,7 @@ def merge_chain(
             pending = _anchor_changes(vf, layout, read_target, changed)
             continue
         for width, items in changed_items(vf, layout).items():
-            changed.update(it.index for it in items)
+            changed.update(item_indices(items))
             ids, news = [], []
             prev = pending.get(width)
             for chunk in decoder.decode(vf.version, vf.header.codec or "", items, width, timings):

@@ -54,7 +54,7 @@ from ..format import TensorEntry, VersionHeader, VersionLike
 from . import scatter as scatter_ops
 from .chain import merge_chain
 from .layout import DeviceLayout, Layout, Segment, Selection
-from .staging import CHUNK_ELEMS, Chunk, Decoder, changed_items
+from .staging import CHUNK_ELEMS, Chunk, Decoder, changed_items, item_indices
 
 _STATE = itertools.count(1)
 
@@ -162,6 +162,7 @@ class ApplyEngine:
         self._stage_lock = threading.Lock()  # one staging at a time: the decoder's buffers are shared
         self._state = 0
         self._warm: set[tuple[torch.dtype, torch.dtype]] = set()
+        self._fits: dict[str, tuple[str, list[int]]] = {}  # tensors whose header entry fits the model
 
     # -- checksums -------------------------------------------------------------------------
     def live_sums(self, names: Iterable[str] | None = None) -> dict[str, int]:
@@ -209,9 +210,14 @@ class ApplyEngine:
 
     def check_header(self, header: VersionHeader) -> None:
         """Every tensor of a version fits the model (name, shape, dtype): ShapeMismatchError or
-        UnsupportedModelError naming the first that does not."""
+        UnsupportedModelError naming the first that does not. A tensor seen with the same shape and
+        dtype before is not checked again (a mixture of experts lists ~20K tensors per version)."""
+        seen = self._fits
         for name, entry in header.tensors.items():
+            if seen.get(name) == (entry.dtype, entry.shape):
+                continue
             self._check_entry(header, name, entry)
+            seen[name] = (entry.dtype, list(entry.shape))
 
     def _stream_ctx(self) -> contextlib.AbstractContextManager[object]:
         return torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
@@ -259,7 +265,7 @@ class ApplyEngine:
         if len(files) == 1 and files[0].header.kind == "delta":
             vf = files[0]
             for width, items in changed_items(vf, self.dlayout).items():
-                run.changed.update(it.index for it in items)
+                run.changed.update(item_indices(items))
                 for chunk in self._decoder.decode(vf.version, vf.header.codec or "", items, width, run.timings):
                     self._emit(run, width, chunk.t_idx, chunk.p, chunk.runs, chunk)
                     run.note_mem()
@@ -280,9 +286,14 @@ class ApplyEngine:
             return self._addressing[width].gather(tid, local, self.backend)
         out = torch.empty(local.numel(), dtype=INT_DTYPE[width], device=local.device)
         if local.numel():
-            for t in torch.unique(tid).tolist():
-                m = tid == t
-                out[m] = self.flats[t][local[m]]
+            # grouped by target once (a mask per target costs O(elements x targets): 435 targets of a MoE)
+            order = torch.argsort(tid, stable=True)
+            ids, counts = torch.unique_consecutive(tid[order], return_counts=True)
+            at = 0
+            for t, c in zip(ids.tolist(), counts.tolist()):
+                sel = order[at : at + c]
+                out[sel] = self.flats[t][local[sel]]
+                at += c
         return out
 
     def _live(self, width: int, sels: list[Selection], n: int) -> torch.Tensor:

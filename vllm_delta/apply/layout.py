@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from ..errors import UnsupportedModelError
@@ -191,6 +192,8 @@ class SegmentTable:
         }  # name -> int64 per tensor
         self.valid_t = torch.tensor(self.valid, dtype=torch.bool, device=device)
         self.owner_t = torch.tensor(self.owner, dtype=torch.bool, device=device)
+        # the flags as arrays: a chunk's tensors are looked up at once (thousands in a MoE chunk)
+        self.flags = np.array([self.valid, self.full, self.row_run, self.owner], dtype=bool).reshape(4, -1)
 
 
 _TABLE_FIELDS = (
@@ -221,6 +224,7 @@ class DeviceLayout:
         self.names = list(layout.hf_shapes)
         self.index = {n: i for i, n in enumerate(self.names)}
         numels = [math.prod(hf_2d(layout.hf_shapes[n])) for n in self.names]
+        self.numels = np.array(numels, dtype=np.int64)  # elements of each HF tensor, layout order
         self.starts = [0, *itertools.accumulate(numels)][:-1]
         self.starts_t = torch.tensor(self.starts, dtype=torch.int64, device=device)
         cols = [hf_2d(layout.hf_shapes[n])[1] for n in self.names]
@@ -237,16 +241,18 @@ class DeviceLayout:
     def translate(self, t_idx: torch.Tensor, p: torch.Tensor, tensors: list[int]) -> list[Selection]:
         """One Selection per segment slot that any of `tensors` (the chunk's tensor indices) uses."""
         out = []
+        ts = np.asarray(tensors, dtype=np.int64)
         for tab in self.tables:
-            if not any(tab.valid[t] for t in tensors):
+            valid, full, row_run, owners = tab.flags[:, ts]
+            if not valid.any():
                 continue
             a = tab.arrays
             target = a["target"][t_idx]
-            owners = {tab.owner[t] for t in tensors if tab.valid[t]}
-            owner: torch.Tensor | bool = owners.pop() if len(owners) == 1 else tab.owner_t[t_idx]
-            if all(tab.valid[t] and tab.full[t] for t in tensors):
+            mine = owners[valid]
+            owner: torch.Tensor | bool = bool(mine[0]) if (mine == mine[0]).all() else tab.owner_t[t_idx]
+            if (valid & full).all():
                 out.append(Selection(None, target, p + a["shift"][t_idx], owner))
-            elif all(tab.valid[t] and tab.row_run[t] for t in tensors):
+            elif (valid & row_run).all():
                 mask = (p >= a["pos_lo"][t_idx]) & (p < a["pos_hi"][t_idx])
                 out.append(Selection(mask, target, p + a["shift"][t_idx], owner))
             else:

@@ -28,6 +28,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
+import numpy as np
 import torch
 
 from ..bits import bit_view
@@ -291,17 +292,15 @@ def fused_plan(
     runs_at = torch.ones(n, dtype=torch.bool, device=device)
     torch.ne(ids[1:], ids[:-1], out=runs_at[1:])
     starts = runs_at.nonzero().reshape(-1)
-    host = torch.cat([starts, ids[starts]]).tolist()
-    k = len(host) // 2
+    host = torch.cat([starts, ids[starts]]).cpu().numpy()
+    k = host.size // 2
     starts_h, ids_h = host[:k], host[k:]
-    lengths_h = [e - s for s, e in zip(starts_h, starts_h[1:] + [n])]
-    pad_starts_h, at = [], 0
-    for m in lengths_h:
-        pad_starts_h.append(at)
-        at += -(-m // block) * block
-    n_slots = at
-    bounds = [(t, p, p + -(-m // block) * block) for t, p, m in zip(ids_h, pad_starts_h, lengths_h)]
-    small = torch.tensor([p - s for p, s in zip(pad_starts_h, starts_h)] + lengths_h, dtype=torch.int64)
+    lengths_h = np.diff(np.append(starts_h, n))
+    padded_h = -(-lengths_h // block) * block  # runs in whole blocks (arrays: a MoE has ~2 runs per expert)
+    pad_starts_h = np.cumsum(padded_h) - padded_h
+    n_slots = int(padded_h.sum())
+    bounds = list(zip(ids_h.tolist(), pad_starts_h.tolist(), (pad_starts_h + padded_h).tolist()))
+    small = torch.from_numpy(np.concatenate([pad_starts_h - starts_h, lengths_h]))
     small = small.to(device, non_blocking=True)
     slots = torch.arange(n, dtype=torch.int64, device=device)
     slots += small[:k][segment_ids(small[k:], n)]

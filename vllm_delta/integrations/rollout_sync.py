@@ -101,7 +101,7 @@ class RolloutSyncOptions:
     servers: tuple[str, ...] = ()
     api_key: str | None = None
     anchor_every: int = 20
-    codec: str = "compact"
+    codec: str = "chunked"
     live_timeout_s: float = 300.0
     publish_timeout_s: float = 600.0
     request_timeout_s: float = 30.0

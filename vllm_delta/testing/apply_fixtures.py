@@ -307,11 +307,17 @@ def write_delta(
     dtype: torch.dtype | dict[str, torch.dtype] = torch.bfloat16,
     sums: dict[str, int] | None = None,
     frame_elems: int | None = None,
+    chunk_elems: int | None = None,
     pool=None,
 ) -> VersionHeader:
     """A delta version file from {name: (positions, new bits, old bits)}. `sums`: per-tensor checksums
-    at this version (None: zeros, for benchmarks that don't verify)."""
-    c = codecs.CompactCodec(frame_elems=frame_elems) if codec == "compact" and frame_elems else codec
+    at this version (None: zeros, for benchmarks that don't verify). `frame_elems` (compact) and
+    `chunk_elems` (chunked) shrink the codec's units so that small tests have many of them."""
+    c: str | codecs.Codec = codec
+    if codec == "compact" and frame_elems:
+        c = codecs.CompactCodec(frame_elems=frame_elems)
+    elif codec == "chunked" and chunk_elems:
+        c = codecs.ChunkedCodec(chunk_elems=chunk_elems, slice_elems=4 * chunk_elems)
     header, payload = encode_delta(
         version=version,
         base=base,

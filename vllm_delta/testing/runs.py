@@ -39,7 +39,7 @@ def publish_run(
     anchor_every: int = 4,
     lr: float | list[float] = 3e-5,
     seed: int = 0,
-    codec: str = "compact",
+    codec: str = "chunked",
 ) -> PublishedRun:
     """Version 0 is the initial model; versions 1..steps follow one AdamW step each (lr per step)."""
     from ..checksums import checksum
@@ -91,7 +91,7 @@ class LiveRun:
         anchor_every: int = 4,
         lr: float = 1e-6,
         seed: int = 0,
-        codec: str = "compact",
+        codec: str = "chunked",
     ):
         import torch
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +42,7 @@ from .shard import Owned, ShardedTensor, local_tensor
 CHUNK_ELEMS = 1 << 28  # elements compared per chunk: bounds the temporaries (2 B image + 1 B mask each)
 BACKENDS = (None, "torch", "triton", "triton-chunked")
 PASS_ELEMS = 1 << 34  # elements per pass of the bitmask path (1/8 B each): one pass for any model that fits
+STREAM_PASS_ELEMS = 1 << 30  # ... when each pass's changes are handed on (`consume`): bounded memory
 
 
 def named_tensors(source: nn.Module | Mapping[str, object] | Iterable[tuple[str, object]]):
@@ -74,9 +75,14 @@ def named_tensors(source: nn.Module | Mapping[str, object] | Iterable[tuple[str,
     return out
 
 
+Consume = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+"""Takes one pass's changes (positions, tensor index, new bits, old bits), in owned order."""
+
+
 @dataclass
 class Detected:
-    """Changes of the owned elements since the last publish, all tensors end to end, in owned order."""
+    """Changes of the owned elements since the last publish, all tensors end to end, in owned order
+    (empty tensors when they were handed to a `consume` callback pass by pass)."""
 
     positions: torch.Tensor  # int64: global row-major positions in each tensor
     new: torch.Tensor  # new bit patterns (int16 for bf16)
@@ -280,8 +286,13 @@ class FlatSnapshot:
 
     # -- deltas ----------------------------------------------------------------------------------
     @torch.no_grad()
-    def changes(self, owned: list[Owned]) -> Detected:
-        """Elements whose image bits differ from the snapshot; the snapshot takes the new bits."""
+    def changes(self, owned: list[Owned], consume: Consume | None = None) -> Detected:
+        """Elements whose image bits differ from the snapshot; the snapshot takes the new bits.
+
+        With `consume`, the changes are handed to it as they are found (the bitmask path: pass by
+        pass, passes of STREAM_PASS_ELEMS elements, so that only one pass's changes are on the device
+        at a time; other paths: once), on the detection's stream, and the returned Detected has
+        empty tensors (its counts and sums as always)."""
         if not self.matches(owned):
             raise ValueError("the owned tensors changed since the last anchor: publish an anchor")
         assert self.bits is not None
@@ -291,7 +302,18 @@ class FlatSnapshot:
             table = self._detect_table(owned, dev)
             if table.ok:
                 with self._stream_ctx(dev):
-                    return self._changes_bitmask(table, len(owned), dev)
+                    return self._changes_bitmask(table, len(owned), dev, consume)
+        found = self._changes_chunked(owned, dev, triton_path)
+        if consume is not None:
+            with self._stream_ctx(dev):
+                consume(found.positions, found.seg, found.new, found.old)
+            empty = found.positions[:0]
+            found.positions, found.seg, found.new, found.old = empty, empty, found.new[:0], found.old[:0]
+        return found
+
+    def _changes_chunked(self, owned: list[Owned], dev: torch.device, triton_path: bool) -> Detected:
+        """`changes` by the chunked paths (int8 mask + nonzero per chunk; torch or Triton)."""
+        assert self.bits is not None
         with self._stream_ctx(dev):
             found: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
             for c, start in enumerate(self._chunk_starts):
@@ -338,7 +360,9 @@ class FlatSnapshot:
             sums=[v & MASK64 for v in host[t:]],
         )
 
-    def _changes_bitmask(self, table: kernels.DetectTable, t: int, dev: torch.device) -> Detected:
+    def _changes_bitmask(
+        self, table: kernels.DetectTable, t: int, dev: torch.device, consume: Consume | None = None
+    ) -> Detected:
         """`changes` by the bitmask path: per pass, `bitmask_`, a cumsum of the block counts, the
         pass's one host wait (its total), `compact_`; then one host wait for the per-tensor counts and
         sums (differences of cumsums over the blocks' counts and partials, mod 2^64)."""
@@ -347,7 +371,8 @@ class FlatSnapshot:
         counts = self._buffer("counts", nb, torch.int32, dev)
         bsums = self._buffer("bsums", nb, torch.int64, dev)
         found: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
-        for b0, b1 in table.passes(self.pass_elems):
+        pass_elems = self.pass_elems if consume is None else min(self.pass_elems, STREAM_PASS_ELEMS)
+        for b0, b1 in table.passes(pass_elems):
             words = self._buffer("words", (b1 - b0) * wpb, torch.int32, dev)
             kernels.bitmask_(table, b0, b1, self.bits, words, counts[b0:b1])
             incl = torch.cumsum(counts[b0:b1], 0, dtype=torch.int64)
@@ -364,6 +389,10 @@ class FlatSnapshot:
                 )
             else:
                 bsums[b0:b1].zero_()
+            if consume is not None:
+                consume(out[0], out[1], out[2], out[3])
+                del out
+                continue
             found.append(out)
         if len(found) == 1:
             positions, seg, new, old = found[0]
@@ -389,4 +418,13 @@ class FlatSnapshot:
         )
 
 
-__all__ = ["BACKENDS", "CHUNK_ELEMS", "AnchorImage", "Detected", "FlatSnapshot", "named_tensors"]
+__all__ = [
+    "BACKENDS",
+    "CHUNK_ELEMS",
+    "STREAM_PASS_ELEMS",
+    "AnchorImage",
+    "Consume",
+    "Detected",
+    "FlatSnapshot",
+    "named_tensors",
+]

@@ -2,15 +2,20 @@
 
 `VersionEncoder.written(job)` is everything between the training thread's hand-off and the store:
 
-* a delta: wait for the device-to-host copies the codec queued at `publish` (phase `d2h`), split them
-  per tensor (`split`), pack every changed tensor (zstd, on a thread pool: `pack`; the sum of the
-  tensors' packing times is `pack_busy`), write the safetensors file (`write`);
+* a delta: wait for the device work the codec queued at `publish` (phase `d2h`), split it per
+  tensor (`split`), then encode and write the file (`pack`: the codec's packing, and for the
+  chunked codec the file's writes too, which overlap it; `pack_busy`: the sum of the packing
+  times, tensor by tensor for per-tensor codecs), and finish the file (`write`: the header and the
+  writes still in flight; for per-tensor codecs, the whole write);
 * an anchor: the owned rows, already on the host, written as they are (`write`).
 
+The chunked codec's file is pipelined (writer.write_delta, format.PayloadWriter): on the GPU path
+each run of chunks is compressed by nvCOMP, copied to pinned memory and written by a pool thread
+while the next run is compressed, so the first bytes land while the last are encoded; the header,
+reserved before the data, goes in last. A multi-part version's part file is written the same way.
+
 It yields the written file (a temporary path the store moves into place) and removes whatever is
-left of it afterwards. Encoding, the copy and the write run one after the other today; a pipelined
-encoder (the three overlapping in chunks) replaces the body of `_encode`/`_write` behind the same
-`written(job)`: same job in, same `EncodedFile` out, same phase names.
+left of it afterwards.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import torch
 
 from ..codec import Codec
 from ..format import VersionHeader, write
-from ..writer import PreparedTensor, assemble_delta, encode_anchor, encode_anchor_part
+from ..writer import DeltaOf, PreparedTensor, encode_anchor, encode_anchor_part, write_delta
 from .job import UploadJob
 
 
@@ -56,26 +61,34 @@ class VersionEncoder:
     @contextmanager
     def written(self, job: UploadJob) -> Iterator[EncodedFile]:
         """The job's file, encoded and written; gone after the block whatever happened."""
-        header, payload = self._encode(job)
-        with job.timed("write"):
-            path = self._write(header, payload)
-        del payload
+        path = self._path()
         try:
+            header = self._write_delta(job, path) if job.kind == "delta" else self._write_anchor(job, path)
             yield EncodedFile(header, path)
         finally:
             if os.path.exists(path):
                 os.unlink(path)
 
-    def _encode(self, job: UploadJob) -> tuple[VersionHeader, dict[str, torch.Tensor]]:
-        """The version file's (or this rank's part file's) header and payload."""
-        if job.kind == "anchor":
-            assert job.host is not None
-            slices = {o.name: h for o, h in zip(job.owned, job.host)}
-            if job.part is None:
-                return encode_anchor(job.version, slices, job.sums, created=job.created)
-            return encode_anchor_part(
+    def _path(self) -> str:
+        fd, path = tempfile.mkstemp(suffix=".safetensors", dir=self._tmpdir)
+        os.close(fd)
+        return path
+
+    def _write_anchor(self, job: UploadJob, path: str) -> VersionHeader:
+        assert job.host is not None
+        slices = {o.name: h for o, h in zip(job.owned, job.host)}
+        if job.part is None:
+            header, payload = encode_anchor(job.version, slices, job.sums, created=job.created)
+        else:
+            header, payload = encode_anchor_part(
                 job.version, job.shapes, self.dtype, job.sums, job.checksum, slices, job.part, created=job.created
             )
+        with job.timed("write"):
+            write(path, header, payload)
+        return header
+
+    def _write_delta(self, job: UploadJob, path: str) -> VersionHeader:
+        """The version file's (or this rank's part file's) header and payload, written to `path`."""
         assert job.sections is not None and job.base is not None
         with job.timed("d2h"):
             job.sections.wait()  # the device work queued before the copies, and the copies
@@ -86,33 +99,20 @@ class VersionEncoder:
             name: PreparedTensor(shape, self.dtype, job.sums[name], *owned.get(name, (0, None)))
             for name, shape in job.shapes.items()
         }
+        of = DeltaOf(
+            version=job.version,
+            base=job.base,
+            base_checksum=job.base_checksum,
+            created=job.created,
+            checksum=job.checksum if job.part is not None else None,
+            part=job.part,
+        )
         busy: list[float] = []
         try:
-            with job.timed("pack"):
-                return assemble_delta(
-                    version=job.version,
-                    base=job.base,
-                    base_checksum=job.base_checksum,
-                    codec=self.codec,
-                    tensors=prepared,
-                    pool=self._pool,  # zstd releases the GIL: tensors in parallel (8B, 1%: ~1 s on one thread)
-                    created=job.created,
-                    checksum=job.checksum if job.part is not None else None,
-                    part=job.part,
-                    busy_ms=busy,
-                )
+            # zstd releases the GIL: tensors (or chunks) in parallel on the pool (8B, 1%: ~1 s on one thread)
+            return write_delta(path, of, self.codec, prepared, pool=self._pool, busy_ms=busy, timings=job.timings)
         finally:
             job.timings["pack_busy"] = sum(busy)
-
-    def _write(self, header: VersionHeader, payload: dict[str, torch.Tensor]) -> str:
-        fd, path = tempfile.mkstemp(suffix=".safetensors", dir=self._tmpdir)
-        os.close(fd)
-        try:
-            write(path, header, payload)
-        except BaseException:
-            os.unlink(path)
-            raise
-        return path
 
     def close(self) -> None:
         """Once no job is being written any more."""

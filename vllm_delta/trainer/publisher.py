@@ -1,6 +1,6 @@
 """Publisher: turns each training step's weights into one store version, off the training thread.
 
-    with Publisher("file:///data/run1", anchor_every=20, codec="compact") as pub:
+    with Publisher("file:///data/run1", anchor_every=20, codec="chunked") as pub:
         info = pub.publish(model, version=step)   # returns before the upload ends
         ...
     # leaving the block flushes: waits for the uploads and raises the first upload error
@@ -11,7 +11,8 @@
    shard_group.py): its number, its tensors, anchor or delta; raise the upload failures nobody raised;
 2. wait for the replicas, with bounded staleness (staleness.py);
 3. detect the changes against the last published image, and run the device part of encoding, for
-   all tensors at once (detect.FlatSnapshot, the codec's `prepare_batch`);
+   all tensors at once (detect.FlatSnapshot, the codec's `prepare_batch`, or a stream encoder that
+   encodes each pass of detection as it comes, so only one pass's changes are alive);
 4. add up the checksums (a sharded trainer: every rank's partials);
 5. hand the version to the upload thread (uploader.py), which encodes and writes its file
    (encode.py) and commits it. The queue is bounded, so a slow store slows `publish` down instead
@@ -129,17 +130,18 @@ class Publisher:
         uri: str | DeltaStore,
         *,
         anchor_every: int = 20,
-        codec: str = "compact",
+        codec: str = "chunked",
         group: ProcessGroup | None = None,
         max_staleness: int | None = None,
         min_replicas: int = 1,
         options: PublisherOptions | None = None,
     ):
-        """`anchor_every`: a full version (anchor) every that many versions. `codec`: "compact" or "raw".
-        `group`: a torch.distributed process group (or `torch.distributed.group.WORLD`) whose ranks
-        publish together, each its own part of every version (created collectively: every rank of
-        the group constructs its Publisher). `max_staleness`, `min_replicas`: `publish` waits until
-        that many reporting replicas serve a version at most that far behind (staleness.py).
+        """`anchor_every`: a full version (anchor) every that many versions. `codec`: "chunked" (the
+        default), "compact" or "raw" (codec/). `group`: a torch.distributed process group (or
+        `torch.distributed.group.WORLD`) whose ranks publish together, each its own part of every
+        version (created collectively: every rank of the group constructs its Publisher).
+        `max_staleness`, `min_replicas`: `publish` waits until that many reporting replicas serve a
+        version at most that far behind (staleness.py).
         `options`: everything else, grouped by job (options.py)."""
         opts = options if options is not None else PublisherOptions()
         if anchor_every < 1:
@@ -327,22 +329,29 @@ class Publisher:
                 timings["detect"] = _ms(t0)
                 partials = {o.name: s for o, s in zip(owned, image.sums)}
                 return _Detected(partials, [o.count for o in owned], host=image.host)
-            found = self.snapshot.changes(owned)
+            # A codec that encodes detection's passes as they come (chunked, issue 17) keeps one pass's
+            # changes on the device at a time; "detect" then includes that encoding.
+            stream = codecs.stream_encoder(self.codec, [o.start for o in owned])
+            found = self.snapshot.changes(owned, consume=stream.add if stream is not None else None)
             timings["detect"] = _ms(t0)
             t0 = time.perf_counter()
             old = self._chain.partials
             partials = {o.name: (old.get(o.name, 0) + s) & MASK64 for o, s in zip(owned, found.sums)}
-            batch = codecs.Batch(
-                positions=found.positions,
-                new=found.new,
-                old=found.old,
-                seg=found.seg,
-                counts=found.counts,
-                starts=[o.start for o in owned],
-                numels=[o.numel for o in owned],
-            )
             with self.snapshot.side_stream(self.snapshot.compute_device(owned)):
-                sections = self.codec.prepare_batch(batch)
+                if stream is not None:
+                    sections = stream.finish(found.counts)
+                else:
+                    batch = codecs.Batch(
+                        positions=found.positions,
+                        new=found.new,
+                        old=found.old,
+                        seg=found.seg,
+                        counts=found.counts,
+                        starts=[o.start for o in owned],
+                        numels=[o.numel for o in owned],
+                    )
+                    sections = self.codec.prepare_batch(batch)
+                    del batch
             timings["prepare"] = _ms(t0)
             return _Detected(partials, found.counts, sections=sections)
         except Exception as exc:  # noqa: BLE001 - raised by whole_sums, on every rank

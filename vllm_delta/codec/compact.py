@@ -1,129 +1,29 @@
-"""Codecs for the changed elements of one tensor (layouts: docs/FORMAT.md).
+"""Codec `compact` (formats 1 and 2): per tensor, gap-coded positions and ULP differences in zstd frames.
 
-A change set is (positions, new bit patterns) with positions the sorted, unique row-major flat
-indices of the changed elements. Every codec runs in four steps, so that the device work and the
-host work can be placed where they belong (trainer: detect on the GPU, compress on a background
-thread; server: decompress before the pause, finish on a side stream):
-
-    prepare (device)  -> Sections (host arrays) -> pack (host)   -> file tensors + JSON meta
-    unpack  (host)    -> Sections (host arrays) -> finish (device) -> Changes
-
-`raw`     int32 (int64 when the tensor has 2^31 elements or more) positions + absolute values: the
-          TRL baseline, 6 B per changed bf16 element. Does not depend on the base's values.
-`compact` gap-coded positions (uint16, byte-planed, escapes for gaps >= 65535) + the difference of
-          the bit patterns new - old mod 2^bits (int8, escapes for |d| > 127), zstd-compressed in
-          independent frames of at most FRAME_ELEMS elements. Its values need the base's values.
+Gap-coded positions (uint16, byte-planed, escapes for gaps >= 65535) + the difference of the bit
+patterns new - old mod 2^bits (int8, escapes for |d| > 127), zstd-compressed in independent frames
+of at most FRAME_ELEMS elements, one payload (`<name>::blob`) per tensor. Its values need the
+base's values. Layout: docs/FORMAT.md. The frame layer (`Frame`, `parse_frames`,
+`decompress_frame`, `decode_frames`) is shared with the server's staging decoder.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 import zstandard
 
-from .bits import INT_DTYPE, NP_INT, int_view, wrap_add, wrap_diff
-from .errors import CodecError, DeltaError, PositionError
+from ..bits import INT_DTYPE, NP_INT, int_view, wrap_diff
+from ..errors import CodecError, PositionError
+from .base import Batch, BatchSections, Changes, Ctx, HostCopy, Sections, err, segment_ids
 
 FRAME_ELEMS = 1 << 22
 ZSTD_LEVEL = 3
 GAP_ESCAPE = 0xFFFF
 DIFF_ESCAPE = -128
-
-Ctx = dict  # {"version": int, "tensor": str}: where an error happened, for its message
-
-
-@dataclass
-class Changes:
-    """Decoded changes of one tensor, on one device. New values come from `new_bits(old)`."""
-
-    positions: torch.Tensor  # int64, sorted, unique
-    values: torch.Tensor | None = None  # absolute bit patterns (int16/int32), codecs without a base
-    diffs: torch.Tensor | None = None  # new - old mod 2^bits, as int64
-
-    @property
-    def needs_base(self) -> bool:
-        return self.values is None
-
-    def new_bits(self, old_bits: torch.Tensor | None) -> torch.Tensor:
-        """New bit patterns (same integer dtype as `old_bits`) for the changed positions."""
-        if self.values is not None:
-            return self.values
-        if old_bits is None or self.diffs is None:
-            raise CodecError("this codec's values are relative to the base; pass the base values")
-        return wrap_add(old_bits, self.diffs, old_bits.element_size())
-
-
-@dataclass
-class Sections:
-    """Host-side intermediate form of a codec: named numpy arrays plus small metadata."""
-
-    arrays: dict[str, np.ndarray] = field(default_factory=dict)
-    meta: dict = field(default_factory=dict)
-
-
-def _host(t: torch.Tensor) -> np.ndarray:
-    return t.detach().to("cpu").numpy()
-
-
-@dataclass
-class Batch:
-    """Changes of several tensors laid end to end on one device (the trainer's detection output).
-
-    Element i belongs to tensor `seg[i]` (non-decreasing); positions are row-major flat indices into
-    that whole tensor, increasing within it and at least `starts[seg[i]]` (where the tensor's first
-    frame starts: 0, or the first position a part owns)."""
-
-    positions: torch.Tensor  # int64
-    new: torch.Tensor  # new bit patterns (int16/int32)
-    old: torch.Tensor  # old bit patterns
-    seg: torch.Tensor  # int64 tensor index of each element
-    counts: list[int]  # changed elements per tensor (host)
-    starts: list[int]  # per tensor: the position its first frame starts from
-    numels: list[int]  # per tensor: elements of the whole tensor
-
-
-class BatchSections:
-    """Per-tensor Sections of a Batch, once the device-to-host copies are done: `wait()` waits for
-    them (an event on CUDA); `split()` waits too and returns one Sections per tensor (None where
-    nothing changed)."""
-
-    def __init__(self, split: Callable[[], list[Sections | None]], wait: Callable[[], None] = lambda: None):
-        self._split, self._wait = split, wait
-
-    def wait(self) -> None:
-        self._wait()
-
-    def split(self) -> list[Sections | None]:
-        self._wait()
-        return self._split()
-
-
-class _HostCopy:
-    """Device-to-host copies into pinned memory on the current stream, waited for by an event."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.event: Any = None
-
-    def add(self, t: torch.Tensor) -> torch.Tensor:
-        if not self.cuda:
-            return t.detach().contiguous()
-        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        out.copy_(t, non_blocking=True)
-        return out
-
-    def done(self) -> None:
-        if self.cuda:
-            self.event = torch.cuda.Event()
-            self.event.record()
-
-    def wait(self) -> None:
-        if self.event is not None:
-            self.event.synchronize()
 
 
 def _compact_sections(
@@ -134,20 +34,6 @@ def _compact_sections(
         {"gaps16": gaps16, "d8": d8, "gap_esc": gap_esc.astype(np.int64), "diff_esc": diff_esc},
         {"starts": starts, "width": 8 * width},
     )
-
-
-def check_piece(positions: torch.Tensor, start: int, stop: int, ctx: Ctx) -> None:
-    """A piece's decoded positions lie in [start, stop) (the rows its part owns)."""
-    if positions.numel() and (int(positions.min()) < start or int(positions.max()) >= stop):
-        raise _err(PositionError, f"positions outside the piece's range [{start}, {stop})", ctx)
-
-
-def _err(exc_type: type[DeltaError], msg: str, ctx: Ctx) -> DeltaError:
-    return exc_type(msg, version=ctx.get("version"), tensor=ctx.get("tensor"))
-
-
-def position_dtype(numel: int) -> torch.dtype:
-    return torch.int32 if numel <= np.iinfo(np.int32).max else torch.int64
 
 
 # -- the compact frame layer (shared by CompactCodec and the server's staging decoder) -------------
@@ -181,14 +67,14 @@ def parse_frames(blob: torch.Tensor | None, meta: Any, nnz: int, ctx: Ctx) -> li
     """The frame table of one tensor's compact payload, checked against the blob and the header's nnz."""
     table = meta.get("frames") if isinstance(meta, dict) else None
     if blob is None or blob.dtype != torch.uint8 or not isinstance(table, list):
-        raise _err(CodecError, "compact payload lacks its 'blob' tensor or frame table", ctx)
+        raise err(CodecError, "compact payload lacks its 'blob' tensor or frame table", ctx)
     try:
         frames = [Frame(*(int(x) for x in row)) for row in table]
     except (TypeError, ValueError) as exc:
-        raise _err(CodecError, f"malformed frame table: {exc}", ctx) from None
+        raise err(CodecError, f"malformed frame table: {exc}", ctx) from None
     size, count = sum(f.nbytes for f in frames), sum(f.elems for f in frames)
     if any(min(f) < 0 for f in frames) or size != blob.numel() or count != nnz:
-        raise _err(
+        raise err(
             CodecError,
             f"frame table covers {size} B / {count} elements, payload has {blob.numel()} B / header nnz {nnz}",
             ctx,
@@ -205,14 +91,14 @@ def decompress_frame(
     try:
         buf = dctx.decompress(blob[offset : offset + frame.nbytes], max_output_size=want)
     except zstandard.ZstdError as exc:
-        raise _err(CodecError, f"zstd frame at byte {offset} is corrupt: {exc}", ctx) from None
+        raise err(CodecError, f"zstd frame at byte {offset} is corrupt: {exc}", ctx) from None
     if len(buf) != want:
-        raise _err(CodecError, f"zstd frame at byte {offset} holds {len(buf)} B, expected {want}", ctx)
+        raise err(CodecError, f"zstd frame at byte {offset} holds {len(buf)} B, expected {want}", ctx)
     n, k = frame.elems, frame.gap_escapes
     raw = np.frombuffer(buf, dtype=np.uint8)
     gap_esc = np.frombuffer(buf, dtype="<i8", count=k, offset=3 * n)
     if k and (int(gap_esc.min()) < 0 or int(gap_esc.max()) >= numel):
-        raise _err(PositionError, f"gap escape out of range for {numel} elements", ctx)
+        raise err(PositionError, f"gap escape out of range for {numel} elements", ctx)
     return FrameArrays(
         gap_lo=raw[:n],
         gap_hi=raw[n : 2 * n],
@@ -264,7 +150,7 @@ def decode_frames(
     for kind, codes, code, table, expected in escapes:
         bad = patch_escapes(codes, code, table, first, expected)
         if bad is not None:
-            raise _err(CodecError, f"{kind} escapes do not match their escape table", ctx_of(bad))
+            raise err(CodecError, f"{kind} escapes do not match their escape table", ctx_of(bad))
     n = gaps.numel()
     if n == 0:
         return gaps, diffs, gaps.clone()
@@ -293,84 +179,11 @@ class FrameOrder:
     def check(self, key: object, frame: Frame, last: int | None, numel: int, ctx: Ctx) -> None:
         prev = self._last.get(key, -1)
         if frame.start <= prev:
-            raise _err(PositionError, f"positions unsorted: frame starts at {frame.start}, not after {prev}", ctx)
+            raise err(PositionError, f"positions unsorted: frame starts at {frame.start}, not after {prev}", ctx)
         if last is not None:
             if last >= numel:
-                raise _err(PositionError, f"position {last} out of range for {numel} elements", ctx)
+                raise err(PositionError, f"position {last} out of range for {numel} elements", ctx)
             self._last[key] = last
-
-
-def segment_ids(counts: torch.Tensor, n: int) -> torch.Tensor:
-    """For segments of `counts` elements laid end to end (sum n): each element's segment index (int64).
-
-    `torch.repeat_interleave` runs one CUDA thread per segment, slow for a few long segments; this is
-    marks + prefix sum, parallel over elements."""
-    if n == 0:
-        return torch.zeros(0, dtype=torch.int64, device=counts.device)
-    marks = torch.zeros(n + 1, dtype=torch.int32, device=counts.device)
-    ends = torch.cumsum(counts.to(torch.int64), 0)
-    marks.index_add_(0, ends, torch.ones_like(ends, dtype=torch.int32))
-    return torch.cumsum(marks[:n], 0, dtype=torch.int64)
-
-
-class RawCodec:
-    name = "raw"
-    needs_base = False
-
-    def prepare(
-        self, positions: torch.Tensor, new_bits: torch.Tensor, old_bits: torch.Tensor, numel: int, start: int = 0
-    ) -> Sections:
-        return Sections(
-            {
-                "idx": _host(positions.to(position_dtype(numel))),
-                "val": _host(int_view(new_bits)),
-            }
-        )
-
-    def prepare_batch(self, batch: Batch) -> BatchSections:
-        """`prepare` for many tensors' changes at once: two device-to-host copies, no per-tensor work."""
-        pos = batch.positions
-        host = _HostCopy(batch.positions.device)
-        pos_h = host.add(pos)
-        val_h = host.add(int_view(batch.new))
-        host.done()
-
-        def split() -> list[Sections | None]:
-            host.wait()
-            out: list[Sections | None] = []
-            at = 0
-            for n, numel in zip(batch.counts, batch.numels):
-                if not n:
-                    out.append(None)
-                    continue
-                idx = pos_h.numpy()[at : at + n].astype(np.int32 if position_dtype(numel) == torch.int32 else np.int64)
-                out.append(Sections({"idx": idx, "val": val_h.numpy()[at : at + n]}))
-                at += n
-            return out
-
-        return BatchSections(split, host.wait)
-
-    def pack(self, sections: Sections, dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        val = torch.from_numpy(sections.arrays["val"]).view(dtype)
-        return {"idx": torch.from_numpy(sections.arrays["idx"]), "val": val}, {}
-
-    def unpack(
-        self, tensors: Mapping[str, torch.Tensor], meta: Any, *, numel: int, nnz: int, dtype: torch.dtype, ctx: Ctx
-    ) -> Sections:
-        idx, val = tensors.get("idx"), tensors.get("val")
-        if idx is None or val is None:
-            raise _err(CodecError, "raw payload lacks 'idx' or 'val'", ctx)
-        if idx.dtype not in (torch.int32, torch.int64) or val.dtype != dtype:
-            raise _err(CodecError, f"raw payload dtypes {idx.dtype}/{val.dtype}, expected int/{dtype}", ctx)
-        if idx.ndim != 1 or val.ndim != 1 or idx.numel() != nnz or val.numel() != nnz:
-            raise _err(CodecError, f"raw payload holds {idx.numel()}/{val.numel()} entries, header says {nnz}", ctx)
-        return Sections({"idx": idx.numpy(), "val": int_view(val).numpy()})
-
-    def finish(self, sections: Sections, *, numel: int, device: torch.device | str, ctx: Ctx) -> Changes:
-        pos = torch.from_numpy(sections.arrays["idx"]).to(device, non_blocking=True).to(torch.int64)
-        check_positions(pos, numel, ctx)
-        vals = torch.from_numpy(sections.arrays["val"]).to(device, non_blocking=True)
-        return Changes(positions=pos, values=vals)
 
 
 class CompactCodec:
@@ -452,7 +265,7 @@ class CompactCodec:
         counts = np.asarray(batch.counts, dtype=np.int64)
         first_at = np.cumsum(counts) - counts
         last_of_frame = [int(a + f - 1) for a, c in zip(first_at, counts) for f in range(frame, int(c), frame)]
-        host = _HostCopy(dev)
+        host = HostCopy(dev)
         g_h = host.add(g16)
         d_h = host.add(d8)
         e_h = host.add(esc) if esc is not None else None
@@ -571,9 +384,9 @@ class CompactCodec:
         diff_codes = a["d8"] == DIFF_ESCAPE
         per = [(int(gap_codes[s : s + n].sum()), int(diff_codes[s : s + n].sum())) for s, n in zip(first, counts)]
         if sum(g for g, _ in per) != a["gap_esc"].size:
-            raise _err(CodecError, "gap escapes do not match their escape table", ctx)
+            raise err(CodecError, "gap escapes do not match their escape table", ctx)
         if sum(d for _, d in per) != a["diff_esc"].size:
-            raise _err(CodecError, "value escapes do not match their escape table", ctx)
+            raise err(CodecError, "value escapes do not match their escape table", ctx)
         frames = [Frame(0, int(n), int(s), g, d) for n, s, (g, d) in zip(counts, a["frame_start"], per)]
         gaps = put("gaps16").view(torch.int16).to(torch.int64) & 0xFFFF
         diffs = put("d8").to(torch.int64)
@@ -584,77 +397,3 @@ class CompactCodec:
         for f in frames:
             order.check(0, f, next(nonempty) if f.elems else None, numel, ctx)
         return Changes(positions=positions, diffs=diffs)
-
-
-def check_positions(pos: torch.Tensor, numel: int, ctx: dict) -> None:
-    """Sorted, unique, within [0, numel). Raises PositionError naming the first offender."""
-    if pos.numel() == 0:
-        return
-    if int(pos.min()) < 0 or int(pos.max()) >= numel:
-        bad = int(pos[(pos < 0) | (pos >= numel)][0])
-        raise _err(PositionError, f"position {bad} out of range for {numel} elements", ctx)
-    if pos.numel() > 1:
-        step = pos[1:] - pos[:-1]
-        if bool((step <= 0).any()):
-            i = int((step <= 0).nonzero()[0])
-            kind = "duplicated" if int(step[i]) == 0 else "unsorted"
-            raise _err(PositionError, f"positions {kind} at entry {i + 1} ({int(pos[i])}, {int(pos[i + 1])})", ctx)
-
-
-class Codec(Protocol):
-    """What every codec provides (the four steps of the module docstring; `prepare_batch` is
-    `prepare` over many tensors at once)."""
-
-    name: str
-    needs_base: bool
-
-    def prepare(
-        self, positions: torch.Tensor, new_bits: torch.Tensor, old_bits: torch.Tensor, numel: int, start: int = 0
-    ) -> Sections: ...
-
-    def prepare_batch(self, batch: Batch) -> BatchSections: ...
-
-    def pack(self, sections: Sections, dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], dict[str, Any]]: ...
-
-    def unpack(
-        self, tensors: Mapping[str, torch.Tensor], meta: Any, *, numel: int, nnz: int, dtype: torch.dtype, ctx: Ctx
-    ) -> Sections: ...
-
-    def finish(self, sections: Sections, *, numel: int, device: torch.device | str, ctx: Ctx) -> Changes: ...
-
-
-CODECS: dict[str, Codec] = {"raw": RawCodec(), "compact": CompactCodec()}
-
-
-def get_codec(name: str, ctx: dict | None = None) -> Codec:
-    try:
-        return CODECS[name]
-    except KeyError:
-        raise _err(CodecError, f"unknown codec {name!r} (known: {', '.join(CODECS)})", ctx or {}) from None
-
-
-def encode(
-    codec: str, positions: torch.Tensor, new_bits: torch.Tensor, old_bits: torch.Tensor, numel: int, dtype: torch.dtype
-) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """One-shot encode: returns (file tensors by suffix, JSON meta)."""
-    c = get_codec(codec)
-    return c.pack(c.prepare(positions, new_bits, old_bits, numel), dtype)
-
-
-def decode(
-    codec: str,
-    tensors: Mapping[str, torch.Tensor],
-    meta: Any,
-    *,
-    numel: int,
-    nnz: int,
-    dtype: torch.dtype,
-    device: torch.device | str = "cpu",
-    ctx: Ctx | None = None,
-) -> Changes:
-    """One-shot decode of one tensor's payload into Changes on `device`."""
-    ctx = ctx or {}
-    c = get_codec(codec, ctx)
-    return c.finish(
-        c.unpack(tensors, meta, numel=numel, nnz=nnz, dtype=dtype, ctx=ctx), numel=numel, device=device, ctx=ctx
-    )
