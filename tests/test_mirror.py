@@ -105,6 +105,18 @@ def test_the_first_pass_starts_at_the_newest_anchor(tmp_path):
     assert_same(src, dst, [6, 7])
 
 
+def test_a_first_pass_starts_below_a_newest_anchor_marked_bad(tmp_path):
+    """A marked newest anchor blocks its chain; the first pass then starts at the anchor before it, so
+    a new region serves what the source's readers serve instead of nothing."""
+    src, dst = DeltaStore(str(tmp_path / "src")), DeltaStore(str(tmp_path / "dst"))
+    publish(src, range(0, 8))  # anchors 0, 3, 6
+    src.mark_bad(6, "diverged")
+    p = mirror(src, dst)
+    assert p is not None and p.copied == [3, 4, 5] and sorted(p.skipped) == [6, 7]
+    assert_same(src, dst, [3, 4, 5])
+    assert dst.latest() == 5
+
+
 def test_multi_part_versions_are_copied_part_by_part(tmp_path, s3_server, region):
     src = new_store("s3", tmp_path, s3_server)
     dst = new_store("s3", tmp_path, region)
