@@ -26,7 +26,13 @@ LAYERS: list[tuple[str, ...]] = [
     ("format", "codec"),  # the wire: version files, codecs
     ("writer", "records", "replicas"),  # building versions; commit records and replica reports
     ("marks",),  # bad-version marks and the rule that reads them (on records)
-    ("storefs", "cache", "retention", "polling"),  # filesystem access, download cache, retention, latest()
+    (
+        "storefs",
+        "cache",
+        "retention",
+        "polling",
+        "storewrite",
+    ),  # filesystem access, download cache, retention, latest(), writing
     ("store",),  # DeltaStore
     ("ledger", "reconstruct"),  # the fleet view; replay and materialize
     ("trainer", "apply", "mirror"),  # the publishing side; the apply engine (plain tensors, no vLLM); regions

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import vllm_delta.store as store_mod
+import vllm_delta.storewrite as storewrite_mod
 from vllm_delta.bits import int_view
 from vllm_delta.checksums import checksum, tensor_sum, to_hex
 from vllm_delta.codec import decode
@@ -595,7 +596,7 @@ def test_local_layout_and_modes(tmp_path, history):
     assert os.listdir(os.path.join(store.root, "data")) == [os.path.basename(rec.file)]
     for path in (rec.file, "head.json"):
         mode = os.stat(os.path.join(store.root, path)).st_mode & 0o777
-        assert mode & 0o044 == 0o044 & ~store_mod._UMASK  # readable by a server running as another user
+        assert mode & 0o044 == 0o044 & ~storewrite_mod._UMASK  # readable by a server running as another user
 
 
 def test_records_are_cached(tmp_path, history):
