@@ -21,6 +21,9 @@ with the test hooks on and traces allocations (tracemalloc) in the API process a
 the first version on; every `--heap-every` versions (and control cycles) it reports the bytes still
 alive that vllm_delta's code allocated (vllm_delta/vllm/shared/heap.py) and the torch CPU storage
 bytes alive in the worker. Their slopes after warm-up, per update and per control cycle, are ours.
+With `--heap` the client streams between reports only: it finishes its request and stops before each
+report and a new one starts after it (a report walks every traced block of the API process with its
+event loop held; beside a running stream the first one took more than 300 s, 2026-11-26).
 
     python benchmarks/soak.py                          # 200 versions + 100 control cycles
     python benchmarks/soak.py --versions 40 --warmup 10 --control 0 --out /tmp/soak
@@ -37,6 +40,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 
 from vllm_delta.store import DeltaStore
 from vllm_delta.testing.client import StreamingClient
@@ -88,6 +92,38 @@ def _heap(srv: VllmServer, action: str) -> dict[str, int]:
     }
 
 
+class _Streams:
+    """The soak's streaming client, replaced by a new one around each heap report (`around`)."""
+
+    def __init__(self, srv: VllmServer):
+        self.srv = srv
+        self.client = StreamingClient(srv.base_url, srv.model)
+        self.chunks, self.errors = 0, []
+
+    def __enter__(self) -> _Streams:
+        self.client.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.client.stop()
+
+    def wait_for_chunks(self, n: int) -> None:
+        self.client.wait_for_chunks(n)
+
+    def around(self, call: Callable[[], dict[str, int]]) -> dict[str, int]:
+        """`call()` with no request in flight: the client finishes its request and stops; a new one after."""
+        self.client.stop(timeout=120, finish_current=True)
+        self.chunks += len(self.client.arrivals)
+        self.errors += list(self.client.errors)
+        try:
+            return call()
+        finally:
+            self.client = StreamingClient(self.srv.base_url, self.srv.model).start()
+
+    def totals(self) -> tuple[int, list[str]]:
+        return self.chunks + len(self.client.arrivals), self.errors + list(self.client.errors)
+
+
 def soak(
     versions: int,
     anchor_every: int,
@@ -115,7 +151,7 @@ def soak(
             log_path=os.path.join(work, "server.log"),
             env={"VLLM_DELTA_TEST_FAULTS": "1"} if heap_every else None,
         )
-        with srv, StreamingClient(srv.base_url, srv.model) as stream:
+        with srv, _Streams(srv) as stream:
             stream.wait_for_chunks(5)
             assert srv.status()["checksum"] == run.checksums[0]
             if heap_every:
@@ -130,7 +166,7 @@ def soak(
                 st = srv.status()
                 t3 = time.perf_counter()
                 rss, cache_bytes = _sample(srv, folder)
-                heap = _heap(srv, "report") if heap_every and i % heap_every == 0 else None
+                heap = stream.around(lambda: _heap(srv, "report")) if heap_every and i % heap_every == 0 else None
                 rows.append(
                     {
                         "version": info.version,
@@ -168,14 +204,14 @@ def soak(
                 st = srv.status()
                 assert st["version"] == served and st["checksum"] == run.checksums[served]
                 rss, cache_bytes = _sample(srv, folder)
-                heap = _heap(srv, "report") if heap_every and i % heap_every == 0 else None
+                heap = stream.around(lambda: _heap(srv, "report")) if heap_every and i % heap_every == 0 else None
                 control_rows.append({"cycle": i, "rss": rss, "time": time.time() - t_start, "heap": heap})
                 if i % log_every == 0:
                     print(
                         f"  control {i:4d} rss " + " ".join(f"{k} {v / 2**20:7.1f}" for k, v in sorted(rss.items())),
                         flush=True,
                     )
-            chunks, errors = len(stream.arrivals), list(stream.errors)
+            chunks, errors = stream.totals()
         run.close()
     return {
         "rows": rows,

@@ -178,7 +178,7 @@ class VersionGateMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope.get("type") != "http" or scope.get("method") != "POST" or scope.get("path") not in PATHS:
-            await self.app(scope, receive, send)
+            await self.app(scope, receive, send)  # heap: pass-through
             return
         headers = [bytes(v).decode("latin-1") for k, v in scope.get("headers", []) if bytes(k).lower() == _HEADER]
         received: list[Message] = []
@@ -202,7 +202,7 @@ class VersionGateMiddleware:
             return received.pop(0) if received else await receive()
 
         if bound is None:
-            await self.app(scope, replay, send)
+            await self.app(scope, replay, send)  # heap: pass-through
             return
         try:
             held_s = await self.gate.admit(bound)
@@ -212,7 +212,7 @@ class VersionGateMiddleware:
             return
         try:
             _count("held" if held_s > 0 else "ran")
-            await self.app(scope, replay, _with_header(send, HELD_HEADER, f"{held_s * 1e3:.0f}"))
+            await self.app(scope, replay, _with_header(send, HELD_HEADER, f"{held_s * 1e3:.0f}"))  # heap: pass-through
         finally:
             self.gate.release(bound)
 

@@ -102,7 +102,7 @@ def wrap_generate(engine_client: Any, store: SpanStore) -> None:
 
 
 async def _recording(outputs: AsyncIterator[Any], store: SpanStore, n: int) -> AsyncIterator[Any]:
-    async for out in outputs:
+    async for out in outputs:  # heap: pass-through (vLLM's generate runs below this line)
         for o in getattr(out, "outputs", None) or ():
             spans = getattr(o, "weight_versions", None)
             if spans is not None:
@@ -174,7 +174,7 @@ class AttributionMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope.get("type") != "http" or scope.get("method") != "POST" or scope.get("path") not in PATHS:
-            await self.app(scope, receive, send)
+            await self.app(scope, receive, send)  # heap: pass-through
             return
         path = scope["path"]
         store = self.store
@@ -214,7 +214,7 @@ class AttributionMiddleware:
             await send({**start, "headers": kept})
             await send({"type": "http.response.body", "body": body, "more_body": False})
 
-        await self.app(scope, receive, send_wrapper)
+        await self.app(scope, receive, send_wrapper)  # heap: pass-through (vLLM's handling of the request)
 
     def _sse(self, state: dict[str, Any], chunk: bytes, message: Message) -> bytes:
         """Complete events of the stream so far (annotated where a choice finished); an incomplete

@@ -12,9 +12,13 @@ own), so the test hooks measure ours directly, in the API process and in every w
 
 A block counts as ours when any frame of its traceback is in vllm_delta, so what vLLM, torch or the
 standard library allocate on our behalf counts too (a dict json.loads builds for a record); what vLLM
-allocates on its own does not. Tracing slows every allocation of the process: test hooks only
-(`VLLM_DELTA_TEST_FAULTS=1`; the API process's POST /v1/delta/test/heap, the worker call
-rpc.TEST_HEAP).
+allocates on its own does not. Nor does what vLLM allocates for a request while it runs under one of
+our wrappers: a line that hands a request on to vLLM (the attribution middleware's call of the app,
+the loop over `generate`'s outputs) carries the comment `heap: pass-through`, and a block whose
+innermost frame of ours is such a line is vLLM's (without this, vLLM's per-request state, 130 B a
+block, counted as ours whenever it happened to grow inside the measured window). Tracing slows every
+allocation of the process: test hooks only (`VLLM_DELTA_TEST_FAULTS=1`; the API process's POST
+/v1/delta/test/heap, the worker call rpc.TEST_HEAP).
 """
 
 from __future__ import annotations
@@ -33,10 +37,17 @@ TOP_SITES = 12
 _PACKAGE = os.sep + "vllm_delta" + os.sep
 _TESTING = _PACKAGE + "testing" + os.sep
 _SELF = __file__
+PASS_THROUGH = "heap: pass-through"  # the comment that marks a line handing a request on to vLLM
+# (file, line) of every marked line, read at start(), before tracing: a report must allocate nothing
+# that outlives it (linecache's copies of the sources, read during a report, showed as 18 KB of ours
+# per update).
+_pass_lines: frozenset[tuple[str, int]] = frozenset()
 
 
 def start(frames: int = 48) -> None:
+    global _pass_lines
     if not tracemalloc.is_tracing():
+        _pass_lines = _marked_lines(os.path.dirname(os.path.dirname(os.path.dirname(_SELF))))
         tracemalloc.start(frames)
 
 
@@ -48,6 +59,27 @@ def _ours(filename: str) -> bool:
     return _PACKAGE in filename and _TESTING not in filename and filename != _SELF
 
 
+def _marked_lines(package_dir: str) -> frozenset[tuple[str, int]]:
+    """(file, line number) of every line of the package that carries PASS_THROUGH."""
+    found = []
+    for folder, _, names in os.walk(package_dir):
+        for name in names:
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                with open(path, encoding="utf-8") as f:
+                    found += [(path, i) for i, line in enumerate(f, 1) if PASS_THROUGH in line and path != _SELF]
+    return frozenset(found)
+
+
+def _site(traceback: tracemalloc.Traceback) -> str | None:
+    """`file:line` of the innermost frame of ours (frames run from the oldest to the most recent); None
+    without one, or when that frame is a pass-through line (what lies below it is vLLM's)."""
+    for f in reversed(traceback):
+        if _ours(f.filename):
+            return None if (f.filename, f.lineno) in _pass_lines else f"{f.filename}:{f.lineno}"
+    return None
+
+
 def report(rank: int | None = None) -> HeapReport:
     """Our live blocks (empty unless tracing) and the torch CPU storage bytes alive, after a collection."""
     gc.collect()
@@ -57,8 +89,7 @@ def report(rank: int | None = None) -> HeapReport:
     if tracemalloc.is_tracing():
         snapshot = tracemalloc.take_snapshot()
         for trace in snapshot.traces:
-            # Frames run from the oldest to the most recent: the innermost frame of ours names the site.
-            site = next((f"{f.filename}:{f.lineno}" for f in reversed(trace.traceback) if _ours(f.filename)), None)
+            site = _site(trace.traceback)
             if site is None:
                 continue
             total += trace.size

@@ -1,0 +1,60 @@
+"""The heap test hooks' rule of what is ours (vllm_delta/vllm/shared/heap.py), without an engine."""
+
+from __future__ import annotations
+
+import gc
+import inspect
+import linecache
+import os
+import tracemalloc
+
+import vllm_delta
+from vllm_delta.vllm.api_server import spans
+from vllm_delta.vllm.shared import heap
+
+
+def _line_of(path: str, text: str) -> int:
+    with open(path, encoding="utf-8") as f:
+        return next(i for i, line in enumerate(f, 1) if text in line)
+
+
+def test_a_block_allocated_below_a_pass_through_line_is_vllms():
+    marked = heap._marked_lines(os.path.dirname(vllm_delta.__file__))
+    middleware = inspect.getsourcefile(spans.AttributionMiddleware)
+    assert middleware is not None
+    call = _line_of(middleware, "await self.app(scope, receive, send_wrapper)")
+    record = _line_of(middleware, "store.record(out.request_id")
+    assert (middleware, call) in marked and (middleware, record) not in marked
+    vllm_frame = ("/site-packages/vllm/entrypoints/openai/serving.py", 10)
+    # tracemalloc's tuples run from the most recent frame to the oldest.
+    old, heap._pass_lines = heap._pass_lines, marked
+    try:
+        below_the_call = tracemalloc.Traceback((vllm_frame, (middleware, call)))
+        ours = tracemalloc.Traceback((("/usr/lib/python3.11/json/decoder.py", 3), (middleware, record)))
+        assert heap._site(below_the_call) is None
+        assert heap._site(ours) == f"{middleware}:{record}"
+        assert heap._site(tracemalloc.Traceback((vllm_frame,))) is None
+    finally:
+        heap._pass_lines = old
+
+
+def test_a_report_leaves_nothing_of_its_own_behind():
+    """Whatever a report allocates is gone when it returns: traced memory after the first report is
+    what it was before (a report that read the sources of our blocks' frames through linecache kept
+    them, ~18 KB of ours per update in the server's memory test)."""
+    assert not tracemalloc.is_tracing()
+    linecache.clearcache()  # as in a server, where no traceback has read our sources
+    heap.start(8)
+    try:
+        store = spans.SpanStore(limit=64)
+        for i in range(32):  # blocks of ours, allocated in spans.py while tracing
+            store.record(f"req-{i}", 1, 0, [[1, 0, 4]])
+        gc.collect()
+        before = tracemalloc.get_traced_memory()[0]
+        report = heap.report()
+        gc.collect()
+        after = tracemalloc.get_traced_memory()[0]
+    finally:
+        heap.stop()
+    assert report.blocks > 0 and any("spans.py" in s.where for s in report.top), report
+    assert after - before < 4 * 1024, (before, after)
