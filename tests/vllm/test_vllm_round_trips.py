@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from vllm_delta import store as store_module
+from vllm_delta import storewrite as storewrite_module
 from vllm_delta.store import DeltaStore
 from vllm_delta.trainer import Publisher
 
@@ -128,7 +129,8 @@ def test_one_follow_mode_update(tmp_path, monkeypatch):
             return _original(self, *args, **kwargs)
 
         monkeypatch.setattr(DeltaStore, method, counted)
-    sha256, version_file = store_module.file_sha256, store_module.VersionFile
+    # The store's reading half (store.py) and writing half (storewrite.py) each name these.
+    sha256, version_file = storewrite_module.file_sha256, store_module.VersionFile
 
     def counted_sha256(path):
         reads["sha256 of a whole file"] += 1
@@ -138,8 +140,9 @@ def test_one_follow_mode_update(tmp_path, monkeypatch):
         reads["version file opened"] += 1
         return version_file(*args, **kwargs)
 
-    monkeypatch.setattr(store_module, "file_sha256", counted_sha256)
-    monkeypatch.setattr(store_module, "VersionFile", counted_version_file)
+    monkeypatch.setattr(storewrite_module, "file_sha256", counted_sha256)
+    for module in (store_module, storewrite_module):
+        monkeypatch.setattr(module, "VersionFile", counted_version_file)
 
     async def scenario():
         service = DeltaService(Client(), StoreSpec(uri, cache_dir=cache))
