@@ -47,6 +47,25 @@ def publish_run(store: DeltaStore, w: dict[str, torch.Tensor], versions: range, 
             pub.publish(w, version=v)
 
 
+def test_the_latest_usable_version_is_below_every_mark(tmp_path):
+    """What a server started at "latest" loads: the newest version whose chain passes no mark; below a
+    marked anchor, the newest before it; None when every chain is marked."""
+    store = DeltaStore(str(tmp_path / "s"))
+    w = make_weights()
+    publish_run(store, w, range(0, 8), anchor_every=3)  # anchors 0, 3, 6
+    assert store.latest_usable() == 7
+    store.mark_bad(7, "diverged")
+    assert store.latest_usable() == 6
+    store.mark_bad(4, "diverged")  # 5 is built on 4; 6 is an anchor
+    assert store.latest_usable() == 6
+    store.mark_bad(6, "diverged")  # the newest anchor: below it, 4 is marked, so 3
+    assert store.latest_usable() == 3
+    store.mark_bad(0, "diverged")
+    store.mark_bad(3, "diverged")
+    assert store.latest_usable() is None
+    assert DeltaStore(str(tmp_path / "empty")).latest_usable() is None
+
+
 def test_the_follower_moves_up_to_the_mark_and_waits_for_the_next_anchor(tmp_path):
     store = DeltaStore(str(tmp_path / "store"))
     w = make_weights(7)

@@ -49,7 +49,7 @@ from .errors import (
     VersionNotFoundError,
 )
 from .format import Version, VersionFile, VersionLike
-from .marks import MARK_NAME_RE, MARKS_DIR, BadMark, check_reason, default_marker, mark_name
+from .marks import MARK_NAME_RE, MARKS_DIR, BadMark, check_reason, default_marker, mark_name, reachable_prefix
 from .polling import FULL_LISTING_S, LatestPoller
 from .records import (
     ASSETS_DIR,
@@ -228,6 +228,23 @@ class DeltaStore(VersionWrites):
         records after the newest one seen (StartAfter) and one GET confirming it; elsewhere
         `head.json`, the record it names and the next version's record."""
         return self.poller.latest()
+
+    def latest_usable(self) -> int | None:
+        """The newest version a reader may serve: the newest whose chain passes through no version marked
+        bad (marks.py); below a marked anchor, the newest usable version before it. None: none is."""
+        version = self.latest()
+        marks = self.marks() if version is not None else {}
+        while version is not None:
+            chain = self.chain(version)
+            usable = reachable_prefix(chain, marks)
+            if usable:
+                return usable[-1].version
+            below = chain[0].version - 1  # the anchor itself is marked: look before it
+            try:
+                version = None if below < 0 else self.record(below).version
+            except VersionNotFoundError:  # a gap (retention, a crashed publish): the newest one before it
+                version = max((v for v in self.versions() if v <= below), default=None)
+        return None
 
     def _versions_after(self, version: int) -> list[int]:
         """S3: the versions whose records sort after `version`'s (one ListObjectsV2 with StartAfter)."""

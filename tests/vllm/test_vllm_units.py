@@ -437,3 +437,37 @@ def test_update_deadline_and_status_while_busy(llama_run, tmp_path):
         assert (await svc.status()).last_failure.type == "StoreTimeoutError"
 
     asyncio.run(scenario())
+
+
+# -- the loader's start version --------------------------------------------------------------------
+def test_a_server_started_at_latest_loads_no_version_marked_bad(tmp_path):
+    """`"delta_version": "latest"` loads the newest version whose chain passes no mark (a server restarted
+    after its store's newest version was marked must not serve it); a store with no usable version is a
+    clear error at start-up. vLLM's own LoadConfig and the registered loader class, no engine."""
+    from vllm.config import LoadConfig
+
+    from vllm_delta import Publisher
+    from vllm_delta.vllm.worker.loader import DeltaModelLoader
+
+    uri = str(tmp_path / "store")
+    gen = torch.Generator().manual_seed(5)
+    w = {"w": torch.randn(32, 16, generator=gen).to(torch.bfloat16)}
+    with Publisher(uri, anchor_every=3) as pub:  # anchors 0, 3
+        for v in range(5):
+            w["w"][v % 32, :4] += 1
+            pub.publish(w, version=v)
+
+    def start_version() -> int:
+        cfg = LoadConfig(load_format="delta", model_loader_extra_config={"delta_store": uri})
+        loader = DeltaModelLoader(cfg)
+        return loader._chain()[-1].version
+
+    store = DeltaStore(uri)
+    assert start_version() == 4
+    store.mark_bad(4, "diverged")
+    assert start_version() == 3
+    store.mark_bad(3, "diverged")  # the newest anchor: the newest usable version is before it
+    assert start_version() == 2
+    store.mark_bad(0, "diverged")
+    with pytest.raises(VersionNotFoundError, match="no usable version"):
+        start_version()

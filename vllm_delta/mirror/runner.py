@@ -98,7 +98,7 @@ class Mirror:
         if self._done is None:
             self._done = self._resume_point()
         anchors = 0
-        for rec in self._pending(newest, marks):
+        for rec in self._pending(newest):
             copied = self._one(rec, marks, out)
             anchors += copied is not None and copied.kind == "anchor"
         if self._first or anchors:
@@ -130,7 +130,7 @@ class Mirror:
             )
         return done
 
-    def _pending(self, newest: int | None, marks: Marks) -> list[VersionRecord]:
+    def _pending(self, newest: int | None) -> list[VersionRecord]:
         """The source's records after the destination's newest version, oldest first."""
         done = self._done
         if newest is None or (done is not None and done >= newest):
@@ -147,7 +147,10 @@ class Mirror:
         elif self.options.everything:
             lo = 0
         else:
-            lo = self._first_anchor(newest, marks)
+            # The anchor of the newest usable version (what a new follower needs; below a marked newest
+            # anchor, the one before it), else the newest version's: its versions are then skipped, saying why.
+            usable = self.src.latest_usable()
+            lo = self.src.chain(newest if usable is None else usable)[0].version
         numbers = range(lo, newest + 1) if newest - lo < PROBE_MAX else [v for v in self.src.versions() if v >= lo]
         out = []
         for v in numbers:
@@ -156,17 +159,6 @@ class Mirror:
             except VersionNotFoundError:
                 continue  # a gap in the numbering, or retention
         return out
-
-    def _first_anchor(self, newest: int, marks: Marks) -> int:
-        """Where a first pass starts: the newest anchor not marked bad (what a new follower needs). A
-        marked newest anchor would leave the destination empty although older versions serve."""
-        anchor = self.src.chain(newest)[0]
-        while (mark := marks.get(anchor.version)) is not None and mark.matches(anchor) and anchor.version > 0:
-            try:
-                anchor = self.src.chain(anchor.version - 1)[0]
-            except VersionNotFoundError:
-                break  # retention removed the older ones: start at the marked one (it is skipped)
-        return anchor.version
 
     def _one(self, rec: VersionRecord, marks: Marks, out: MirrorPass) -> VersionRecord | None:
         """Copy one version (or say why not); the destination's record when it was copied."""

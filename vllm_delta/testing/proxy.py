@@ -138,8 +138,9 @@ class _Handler(BaseHTTPRequestHandler):
         if proxy.delay_s:
             time.sleep(proxy.delay_s)
         if proxy.read_only and self.command in _WRITES:
-            self._answer(403, _ACCESS_DENIED, {"Content-Type": "application/xml"})
+            # Counted before the answer: a client that got its 403 may read the counts at once.
             proxy.counts.add(self.command, kind, sent=0, received=len(body))
+            self._answer(403, _ACCESS_DENIED, {"Content-Type": "application/xml"})
             return
         headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP_BY_HOP}
         if body or self.command in _WRITES:

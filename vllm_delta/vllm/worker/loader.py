@@ -24,7 +24,7 @@ import torch
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
 from ...checksums import combine, to_hex
-from ...errors import ChecksumMismatchError, DeltaError, ShapeMismatchError
+from ...errors import ChecksumMismatchError, DeltaError, ShapeMismatchError, VersionNotFoundError
 from ...reconstruct import iter_version, open_chain, replay_tensor
 from ..postprocess.derived import install_hook
 from ..shared.options import LoaderOptions, split_extra_config
@@ -52,10 +52,32 @@ class DeltaModelLoader(DefaultModelLoader):
 
     def _chain(self):
         if self._files is None:
-            version = self.store.resolve(self.options.version)
+            version = self._start_version()
             self._files = open_chain(self.store, version)
             log.info("vllm-delta: loading version %d from %s (%d files)", version, self.store.uri, len(self._files))
         return self._files
+
+    def _start_version(self) -> int:
+        """The configured version; "latest" is the newest one not marked bad, nor built on one (a server
+        restarted on a store whose newest version was marked must not serve it)."""
+        if self.options.version != "latest":
+            return self.store.resolve(self.options.version)
+        newest, usable = self.store.latest(), self.store.latest_usable()
+        if usable is None:
+            what = (
+                "no version yet"
+                if newest is None
+                else f"no usable version: every chain up to {newest} passes one marked bad"
+            )
+            raise VersionNotFoundError(f"store {self.store.uri} holds {what}")
+        if usable != newest:
+            log.warning(
+                "vllm-delta: %s: newest version %s is marked bad or built on one; loading %d",
+                self.store.uri,
+                newest,
+                usable,
+            )
+        return usable
 
     def download_model(self, model_config) -> None:
         self._chain()  # downloads remote version files into the cache
