@@ -68,7 +68,7 @@ def measure(uri: str, storage_options: dict, polls: int) -> dict:
 def fill(root: str, versions: int, *, head: bool) -> None:
     """`versions` commit records (an anchor every ANCHOR_EVERY, deltas on the version before) and, with
     `head`, the head.json a publisher of this tree leaves. No data files: polls never read them."""
-    from vllm_delta.records import HEAD_NAME, StoreHead, VersionRecord, data_name, record_name
+    from vllm_delta.store.records import HEAD_NAME, StoreHead, VersionRecord, data_name, record_name
 
     os.makedirs(os.path.join(root, "versions"), exist_ok=True)
     checksum = "0" * 16

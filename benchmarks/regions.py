@@ -35,8 +35,8 @@ import tempfile
 import time
 
 from vllm_delta.errors import DeltaError
-from vllm_delta.ledger import Ledger
 from vllm_delta.store import DeltaStore
+from vllm_delta.store.ledger import Ledger
 from vllm_delta.testing.models import TinyModelSpec
 from vllm_delta.testing.proxy import S3Proxy
 from vllm_delta.testing.runs import LiveRun

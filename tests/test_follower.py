@@ -16,8 +16,8 @@ from vllm_delta.apply.engine import ApplyEngine
 from vllm_delta.apply.layout import Layout
 from vllm_delta.checksums import verify_partials
 from vllm_delta.errors import DeltaError
-from vllm_delta.ledger import Ledger
 from vllm_delta.server_api import FollowStatus, from_wire, to_wire
+from vllm_delta.store.ledger import Ledger
 from vllm_delta.vllm.api_server.follower import Follower, FollowOptions, next_target
 from vllm_delta.vllm.shared.options import LoaderOptions, server_options, split_extra_config
 from vllm_delta.vllm.shared.plan import plan_update

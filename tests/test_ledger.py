@@ -15,7 +15,7 @@ import torch
 from vllm_delta import DeltaStore, Publisher
 from vllm_delta.cli import main as cli_main
 from vllm_delta.errors import StalenessTimeoutError
-from vllm_delta.ledger import REPLICAS_DIR, Ledger, ReplicaReport
+from vllm_delta.store.ledger import REPLICAS_DIR, Ledger, ReplicaReport
 from vllm_delta.trainer import PublisherOptions, StalenessPolicy, StoreOptions
 
 

@@ -22,8 +22,8 @@ from test_store_faults import _unwritable
 from vllm_delta import DeltaStore, Publisher, checksum
 from vllm_delta.cli import main as cli_main
 from vllm_delta.errors import StalenessTimeoutError, StoreAccessError, VersionNotFoundError
-from vllm_delta.ledger import Ledger
-from vllm_delta.marks import blocked_by
+from vllm_delta.store.ledger import Ledger
+from vllm_delta.store.marks import blocked_by
 from vllm_delta.testing.proxy import S3Proxy
 from vllm_delta.trainer import PublisherOptions, StalenessPolicy, StoreOptions
 from vllm_delta.trainer.staleness import StalenessGate

@@ -20,9 +20,9 @@ from test_parts import commit, write_parts
 from vllm_delta import DeltaStore, Publisher, replay
 from vllm_delta.cli import main as cli_main
 from vllm_delta.errors import MirrorLeaseError, StalenessTimeoutError, VersionExistsError
-from vllm_delta.ledger import Ledger
-from vllm_delta.marks import blocked_by
 from vllm_delta.mirror import LEASE_FOLDER, Mirror, MirrorOptions, mirror
+from vllm_delta.store.ledger import Ledger
+from vllm_delta.store.marks import blocked_by
 from vllm_delta.testing.proxy import S3Proxy
 from vllm_delta.testing.s3 import S3Server
 from vllm_delta.trainer import PublisherOptions, StalenessPolicy, StoreOptions

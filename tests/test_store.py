@@ -11,8 +11,8 @@ import uuid
 import pytest
 import torch
 
-import vllm_delta.store as store_mod
-import vllm_delta.storewrite as storewrite_mod
+import vllm_delta.store.delta_store as store_mod
+import vllm_delta.store.writes as storewrite_mod
 from vllm_delta.bits import int_view
 from vllm_delta.checksums import checksum, tensor_sum, to_hex
 from vllm_delta.codec import decode
@@ -24,9 +24,9 @@ from vllm_delta.errors import (
     VersionNotFoundError,
 )
 from vllm_delta.format import VersionFile, VersionHeader, write
-from vllm_delta.marks import BadMark, blocked_by, reachable_prefix
-from vllm_delta.records import StoreHead
 from vllm_delta.store import DeltaStore, VersionRecord
+from vllm_delta.store.marks import BadMark, blocked_by, reachable_prefix
+from vllm_delta.store.records import StoreHead
 from vllm_delta.writer import encode_anchor, encode_delta
 
 # -- helpers shared with test_store_s3.py and test_store_crash.py (imported from here: a name of its own,

@@ -29,8 +29,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the zygote runs this file as a script
 from test_store import History  # noqa: E402
 
-from vllm_delta.records import DATA_NAME_RE as _DATA_NAME  # noqa: E402
 from vllm_delta.store import TMP_PREFIX, DeltaStore  # noqa: E402
+from vllm_delta.store.records import DATA_NAME_RE as _DATA_NAME  # noqa: E402
 
 SHAPES = {"model.w": (64, 1024), "model.b": (1024,)}  # a 130 KB anchor, deltas of a few KB
 HISTORY_SEED = 7

@@ -77,7 +77,7 @@ def cmd_materialize(args) -> int:
 
 
 def cmd_fleet(args) -> int:
-    from .ledger import Ledger
+    from .store.ledger import Ledger
 
     ledger = Ledger(_store(args), stale_after_s=args.stale_after)
     states = ledger.states()

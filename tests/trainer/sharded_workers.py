@@ -351,7 +351,7 @@ def gated_mark(rank, world, root):
     releases the wait, and every rank publishes the next version as an anchor."""
     import threading
 
-    from vllm_delta.ledger import Ledger, ReplicaReport
+    from vllm_delta.store.ledger import Ledger, ReplicaReport
     from vllm_delta.trainer import StalenessPolicy
 
     uri = os.path.join(root, "gated")

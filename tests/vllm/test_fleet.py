@@ -21,8 +21,8 @@ from vllm_helpers import LLAMA
 
 from vllm_delta import DeltaStore, Publisher, checksum
 from vllm_delta.cli import main as cli_main
-from vllm_delta.ledger import Ledger
 from vllm_delta.server_api import FollowStatus, from_wire
+from vllm_delta.store.ledger import Ledger
 from vllm_delta.testing.models import PROMPTS, save_tiny_model
 from vllm_delta.testing.s3 import S3Server
 from vllm_delta.testing.server import VllmServer

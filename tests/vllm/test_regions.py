@@ -25,7 +25,7 @@ from test_fleet import converge, serves, wait_for
 from vllm_helpers import LLAMA
 
 from vllm_delta import DeltaStore, Publisher, checksum
-from vllm_delta.ledger import Ledger
+from vllm_delta.store.ledger import Ledger
 from vllm_delta.testing.models import PROMPTS, save_tiny_model
 from vllm_delta.testing.proxy import S3Proxy
 from vllm_delta.testing.s3 import S3Server

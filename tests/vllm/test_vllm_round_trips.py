@@ -22,9 +22,9 @@ import uuid
 import pytest
 import torch
 
-from vllm_delta import store as store_module
-from vllm_delta import storewrite as storewrite_module
 from vllm_delta.store import DeltaStore
+from vllm_delta.store import delta_store as store_module
+from vllm_delta.store import writes as storewrite_module
 from vllm_delta.trainer import Publisher
 
 pytestmark = pytest.mark.vllm

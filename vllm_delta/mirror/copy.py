@@ -20,10 +20,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..errors import IntegrityError
-from ..marks import MARKS_DIR, BadMark, Marks, mark_name
 from ..reconstruct import verify_payload
-from ..records import VersionRecord
 from ..store import DeltaStore
+from ..store.marks import MARKS_DIR, BadMark, Marks, mark_name
+from ..store.records import VersionRecord
 
 log = logging.getLogger(__name__)
 

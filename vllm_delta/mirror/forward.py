@@ -15,8 +15,8 @@ import dataclasses
 import hashlib
 import logging
 
-from ..replicas import REPLICAS_DIR, read_reports
 from ..store import DeltaStore
+from ..store.replicas import REPLICAS_DIR, read_reports
 
 log = logging.getLogger(__name__)
 

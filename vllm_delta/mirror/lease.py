@@ -29,8 +29,8 @@ import time
 from dataclasses import asdict, dataclass
 
 from ..errors import DeltaError, FormatError, MirrorLeaseError
-from ..records import dump_document, load_document
 from ..store import DeltaStore
+from ..store.records import dump_document, load_document
 
 log = logging.getLogger(__name__)
 

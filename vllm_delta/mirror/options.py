@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..replicas import valid_region, valid_replica_id
+from ..store.replicas import valid_region, valid_replica_id
 
 
 @dataclass(frozen=True)

@@ -37,9 +37,9 @@ import uuid
 from dataclasses import dataclass, field
 
 from ..errors import DeltaError, StoreAccessError, VersionExistsError, VersionNotFoundError, http_status
-from ..marks import Marks, blocked_by, describe
-from ..records import VersionRecord
 from ..store import DeltaStore
+from ..store.marks import Marks, blocked_by, describe
+from ..store.records import VersionRecord
 from .copy import Copied, Copier, Corrupt
 from .forward import LedgerForwarder
 from .lease import Lease

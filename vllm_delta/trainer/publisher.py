@@ -44,8 +44,8 @@ from .. import codec as codecs
 from ..checksums import MASK64, combine, to_hex
 from ..errors import PublishError
 from ..format import DTYPE_NAMES, VersionKind
-from ..marks import BadMark
 from ..store import DeltaStore, VersionRecord
+from ..store.marks import BadMark
 from .detect import FlatSnapshot, named_tensors
 from .encode import VersionEncoder
 from .group import Agreement, Proposal, PublishGroup, SingleProcess, UploadsFailed

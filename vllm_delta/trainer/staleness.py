@@ -1,14 +1,14 @@
 """Bounded staleness through the store alone: `Publisher(max_staleness=K, min_replicas=R)`.
 
 Before version N is published, at least R replicas that report to the store's ledger
-(`vllm_delta.ledger`, servers started with `"delta_report": true`) must serve a version >= N - K,
+(`vllm_delta.store.ledger`, servers started with `"delta_report": true`) must serve a version >= N - K,
 with a fresh heartbeat. `publish` blocks until then, or raises StalenessTimeoutError after
 `timeout_s`. Versions N <= first + K (the first version this Publisher published) never wait: no
 replica can be more than K behind before K versions exist, and the servers usually start from the
 first one. This is the knob RL frameworks expose as `max_staleness` / `max_staleness_steps`,
 enforced with no network path from the trainer to the servers.
 
-Bad-version marks (`vllm_delta.marks`): a replica that cannot get closer to N - K because of them
+Bad-version marks (`vllm_delta.store.marks`): a replica that cannot get closer to N - K because of them
 counts as caught up. Precisely, a live replica serving s counts for N when s >= N - K, or when the
 committed versions in (s, N - K] are all *blocked* (a marked version lies on the chain of each) and
 there is at least one: every step it could take within the bound passes through a bad version, and
@@ -24,9 +24,9 @@ import time
 from dataclasses import dataclass
 
 from ..errors import DeltaError, StalenessTimeoutError, http_status
-from ..ledger import Ledger, ReplicaReport, count_within
-from ..marks import BadMark, blocked_by
 from ..store import DeltaStore
+from ..store.ledger import Ledger, ReplicaReport, count_within
+from ..store.marks import BadMark, blocked_by
 
 log = logging.getLogger(__name__)
 

@@ -17,14 +17,14 @@ reports it in status and in the ledger, and does not retry that target; it moves
 version appears (whose chain may avoid the bad one, e.g. after the trainer's next anchor). Store
 faults (timeouts, an unreachable store: 5xx) are retried at the next poll.
 
-Versions marked bad in the store (`vllm_delta.marks`, `vllm-delta mark-bad`) are never applied, nor
+Versions marked bad in the store (`vllm_delta.store.marks`, `vllm-delta mark-bad`) are never applied, nor
 any version whose chain passes through one: the follower reads the marks (one listing of `bad/`)
 whenever it is about to update, moves along the newest version's chain up to the version before the
 first mark, and otherwise waits for a version whose chain avoids every mark (the trainer's next
 anchor), showing the blocked version under `skipped`.
 
 With `"delta_report": true` the follower writes this replica's report to the store's ledger
-(`vllm_delta.ledger`) when its version changes and every `delta_report_s` as a heartbeat. A store
+(`vllm_delta.store.ledger`) when its version changes and every `delta_report_s` as a heartbeat. A store
 it cannot write to disables reporting with one warning (read-only followers simply don't report).
 """
 
@@ -40,10 +40,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from ...errors import DeltaError, http_status
-from ...ledger import Ledger, ReplicaReport
-from ...marks import Marks, blocked_by, describe, reachable_prefix
 from ...server_api import FollowStatus
 from ...store import DeltaStore
+from ...store.ledger import Ledger, ReplicaReport
+from ...store.marks import Marks, blocked_by, describe, reachable_prefix
 from ..shared.options import FollowOptions
 
 __all__ = ["FollowOptions", "FollowState", "Follower", "default_replica_id", "next_target"]

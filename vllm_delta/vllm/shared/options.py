@@ -124,7 +124,7 @@ class FollowOptions:
             raise ValueError(f"delta_follow_mode must be one of {', '.join(UPDATE_MODES)}, not {self.mode!r}")
         if not isinstance(self.chain_cap, int) or isinstance(self.chain_cap, bool) or self.chain_cap < 1:
             raise ValueError(f"delta_chain_cap must be an integer >= 1, not {self.chain_cap!r}")
-        from ...ledger import valid_replica_id
+        from ...store.ledger import valid_replica_id
 
         if self.replica_id is not None and not valid_replica_id(self.replica_id):
             raise ValueError(

@@ -21,9 +21,9 @@ StartAfter, elsewhere `head.json`, which every commit rewrites).
 
 `DeltaStore` is what reads and writes a store; its parts that change for other reasons live beside
 it: the record schema (`records.py`), the filesystem access with its deadlines and errors
-(`storefs.py`), the verified download cache (`cache.py`), the retention policy (`retention.py`) and
+(`fs.py`), the verified download cache (`cache.py`), the retention policy (`retention.py`) and
 the replica reports retention protects (`replicas.py`), how `latest()` polls (`polling.py`) and the
-bad-version marks (`marks.py`), and the writing half of the commit protocol (`storewrite.py`:
+bad-version marks (`marks.py`), and the writing half of the commit protocol (`writes.py`:
 data files first, the record last, never replaced), which `DeltaStore` inherits.
 """
 
@@ -38,9 +38,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from typing import Any
 
-from . import replicas
-from .cache import DownloadCache
-from .errors import (
+from ..errors import (
     DeltaError,
     FormatError,
     IntegrityError,
@@ -48,7 +46,17 @@ from .errors import (
     StoreAccessError,
     VersionNotFoundError,
 )
-from .format import Version, VersionFile, VersionLike
+from ..format import Version, VersionFile, VersionLike
+from . import replicas
+from .cache import DownloadCache
+from .fs import (
+    DEFAULT_TIMEOUT_S,
+    StoreFS,
+    basename,
+    modified,
+    normalize_uri,
+    store_error,
+)
 from .marks import MARK_NAME_RE, MARKS_DIR, BadMark, check_reason, default_marker, mark_name, reachable_prefix
 from .polling import FULL_LISTING_S, LatestPoller
 from .records import (
@@ -69,15 +77,7 @@ from .records import (
     record_name,
 )
 from .retention import LEFTOVER_AGE_S, check_keep_anchors, doomed_versions, is_leftover
-from .storefs import (
-    DEFAULT_TIMEOUT_S,
-    StoreFS,
-    basename,
-    modified,
-    normalize_uri,
-    store_error,
-)
-from .storewrite import VersionWrites
+from .writes import VersionWrites
 
 log = logging.getLogger(__name__)
 

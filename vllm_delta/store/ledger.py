@@ -19,7 +19,8 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from .errors import DeltaError, VersionNotFoundError
+from ..errors import DeltaError, VersionNotFoundError
+from .delta_store import DeltaStore
 from .marks import BadMark, blocked_by
 from .replicas import (
     EXPIRE_AFTER_S,
@@ -32,7 +33,6 @@ from .replicas import (
     read_reports,
     valid_replica_id,
 )
-from .store import DeltaStore
 
 
 @dataclass(frozen=True)

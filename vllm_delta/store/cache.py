@@ -27,7 +27,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 
-from .errors import CacheError, IntegrityError
+from ..errors import CacheError, IntegrityError
 from .records import DATA_NAME_RE, TMP_PREFIX, DataFile, check_size
 
 log = logging.getLogger(__name__)

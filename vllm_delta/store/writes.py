@@ -22,9 +22,10 @@ from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
+from ..errors import DeltaError, FormatError, IntegrityError, VersionExistsError
+from ..format import VersionFile, VersionHeader, VersionKind, is_kind
 from .cache import file_sha256
-from .errors import DeltaError, FormatError, IntegrityError, VersionExistsError
-from .format import VersionFile, VersionHeader, VersionKind, is_kind
+from .fs import StoreFS, fsync
 from .records import (
     DATA_DIR,
     MAX_PARTS,
@@ -37,7 +38,6 @@ from .records import (
     data_name,
     record_name,
 )
-from .storefs import StoreFS, fsync
 
 log = logging.getLogger("vllm_delta.store")
 

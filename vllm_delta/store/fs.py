@@ -24,7 +24,7 @@ import fsspec
 from fsspec.asyn import AsyncFileSystem
 from fsspec.implementations.local import LocalFileSystem
 
-from .errors import DeltaError, StoreTimeoutError, StoreUnavailableError
+from ..errors import DeltaError, StoreTimeoutError, StoreUnavailableError
 from .records import TMP_PREFIX
 
 DEFAULT_TIMEOUT_S = 60.0  # deadline of one store operation (a download: plus its size at MIN_RATE)

@@ -22,8 +22,8 @@ import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 
-from .checksums import is_hex
-from .errors import FormatError, short
+from ..checksums import is_hex
+from ..errors import FormatError, short
 from .records import MAX_VERSION, VersionRecord, dump_document, load_document
 
 MARKS_DIR = "bad"

@@ -15,9 +15,9 @@ import re
 from dataclasses import MISSING, asdict, dataclass, fields
 from typing import Any
 
-from .checksums import is_hex, sum_of_parts
-from .errors import FormatError, IntegrityError, short
-from .format import VersionKind, is_kind
+from ..checksums import is_hex, sum_of_parts
+from ..errors import FormatError, IntegrityError, short
+from ..format import VersionKind, is_kind
 
 RECORD_FORMAT = "vllm-delta-record"
 RECORD_FORMAT_VERSION = 1  # one-file versions

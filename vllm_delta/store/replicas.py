@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from dataclasses import MISSING, asdict, dataclass, fields
 from typing import Protocol
 
-from .errors import FormatError
+from ..errors import FormatError
 from .records import dump_document, load_document
 
 log = logging.getLogger(__name__)
