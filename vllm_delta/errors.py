@@ -183,6 +183,15 @@ class PublishError(DeltaError):
     """A background upload failed; the message names the version."""
 
 
+class RankTimeoutError(PublishError):
+    """Ranks of a sharded publisher did not arrive at an exchange within the deadline
+    (`ShardingOptions.timeout_s`): a rank died, hangs, or publishes on another schedule."""
+
+    def __init__(self, message: str, *, missing: list[int]):
+        super().__init__(message)
+        self.missing = missing
+
+
 class ShardingError(DeltaError, ValueError):
     """The ranks of a sharded publisher disagree (version number, tensor set, shard layout). Raised
     on every rank, naming the tensor and the ranks; nothing of the version is published."""
