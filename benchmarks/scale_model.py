@@ -246,11 +246,12 @@ class Fleet:
     ep: bool = False  # expert parallel: routed experts spread over tp x dp ranks (vLLM's EP), not sliced by tp
     gpus_per_host: int = 8
     regions: int = 1
-    mirrors_per_region: int = 0  # 0: every host reads the trainer's store; n: n regional stores per region, each fed by a mirror
+    mirrors_per_region: int = 0  # 0: hosts read the trainer's store; n: n regional stores a region, each with a mirror
     host_nic_gbps: float = 100.0  # a host's link to object storage
     stream_gbps: float = 2.5  # one GET (or PUT) stream
     download_streams: int = 1  # today a version's files are fetched one after another, one stream each
     download: Download = "whole"
+    hash_threads: int = 1  # today one thread hashes a whole file
     store_egress_gbps: float = 800.0  # what one store serves in all
     store_get_rps: float = 5500.0
     store_put_rps: float = 3500.0
@@ -307,6 +308,7 @@ FLEET_SOURCES: dict[str, str] = {
     "download_streams": "the package today: DeltaStore downloads a version's files one after another, one "
     "fsspec get_file each (vllm_delta/store/delta_store.py)",
     "download": "the package today: a host downloads every file of a version (ranged GETs by chunk: not built)",
+    "hash_threads": "the package today: vllm_delta/store/cache.py file_sha256 hashes a file on one thread",
     "store_egress_gbps": "assumed: AWS publishes no per-bucket bandwidth limit; a private store's is its "
     "cluster's; set yours",
     "store_get_rps": "published: S3, at least 5,500 GET/HEAD per second per partitioned prefix "
@@ -337,7 +339,8 @@ PAYLOAD = "payload_cpu.json"  # bytes per changed element on realistic AdamW del
 POLL = "poll_latest_cpu.json"  # requests and latency of a poll on an S3 server (rclone, 127.0.0.1)
 REGIONS = "regions_cpu.json"  # bytes a mirror and direct followers read per version
 CARDS = "cards.json"
-SHA256 = "sha256_cpu.json"  # the download cache's and the mirror's whole-file hash
+ROUND_TRIPS = "round_trips_cpu.json"  # whole-file hash passes per update on a host
+SHA256 = "sha256_h200_host.json"  # the download cache's and the mirror's whole-file hash, one thread
 STAGE_PHASES = ("read", "h2d", "inflate", "decode", "translate", "gather", "partials", "plan")
 KEPT_PHASES = ("plan",)  # run over the kept (local) elements only; the others over every decoded element
 
@@ -378,9 +381,17 @@ class MeasuredCosts:
     mirror_reads_per_version: Input
     direct_reads_per_follower: Input
     card_memory_gib: Input
+    sha256_gb_per_s: Input
+    sha256_passes: Input
 
     @classmethod
     def load(cls, results: str = RESULTS) -> MeasuredCosts:
+        def measured(name: str, value: float, unit: str, file: str, what: str) -> Input:
+            return Input(name, value, unit, "measured", f"{file}: {what}", (file,))
+
+        def derived(name: str, value: float, unit: str, formula: str, *files: str) -> Input:
+            return Input(name, value, unit, "derived", formula, files)
+
         payload = read_result(PAYLOAD, results)
         pts = [(r["density"], r["chunked"]) for r in payload["rows"]]
         a, b = lstsq([[1.0, math.log(1 / d)] for d, _ in pts], [y for _, y in pts])
@@ -389,159 +400,147 @@ class MeasuredCosts:
             f"(chunked codec, densities {min(d for d, _ in pts):.2%}-{max(d for d, _ in pts):.2%})"
         )
 
+        # the trainer: two runs of chunked:gpu on one H200, 399 and 4,719 checkpoint tensors, ~8.1B params each
         pub8, pubm = read_result(PUBLISH_8B, results), read_result(PUBLISH_MOE, results)
         s8, sm = _summary(pub8, "chunked:gpu"), _summary(pubm, "chunked:gpu")
-        moe12 = dataclasses.replace(QWEN3_30B_A3B, layers=12)
-        t8, tm = QWEN3_8B.tensors, moe12.tensors
-        two = (PUBLISH_8B, PUBLISH_MOE)
-        two_runs = f"8B (399 tensors) in {PUBLISH_8B} and 30B-A3B 12 layers ({tm} tensors) in {PUBLISH_MOE}, chunked:gpu"
+        t8, tm = QWEN3_8B.tensors, dataclasses.replace(QWEN3_30B_A3B, layers=12).tensors
+        pubs = (PUBLISH_8B, PUBLISH_MOE)
+        runs2 = f"the chunked:gpu runs of {PUBLISH_8B} (8B, {t8} tensors) and {PUBLISH_MOE} (30B-A3B 12 layers, {tm})"
         agree = lstsq([[1.0, t8], [1.0, tm]], [s8["pub_agree_ms"], sm["pub_agree_ms"]])
-
-        def detect_of(s: dict[str, float]) -> float:
-            return s["pub_detect_ms"] + s["pub_prepare_ms"] + s["pub_sums_ms"]
-
-        detect = lstsq([[s8["params"] / GB, t8], [sm["params"] / GB, tm]], [detect_of(s8), detect_of(sm)])
-
-        def upload_of(s: dict[str, float]) -> float:  # the upload thread without the write into the local store
-            return s["upload_ms"] - s["up_write_ms"]
-
-        upload = lstsq([[s8["bytes"] / 1e6, t8], [sm["bytes"] / 1e6, tm]], [upload_of(s8), upload_of(sm)])
+        detect_y = [s["pub_detect_ms"] + s["pub_prepare_ms"] + s["pub_sums_ms"] for s in (s8, sm)]
+        detect = lstsq([[s8["params"] / GB, t8], [sm["params"] / GB, tm]], detect_y)
+        upload_y = [s["upload_ms"] - s["up_write_ms"] for s in (s8, sm)]  # the write: modelled as the transfer
+        upload = lstsq([[s8["bytes"] / 1e6, t8], [sm["bytes"] / 1e6, tm]], upload_y)
         opened = lstsq([[1.0, t8], [1.0, tm]], [s8["open_ms"], sm["open_ms"]])
 
-        apply = read_result(APPLY, results)
-        rows = apply["rows"]
+        # the server: staging by phase, memory and pause, four runs on one H200
+        rows = read_result(APPLY, results)["rows"]
         tensors_of = {"qwen3-8b": QWEN3_8B.tensors, "qwen3-30b-a3b": QWEN3_30B_A3B.tensors}
         nnz = [float(r["nnz"]) for r in rows]
-        runs = f"the {len(rows)} runs of {APPLY} (qwen3-8b and qwen3-30b-a3b at 1% and 3%, chunked:gpu, H200)"
+        runs4 = f"the {len(rows)} runs of {APPLY} (qwen3-8b, qwen3-30b-a3b at 1%, 3%; chunked:gpu)"
         fixed, per = {}, {}
         for ph in STAGE_PHASES:
             c = lstsq([[1.0, n] for n in nnz], [r["stage_phases"][ph] for r in rows])
             over = "kept" if ph in KEPT_PHASES else "decoded"
-            src = f"least-squares line ms = fixed + per x elements through {runs}; scales with the {over} elements"
-            fixed[ph] = Input(f"stage_{ph}_fixed_ms", c[0], "ms", "derived", src, (APPLY,))
-            per[ph] = Input(f"stage_{ph}_ns_per_elem", c[1] * 1e6, "ns", "derived", src, (APPLY,))
+            src = f"least-squares line ms = fixed + per x elements through {runs4}; scales with the {over} elements"
+            fixed[ph] = derived(f"stage_{ph}_fixed_ms", c[0], "ms", src, APPLY)
+            per[ph] = derived(f"stage_{ph}_ns_per_elem", c[1] * 1e6, "ns", src, APPLY)
         rest_y = [r["stage_ms"] - sum(r["stage_phases"][p] for p in STAGE_PHASES) for r in rows]
         rest = lstsq([[1.0, tensors_of[r["model"]], n] for r, n in zip(rows, nnz)], rest_y)
-        rest_src = f"least-squares fit of (stage total - named phases) = a + b x tensors + c x elements through {runs}"
+        rest_src = f"least-squares fit (stage total - named phases) = a + b x tensors + c x elements through {runs4}"
         mem = [r["stage_memory"] for r in rows]
         peak = lstsq([[1.0, n] for n in nnz], [m["device_peak_bytes"] for m in mem])
-        held = sum(m["device_held_bytes"] for m in mem) / sum(nnz)
-        pinned = sum(m["host_bytes"] for m in mem) / sum(r["file_bytes"] for r in rows)
+        peak_src = f"least-squares line device_peak_bytes = fixed + per x elements through {runs4}"
 
         def pause_at(density: float) -> float:
             at = [r for r in rows if abs(r["density"] - density) < 1e-9]
             return sum(r["pause_ms"] for r in at) / sum(r["nnz"] for r in at) * 1e6
 
+        # the store
         poll = next(r for r in read_result(POLL, results)["rows"] if r["store"] == "s3" and r["code"] == "new")
-        regions = read_result(REGIONS, results)["rows"]
+        regions = read_result(REGIONS, results)
 
         def reads(topology: str) -> float:
-            at = [r for r in regions if r["topology"] == topology]
+            at = [r for r in regions["rows"] if r["topology"] == topology]
             return sum(r["data_bytes"] for r in at) / sum(r["bytes_version"] for r in at)
 
         card = read_result(CARDS, results)["cards"]["NVIDIA H200"]
-        followers = read_result(REGIONS, results)["meta"]["followers"]
+        sha = read_result(SHA256, results)
+        passes = read_result(ROUND_TRIPS, results)["sha256_passes_per_version"]
         return cls(
-            bytes_a=Input("bytes_per_changed_a", a, "B", "derived", byte_src, (PAYLOAD,)),
-            bytes_b=Input("bytes_per_changed_b", b, "B per ln(1/density)", "derived", byte_src, (PAYLOAD,)),
-            agree_ms=Input("publish_agree_ms", agree[0], "ms", "derived", f"line through {two_runs}: pub_agree_ms", two),
-            agree_ms_per_tensor=Input(
-                "publish_agree_ms_per_tensor", agree[1], "ms", "derived", f"same line: pub_agree_ms per tensor", two
-            ),
-            detect_ms_per_gparam=Input(
+            bytes_a=derived("bytes_per_changed_a", a, "B", byte_src, PAYLOAD),
+            bytes_b=derived("bytes_per_changed_b", b, "B per ln(1/density)", byte_src, PAYLOAD),
+            agree_ms=derived("publish_agree_ms", agree[0], "ms", f"line through {runs2}: pub_agree_ms", *pubs),
+            agree_ms_per_tensor=derived("publish_agree_ms_per_tensor", agree[1], "ms", "the same line", *pubs),
+            detect_ms_per_gparam=derived(
                 "publish_detect_ms_per_gparam",
                 detect[0],
-                "ms per 1e9 parameters of the rank",
-                "derived",
-                f"solved from {two_runs}: pub_detect_ms + pub_prepare_ms + pub_sums_ms = x params + y tensors",
-                two,
+                "ms per 1e9 parameters of a rank",
+                f"solved from {runs2}: pub_detect_ms + pub_prepare_ms + pub_sums_ms = x params + y tensors",
+                *pubs,
             ),
-            detect_ms_per_tensor=Input(
-                "publish_detect_ms_per_tensor", detect[1], "ms", "derived", "same system, per tensor", two
-            ),
-            upload_ms_per_mb=Input(
+            detect_ms_per_tensor=derived("publish_detect_ms_per_tensor", detect[1], "ms", "the same system", *pubs),
+            upload_ms_per_mb=derived(
                 "upload_ms_per_mb",
                 upload[0],
-                "ms per MB of the rank's file",
-                "derived",
-                f"solved from {two_runs}: upload_ms - up_write_ms = x MB + y tensors (the nvCOMP pack, header, "
-                "records; the write itself is modelled as the network transfer)",
-                two,
+                "ms per MB of a rank's file",
+                f"solved from {runs2}: upload_ms - up_write_ms = x MB + y tensors (the nvCOMP pack, the header, "
+                "the records; the write itself is modelled as the transfer)",
+                *pubs,
             ),
-            upload_ms_per_tensor=Input("upload_ms_per_tensor", upload[1], "ms", "derived", "same system", two),
-            commit_local_ms=Input(
-                "commit_local_ms", s8["up_commit_ms"], "ms", "measured", f"{PUBLISH_8B}: up_commit_ms", (PUBLISH_8B,)
+            upload_ms_per_tensor=derived("upload_ms_per_tensor", upload[1], "ms", "the same system", *pubs),
+            commit_local_ms=measured(
+                "commit_local_ms", s8["up_commit_ms"], "ms", PUBLISH_8B, "up_commit_ms, chunked:gpu"
             ),
-            open_ms=Input("open_ms", opened[0], "ms", "derived", f"line through {two_runs}: open_ms", two),
-            open_ms_per_tensor=Input("open_ms_per_tensor", opened[1], "ms", "derived", "same line", two),
+            open_ms=derived("open_ms", opened[0], "ms", f"line through {runs2}: open_ms", *pubs),
+            open_ms_per_tensor=derived("open_ms_per_tensor", opened[1], "ms", "the same line", *pubs),
             stage_fixed_ms=fixed,
             stage_ns_per_elem=per,
-            stage_rest_ms=Input("stage_rest_ms", rest[0], "ms", "derived", rest_src, (APPLY,)),
-            stage_rest_ms_per_tensor=Input("stage_rest_ms_per_tensor", rest[1], "ms", "derived", rest_src, (APPLY,)),
-            stage_rest_ns_per_elem=Input("stage_rest_ns_per_elem", rest[2] * 1e6, "ns", "derived", rest_src, (APPLY,)),
-            peak_fixed_gb=Input(
-                "staging_peak_fixed_gb",
-                peak[0] / GB,
-                "GB",
-                "derived",
-                f"least-squares line device_peak_bytes = fixed + per x elements through {runs} (decode "
-                "temporaries, bounded by one nvCOMP run)",
-                (APPLY,),
+            stage_rest_ms=derived("stage_rest_ms", rest[0], "ms", rest_src, APPLY),
+            stage_rest_ms_per_tensor=derived("stage_rest_ms_per_tensor", rest[1], "ms", rest_src, APPLY),
+            stage_rest_ns_per_elem=derived("stage_rest_ns_per_elem", rest[2] * 1e6, "ns", rest_src, APPLY),
+            peak_fixed_gb=derived(
+                "staging_peak_fixed_gb", peak[0] / GB, "GB", peak_src + " (decode temporaries: one nvCOMP run)", APPLY
             ),
-            peak_bytes_per_kept=Input(
+            peak_bytes_per_kept=derived(
                 "staging_peak_bytes_per_kept",
                 peak[1],
                 "B",
-                "derived",
-                "same line, per element (the kept changes' pieces and their concatenation at the end of staging)",
-                (APPLY,),
+                peak_src + " (the kept changes' pieces and their concatenation at the end of staging)",
+                APPLY,
             ),
-            held_bytes_per_kept=Input(
-                "staging_held_bytes_per_kept", held, "B", "measured", f"{APPLY}: sum device_held_bytes / sum nnz", (APPLY,)
-            ),
-            pinned_per_file_byte=Input(
-                "pinned_host_per_file_byte",
-                pinned,
+            held_bytes_per_kept=measured(
+                "staging_held_bytes_per_kept",
+                sum(m["device_held_bytes"] for m in mem) / sum(nnz),
                 "B",
-                "measured",
-                f"{APPLY}: sum stage_memory.host_bytes / sum file_bytes (the compressed chunks a rank reads)",
-                (APPLY,),
+                APPLY,
+                "sum of stage_memory.device_held_bytes / sum of nnz",
             ),
-            pause_ns_per_elem_1pct=Input(
-                "pause_ns_per_elem_at_1pct", pause_at(0.01), "ns", "measured", f"{APPLY}: pause_ms / nnz, 1% rows", (APPLY,)
+            pinned_per_file_byte=measured(
+                "pinned_host_per_file_byte",
+                sum(m["host_bytes"] for m in mem) / sum(r["file_bytes"] for r in rows),
+                "B",
+                APPLY,
+                "sum of stage_memory.host_bytes / sum of file_bytes (the compressed chunks a rank reads)",
             ),
-            pause_ns_per_elem_3pct=Input(
-                "pause_ns_per_elem_at_3pct", pause_at(0.03), "ns", "measured", f"{APPLY}: pause_ms / nnz, 3% rows", (APPLY,)
+            pause_ns_per_elem_1pct=measured(
+                "pause_ns_per_elem_at_1pct", pause_at(0.01), "ns", APPLY, "pause_ms / nnz of the 1% rows"
             ),
-            gets_per_poll=Input(
-                "gets_per_poll", poll["requests_per_poll"], "requests", "measured", f"{POLL}: s3/new requests_per_poll", (POLL,)
+            pause_ns_per_elem_3pct=measured(
+                "pause_ns_per_elem_at_3pct", pause_at(0.03), "ns", APPLY, "pause_ms / nnz of the 3% rows"
             ),
-            get_latency_local_ms=Input(
+            gets_per_poll=measured("gets_per_poll", poll["requests_per_poll"], "GET", POLL, "s3/new requests_per_poll"),
+            get_latency_local_ms=measured(
                 "get_latency_local_ms",
                 poll["p50_ms"] / poll["requests_per_poll"],
                 "ms",
-                "measured",
-                f"{POLL}: s3/new p50_ms / requests_per_poll (rclone on 127.0.0.1: a floor, not a remote store)",
-                (POLL,),
+                POLL,
+                "s3/new p50_ms / requests_per_poll (rclone on 127.0.0.1: a floor, not a remote store)",
             ),
-            mirror_reads_per_version=Input(
+            mirror_reads_per_version=measured(
                 "mirror_reads_per_version",
                 reads("regional"),
                 "x version bytes",
-                "measured",
-                f"{REGIONS}: data bytes read from the trainer's store / version bytes, regional rows (one mirror)",
-                (REGIONS,),
+                REGIONS,
+                "data bytes read from the trainer's store / version bytes, the regional rows (one mirror)",
             ),
-            direct_reads_per_follower=Input(
+            direct_reads_per_follower=measured(
                 "direct_reads_per_follower",
-                reads("direct") / followers,
+                reads("direct") / regions["meta"]["followers"],
                 "x version bytes",
-                "measured",
-                f"{REGIONS}: the same, direct rows, divided by meta.followers (each on its own host cache)",
-                (REGIONS,),
+                REGIONS,
+                "the same, direct rows, / meta.followers (each follower on its own cache: one read each)",
             ),
-            card_memory_gib=Input(
-                "card_memory_gib", card["memory_mib"] / 1024, "GiB", "measured", f"{CARDS}: NVIDIA H200 memory_mib", (CARDS,)
+            card_memory_gib=measured("card_memory_gib", card["memory_mib"] / 1024, "GiB", CARDS, "NVIDIA H200"),
+            sha256_gb_per_s=measured(
+                "sha256_gb_per_s", sha["gb_per_s"], "GB/s", SHA256, "gb_per_s (one thread of the H200 machine's CPU)"
+            ),
+            sha256_passes=measured(
+                "sha256_passes_per_version",
+                passes,
+                "passes",
+                ROUND_TRIPS,
+                "the API process hashes its download, then the worker re-hashes the cached file",
             ),
         )
 
@@ -632,7 +631,8 @@ class Plan:
     def to_json(self) -> dict[str, Any]:
         s = self.scenario
         out = {k: v for k, v in dataclasses.asdict(self).items() if k not in ("scenario", "limits")}
-        out["scenario"] = {"model": s.model.name, "fleet": dataclasses.asdict(s.fleet), "density": s.density, "decode": s.decode}
+        fleet = dataclasses.asdict(s.fleet)
+        out["scenario"] = {"model": s.model.name, "fleet": fleet, "density": s.density, "decode": s.decode}
         out["limits"] = [{**dataclasses.asdict(lim), "ratio": lim.ratio} for lim in self.limits]
         out["live_s"] = self.live_s
         out["first_limit"] = self.first_limit.name
@@ -688,18 +688,22 @@ def plan(s: Scenario, c: MeasuredCosts) -> Plan:
 
     # -- the mirror hop (one per regional store) and the servers' download
     stream = f.download_streams * f.stream_gbps
-    mirror = 0.0
+    sha = c.sha256_gb_per_s.value * GB * f.hash_threads  # bytes per second
+    mirror = mirror_busy = 0.0
     if mirrored:
         in_gbps = min(f.host_nic_gbps, stream, f.store_egress_gbps / f.regional_stores)
         out_gbps = min(f.host_nic_gbps, stream)
-        mirror = 1e3 * (
-            f.mirror_poll_s / 2
-            + (files + 2) * 2 * lat
-            + _transfer_s(vbytes * c.mirror_reads_per_version.value, in_gbps)
-            + _transfer_s(vbytes, out_gbps)
-        )
+
+        def copy_s(nbytes: float, nfiles: float) -> float:
+            """A mirror's copy: download, verify (sha256), upload, file after file."""
+            fetched = nbytes * c.mirror_reads_per_version.value
+            return _transfer_s(fetched, in_gbps) + fetched / sha + _transfer_s(nbytes, out_gbps) + 2 * nfiles * lat
+
+        mirror = 1e3 * (f.mirror_poll_s / 2 + copy_s(vbytes, files + 2))
+        mirror_busy = copy_s(vbytes, files + 2) + copy_s(abytes, files + 2) / f.anchor_every  # per version
     down_gbps = min(f.host_nic_gbps, stream, f.store_egress_gbps / readers_hosts)
     download = 1e3 * (f.poll_s / 2 + (2 + files) * lat + _transfer_s(host_bytes, down_gbps))
+    verify = 1e3 * c.sha256_passes.value * host_bytes / sha
 
     # -- staging on each rank, then the pause
     opened = c.open_ms.value + c.open_ms_per_tensor.value * T
@@ -715,6 +719,7 @@ def plan(s: Scenario, c: MeasuredCosts) -> Plan:
         "upload": upload,
         "mirror": mirror,
         "download": download,
+        "verify": verify,
         "open": opened,
         "inflate": stage["inflate"],
         "decode": stage["decode"],
@@ -787,12 +792,11 @@ def plan(s: Scenario, c: MeasuredCosts) -> Plan:
     busiest_egress = max(store_kinds, key=lambda kv: kv[1]["egress Gbit/s"])
     anchor_rank = abytes / w / f.anchor_every  # a rank's share of an anchor, per version
     trainer_up = trainer_ranks_per_host * (rank_bytes + anchor_rank) * 8 / step / GB
-    mirror_copy = (vbytes * (c.mirror_reads_per_version.value + 1) + 2 * abytes / f.anchor_every) * 8 / step / GB
     p.limits = [
         Limit(f"store egress ({busiest_egress[0]})", busiest_egress[1]["egress Gbit/s"], f.store_egress_gbps, "Gbit/s"),
         Limit(f"store GET rate ({busiest_get[0]})", _total(busiest_get[1], "GET"), f.store_get_rps, "GET/s"),
         Limit(f"store PUT rate ({busiest_put[0]})", _total(busiest_put[1], "PUT"), f.store_put_rps, "PUT/s"),
-        Limit("server download streams", host_bytes * 8 / step / GB, stream, "Gbit/s"),
+        Limit("server download + verify per version", (download + verify) / 1e3, step, "s"),
         Limit("server host NIC", host_bytes * 8 / step / GB, f.host_nic_gbps, "Gbit/s"),
         Limit("trainer upload stream", (rank_bytes + anchor_rank) * 8 / step / GB, f.stream_gbps, "Gbit/s"),
         Limit("trainer host NIC", trainer_up, f.host_nic_gbps, "Gbit/s"),
@@ -802,7 +806,7 @@ def plan(s: Scenario, c: MeasuredCosts) -> Plan:
         Limit("staging's share of GPU time", (stage_ms + pause) / 1e3 / step, f.staging_share_budget, "of a step"),
     ]
     if mirrored:
-        p.limits.append(Limit("mirror copy streams", mirror_copy, stream, "Gbit/s"))
+        p.limits.append(Limit("mirror busy per version (anchors amortized)", mirror_busy, step, "s"))
     # not a limit of the update path: whether the fleet's layout holds the model at all
     p.limits.append(Limit(FLEET_CHECK + "weights per GPU", weights / GB, f.gpu_memory_utilization * hbm / GB, "GB"))
     return p
@@ -816,11 +820,15 @@ def _total(d: dict[str, float], verb: str) -> float:
     return sum(v for k, v in d.items() if k.startswith(verb + " "))
 
 
+def with_replicas(s: Scenario, n: int) -> Scenario:
+    return dataclasses.replace(s, fleet=dataclasses.replace(s.fleet, replicas=n))
+
+
 def max_replicas(s: Scenario, c: MeasuredCosts, limit: float = 1.0, top: int = 1 << 20) -> int:
     """The largest replica count whose plan stays within every limit (0 if even one replica exceeds one)."""
 
     def ok(n: int) -> bool:
-        return plan(dataclasses.replace(s, fleet=dataclasses.replace(s.fleet, replicas=n)), c).first_limit.ratio <= limit
+        return plan(with_replicas(s, n), c).first_limit.ratio <= limit
 
     if not ok(1):
         return 0
@@ -860,18 +868,26 @@ def scenarios() -> list[Scenario]:
 
 
 def what_ifs() -> list[Scenario]:
-    """The 1T at 2% with the levers the plan names, one at a time and together."""
+    """The 1T at 2%, each rank decoding its share, with the levers the plan names added one after another
+    (none of them is built; first, the same fleet on one store without mirrors)."""
     base = FLEETS["1T"]
-    return [
-        Scenario(KIMI_K2, dataclasses.replace(base, name="1000 x 32 GPUs, one store, no mirror", regions=1,
-                                              mirrors_per_region=0), 0.02, "share"),
-        Scenario(KIMI_K2, dataclasses.replace(base, name="+ 16 download streams", download_streams=16), 0.02, "share"),
-        Scenario(KIMI_K2, dataclasses.replace(base, name="+ 16 streams, hosts fetch their ranks' chunks",
-                                              download_streams=16, download="share"), 0.02, "share"),
-        Scenario(KIMI_K2, dataclasses.replace(base, name="+ 16 streams, share, 4 stores per region",
-                                              download_streams=16, download="share", mirrors_per_region=4), 0.02,
-                 "share"),
-    ]  # fmt: skip
+    steps = [
+        ("one store, no mirrors", dict(regions=1, mirrors_per_region=0)),
+        ("mirrors (the fleet above)", {}),
+        ("+ 16 streams and 16 hash threads", dict(download_streams=16, hash_threads=16)),
+        ("+ an anchor every 200 versions", dict(anchor_every=200)),
+        ("+ hosts fetch only their ranks' chunks", dict(download="share")),
+        ("+ 4 stores per region", dict(mirrors_per_region=4)),
+    ]
+    out, changes = [], {}
+    for name, change in steps:
+        if name.startswith("one store"):
+            fleet = dataclasses.replace(base, name=name, **change)  # type: ignore[arg-type]
+        else:
+            changes.update(change)
+            fleet = dataclasses.replace(base, name=name, **changes)  # type: ignore[arg-type]
+        out.append(Scenario(KIMI_K2, fleet, 0.02, "share"))
+    return out
 
 
 # -- output ----------------------------------------------------------------------------------------
@@ -914,10 +930,14 @@ def headline(plans: Iterable[Plan], c: MeasuredCosts) -> list[list[str]]:
                 fmt(p.live_s),
                 fmt(p.behind, 2),
                 f"{lim.name}: {fmt(lim.demand)} / {fmt(lim.capacity)} {lim.unit} ({lim.ratio:.0%})",
-                fmt(max_replicas(s, c)),
+                _max_replicas_text(max_replicas(s, c)),
             ]
         )
     return rows
+
+
+def _max_replicas_text(n: int) -> str:
+    return "none: a per-version limit" if n == 0 else fmt(n)
 
 
 def phase_rows(plans: Sequence[Plan]) -> list[list[str]]:
@@ -956,13 +976,39 @@ def shape_rows(models: Sequence[ModelShape]) -> list[list[str]]:
 
 
 def input_rows(c: MeasuredCosts, fleets: dict[str, Fleet]) -> list[list[str]]:
+    """Every input but the staging phases' lines (stage_rows), then the fleet's fields."""
     rows = [["input", "value", "unit", "kind", "source"]]
     for i in c.inputs():
-        rows.append([i.name, fmt(i.value, 4), i.unit, i.kind, i.source])
+        if not i.name.startswith("stage_"):
+            rows.append([i.name, fmt(i.value, 4), i.unit, i.kind, i.source])
     for name, src in FLEET_SOURCES.items():
-        values = sorted({str(getattr(fl, name)) for fl in fleets.values()})
-        kind = "derived" if src.startswith("package default") or src.startswith("the package") else "assumed"
-        rows.append([f"fleet.{name}", ", ".join(values), "", kind, src])
+        values = {key: str(getattr(fl, name)) for key, fl in fleets.items()}
+        shown = (
+            next(iter(values.values()))
+            if len(set(values.values())) == 1
+            else ", ".join(f"{k}: {v}" for k, v in values.items())
+        )
+        kind = "derived" if src.startswith(("package default", "the package")) else "assumed"
+        rows.append([f"fleet.{name}", shown, "", kind, src])
+    return rows
+
+
+def stage_rows(c: MeasuredCosts) -> list[list[str]]:
+    rows = [["staging phase", "fixed ms", "ns per element", "over the elements", "kind, source"]]
+    for ph in STAGE_PHASES:
+        over = "kept" if ph in KEPT_PHASES else "decoded"
+        rows.append([ph, fmt(c.stage_fixed_ms[ph].value, 3), fmt(c.stage_ns_per_elem[ph].value, 3), over, ""])
+    rows.append(
+        [
+            "rest (per tensor: " + fmt(c.stage_rest_ms_per_tensor.value * 1e3, 3) + " us)",
+            fmt(c.stage_rest_ms.value, 3),
+            fmt(c.stage_rest_ns_per_elem.value, 3),
+            "decoded",
+            "",
+        ]
+    )
+    rows[1][4] = f"derived: {c.stage_fixed_ms[STAGE_PHASES[0]].source}"
+    rows[-1][4] = f"derived: {c.stage_rest_ms.source}"
     return rows
 
 
@@ -1008,7 +1054,7 @@ PEERS: list[dict[str, Any]] = [
         "published": "DTE: no sync time published, 6 B per changed element before zstd; Awex 1T FP8: NCCL 20 s, "
         "RDMA 6 s (dense)",
         "model": KIMI_K2, "density": 0.02, "key": "1T",
-        "source": "areal-project/AReaL-DTE README; inclusionAI/Awex README (peers_2026-11c.md §3a, peers_2026-11b.md §1)",
+        "source": "areal-project/AReaL-DTE README; inclusionAI/Awex README (peers_2026-11c.md §3a; 11b §1)",
     },
     {
         "system": "ModelExpress (S3 XOR delta)",
@@ -1041,32 +1087,40 @@ def peer_rows(c: MeasuredCosts) -> list[list[str]]:
     return rows
 
 
+def kimi_2pct_share(plans: Sequence[Plan]) -> Plan:
+    return next(
+        p for p in plans if p.scenario.model is KIMI_K2 and p.scenario.decode == "share" and p.scenario.density == 0.02
+    )
+
+
 def plot(plans: Sequence[Plan], c: MeasuredCosts, path: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(15, 6.5))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(16, 7))
     names = list(plans[0].phases_ms)
-    colors = plt.get_cmap("tab10")
-    labels = [f"{p.scenario.model.name} {p.scenario.density:.0%}\n{p.scenario.decode}" for p in plans]
+    colors = plt.get_cmap("tab20")
+    labels = [f"{p.scenario.model.name} {p.scenario.density:.0%}, {p.scenario.decode}" for p in plans]
     left = np.zeros(len(plans))
     for k, name in enumerate(names):
-        vals = np.array([p.phases_ms[name] / 1e3 for p in plans])
-        ax1.barh(labels, vals, left=left, color=colors(k), label=name)
-        left += vals
-    ax1.set_xscale("symlog", linthresh=1.0)
-    ax1.set_xlabel("seconds from the end of a training step to live on every server (symlog)")
+        share = np.array([p.phases_ms[name] / 1e3 / p.live_s for p in plans])
+        ax1.barh(labels, share, left=left, color=colors(k), label=name)
+        left += share
+    for i, p in enumerate(plans):
+        ax1.text(1.01, i, f"{fmt(p.live_s)} s", va="center", fontsize=8)
+    ax1.set_xlim(0, 1.12)
+    ax1.set_xlabel("share of the time from the end of a training step to live on every server (total at the right)")
     ax1.invert_yaxis()
-    ax1.legend(fontsize=8, loc="lower right")
-    ax1.set_title("time per phase (1,000 replicas; GPU costs measured on one H200)", fontsize=10)
+    ax1.legend(fontsize=8, ncol=5, loc="upper center", bbox_to_anchor=(0.5, -0.09))
+    ax1.set_title("time per phase, 1,000 replicas (GPU costs measured on one H200; fleet assumed)", fontsize=10)
 
-    base = next(p.scenario for p in plans if p.scenario.model is KIMI_K2 and p.scenario.decode == "share" and p.scenario.density == 0.02)
+    base = kimi_2pct_share(plans).scenario
     counts = [int(x) for x in np.unique(np.logspace(0, 4, 41).astype(int))]
     series: dict[str, list[float]] = {}
     for n in counts:
-        pl = plan(dataclasses.replace(base, fleet=dataclasses.replace(base.fleet, replicas=n)), c)
+        pl = plan(with_replicas(base, n), c)
         for lim in pl.limits:
             series.setdefault(lim.name.split(" (")[0], []).append(lim.ratio)
     for k, (name, ys) in enumerate(series.items()):
@@ -1084,55 +1138,6 @@ def plot(plans: Sequence[Plan], c: MeasuredCosts, path: str) -> None:
     plt.close(fig)
 
 
-def measure_sha256(path: str, gib: int = 2, repeats: int = 3) -> dict[str, Any]:
-    """Throughput of the package's own file hash (`vllm_delta.store.cache.file_sha256`, what a download
-    cache and a mirror run on every downloaded file) over a file in the page cache; best of `repeats`."""
-    import datetime
-    import platform
-    import tempfile
-    import time
-
-    try:
-        from vllm_delta.store.cache import file_sha256
-
-        function = "vllm_delta.store.cache.file_sha256"
-    except ImportError as exc:  # a machine without the package's dependencies: the same five lines
-        function = f"hashlib.sha256 over 4 MiB reads, as file_sha256 does (the package did not import: {exc})"
-
-        def file_sha256(path: str) -> str:
-            import hashlib
-
-            h = hashlib.sha256()
-            with open(path, "rb") as f:
-                while chunk := f.read(1 << 22):
-                    h.update(chunk)
-            return h.hexdigest()
-
-    block = os.urandom(64 << 20)
-    with tempfile.NamedTemporaryFile(dir="/dev/shm" if os.path.isdir("/dev/shm") else None) as f:
-        for _ in range(gib * 16):
-            f.write(block)
-        f.flush()
-        file_sha256(f.name)  # into the page cache
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            file_sha256(f.name)
-            times.append(time.perf_counter() - t0)
-    out = {
-        "what": f"sha256 of a file in the page cache by {function} (one thread)",
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "machine": f"{platform.machine()} {os.cpu_count()} CPUs ({platform.processor() or 'cpu'}), shared with other jobs",
-        "command": "PYTHONPATH=. .venv/bin/python benchmarks/scale_model.py --measure-sha256",
-        "bytes": gib * GIB,
-        "seconds": times,
-        "gb_per_s": gib * GIB / min(times) / GB,
-    }
-    with open(path, "w") as f:
-        json.dump(out, f, indent=1)
-    return out
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--results", default=RESULTS, help="where the measured inputs are read")
@@ -1140,19 +1145,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--inputs", action="store_true", help="print every input as a markdown table and exit")
     ap.add_argument("--markdown", action="store_true", help="print the tables of docs/SCALE.md")
     ap.add_argument("--no-png", action="store_true")
-    ap.add_argument("--measure-sha256", action="store_true", help=f"measure the hash throughput into results/{SHA256}")
     args = ap.parse_args(argv)
-    if args.measure_sha256:
-        print(json.dumps(measure_sha256(os.path.join(args.results, SHA256)), indent=1))
-        return 0
     c = MeasuredCosts.load(args.results)
     if args.inputs:
         print(markdown(input_rows(c, FLEETS)))
+        print()
+        print(markdown(stage_rows(c)))
         return 0
     plans = [plan(s, c) for s in scenarios()]
     extra = [plan(s, c) for s in what_ifs()]
     show: Callable[[list[list[str]]], str] = markdown if args.markdown else text_table
-    kimi = next(p for p in plans if p.scenario.model is KIMI_K2 and p.scenario.decode == "share" and p.scenario.density == 0.02)
+    kimi = kimi_2pct_share(plans)
     sections = [
         ("Model shapes", shape_rows(MODELS)),
         ("Headline", headline(plans, c)),
