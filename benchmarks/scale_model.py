@@ -1075,14 +1075,18 @@ def peer_rows(c: MeasuredCosts) -> list[list[str]]:
     for peer in PEERS:
         fleet, model, d = FLEETS[peer["key"]], peer["model"], peer["density"]
         alone = plan(Scenario(model, one_replica(fleet), d, "share"), c)
+        fast = dataclasses.replace(one_replica(fleet), download_streams=16, hash_threads=16)
+        alone_fast = plan(Scenario(model, fast, d, "share"), c)
         fleet_share = plan(Scenario(model, fleet, d, "share"), c)
         fleet_whole = plan(Scenario(model, fleet, d, "whole"), c)
-        ours = (
-            f"{model.name} {d:.0%}: {fmt(alone.version_bytes / GB)} GB per version; live in "
-            f"{fmt(alone.live_s)} s on one replica (each rank its share; {fmt(alone.phases_ms['download'] / 1e3)} s "
-            f"of it the download), {fmt(fleet_share.live_s)} s on {fleet.replicas} replicas "
-            f"({fmt(fleet_whole.live_s)} s as ranks decode today); pause {fmt(alone.phases_ms['pause'])} ms"
-        )
+        net = (alone.phases_ms["download"] + alone.phases_ms["verify"]) / 1e3
+        head = f"{model.name} at {d:.0%}: {fmt(alone.version_bytes / GB)} GB a version"
+        pause = f"pause {fmt(alone.phases_ms['pause'])} ms"
+        one = f"One replica: live {fmt(alone.live_s)} s after the step ({fmt(net)} s of it download + verify"
+        one += f" on one stream), {fmt(alone_fast.live_s)} s with 16 streams and hash threads"
+        many = f"{fleet.replicas} replicas: {fmt(fleet_share.live_s)} s"
+        many += f" ({fmt(fleet_whole.live_s)} s as ranks decode today)"
+        ours = f"{head}, {pause}. {one}. {many}"
         rows.append([peer["system"], peer["published"], ours, peer["source"]])
     return rows
 
