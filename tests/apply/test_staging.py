@@ -276,7 +276,7 @@ def _chunked_version_file(tmp_path, tensors):
     return fmt.VersionFile(path), shapes
 
 
-def test_one_file_chunked_versions_stage_from_arrays_like_items(tmp_path, monkeypatch):
+def test_one_file_chunked_versions_stage_from_arrays_like_items(tmp_path):
     """`changed_items` reads a one-file format-3 version straight into FilePieces (no per-tensor
     objects, what a mixture of experts needs); they decode as the per-piece Items do."""
     from vllm_delta.apply import staging
@@ -287,8 +287,7 @@ def test_one_file_chunked_versions_stage_from_arrays_like_items(tmp_path, monkey
     dl = DeviceLayout(Layout.identity({**shapes, "untouched": (9,)}), torch.device("cpu"))
     fast = staging.changed_items(vf, dl)[2]
     assert isinstance(fast, staging.FilePieces) and fast.names == [n for n, *_ in tensors]
-    monkeypatch.setattr(staging, "_file_pieces", lambda *a: None)
-    slow = staging.changed_items(vf, dl)[2]
+    slow = staging._piece_items(vf, dl)[2]  # what multi-part versions take
     assert isinstance(slow, list)
     assert staging.item_indices(fast) == staging.item_indices(slow)
     got = {}
@@ -306,12 +305,17 @@ def test_malformed_piece_metadata_in_a_one_file_version_names_the_tensor(tmp_pat
     from vllm_delta.apply import staging
     from vllm_delta.apply.layout import DeviceLayout, Layout
 
+    """Read straight off the header (FilePieces) or piece by piece (Items), the codec's decoder
+    checks each piece's metadata and names the tensor."""
     tensors = [t for t in _tensors(6) if t[3].dtype == torch.int16]
     vf, shapes = _chunked_version_file(tmp_path, tensors)
     vf.header.tensors["sparse"].enc = {"start": 0}  # no "at"
     dl = DeviceLayout(Layout.identity(shapes), torch.device("cpu"))
-    items = staging.changed_items(vf, dl)[2]
-    assert isinstance(items, list)  # the per-piece path, which checks each tensor's metadata
-    with pytest.raises(CodecError, match="lacks 'at'") as exc:
-        list(Decoder(torch.device("cpu"), threads=1).decode(7, "chunked", items, 2, {}))
-    assert exc.value.tensor == "sparse"
+    fast = staging.changed_items(vf, dl)[2]
+    assert isinstance(fast, staging.FilePieces)
+    slow = staging._piece_items(vf, dl)[2]
+    assert isinstance(slow, list)  # the per-piece path
+    for items in (fast, slow):
+        with pytest.raises(CodecError, match="lacks 'at'") as exc:
+            list(Decoder(torch.device("cpu"), threads=1).decode(7, "chunked", items, 2, {}))
+        assert exc.value.tensor == "sparse"

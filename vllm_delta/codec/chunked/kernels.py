@@ -1,6 +1,6 @@
-"""Triton kernels of the chunked codec (chunked.py): the device halves of encode and decode, fused.
+"""Triton kernels of the chunked codec: the device halves of encode and decode, fused.
 
-The torch code in chunked.py is the reference (and the path on machines without Triton); these
+The torch code in encode.py and decode.py is the reference (and the path on machines without Triton); these
 kernels compute the same bytes, bit for bit (tests/test_codec_kernels.py runs both under
 TRITON_INTERPRET=1 on the CPU, and on the GPU):
 
@@ -9,10 +9,10 @@ TRITON_INTERPRET=1 on the CPU, and on the GPU):
   elements' magnitude codes at their rank in the chunk, and the chunk's counts (big elements, gap
   and value escapes). The torch encoder runs ~70 small kernels and a host wait per 4M-element
   slice; this is one launch per pass of detection. The escapes' values (rare) are gathered
-  afterwards, by torch, from the chunks that have any (`chunked.encode_planes`).
+  afterwards, by torch, from the chunks that have any (`encode.encode_planes`).
 * `decode_chunks`: one program per chunk turns planes back into gaps (escapes patched) and
   differences, and flags a chunk whose counts disagree with the index; the positions (a prefix sum
-  over the run) and the range checks stay in torch (`chunked._decode`).
+  over the run) and the range checks stay in torch (`decode._decode`).
 * `chunk_hashes`: the positional hash of each chunk's bytes (checksums.chunk_hashes), one program
   per chunk, no index tensors.
 * `compact_frames`: frames compressed by nvCOMP into fixed-size slots -> one blob, each frame
@@ -29,7 +29,7 @@ import os
 import numpy as np
 import torch
 
-from ..checksums import WEIGHT_INT64
+from ...checksums import WEIGHT_INT64
 
 try:  # Triton is optional: CPU installs work without it (the torch path).
     import triton
