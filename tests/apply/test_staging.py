@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import copy
+import logging
+import re
 
+import numpy as np
 import pytest
 import torch
+import zstandard
 
 from vllm_delta import codec as codecs
 from vllm_delta.apply.staging import Decoder, Item
-from vllm_delta.codec.chunked import FileStreams
+from vllm_delta.codec.chunked import FileStreams, gpu
 from vllm_delta.errors import CodecError, IntegrityError, PositionError
 from vllm_delta.testing.apply_fixtures import apply_diffs, realistic_diffs
 
@@ -319,3 +323,68 @@ def test_malformed_piece_metadata_in_a_one_file_version_names_the_tensor(tmp_pat
         with pytest.raises(CodecError, match="lacks 'at'") as exc:
             list(Decoder(torch.device("cpu"), threads=1).decode(7, "chunked", items, 2, {}))
         assert exc.value.tensor == "sparse"
+
+
+class _StandInZstd:
+    """A stand-in for nvCOMP's zstd (codec/chunked/gpu.GpuZstd), made of zstandard on the CPU: no
+    GPU here, and the chunked decoder's GPU path (hash check before inflating, one call per run,
+    sizes checked after, the CPU fallback on a failure) is control flow that must hold without one.
+    The real backend runs in tests/test_codec_gpu.py (`pytest -m gpu`)."""
+
+    version = "stand-in"
+
+    def __init__(self, fail: str | None = None):
+        self.fail, self.calls = fail, 0
+
+    def decompress(self, src, offsets, sizes, dst, dst_offsets, dst_sizes):
+        self.calls += 1
+        if self.fail == "raise":
+            raise RuntimeError("stand-in: out of memory")
+        raw, got = src.numpy(), []
+        for a, n, d, m in zip(offsets.tolist(), sizes.tolist(), dst_offsets.tolist(), dst_sizes.tolist()):
+            data = zstandard.ZstdDecompressor().decompress(raw[a : a + n].tobytes(), max_output_size=m)
+            dst[d : d + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            got.append(len(data) - (1 if self.fail == "short" else 0))
+        return np.array(got, dtype=np.int64)
+
+
+@pytest.mark.parametrize("fail", [None, "raise", "short", "corrupt"])
+def test_chunked_gpu_path_control_flow_with_a_stand_in_backend(monkeypatch, caplog, fail):
+    """The GPU path of the chunked staging decoder, its backend stood in for (see _StandInZstd):
+    it decodes what the CPU path decodes and times "inflate"; a backend failure falls back to the
+    CPU path with a warning, same result; a short frame or a corrupt chunk is a CodecError naming
+    the version, a tensor and the chunk."""
+    tensors = _tensors(seed=4)
+    items = _file_items(tensors)
+    ref = _decode(items, "chunked", torch.device("cpu"), chunk_elems=256)
+    if fail == "corrupt":
+        items = _corrupt_chunked(items, "byte")
+    backend = _StandInZstd(fail if fail in ("raise", "short") else None)
+    monkeypatch.setattr(gpu, "backend", lambda device: (backend, ""))
+    dec = Decoder(torch.device("cpu"), chunk_elems=256, threads=2)
+    timings: dict[str, float] = {}
+    if fail in ("short", "corrupt"):
+        with pytest.raises(CodecError) as exc:
+            list(dec.decode(7, "chunked", items, 2, timings))
+        want = "frame decompressed to" if fail == "short" else "chunk 3 .*corrupt"
+        assert exc.value.version == 7 and exc.value.tensor in {it.name for it in items}
+        assert re.search(want, str(exc.value)), str(exc.value)
+        return
+    got: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    with caplog.at_level(logging.WARNING, logger="vllm_delta.codec.chunked.decoder"):
+        for width in (2, 4):
+            group = [it for it in items if it.dtype.itemsize == width]
+            for ch in dec.decode(7, "chunked", group, width, timings):
+                for t in ch.t_idx.unique().tolist():
+                    m = ch.t_idx == t
+                    prev = got.get(t)
+                    pos, d = ch.p[m], ch.diffs[m]
+                    got[t] = (pos, d) if prev is None else (torch.cat([prev[0], pos]), torch.cat([prev[1], d]))
+    dec.close()
+    assert backend.calls >= 1
+    assert sorted(got) == sorted(ref)
+    for t, (p, d) in ref.items():
+        assert torch.equal(got[t][0], p) and torch.equal(got[t][1], d)
+    warned = [r.getMessage() for r in caplog.records if "GPU decode of version 7 failed" in r.getMessage()]
+    assert ("inflate" in timings) == (fail is None)
+    assert bool(warned) == (fail == "raise")

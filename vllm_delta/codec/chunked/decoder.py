@@ -78,8 +78,8 @@ class _File:
         needed, self.owner = self.spans.chunks(e, self.streams.layout.chunks)
         dev = host.device
         self.nb = dev.type == "cuda"
-        self.backend, why = gpu.backend(dev) if self.nb else (None, "the engine is on the CPU")
-        backend = self.backend
+        backend, why = gpu.backend(dev)  # (None, why) off CUDA, or without nvCOMP
+        self.backend: gpu.GpuZstd | None = backend
         gpu.note_path("decodes", f"on {dev} with nvCOMP {backend.version}" if backend else f"on the CPU: {why}")
         self.index_np = pieces.index[self.spans.key]
         self.index_of = torch.from_numpy(self.index_np).to(dev, non_blocking=self.nb)
