@@ -77,12 +77,12 @@ def _file_items(tensors, chunk_elems=128):
     ]
 
 
-def _decode(items, codec, device, chunk_elems=100, threads=3):
+def _decode(items, codec, device, chunk_elems=100, threads=3, timings=None):
     dec = Decoder(device, chunk_elems=chunk_elems, threads=threads)
     out = {}
     for width in (2, 4):
         group = [it for it in items if it.dtype.itemsize == width]
-        for ch in dec.decode(7, codec, group, width, {}):
+        for ch in dec.decode(7, codec, group, width, {} if timings is None else timings):
             for t in ch.t_idx.unique().tolist():
                 m = ch.t_idx == t
                 pos, vals = ch.p[m], (ch.diffs if ch.diffs is not None else ch.values)[m]
@@ -361,26 +361,17 @@ def test_chunked_gpu_path_control_flow_with_a_stand_in_backend(monkeypatch, capl
         items = _corrupt_chunked(items, "byte")
     backend = _StandInZstd(fail if fail in ("raise", "short") else None)
     monkeypatch.setattr(gpu, "backend", lambda device: (backend, ""))
-    dec = Decoder(torch.device("cpu"), chunk_elems=256, threads=2)
     timings: dict[str, float] = {}
     if fail in ("short", "corrupt"):
         with pytest.raises(CodecError) as exc:
-            list(dec.decode(7, "chunked", items, 2, timings))
+            _decode(items, "chunked", torch.device("cpu"), chunk_elems=256, threads=2)
         want = "frame decompressed to" if fail == "short" else "chunk 3 .*corrupt"
         assert exc.value.version == 7 and exc.value.tensor in {it.name for it in items}
         assert re.search(want, str(exc.value)), str(exc.value)
+        assert backend.calls == (0 if fail == "corrupt" else 1)  # a chunk's hash is checked before inflating
         return
-    got: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     with caplog.at_level(logging.WARNING, logger="vllm_delta.codec.chunked.decoder"):
-        for width in (2, 4):
-            group = [it for it in items if it.dtype.itemsize == width]
-            for ch in dec.decode(7, "chunked", group, width, timings):
-                for t in ch.t_idx.unique().tolist():
-                    m = ch.t_idx == t
-                    prev = got.get(t)
-                    pos, d = ch.p[m], ch.diffs[m]
-                    got[t] = (pos, d) if prev is None else (torch.cat([prev[0], pos]), torch.cat([prev[1], d]))
-    dec.close()
+        got = _decode(items, "chunked", torch.device("cpu"), chunk_elems=256, threads=2, timings=timings)
     assert backend.calls >= 1
     assert sorted(got) == sorted(ref)
     for t, (p, d) in ref.items():

@@ -43,44 +43,19 @@ from .registry import DEFAULT_CODEC, get_codec, get_decoder, names, register_cod
 
 if TYPE_CHECKING:  # imported on first use at run time (__getattr__ below)
     from .chunked import ChunkedCodec, ChunkedDecoder, FilePack, StreamEncoder
-    from .compact import (
-        DIFF_ESCAPE,
-        FRAME_ELEMS,
-        GAP_ESCAPE,
-        ZSTD_LEVEL,
-        CompactCodec,
-        CompactDecoder,
-        Frame,
-        FrameArrays,
-        FrameOrder,
-        decode_frames,
-        decompress_frame,
-        parse_frames,
-        patch_escapes,
-    )
+    from .compact import ZSTD_LEVEL, CompactCodec, CompactDecoder
     from .raw import RawCodec, RawDecoder
 
-_LAZY = {
-    **dict.fromkeys(["ChunkedCodec", "ChunkedDecoder", "FilePack", "StreamEncoder"], "chunked"),
-    **dict.fromkeys(
-        [
-            "DIFF_ESCAPE",
-            "FRAME_ELEMS",
-            "GAP_ESCAPE",
-            "ZSTD_LEVEL",
-            "CompactCodec",
-            "CompactDecoder",
-            "Frame",
-            "FrameArrays",
-            "FrameOrder",
-            "decode_frames",
-            "decompress_frame",
-            "parse_frames",
-            "patch_escapes",
-        ],
-        "compact",
-    ),
-    **dict.fromkeys(["RawCodec", "RawDecoder"], "raw"),
+_LAZY = {  # name -> the codec's module that holds it
+    "ChunkedCodec": "chunked",
+    "ChunkedDecoder": "chunked",
+    "FilePack": "chunked",
+    "StreamEncoder": "chunked",
+    "ZSTD_LEVEL": "compact",
+    "CompactCodec": "compact",
+    "CompactDecoder": "compact",
+    "RawCodec": "raw",
+    "RawDecoder": "raw",
 }
 
 
@@ -133,9 +108,6 @@ def decode(
 
 __all__ = [
     "DEFAULT_CODEC",
-    "DIFF_ESCAPE",
-    "FRAME_ELEMS",
-    "GAP_ESCAPE",
     "ZSTD_LEVEL",
     "Batch",
     "BatchSections",
@@ -154,9 +126,6 @@ __all__ = [
     "FilePack",
     "FilePayload",
     "FilePieces",
-    "Frame",
-    "FrameArrays",
-    "FrameOrder",
     "HostCopy",
     "Item",
     "PassEncoder",
@@ -169,16 +138,12 @@ __all__ = [
     "check_piece",
     "check_positions",
     "decode",
-    "decode_frames",
-    "decompress_frame",
     "encode",
     "err",
     "get_codec",
     "get_decoder",
     "is_file_level",
     "names",
-    "parse_frames",
-    "patch_escapes",
     "position_dtype",
     "register_codec",
     "segment_ids",

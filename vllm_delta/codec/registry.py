@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from ..errors import CodecError
 from .base import Codec, Ctx, err
@@ -20,6 +20,7 @@ from .decoding import CodecDecoder, PieceDecoder
 DEFAULT_CODEC = "chunked"
 
 Loader = Callable[[], Any]
+T = TypeVar("T")
 
 
 def _lazy(ref: str) -> Loader:
@@ -58,33 +59,31 @@ def names() -> list[str]:
 
 def get_codec(name: str, ctx: Ctx | None = None) -> Codec:
     """The codec registered under `name` (one instance per process); CodecError for an unknown name."""
-    with _lock:
-        codec = _codecs.get(name)
-        if codec is not None:
-            return codec
-        make = _loaders(name, ctx)[0]
-    codec = make()  # outside the lock: importing a codec's module may take a while
-    with _lock:
-        return _codecs.setdefault(name, codec)
+    return _once(_codecs, name, lambda: _loaders(name, ctx)[0]())
 
 
 def get_decoder(name: str, ctx: Ctx | None = None) -> CodecDecoder:
     """The staging decoder of the codec registered under `name`; CodecError for an unknown name."""
+
+    def make() -> CodecDecoder:
+        loader = _loaders(name, ctx)[1]
+        return loader() if loader is not None else PieceDecoder(get_codec(name, ctx))
+
+    return _once(_decoders, name, make)
+
+
+def _once(cache: dict[str, T], name: str, make: Callable[[], T]) -> T:
+    """cache[name], made on first use (outside the lock: importing a codec's module takes a while)."""
     with _lock:
-        decoder = _decoders.get(name)
-        if decoder is not None:
-            return decoder
-        make = _loaders(name, ctx)[1]
-    if make is None:
-        decoder = PieceDecoder(get_codec(name, ctx))
-    else:
-        decoder = make()
+        if name in cache:
+            return cache[name]
+    made = make()
     with _lock:
-        return _decoders.setdefault(name, decoder)
+        return cache.setdefault(name, made)
 
 
 def _loaders(name: str, ctx: Ctx | None) -> tuple[Loader, Loader | None]:
-    """The loaders of a registered codec (the caller holds the lock)."""
+    """The loaders of a registered codec."""
     try:
         return _LOADERS[name]
     except KeyError:
