@@ -379,3 +379,28 @@ def test_chunked_gpu_path_control_flow_with_a_stand_in_backend(monkeypatch, capl
     warned = [r.getMessage() for r in caplog.records if "GPU decode of version 7 failed" in r.getMessage()]
     assert ("inflate" in timings) == (fail is None)
     assert bool(warned) == (fail == "raise")
+
+
+def test_a_codec_registered_without_a_decoder_stages_piece_by_piece():
+    """The registry: a codec registered without a staging decoder is staged through its own
+    unpack/finish, one piece at a time (PieceDecoder), to the same changes as the raw codec's own
+    decoder; a name is registered once; an unknown name is a CodecError naming the version."""
+    from vllm_delta.codec import registry
+    from vllm_delta.codec.decoding import PieceDecoder
+
+    name = "raw-piece-by-piece"
+    if name not in registry.names():
+        registry.register_codec(name, codecs.RawCodec)
+    assert isinstance(registry.get_decoder(name), PieceDecoder)
+    assert not isinstance(registry.get_decoder("raw"), PieceDecoder)
+    with pytest.raises(ValueError, match="already registered"):
+        registry.register_codec(name, codecs.RawCodec)
+    items = _items(_tensors(), "raw")
+    cpu = torch.device("cpu")
+    got, want = _decode(items, name, cpu), _decode(items, "raw", cpu)
+    assert sorted(got) == sorted(want) == [it.index for it in items]
+    for t, (p, v) in want.items():
+        assert torch.equal(got[t][0], p) and torch.equal(got[t][1], v)
+    with pytest.raises(CodecError, match="unknown codec 'lz5'") as exc:
+        _decode(items, "lz5", cpu)
+    assert exc.value.version == 7

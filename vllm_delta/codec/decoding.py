@@ -20,8 +20,10 @@ Staging drives every codec the same way:
         yield from plan.decode(unit, fetched)                        # device work: Chunks
 
 A plan is given every piece of one element width of a version at once, from one file or several
-(the parts of a multi-part version), so a codec may cut and batch its units across files and skip
-what no piece needs.
+(the parts of a multi-part version), each with the range of positions it may hold: so a codec may
+cut and batch its units across files (one nvCOMP call for several parts' chunks), and skip units no
+piece needs (chunked: chunks of tensors the layout does not hold; with a per-chunk index of
+positions, chunks outside a rank's rows).
 """
 
 from __future__ import annotations
