@@ -57,7 +57,7 @@ if triton is not None:
     # Sizes and offsets are not specialized on (divisibility, == 1): every version has other values, and a
     # specialization is a compile (~1 s) inside an update.
     @triton.jit(do_not_specialize=["n", "chunks", "lo0", "hi0", "sign0", "big0", "mag0"])
-    def _encode_kernel(
+    def _encode_kernel(  # type: ignore[no-untyped-def]  # Triton reads the annotations itself
         pos_ptr,
         seg_ptr,
         new_ptr,
@@ -156,7 +156,9 @@ if triton is not None:
             tl.store(counts_ptr + 2 * chunks + k, n_mag.to(tl.int64))
 
     @triton.jit
-    def _hash_kernel(words_ptr, start_ptr, count_ptr, out_ptr, WEIGHT: tl.constexpr, BLOCK: tl.constexpr):
+    def _hash_kernel(  # type: ignore[no-untyped-def]
+        words_ptr, start_ptr, count_ptr, out_ptr, WEIGHT: tl.constexpr, BLOCK: tl.constexpr
+    ):
         k = tl.program_id(0)
         start = tl.load(start_ptr + k)
         cnt = tl.load(count_ptr + k)
@@ -169,7 +171,9 @@ if triton is not None:
         tl.store(out_ptr + k, tl.sum(acc, axis=0))
 
     @triton.jit(do_not_specialize=["cap"])
-    def _compact_kernel(src_ptr, got_ptr, dst_ptr, pad_ptr, out_ptr, cap, BLOCK: tl.constexpr):
+    def _compact_kernel(  # type: ignore[no-untyped-def]
+        src_ptr, got_ptr, dst_ptr, pad_ptr, out_ptr, cap, BLOCK: tl.constexpr
+    ):
         f = tl.program_id(0).to(tl.int64)
         got = tl.load(got_ptr + f)
         dst = tl.load(dst_ptr + f)
@@ -180,7 +184,7 @@ if triton is not None:
             tl.store(out_ptr + dst + i, x, mask=i < pad)
 
     @triton.jit(do_not_specialize=["n", "chunks", "n_gesc", "n_mesc"])
-    def _decode_kernel(
+    def _decode_kernel(  # type: ignore[no-untyped-def]
         lo_ptr,
         hi_ptr,
         sign_ptr,
