@@ -38,7 +38,7 @@ import torch
 
 from ..bits import INT_DTYPE, int_view
 from ..errors import CodecError
-from .base import Codec, check_piece
+from .base import Codec, Ctx, Sections, check_piece
 
 Unit = TypeVar("Unit")
 
@@ -223,7 +223,8 @@ class CodecDecoder(Protocol):
         ...
 
 
-def ctx_of(version: int, name: str) -> dict[str, Any]:
+def ctx_of(version: int, name: str) -> Ctx:
+    """Where an error about a piece of tensor `name` happened."""
     return {"version": version, "tensor": name}
 
 
@@ -242,7 +243,7 @@ class _PiecePlan:
     def __init__(self, codec: Codec, version: int, items: list[Item], width: int, host: StagingHost):
         self.codec, self.version, self.width, self.host = codec, version, width, host
         self.units = items
-        self.sections: dict[int, Any] = {}
+        self.sections: dict[int, Sections] = {}  # by id of the unit, once unpacked
 
     def fetch(self, unit: Item) -> Fetch:
         def unpack() -> None:
