@@ -47,7 +47,8 @@ from vllm_delta.apply import scatter as S  # noqa: E402
 from vllm_delta.apply.engine import ApplyEngine  # noqa: E402
 from vllm_delta.bits import bit_view  # noqa: E402
 from vllm_delta.checksums import MASK64  # noqa: E402
-from vllm_delta.codec import chunked, gpu  # noqa: E402
+from vllm_delta.codec import chunked  # noqa: E402
+from vllm_delta.codec.chunked import gpu  # noqa: E402
 from vllm_delta.format import VersionFile  # noqa: E402
 from vllm_delta.testing.apply_fixtures import (  # noqa: E402
     QWEN3,

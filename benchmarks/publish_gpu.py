@@ -52,7 +52,8 @@ from torch import nn  # noqa: E402
 
 from vllm_delta.apply.engine import ApplyEngine  # noqa: E402
 from vllm_delta.checksums import combine, to_hex  # noqa: E402
-from vllm_delta.codec import chunked, gpu  # noqa: E402
+from vllm_delta.codec import chunked  # noqa: E402
+from vllm_delta.codec.chunked import gpu  # noqa: E402
 from vllm_delta.store import DeltaStore  # noqa: E402
 from vllm_delta.testing.apply_fixtures import QWEN3, QWEN3_MOE, model_layout  # noqa: E402
 from vllm_delta.trainer import DetectOptions, Publisher, PublisherOptions, ShardingOptions, UploadOptions  # noqa: E402
