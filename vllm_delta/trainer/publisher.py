@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import threading
 import time
 from collections.abc import Iterable, Mapping
@@ -46,12 +45,12 @@ from ..errors import PublishError
 from ..format import DTYPE_NAMES, VersionKind
 from ..store import DeltaStore, VersionRecord
 from ..store.marks import BadMark
-from .detect import FlatSnapshot, named_tensors
+from .detect import FlatSnapshot
 from .encode import VersionEncoder
 from .group import Agreement, Proposal, PublishGroup, SingleProcess, UploadsFailed
 from .job import UploadJob
 from .options import PublisherOptions
-from .shard import resolve
+from .sources import SourceCache
 from .staleness import StalenessGate
 from .uploader import Uploader
 
@@ -157,6 +156,7 @@ class Publisher:
         )
         self._gate = StalenessGate(self.store, staleness) if staleness is not None else None
         self._chain = _Chain(last=self.store.latest())
+        self._sources = SourceCache()
         self._group: PublishGroup = SingleProcess(self.store)
         if group is not None:
             from .shard_group import ShardGroup  # torch.distributed only where a group is given
@@ -201,7 +201,7 @@ class Publisher:
         try:
             detected = self._detect(agreed, timings)
             t1 = time.perf_counter()
-            names = [name for name, _, _ in agreed.ownership.spec]
+            names = agreed.ownership.names
             sums, nnz = self._group.whole_sums(names, detected.partials, sum(detected.counts), detected.error)
             timings["sums"] = _ms(t1)
             job = self._job(agreed, detected, sums, nnz)
@@ -303,10 +303,7 @@ class Publisher:
 
     def _propose(self, source: Source, version: int | None) -> Proposal:
         v = self._chain.next_version(version)
-        tensors = named_tensors(source)
-        if not tensors:
-            raise ValueError("nothing to publish")
-        own = resolve(tensors, self.rank, self.world)
+        own = self._sources.ownership(source, self.rank, self.world)  # resolved once per model (sources.py)
         chain = self._chain
         anchor = (
             chain.needs_anchor
@@ -359,8 +356,7 @@ class Publisher:
 
     def _job(self, agreed: Agreement, detected: _Detected, sums: dict[str, int], nnz: int) -> UploadJob:
         own, chain = agreed.ownership, self._chain
-        shapes = own.shapes
-        numel = sum(math.prod(s) for s in shapes.values())
+        shapes, numel = own.shapes, own.numel
         return UploadJob(
             version=agreed.version,
             kind="anchor" if agreed.anchor else "delta",
