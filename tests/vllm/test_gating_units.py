@@ -367,8 +367,8 @@ def test_the_background_audit_recomputes_on_its_own(tmp_path):
 
 def test_vllms_own_weight_routes_make_status_re_read_the_workers(tmp_path):
     from vllm_delta.checksums import combine, to_hex
-    from vllm_delta.vllm.api_server.outside import PastThePluginMiddleware
     from vllm_delta.vllm.api_server.service import DeltaService
+    from vllm_delta.vllm.api_server.vllm_routes import PastThePluginMiddleware
     from vllm_delta.vllm.shared.options import StoreSpec
 
     async def scenario():

@@ -20,7 +20,7 @@ from types import SimpleNamespace
 import pytest
 
 from vllm_delta.server_api import UpdateRequest, from_wire
-from vllm_delta.vllm.engine_core import reserved as enginecore
+from vllm_delta.vllm.engine_core import calls as enginecore
 from vllm_delta.vllm.shared import rpc
 from vllm_delta.vllm.shared.rpc import error_reply
 
@@ -157,9 +157,9 @@ def test_a_refusal_reaches_the_client_as_409(vllm_objects, llama_run):
     from vllm_delta.errors import InflightRefusedError
     from vllm_delta.vllm.api_server.endpoints import route
     from vllm_delta.vllm.api_server.service import DeltaService
-    from vllm_delta.vllm.api_server.steps import commit_through_engine_core
-    from vllm_delta.vllm.shared.commit import CommitOptions, Staged, Update
+    from vllm_delta.vllm.api_server.worker_update import commit_through_engine_core
     from vllm_delta.vllm.shared.options import StoreSpec
+    from vllm_delta.vllm.shared.two_phase import CommitOptions, Staged, Update
 
     class Core:  # the engine core as vLLM's utility dispatch sees it
         def collective_rpc(self, method, timeout=None, args=(), kwargs=None):

@@ -59,7 +59,7 @@ def test_one_follow_mode_update(tmp_path, monkeypatch):
     from vllm_delta.reconstruct import open_chain, replay_tensor
     from vllm_delta.vllm.api_server.follower import Follower, FollowOptions
     from vllm_delta.vllm.api_server.service import DeltaService
-    from vllm_delta.vllm.engine_core import reserved as enginecore
+    from vllm_delta.vllm.engine_core import calls as enginecore
     from vllm_delta.vllm.shared.options import StoreSpec
     from vllm_delta.vllm.worker import methods as worker
     from vllm_delta.vllm.worker.replica import REPLICA_ATTR, DeltaReplica, Served

@@ -47,9 +47,9 @@ from ..shared.messages import HeapAnswer
 from ..shared.options import server_options
 from .gating import VersionGate, VersionGateMiddleware
 from .metrics import metrics
-from .outside import PastThePluginMiddleware
 from .service import DeltaService
 from .spans import AttributionMiddleware, SpanStore, spans_for_response, wrap_generate
+from .vllm_routes import PastThePluginMiddleware
 
 log = logging.getLogger(__name__)
 

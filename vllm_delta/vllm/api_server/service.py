@@ -83,14 +83,14 @@ from ...server_api import (
     Verification,
     VerifyTrigger,
 )
-from ..shared.commit import CommitOptions, Staged, Update
 from ..shared.messages import WorkerStatus
 from ..shared.options import FollowOptions, ServiceOptions, StoreSpec
 from ..shared.plan import UpdatePlan, plan_update
+from ..shared.two_phase import CommitOptions, Staged, Update
 from .gating import VersionGate
 from .live import LiveChecksum
 from .metrics import metrics
-from .steps import ApiProcess, WorkerUpdate
+from .worker_update import ApiProcess, WorkerUpdate
 
 if TYPE_CHECKING:
     from ...store import DeltaStore

@@ -31,7 +31,10 @@ from ...errors import CommitFailedError, RollbackFailedError
 from ...format import VersionHeader, VersionLike
 from ...server_api import Method
 from ..shared import rpc
-from ..shared.commit import (
+from ..shared.messages import Committed, RolledBack, StageSummary
+from ..shared.options import StoreSpec, server_store
+from ..shared.plan import UpdatePlan, plan_update
+from ..shared.two_phase import (
     AllCommitted,
     AllRolledBack,
     CommitOptions,
@@ -41,9 +44,6 @@ from ..shared.commit import (
     commit_all,
     run_sync,
 )
-from ..shared.messages import Committed, RolledBack, StageSummary
-from ..shared.options import StoreSpec, server_store
-from ..shared.plan import UpdatePlan, plan_update
 from . import dist
 from .methods import open_store
 from .replica import DeltaReplica, replica_of

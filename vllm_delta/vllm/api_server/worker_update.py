@@ -27,10 +27,10 @@ from ...errors import DeltaError, RollbackFailedError
 from ...format import VersionHeader
 from ...server_api import PAUSE_MODES
 from ..shared import rpc
-from ..shared.commit import CommitOptions, Staged, TwoPhaseCommit, Update
 from ..shared.messages import CommittedAll, StageSummary, WorkerStatus
 from ..shared.options import StoreSpec
 from ..shared.plan import UpdatePlan
+from ..shared.two_phase import CommitOptions, Staged, TwoPhaseCommit, Update
 from .deadline import Deadline
 
 if TYPE_CHECKING:

@@ -45,8 +45,8 @@ from ...attribution import version_label
 from ...errors import CommitFailedError, InflightRefusedError, RollbackFailedError
 from ...server_api import PAUSE_MODES, HistoryEntry, Timeline
 from ..shared import rpc
-from ..shared.commit import AllCommitted, AllRolledBack, commit_all, run_sync
 from ..shared.messages import CommittedAll, LabelSet, PrefixCleared, PrefixState
+from ..shared.two_phase import AllCommitted, AllRolledBack, commit_all, run_sync
 
 log = logging.getLogger(__name__)
 
