@@ -98,31 +98,31 @@ def test_a_commit_never_takes_a_running_request_below_its_bound():
         gate.note_served(8)
         await gate.admit(7)  # running with bound 7
         # An upgrade commits under it; a downgrade to 6 is refused while it runs.
-        gate.begin_commit(9)
-        gate.end_commit()
+        gate.begin_update(9)
+        gate.end_update()
         with pytest.raises(VersionBoundConflictError, match="1 running request.*up to 7"):
-            gate.begin_commit(6)
-        gate.begin_commit(7)  # to exactly its bound: allowed
-        gate.end_commit()
+            gate.begin_update(6)
+        gate.begin_update(7)  # to exactly its bound: allowed
+        gate.end_update()
         gate.release(7)
 
         # While a downgrade to 6 commits, a request with bound 7 is held (it could start on 6 otherwise);
-        # a failed downgrade leaves 8 served: it is admitted at end_commit.
-        gate.begin_commit(6)
+        # a failed downgrade leaves 8 served: it is admitted at end_update.
+        gate.begin_update(6)
         assert gate.floor() == 6
         waiter = asyncio.create_task(gate.admit(7))
         await asyncio.sleep(0.1)
         assert not waiter.done()
-        gate.end_commit()
+        gate.end_update()
         assert await waiter > 0
         gate.release(7)
 
         # A successful downgrade: the request is refused after its wait, never admitted on 6.
-        gate.begin_commit(6)
+        gate.begin_update(6)
         waiter = asyncio.create_task(gate.admit(7))
         await asyncio.sleep(0.05)
         gate.note_served(6)
-        gate.end_commit()
+        gate.end_update()
         with pytest.raises(WeightVersionBehindError):
             await waiter
         assert gate.running == {}
@@ -230,11 +230,11 @@ def test_live_sums_kept_current_and_compared():
     )
     assert first.ok and first.expected is None and live.known_for(1)
     # A commit adds the ranks' partials (two ranks here) to the sums kept current.
-    live.committed(1, 2, [{"a": 3}, {"a": MASK64}], {"a": 99, "b": 99})
+    live.applied(1, 2, [{"a": 3}, {"a": MASK64}], {"a": 99, "b": 99})
     assert live.version == 2 and live.sums == {"a": 7, "b": 7}
     # Unknown sums before a commit: the target's recorded ones.
     other = LiveChecksum()
-    other.committed(None, 2, [{"a": 1}], {"a": 8, "b": 9})
+    other.applied(None, 2, [{"a": 1}], {"a": 8, "b": 9})
     assert other.sums == {"a": 8, "b": 9}
     # A recomputation that finds "b" changed behind our back.
     v = live.recomputed(2, {"a": 7, "b": 8}, version_checksum=live.checksum, trigger="request", ms=2)

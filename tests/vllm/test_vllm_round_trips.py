@@ -75,7 +75,7 @@ def test_one_follow_mode_update(tmp_path, monkeypatch):
     model = Toy()
     model.load_weights((n, replay_tensor(files, n)) for n in files[-1].header.tensors)
     replica = DeltaReplica(model)
-    replica.prepare({n: tuple(e.shape) for n, e in files[-1].header.tensors.items()})
+    replica.probe_layout({n: tuple(e.shape) for n, e in files[-1].header.tensors.items()})
     replica.fallback.set_shadow("wt", replay_tensor(files, "wt"))
     replica.served = Served.from_header(files[-1].header)
     setattr(model, REPLICA_ATTR, replica)

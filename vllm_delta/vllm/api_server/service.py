@@ -10,7 +10,7 @@ An update runs the one protocol (shared/commit.py; its steps here: steps.py):
     verify    the ranks' checksum partials added to the served version's sums must give the target
               header's sums, per tensor (422 on mismatch: nothing has been written)
     pause     pause scheduling (mode keep | wait | abort)
-    commit    ONE engine-core call (rpc.COMMIT_ALL, engine_core/reserved.py): every rank writes in
+    commit    ONE engine-core call (rpc.WRITE_ALL, engine_core/reserved.py): every rank writes in
               place; if any rank fails, every rank rolls back; the weight-version label := the new version
     reset     the prefix cache (its KV was computed with the old weights), only after a commit
     resume    always (finally), unless a rollback failed: then the engine core stopped scheduling
@@ -86,7 +86,7 @@ from ...server_api import (
 from ..shared.messages import WorkerStatus
 from ..shared.options import FollowOptions, ServiceOptions, StoreSpec
 from ..shared.plan import UpdatePlan, plan_update
-from ..shared.two_phase import CommitOptions, Staged, Update
+from ..shared.two_phase import Staged, Update, WriteOptions
 from .gating import VersionGate
 from .live import LiveChecksum
 from .metrics import metrics
@@ -240,9 +240,9 @@ class DeltaService:
     async def _live_sums(self) -> Sums:
         return add_sums(r.sums for r in (await self.workers.live_sums()).all())
 
-    async def _ensure_prepared(self, served: WorkerStatus) -> bool:
+    async def _ensure_probed(self, served: WorkerStatus) -> bool:
         """Probe the layout if no rank has yet; True if it had to."""
-        if served.prepared:
+        if served.probed:
             return False
         until = time.monotonic() + self.spec.update_timeout_s
         version = served.version
@@ -251,7 +251,7 @@ class DeltaService:
             if version is not None
             else await self.deadline.in_thread(functools.partial(self.store.resolve, "latest"), until)
         )
-        (await self.workers.prepare(self.spec, target)).all()
+        (await self.workers.probe(self.spec, target)).all()
         return True
 
     # -- staging --------------------------------------------------------------------------------
@@ -351,7 +351,7 @@ class DeltaService:
         """Rank 0's status and the live per-tensor sums over all ranks, in one RPC (two the first time,
         when the layout has to be probed)."""
         served, ranks = await self._read_served(live_sums=True)
-        if await self._ensure_prepared(served):
+        if await self._ensure_probed(served):
             served, ranks = await self._read_served(live_sums=True)
         if any(r.live_sums is None for r in ranks):
             raise DeltaError("a worker rank did not report its live sums")
@@ -362,23 +362,23 @@ class DeltaService:
         plan = await self._plan(served, request)
         if not plan.versions:
             return await self._unchanged(served, request)
-        self.gate.begin_commit(plan.target)  # 409 if running requests need a newer version than the target
+        self.gate.begin_update(plan.target)  # 409 if running requests need a newer version than the target
         try:
-            out = await self._commit_plan(served, plan, request)
+            out = await self._write_plan(served, plan, request)
         finally:
-            self.gate.end_commit()
-        if not served.prepared:  # the layout was probed by this update: learn the coverage once
+            self.gate.end_update()
+        if not served.probed:  # the layout was probed by this update: learn the coverage once
             with contextlib.suppress(Exception):
                 await self._read_served()
         await self._prune_cache(out.version)
         return out
 
-    async def _commit_plan(self, served: WorkerStatus, plan: UpdatePlan, request: UpdateRequest) -> UpdateResult:
-        options = CommitOptions(request.mode, request.fault)
+    async def _write_plan(self, served: WorkerStatus, plan: UpdatePlan, request: UpdateRequest) -> UpdateResult:
+        options = WriteOptions(request.mode, request.fault)
         prefetched = self._take_prefetched(served, plan, request.method)
         if prefetched is not None:
             steps = prefetched.steps
-            applied = await steps.commit(prefetched.staged, options)
+            applied = await steps.write(prefetched.staged, options)
         else:
             await self._drop_prefetched()
             steps = WorkerUpdate(self.api, self.store, served, plan, self.served_sums)
@@ -430,7 +430,7 @@ class DeltaService:
         its recorded sums, its chain in the cache, the metrics."""
         self.last_update = AppliedUpdate.of(out, time.time())
         recorded = {n: int(e.checksum, 16) for n, e in header.tensors.items()}
-        self.live.committed(out.previous_version, out.version, partials, recorded)
+        self.live.applied(out.previous_version, out.version, partials, recorded)
         self._note_served(out.version, header.checksum, recorded)
         if plan.reanchor:
             self._chain = list(plan.versions)
