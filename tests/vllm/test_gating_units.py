@@ -281,10 +281,10 @@ def test_status_without_worker_calls_and_verify_catches_a_write(tmp_path):
 
     async def scenario():
         engine = FakeEngine(3, {"w": 11, "v": 12})
-        svc = DeltaService(engine, StoreSpec(str(tmp_path)))
+        svc = DeltaService.of(engine, StoreSpec(str(tmp_path)))
         await svc.startup()
         assert engine.calls == ["delta_status", "delta_set_label"]
-        assert svc.verification is not None and svc.verification.ok
+        assert svc.checks.verification is not None and svc.checks.verification.ok
         engine.calls.clear()
         for _ in range(3):
             st = await svc.status()
@@ -319,7 +319,7 @@ def test_readiness_follows_the_followers_view(tmp_path):
             return self.state.snapshot(self.options)
 
     async def scenario():
-        svc = DeltaService(FakeEngine(3, {"w": 1}), StoreSpec(str(tmp_path)))
+        svc = DeltaService.of(FakeEngine(3, {"w": 1}), StoreSpec(str(tmp_path)))
         assert not svc.readiness(None).ready  # nothing read yet
         await svc.startup()
         svc.follower = Follower()  # type: ignore[assignment]
@@ -332,7 +332,7 @@ def test_readiness_follows_the_followers_view(tmp_path):
         Follower.state.skipped[5] = "corrupt"  # the newest one is bad: nothing left to catch up
         assert svc.readiness(None).ready
         del Follower.state.skipped[5]
-        svc._note_served(5, "x")
+        svc.ranks.note_served(5, "x")
         assert svc.readiness(None).ready
 
     asyncio.run(scenario())
@@ -344,16 +344,18 @@ def test_the_background_audit_recomputes_on_its_own(tmp_path):
 
     async def scenario():
         engine = FakeEngine(3, {"w": 11})
-        svc = DeltaService(engine, StoreSpec(str(tmp_path)))
+        svc = DeltaService.of(engine, StoreSpec(str(tmp_path)))
         await svc.startup()
         svc.start_audit(0.05)
         engine.sums["w"] += 1  # behind the plugin's back
         deadline = time.monotonic() + 10
-        while (svc.verification is None or svc.verification.trigger != "audit") and time.monotonic() < deadline:
+        while (
+            svc.checks.verification is None or svc.checks.verification.trigger != "audit"
+        ) and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
-        v = svc.verification
+        v = svc.checks.verification
         assert v is not None and v.trigger == "audit" and not v.ok and v.mismatched == ["w"]
-        async with svc.lock:  # an update holds the lock: the audit skips its rounds, never waits
+        async with svc.operations.lock:  # an update holds the lock: the audit skips its rounds, never waits
             calls = len(engine.calls)
             await asyncio.sleep(0.3)
             assert len(engine.calls) == calls
@@ -373,7 +375,7 @@ def test_vllms_own_weight_routes_make_status_re_read_the_workers(tmp_path):
 
     async def scenario():
         engine = FakeEngine(3, {"w": 11})
-        svc = DeltaService(engine, StoreSpec(str(tmp_path)))
+        svc = DeltaService.of(engine, StoreSpec(str(tmp_path)))
         await svc.startup()
         gate_app = App()
         marks = []

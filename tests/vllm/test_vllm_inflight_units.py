@@ -176,7 +176,7 @@ def test_a_refusal_reaches_the_client_as_409(vllm_objects, llama_run):
         async def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
             return core.collective_rpc(method, timeout, args, kwargs)
 
-    service = DeltaService(Client(), StoreSpec(llama_run.store))
+    service = DeltaService.of(Client(), StoreSpec(llama_run.store))
     staged = Staged(Update("t", [1], 1), [], 0.0)
 
     @route

@@ -145,7 +145,7 @@ def test_one_follow_mode_update(tmp_path, monkeypatch):
         monkeypatch.setattr(module, "VersionFile", counted_version_file)
 
     async def scenario():
-        service = DeltaService(Client(), StoreSpec(uri, cache_dir=cache))
+        service = DeltaService.of(Client(), StoreSpec(uri, cache_dir=cache))
 
         async def apply(version):
             result = await service.follow_update(version, "keep")
@@ -169,7 +169,7 @@ def test_one_follow_mode_update(tmp_path, monkeypatch):
         counts.clear()
         status = await service.status()  # answered from what the API process keeps current
         assert not counts, counts
-        verified = await service.verify("request")  # the explicit recomputation: one worker call
+        verified = await service.checks.verify("request")  # the explicit recomputation: one worker call
         assert counts == {"api:delta_status": 1, "worker:delta_status": 1}, counts
         counts.clear()
         counts.update(update_counts)

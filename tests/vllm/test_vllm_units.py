@@ -420,8 +420,9 @@ def test_update_deadline_and_status_while_busy(llama_run, tmp_path):
             return super().local_paths(version, record=record)
 
     async def scenario():
-        svc = DeltaService(FakeEngine(), StoreSpec(llama_run.store, update_timeout_s=0.5))
-        svc._store = SlowStore(llama_run.store)
+        svc = DeltaService.of(
+            FakeEngine(), StoreSpec(llama_run.store, update_timeout_s=0.5), store=SlowStore(llama_run.store)
+        )
         idle = await svc.status()
         assert idle.version == 0 and idle.update_in_progress is None
         task = asyncio.create_task(svc.update(UpdateRequest(1)))
@@ -433,7 +434,7 @@ def test_update_deadline_and_status_while_busy(llama_run, tmp_path):
         assert (busy.version, busy.checksum) == (idle.version, idle.checksum)
         with pytest.raises(StoreTimeoutError, match="did not reach its pause within"):
             await task
-        assert svc.in_progress is None and svc.last_failure.status == 504
+        assert svc.operations.in_progress is None and svc.operations.last_failure.status == 504
         assert (await svc.status()).last_failure.type == "StoreTimeoutError"
 
     asyncio.run(scenario())

@@ -209,7 +209,7 @@ class DeltaEndpointPlugin:
             log.warning("vllm-delta: no store configured; /v1/delta/* will answer 500 until one is")
             return
         gate = getattr(state, GATE_KEY, None)
-        self.service = service = DeltaService(engine_client, options.store, options.service, gate)
+        self.service = service = DeltaService.of(engine_client, options.store, options.service, gate)
         setattr(state, STATE_KEY, service)
         metrics()  # on /metrics from the start (once per process)
         log.info("vllm-delta: /v1/delta/* serve versions of %s", options.store.uri)

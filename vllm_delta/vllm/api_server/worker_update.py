@@ -1,14 +1,26 @@
 """The update protocol's steps in the API process (shared/two_phase.py owns their order).
 
-stage_ranks          fetch the versions' files once into the host's cache (each checked against
-                     the record the plan was decided on; the target's header is kept), probe the
-                     layout if no rank has, start staging on every rank, poll until done
-verification_basis   the served version's recorded sums (the service keeps them) and that header
-write_ranks         ONE engine-core call (rpc.WRITE_ALL): inside a pause (keep | wait | abort:
-                     pause, writes + label, prefix-cache reset, resume) or between two engine
-                     steps (inflight)
-release              the ticket on every rank that may hold it
-drop_cached          the versions' cached copies (after an integrity failure)
+One update, from the plan on (the service reads what the ranks serve and plans first):
+
+    plan      which versions to apply (shared/plan.py: successor rule, 404 / 409)
+    fetch     download the versions' files once into the host's cache, each checked against the
+              record the plan was decided on; the target's header is kept (the workers of this host
+              find the files there)
+    probe     the layout on every rank, once
+    stage     every rank decodes its share on a background thread, polled until done; the server
+              keeps generating
+    verify    the ranks' checksum partials added to the served version's sums (`Ranks.served_sums`)
+              must give the target header's sums, per tensor (422 on mismatch: nothing has been written)
+    pause     pause scheduling (mode keep | wait | abort)
+    write     ONE engine-core call (rpc.WRITE_ALL, engine_core/calls.py): every rank writes in place;
+              if any rank fails, every rank rolls back; the weight-version label := the new version
+    reset     the prefix cache (its KV was computed with the old weights), only after the writes
+    resume    always (finally), unless a rollback failed: then the engine core stopped scheduling
+    release   the staged buffers, on every rank (drop_cached: the versions' cached copies, after an
+              integrity failure)
+
+Mode "inflight" makes the same engine-core call with no pause: it runs between two engine steps and
+also drops the prefix-cache hashes and taints running requests. Nothing is preempted.
 """
 
 from __future__ import annotations
@@ -25,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 from ...checksums import Sums
 from ...errors import DeltaError, RollbackFailedError
 from ...format import VersionHeader
-from ...server_api import PAUSE_MODES
+from ...server_api import PAUSE_MODES, UpdateRequest, UpdateResult
 from ..shared import rpc
 from ..shared.messages import StageSummary, WorkerStatus, WrittenAll
 from ..shared.options import StoreSpec
@@ -185,3 +197,44 @@ async def _reset_prefix_cache(engine: Any) -> None:
             return
         await asyncio.sleep(0.01)
     log.warning("vllm-delta: the prefix cache could not be reset after an update")
+
+
+def update_result(
+    plan: UpdatePlan, previous: int | None, request: UpdateRequest, applied: Applied, prefetched: bool
+) -> UpdateResult:
+    """The answer to an update that wrote `plan` from `previous`."""
+    summaries = applied.staged.summaries
+    return UpdateResult(
+        version=plan.target,
+        previous_version=previous,
+        pause_ms=applied.pause_ms,
+        apply_ms=applied.apply_ms,
+        stage_ms=applied.staged.stage_ms,
+        nnz=plan.nnz,
+        bytes=plan.bytes,
+        applied=plan.versions,
+        mode=request.mode,
+        method=request.method,
+        reanchored=plan.reanchor,
+        prefetched=prefetched,
+        elements_written=sum(s.nnz for s in summaries),
+        staged_bytes=sum(s.bytes for s in summaries),
+        timings=summaries[0].timings,
+        inflight=applied.inflight.answer() if applied.inflight is not None else None,
+    )
+
+
+def unchanged_result(target: int, previous: int | None, request: UpdateRequest) -> UpdateResult:
+    """The answer to an update to the version already served (`target`): no pause, nothing applied."""
+    return UpdateResult(
+        version=target,
+        previous_version=previous,
+        pause_ms=0.0,
+        apply_ms=0.0,
+        stage_ms=0.0,
+        nnz=0,
+        bytes=0,
+        applied=[],
+        mode=request.mode,
+        method=request.method,
+    )

@@ -363,7 +363,9 @@ def patch_engine_core(engine_core_cls: Any) -> None:
         return
 
     @functools.wraps(orig_rpc)
-    def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+    def collective_rpc(
+        self: Any, method: Any, timeout: float | None = None, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
         if isinstance(method, str) and method in RESERVED:
             if args:
                 return [rpc.error_reply(TypeError(f"{method} takes keyword arguments only"))]
@@ -373,7 +375,7 @@ def patch_engine_core(engine_core_cls: Any) -> None:
     orig_attach = engine_core_cls._attach_weight_version
 
     @functools.wraps(orig_attach)
-    def _attach_weight_version(self, outputs):
+    def _attach_weight_version(self: Any, outputs: Any) -> Any:
         st = state_of(self)
         st.steps += 1
         if st.held:
@@ -398,13 +400,13 @@ def patch_block_pool(block_pool_cls: Any) -> None:
     orig_partial = block_pool_cls.cache_partial_block
 
     @functools.wraps(orig_full)
-    def cache_full_blocks(self, request, *args, **kwargs):
+    def cache_full_blocks(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
         if getattr(request, TAINT_ATTR, False):
             return None
         return orig_full(self, request, *args, **kwargs)
 
     @functools.wraps(orig_partial)
-    def cache_partial_block(self, request, *args, **kwargs):
+    def cache_partial_block(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
         if getattr(request, TAINT_ATTR, False):
             return None
         return orig_partial(self, request, *args, **kwargs)

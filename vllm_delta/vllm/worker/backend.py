@@ -31,6 +31,7 @@ from ...errors import CommitFailedError, RollbackFailedError
 from ...format import VersionHeader, VersionLike
 from ...server_api import Method
 from ..shared import rpc
+from ..shared.cache_keep import PRUNE_FAILED, CacheKeeper
 from ..shared.messages import RolledBack, StageSummary, Written
 from ..shared.options import StoreSpec, server_store
 from ..shared.plan import UpdatePlan, plan_update
@@ -102,12 +103,11 @@ class DeltaWeightTransferEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateI
             return
         steps = RankUpdate(replica, store, plan)
         run_sync(steps.apply(Update(uuid.uuid4().hex, plan.versions, plan.target), WriteOptions()))
-        if replica.rank == 0:  # the ranks of a host share the cache: keep the served version's chain
+        if replica.rank == 0:  # the ranks of a host share the cache (shared/cache_keep.py)
             try:
-                keep = [r.version for r in store.chain(plan.target)]
-                store.prune_cache(keep, max_bytes=self.spec.cache_max_bytes)
+                CacheKeeper(store, self.spec.cache_max_bytes).prune(plan.target)
             except Exception as exc:  # noqa: BLE001 - pruned next time
-                log.warning("vllm-delta: pruning the download cache failed: %s", exc)
+                log.warning(PRUNE_FAILED, exc)
 
 
 class GatheredRanks:
