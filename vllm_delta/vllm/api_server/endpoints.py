@@ -44,7 +44,7 @@ from ...server_api import (
 )
 from ..shared import heap, rpc
 from ..shared.messages import HeapAnswer
-from ..shared.options import server_options
+from ..shared.options import NO_STORE, server_options
 from .gating import VersionGate, VersionGateMiddleware
 from .metrics import metrics
 from .service import DeltaService
@@ -89,10 +89,7 @@ def route(handler: Callable[[Request], Awaitable[object]]) -> Callable[[Request]
 def _service(request: Request) -> DeltaService:
     service = getattr(request.app.state, STATE_KEY, None)
     if service is None:
-        raise DeltaError(
-            "vllm-delta has no store: start the server with --load-format delta and "
-            "--model-loader-extra-config '{\"delta_store\": URI}', or set VLLM_DELTA_STORE"
-        )
+        raise DeltaError(NO_STORE)
     return service
 
 
