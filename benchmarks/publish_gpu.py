@@ -287,7 +287,7 @@ def _publish_run(cfg, codec_name, store_dir, module, layout, targets, engine, st
     pub.flush()
     if engine is not None:
         with store.open(v) as vf:
-            engine.commit(engine.stage([vf]))
+            engine.write(engine.stage([vf]))
     rows = []
     for i in range(cfg.warmup + cfg.steps):
         v += 1
@@ -324,7 +324,7 @@ def _publish_run(cfg, codec_name, store_dir, module, layout, targets, engine, st
             t_open = time.perf_counter()
             staged = engine.stage([vf])
             t_stage = time.perf_counter()
-            engine.commit(staged)
+            engine.write(staged)
             t_live = time.perf_counter()
             vf.close()
             row.update(

@@ -156,6 +156,21 @@ def test_the_store_never_imports_the_ledger():
         assert "vllm_delta.store.ledger" not in graph[m]
 
 
+def test_the_api_server_never_imports_the_workers_or_the_apply_engine():
+    """The API process drives the workers over RPC only (vllm/shared/rpc.py): nothing of the worker side
+    (vllm/worker/) nor the apply engine (apply/) runs or is imported there."""
+    graph = import_graph(module_files())
+    forbidden = (f"{PACKAGE}.vllm.worker", f"{PACKAGE}.apply")
+    found = [
+        f"{m} imports {t}"
+        for m, targets in sorted(graph.items())
+        if m.startswith(f"{PACKAGE}.vllm.api_server")
+        for t in sorted(targets)
+        if any(t == f or t.startswith(f + ".") for f in forbidden)
+    ]
+    assert not found, "the API server reaches past RPC:\n" + "\n".join(found)
+
+
 def test_the_checks_find_what_they_look_for(tmp_path):
     """The checker itself, on a package written here: a deferred import that closes a cycle, and a
     leaf that imports a higher layer, are both found."""

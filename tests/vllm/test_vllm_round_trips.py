@@ -59,7 +59,7 @@ def test_one_follow_mode_update(tmp_path, monkeypatch):
     from vllm_delta.reconstruct import open_chain, replay_tensor
     from vllm_delta.vllm.api_server.follower import Follower, FollowOptions
     from vllm_delta.vllm.api_server.service import DeltaService
-    from vllm_delta.vllm.engine_core import reserved as enginecore
+    from vllm_delta.vllm.engine_core import calls as enginecore
     from vllm_delta.vllm.shared.options import StoreSpec
     from vllm_delta.vllm.worker import methods as worker
     from vllm_delta.vllm.worker.replica import REPLICA_ATTR, DeltaReplica, Served
@@ -75,7 +75,7 @@ def test_one_follow_mode_update(tmp_path, monkeypatch):
     model = Toy()
     model.load_weights((n, replay_tensor(files, n)) for n in files[-1].header.tensors)
     replica = DeltaReplica(model)
-    replica.prepare({n: tuple(e.shape) for n, e in files[-1].header.tensors.items()})
+    replica.probe_layout({n: tuple(e.shape) for n, e in files[-1].header.tensors.items()})
     replica.fallback.set_shadow("wt", replay_tensor(files, "wt"))
     replica.served = Served.from_header(files[-1].header)
     setattr(model, REPLICA_ATTR, replica)
@@ -145,7 +145,7 @@ def test_one_follow_mode_update(tmp_path, monkeypatch):
         monkeypatch.setattr(module, "VersionFile", counted_version_file)
 
     async def scenario():
-        service = DeltaService(Client(), StoreSpec(uri, cache_dir=cache))
+        service = DeltaService.of(Client(), StoreSpec(uri, cache_dir=cache))
 
         async def apply(version):
             result = await service.follow_update(version, "keep")
@@ -169,7 +169,7 @@ def test_one_follow_mode_update(tmp_path, monkeypatch):
         counts.clear()
         status = await service.status()  # answered from what the API process keeps current
         assert not counts, counts
-        verified = await service.verify("request")  # the explicit recomputation: one worker call
+        verified = await service.checks.verify("request")  # the explicit recomputation: one worker call
         assert counts == {"api:delta_status": 1, "worker:delta_status": 1}, counts
         counts.clear()
         counts.update(update_counts)

@@ -48,7 +48,7 @@ class LiveChecksum:
         self.version, self.sums, self._checksum = version, sums, None
         self.as_of = time.time() if sums is not None else None
 
-    def committed(self, served: int | None, target: int, partials: list[Sums], target_sums: Sums) -> None:
+    def applied(self, served: int | None, target: int, partials: list[Sums], target_sums: Sums) -> None:
         """A commit from `served` to `target` whose ranks staged `partials`: the sums kept current plus the
         partials when they were known for `served`, else the target's recorded sums (what the commit's
         verification established, given the served version's recorded sums)."""

@@ -5,14 +5,14 @@ else spells its name:
 
     worker calls (vLLM Worker methods, every rank answers)      engine-core calls (reserved names the
                                                                 engine core answers itself, engine_core/)
-    STATUS       what the rank serves (+ live sums)             COMMIT_ALL      commit every rank, roll
-    PREPARE      probe the layout (collective)                                  every rank back if one
+    STATUS       what the rank serves (+ live sums)             WRITE_ALL       write every rank, roll
+    PROBE        probe the layout (collective)                                  every rank back if one
     LIVE_SUMS    this rank's share of the live sums                             failed, label (inside a
     SERVED_SUMS  the served version's recorded sums                             pause or between steps)
     STAGE_START  stage on the rank's background thread          SET_LABEL       the weight-version label
     STAGE_POLL   the staging summary once done                  ENGINE_TIMELINE the label history
-    COMMIT       write in place                                 PREFIX_STATE    prefix-cache counts
-    ROLLBACK     undo a commit
+    WRITE        write in place                                 PREFIX_STATE    prefix-cache counts
+    ROLLBACK     undo the writes
     RELEASE      drop a staged update
 
 The caller's side is a typed client over a transport: `Workers` (one method per worker call, every
@@ -20,7 +20,7 @@ rank's reply as `Replies`) and `EngineCore`. Two transports carry them: the API 
 `EngineClient.collective_rpc` (`engine_client_transport`) and the engine core's
 `model_executor.collective_rpc` (`executor_transport`). The callee's side is registered from the same
 declarations with `serve(call, implementation)` (worker methods: worker/methods.py; reserved names:
-engine_core/reserved.py). Arguments and replies cross as plain values (server_api.to_wire /
+engine_core/calls.py). Arguments and replies cross as plain values (server_api.to_wire /
 from_wire); a callee never raises across the boundary: it answers an `ErrorReply` with the
 exception's HTTP status, and `Replies` tells results from errors in one place.
 """
@@ -41,14 +41,12 @@ from ...errors import (
 from ...server_api import LabelCause, Method, Timeline, UpdateMode, from_wire, to_wire
 from .heap import HeapAction
 from .messages import (
-    Committed,
-    CommittedAll,
     ErrorPayload,
     ErrorReply,
     HeapReport,
     LabelSet,
     PrefixState,
-    Prepared,
+    Probed,
     RankSums,
     Released,
     RolledBack,
@@ -56,6 +54,8 @@ from .messages import (
     StageStarted,
     TestWritten,
     WorkerStatus,
+    Written,
+    WrittenAll,
 )
 from .options import StoreSpec
 
@@ -89,7 +89,7 @@ class StatusArgs(Args):
 
 
 @dataclass(frozen=True)
-class PrepareArgs(Args):
+class ProbeArgs(Args):
     store: StoreSpec
     version: int  # the layout is probed from this version's tensor shapes
 
@@ -111,14 +111,14 @@ class TicketArgs(Args):
 
 
 @dataclass(frozen=True)
-class CommitArgs(Args):
+class WriteArgs(Args):
     ticket: str
     method: Method = "delta"
     fault: str | None = None  # test hook (messages.FAULTS_ENV)
 
 
 @dataclass(frozen=True)
-class CommitAllArgs(Args):
+class WriteAllArgs(Args):
     ticket: str
     version: int
     method: Method = "delta"
@@ -144,32 +144,32 @@ class Call(Generic[A, R]):
 
 
 STATUS = Call("delta_status", StatusArgs, WorkerStatus)
-PREPARE = Call("delta_prepare", PrepareArgs, Prepared)
+PROBE = Call("delta_probe", ProbeArgs, Probed)
 LIVE_SUMS = Call("delta_live_sums", NoArgs, RankSums)
 SERVED_SUMS = Call("delta_served_sums", NoArgs, RankSums)
 STAGE_START = Call("delta_stage_start", StageArgs, StageStarted)
 STAGE_POLL = Call("delta_stage_poll", TicketArgs, StagePoll)
-COMMIT = Call("delta_commit", CommitArgs, Committed)
+WRITE = Call("delta_write", WriteArgs, Written)
 ROLLBACK = Call("delta_rollback", TicketArgs, RolledBack)
 RELEASE = Call("delta_release", TicketArgs, Released)
 
-COMMIT_ALL = Call("delta_commit_all", CommitAllArgs, CommittedAll)
+WRITE_ALL = Call("delta_write_all", WriteAllArgs, WrittenAll)
 SET_LABEL = Call("delta_set_label", LabelArgs, LabelSet)
 ENGINE_TIMELINE = Call("delta_engine_timeline", NoArgs, Timeline)
 PREFIX_STATE = Call("delta_prefix_state", NoArgs, PrefixState)
 
 WORKER_CALLS: tuple[Call[Any, Any], ...] = (
     STATUS,
-    PREPARE,
+    PROBE,
     LIVE_SUMS,
     SERVED_SUMS,
     STAGE_START,
     STAGE_POLL,
-    COMMIT,
+    WRITE,
     ROLLBACK,
     RELEASE,
 )
-ENGINE_CORE_CALLS: tuple[Call[Any, Any], ...] = (COMMIT_ALL, SET_LABEL, ENGINE_TIMELINE, PREFIX_STATE)
+ENGINE_CORE_CALLS: tuple[Call[Any, Any], ...] = (WRITE_ALL, SET_LABEL, ENGINE_TIMELINE, PREFIX_STATE)
 
 # Test hook, a worker method only with VLLM_DELTA_TEST_FAULTS=1 (reached through vLLM's dev-mode
 # /collective_rpc, past the plugin's API process): flip one live bit, to prove that a verification
@@ -255,7 +255,7 @@ def engine_client_transport(engine_client: Any, timeout_s: float) -> Transport:
 
 def executor_transport(executor: Any) -> Transport:
     """The engine core: `model_executor.collective_rpc`, synchronous (it never suspends: see
-    commit.run_sync)."""
+    two_phase.run_sync)."""
 
     async def send(name: str, kwargs: dict[str, Any]) -> list[Any]:
         return list(executor.collective_rpc(name, kwargs=kwargs))
@@ -275,8 +275,8 @@ class Workers:
     async def status(self, *, live_sums: bool = False) -> Replies[WorkerStatus]:
         return await self.call(STATUS, StatusArgs(live_sums))
 
-    async def prepare(self, store: StoreSpec, version: int) -> Replies[Prepared]:
-        return await self.call(PREPARE, PrepareArgs(store, version))
+    async def probe(self, store: StoreSpec, version: int) -> Replies[Probed]:
+        return await self.call(PROBE, ProbeArgs(store, version))
 
     async def live_sums(self) -> Replies[RankSums]:
         return await self.call(LIVE_SUMS, NoArgs())
@@ -290,8 +290,8 @@ class Workers:
     async def stage_poll(self, ticket: str) -> Replies[StagePoll]:
         return await self.call(STAGE_POLL, TicketArgs(ticket))
 
-    async def commit(self, ticket: str, method: Method = "delta", fault: str | None = None) -> Replies[Committed]:
-        return await self.call(COMMIT, CommitArgs(ticket, method, fault))
+    async def write(self, ticket: str, method: Method = "delta", fault: str | None = None) -> Replies[Written]:
+        return await self.call(WRITE, WriteArgs(ticket, method, fault))
 
     async def rollback(self, ticket: str) -> Replies[RolledBack]:
         return await self.call(ROLLBACK, TicketArgs(ticket))
@@ -320,8 +320,8 @@ class EngineCore:
             raise known(error.message) if known is not None else error.to_error(None)
         return replies.all()[0]
 
-    async def commit_all(self, args: CommitAllArgs) -> CommittedAll:
-        return await self._one(COMMIT_ALL, args)
+    async def write_all(self, args: WriteAllArgs) -> WrittenAll:
+        return await self._one(WRITE_ALL, args)
 
     async def set_label(self, version: int | None, mode: LabelCause) -> LabelSet:
         return await self._one(SET_LABEL, LabelArgs(version=version, mode=mode))

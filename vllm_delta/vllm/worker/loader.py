@@ -112,7 +112,7 @@ class DeltaModelLoader(DefaultModelLoader):
         t0 = time.perf_counter()
         replica = DeltaReplica(model)
         try:
-            fallback = replica.prepare(
+            fallback = replica.probe_layout(
                 {n: tuple(e.shape) for n, e in header.tensors.items()},
                 validate=self.options.validate,
                 force_fallback=self.options.fallback,

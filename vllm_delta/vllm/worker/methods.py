@@ -21,9 +21,8 @@ from ...server_api import FAULTS_ENV
 from ...store import VersionRecord
 from ..shared import heap, rpc
 from ..shared.messages import (
-    Committed,
     HeapReport,
-    Prepared,
+    Probed,
     RankSums,
     Released,
     RolledBack,
@@ -31,6 +30,7 @@ from ..shared.messages import (
     StageStarted,
     TestWritten,
     WorkerStatus,
+    Written,
 )
 from ..shared.options import StoreSpec
 from .replica import DeltaReplica, replica_of
@@ -62,28 +62,28 @@ def status(r: DeltaReplica, args: rpc.StatusArgs) -> WorkerStatus:
         rank=r.rank,
         version=r.served.version,
         checksum=r.served.checksum,
-        prepared=r.prepared,
+        probed=r.probed,
         fallback=r.fallback_names,
         tickets=sorted(r.tickets),
-        coverage=r.coverage() if r.prepared else None,
-        live_sums=r.live_sums() if args.live_sums and r.prepared else None,
+        coverage=r.coverage() if r.probed else None,
+        live_sums=r.live_sums() if args.live_sums and r.probed else None,
     )
 
 
-def prepare(r: DeltaReplica, args: rpc.PrepareArgs) -> Prepared:
+def probe(r: DeltaReplica, args: rpc.ProbeArgs) -> Probed:
     """Probe the layout from the shapes of `version` (collective: every rank runs it together)."""
-    if r.prepared:
-        return Prepared(r.fallback_names)
+    if r.probed:
+        return Probed(r.fallback_names)
     header = open_store(args.store).open(args.version, fresh=True).header
-    fallback = r.prepare({n: tuple(e.shape) for n, e in header.tensors.items()})
+    fallback = r.probe_layout({n: tuple(e.shape) for n, e in header.tensors.items()})
     if fallback:
         log.warning("vllm-delta: tensors through vLLM's sparse path: %s", fallback)
-    return Prepared(sorted(fallback))
+    return Probed(sorted(fallback))
 
 
 def live_sums(r: DeltaReplica, args: rpc.NoArgs) -> RankSums:
     """This rank's share of the live per-tensor sums (the API process adds the ranks up)."""
-    if not r.prepared:
+    if not r.probed:
         raise UnsupportedModelError("the layout has not been probed yet")
     return RankSums(r.served.version, r.live_sums())
 
@@ -114,8 +114,8 @@ def stage_poll(r: DeltaReplica, args: rpc.TicketArgs) -> StagePoll:
     return StagePoll.of(r.poll(args.ticket))
 
 
-def commit(r: DeltaReplica, args: rpc.CommitArgs) -> Committed:
-    return Committed(r.commit(args.ticket, fault=args.fault, method=args.method))
+def write(r: DeltaReplica, args: rpc.WriteArgs) -> Written:
+    return Written(r.write(args.ticket, fault=args.fault, method=args.method))
 
 
 def rollback(r: DeltaReplica, args: rpc.TicketArgs) -> RolledBack:
@@ -157,12 +157,12 @@ WORKER_METHODS: dict[str, Callable[..., Any]] = {
     m.__name__: m
     for m in (
         rpc.serve(rpc.STATUS, _on_worker(status)),
-        rpc.serve(rpc.PREPARE, _on_worker(prepare)),
+        rpc.serve(rpc.PROBE, _on_worker(probe)),
         rpc.serve(rpc.LIVE_SUMS, _on_worker(live_sums)),
         rpc.serve(rpc.SERVED_SUMS, _on_worker(served_sums)),
         rpc.serve(rpc.STAGE_START, _on_worker(stage_start)),
         rpc.serve(rpc.STAGE_POLL, _on_worker(stage_poll)),
-        rpc.serve(rpc.COMMIT, _on_worker(commit)),
+        rpc.serve(rpc.WRITE, _on_worker(write)),
         rpc.serve(rpc.ROLLBACK, _on_worker(rollback)),
         rpc.serve(rpc.RELEASE, _on_worker(release)),
     )

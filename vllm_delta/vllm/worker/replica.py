@@ -2,12 +2,12 @@
 
 The API process drives every rank through the same steps (collective_rpc, see methods.py):
 
-    prepare   probe + validate the layout once (main thread: it swaps torch.Tensor.copy_)
+    probe     probe + validate the layout once (main thread: it swaps torch.Tensor.copy_)
     stage     open and decode versions, gather the rollback buffer, compute checksum partials;
               runs on the replica's one staging thread so the worker keeps generating meanwhile
               (one long-lived thread, not one per update: no thread churn, one malloc arena)
-    commit    inside the pause: write in place (the engine restores this rank itself on failure)
-    rollback  undo a committed update (another rank failed)
+    write     inside the pause: write in place (the engine restores this rank itself on failure)
+    rollback  undo the writes of an update (another rank failed)
     release   drop a staged update's buffers
 
 The served version lives here too, per rank, so that every rank can say what it holds. The replica
@@ -69,8 +69,8 @@ class Ticket:
     fallback: FallbackStage | None = None
     error: BaseException | None = None
     stage_ms: float = 0.0
-    previous: Served | None = None  # what was served before this ticket's commit
-    method: Method = "delta"  # "vllm": commit through vLLM's sparse path instead (vllm_path.py)
+    previous: Served | None = None  # what was served before this ticket's writes
+    method: Method = "delta"  # "vllm": write through vLLM's sparse path instead (vllm_path.py)
     vllm_patches: list[Any] | None = None  # for method "vllm": vLLM CheckpointWeightPatch objects
 
 
@@ -90,10 +90,10 @@ class DeltaReplica:
 
     # -- the layout (collective) ----------------------------------------------------------------
     @property
-    def prepared(self) -> bool:
+    def probed(self) -> bool:
         return self.engine is not None
 
-    def prepare(
+    def probe_layout(
         self, hf_shapes: dict[str, tuple[int, ...]], *, validate: bool = True, force_fallback: Iterable[str] = ()
     ) -> dict[str, str]:
         """Probe, check post-processing (derived.py), validate and combine the layout over all ranks.
@@ -313,7 +313,7 @@ class DeltaReplica:
         )
 
     # -- the pause ------------------------------------------------------------------------------
-    def commit(self, ticket: str, fault: str | None = None, method: Method = "delta") -> float:
+    def write(self, ticket: str, fault: str | None = None, method: Method = "delta") -> float:
         """Write a staged update in place; returns the time taken (ms). On failure this rank is restored
         before the error propagates. `method` "vllm" writes through vLLM's sparse path instead (the
         ticket must have been staged for it)."""
@@ -321,15 +321,15 @@ class DeltaReplica:
         if t.staged is None:
             raise ValueError(f"ticket {ticket} is not staged")
         if method == "vllm":
-            return self._commit_through_vllm(ticket, t)
+            return self._write_through_vllm(ticket, t)
         if method != "delta":
             raise ValueError(f"unknown apply method {method!r}")
         engine = self._require()
         assert self.fallback is not None and t.fallback is not None
         t0 = time.perf_counter()
-        engine.commit(t.staged)
+        engine.write(t.staged)
         try:
-            self.fallback.commit(t.fallback)
+            self.fallback.write(t.fallback)
             self.recompute_derived()
             if fault == f"commit@{self.rank}" and os.environ.get(FAULTS_ENV) == "1":
                 raise InjectedFaultError(f"injected fault after the writes on rank {self.rank}")
@@ -341,7 +341,7 @@ class DeltaReplica:
         t.previous, self.served = self.served, Served.from_header(t.staged.header)
         return (time.perf_counter() - t0) * 1e3
 
-    def _commit_through_vllm(self, ticket: str, t: Ticket) -> float:
+    def _write_through_vllm(self, ticket: str, t: Ticket) -> float:
         if t.vllm_patches is None:
             raise ValueError(f"ticket {ticket} was not staged for vLLM's sparse path")
         engine = self._require()
@@ -350,12 +350,12 @@ class DeltaReplica:
 
         def write() -> None:
             vllm_path.load_patches(self.model, patches)
-            fallback.commit(fallback_stage)
+            fallback.write(fallback_stage)
             self.recompute_derived()  # handlers' derived tensors (handlers.py)
 
         # The same elements as our plan: on failure the engine's rollback buffer restores them.
         try:
-            apply_ms = engine.commit_with(t.staged, write)
+            apply_ms = engine.write_with(t.staged, write)
         except BaseException:
             self.recompute_derived()
             raise
@@ -363,9 +363,9 @@ class DeltaReplica:
         return apply_ms
 
     def rollback(self, ticket: str) -> bool:
-        """Undo a committed ticket (another rank failed). False if there was nothing to undo."""
+        """Undo a written ticket (another rank failed). False if there was nothing to undo."""
         t = self.tickets.get(ticket)
-        if t is None or t.staged is None or not t.staged.committed:
+        if t is None or t.staged is None or not t.staged.written:
             return False
         assert self.fallback is not None and t.fallback is not None
         self.fallback.rollback(t.fallback)

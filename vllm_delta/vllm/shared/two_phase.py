@@ -1,22 +1,23 @@
-"""The update protocol, written once: stage every rank -> verify -> commit every rank -> roll every rank
-back if one failed -> release.
+"""The update protocol, written once: stage every rank -> verify -> write every rank in place -> roll
+every rank back if one failed -> release. (Words: "write" is the in-place writes of a staged update;
+"commit" is reserved for the store's commit protocol, vllm_delta/store/.)
 
-    TwoPhaseCommit.apply(update, options)   the whole order (this class owns it; subclasses fill in the
+    TwoPhaseUpdate.apply(update, options)   the whole order (this class owns it; subclasses fill in the
                                             steps for the process they run in, like vLLM's
                                             BaseModelLoader.load_model)
       .stage(update)                        stage + verify: nothing is written; on failure nothing is
                                             held and a 422 drops the versions' cached copies
-      .commit(staged, options)              commit every rank (rolled back everywhere if one failed),
+      .write(staged, options)               write every rank (rolled back everywhere if one failed),
                                             then release
-    commit_all(ranks, ...)                  commit every rank; if any failed, roll every rank back
+    write_all(ranks, ...)                   write every rank; if any failed, roll every rank back
 
 Who runs what (the transport differs, never the order; rpc.py):
 
-    API process    TwoPhaseCommit (api_server/service.py): staging on the workers' background threads, polled
-                   over RPC; its commit step is ONE engine-core call (rpc.COMMIT_ALL)
-    engine core    commit_all over model_executor.collective_rpc, inside the API's pause or between
-                   two engine steps (engine_core/reserved.py), with the label change as its after-writes step
-    worker ranks   TwoPhaseCommit (the weight-transfer backend): every rank runs the whole protocol,
+    API process    TwoPhaseUpdate (api_server/worker_update.py): staging on the workers' background
+                   threads, polled over RPC; its write step is ONE engine-core call (rpc.WRITE_ALL)
+    engine core    write_all over model_executor.collective_rpc, inside the API's pause or between
+                   two engine steps (engine_core/calls.py), with the label change as its after-writes step
+    worker ranks   TwoPhaseUpdate (the weight-transfer backend): every rank runs the whole protocol,
                    exchanging its replies with the other ranks (the same replies, in rank order;
                    worker/backend.py)
 
@@ -37,7 +38,7 @@ from ...checksums import Sums, verify_partials
 from ...errors import http_status
 from ...format import VersionHeader
 from ...server_api import Method, UpdateMode
-from .messages import Committed, RolledBack, StageSummary
+from .messages import RolledBack, StageSummary, Written
 from .rpc import Replies
 
 T = TypeVar("T")
@@ -74,22 +75,22 @@ class Staged:
 
 
 @dataclass(frozen=True)
-class CommitOptions:
+class WriteOptions:
     mode: UpdateMode = "keep"  # how requests ride through it (the API process pauses, or not)
     fault: str | None = None  # test hook (messages.FAULTS_ENV)
 
 
-# -- commit every rank, roll every rank back -------------------------------------------------------
-class CommittingRanks(Protocol):
+# -- write every rank, roll every rank back --------------------------------------------------------
+class WritingRanks(Protocol):
     """Every rank at once (replies in rank order): rpc.Workers, or a worker rank and its peers."""
 
-    async def commit(self, ticket: str, method: Method = "delta", fault: str | None = None) -> Replies[Committed]: ...
+    async def write(self, ticket: str, method: Method = "delta", fault: str | None = None) -> Replies[Written]: ...
 
     async def rollback(self, ticket: str) -> Replies[RolledBack]: ...
 
 
 @dataclass(frozen=True)
-class AllCommitted(Generic[T]):
+class AllWritten(Generic[T]):
     apply_ms: float  # the in-place writes, slowest rank
     after: T  # what the after-writes step returned
 
@@ -109,21 +110,21 @@ class RollbackFailed:
     rollback_failure: str
 
 
-CommitOutcome = AllCommitted[T] | AllRolledBack | RollbackFailed
+WriteOutcome = AllWritten[T] | AllRolledBack | RollbackFailed
 
 
-async def commit_all(
-    ranks: CommittingRanks,
+async def write_all(
+    ranks: WritingRanks,
     ticket: str,
     *,
     method: Method = "delta",
     fault: str | None = None,
     after_writes: Callable[[float], T],
-) -> CommitOutcome[T]:
-    """Commit `ticket` on every rank. If a rank failed (or the transport did: a worker died), or then
+) -> WriteOutcome[T]:
+    """Write `ticket` in place on every rank. If a rank failed (or the transport did: a worker died), or then
     `after_writes(apply_ms)` failed, roll every rank back before anything else runs on the ranks."""
     try:
-        replies = await ranks.commit(ticket, method, fault)
+        replies = await ranks.write(ticket, method, fault)
     except Exception as exc:  # noqa: BLE001 - e.g. a worker died: roll back what can be
         failure = f"{type(exc).__name__}: {exc}"
     else:
@@ -131,7 +132,7 @@ async def commit_all(
         if replies.ok:
             apply_ms = max((r.apply_ms for r in replies.all()), default=0.0)
             try:
-                return AllCommitted(apply_ms, after_writes(apply_ms))
+                return AllWritten(apply_ms, after_writes(apply_ms))
             except Exception as exc:  # noqa: BLE001 - after the writes: undo them, the caller sees the failure
                 failure = f"after the writes: {type(exc).__name__}: {exc}"
     try:
@@ -145,12 +146,12 @@ async def commit_all(
 
 
 # -- the whole order -------------------------------------------------------------------------------
-class TwoPhaseCommit(ABC, Generic[Out]):
-    """Owns the order of an update; subclasses fill in the steps where they run. `Out`: what a commit
+class TwoPhaseUpdate(ABC, Generic[Out]):
+    """Owns the order of an update; subclasses fill in the steps where they run. `Out`: what a write
     returns there (the API process: its timings; the weight-transfer backend: nothing)."""
 
-    async def apply(self, update: Update, options: CommitOptions) -> Out:
-        return await self.commit(await self.stage(update), options)
+    async def apply(self, update: Update, options: WriteOptions) -> Out:
+        return await self.write(await self.stage(update), options)
 
     async def stage(self, update: Update) -> Staged:
         """Stage on every rank, then verify the ranks' partials against the target's header before
@@ -171,10 +172,10 @@ class TwoPhaseCommit(ABC, Generic[Out]):
             raise
         return Staged(update, summaries, (time.perf_counter() - t0) * 1e3)
 
-    async def commit(self, staged: Staged, options: CommitOptions) -> Out:
-        """Commit every rank (every rank rolled back if one failed), then release the ticket."""
+    async def write(self, staged: Staged, options: WriteOptions) -> Out:
+        """Write every rank in place (every rank rolled back if one failed), then release the ticket."""
         try:
-            return await self.commit_ranks(staged, options)
+            return await self.write_ranks(staged, options)
         finally:
             await self.release(staged.update.ticket)
 
@@ -188,8 +189,8 @@ class TwoPhaseCommit(ABC, Generic[Out]):
         """(the served per-tensor sums the partials add to, the header of the target version)."""
 
     @abstractmethod
-    async def commit_ranks(self, staged: Staged, options: CommitOptions) -> Out:
-        """commit_all, here or in the engine core; raises unless every rank committed."""
+    async def write_ranks(self, staged: Staged, options: WriteOptions) -> Out:
+        """write_all, here or in the engine core; raises unless every rank wrote."""
 
     @abstractmethod
     async def release(self, ticket: str) -> None:

@@ -1,14 +1,26 @@
-"""The update protocol's steps in the API process (shared/commit.py owns their order).
+"""The update protocol's steps in the API process (shared/two_phase.py owns their order).
 
-stage_ranks          fetch the versions' files once into the host's cache (each checked against
-                     the record the plan was decided on; the target's header is kept), probe the
-                     layout if no rank has, start staging on every rank, poll until done
-verification_basis   the served version's recorded sums (the service keeps them) and that header
-commit_ranks         ONE engine-core call (rpc.COMMIT_ALL): inside a pause (keep | wait | abort:
-                     pause, commit + label, prefix-cache reset, resume) or between two engine
-                     steps (inflight)
-release              the ticket on every rank that may hold it
-drop_cached          the versions' cached copies (after an integrity failure)
+One update, from the plan on (the service reads what the ranks serve and plans first):
+
+    plan      which versions to apply (shared/plan.py: successor rule, 404 / 409)
+    fetch     download the versions' files once into the host's cache, each checked against the
+              record the plan was decided on; the target's header is kept (the workers of this host
+              find the files there)
+    probe     the layout on every rank, once
+    stage     every rank decodes its share on a background thread, polled until done; the server
+              keeps generating
+    verify    the ranks' checksum partials added to the served version's sums (`Ranks.served_sums`)
+              must give the target header's sums, per tensor (422 on mismatch: nothing has been written)
+    pause     pause scheduling (mode keep | wait | abort)
+    write     ONE engine-core call (rpc.WRITE_ALL, engine_core/calls.py): every rank writes in place;
+              if any rank fails, every rank rolls back; the weight-version label := the new version
+    reset     the prefix cache (its KV was computed with the old weights), only after the writes
+    resume    always (finally), unless a rollback failed: then the engine core stopped scheduling
+    release   the staged buffers, on every rank (drop_cached: the versions' cached copies, after an
+              integrity failure)
+
+Mode "inflight" makes the same engine-core call with no pause: it runs between two engine steps and
+also drops the prefix-cache hashes and taints running requests. Nothing is preempted.
 """
 
 from __future__ import annotations
@@ -25,12 +37,12 @@ from typing import TYPE_CHECKING, Any
 from ...checksums import Sums
 from ...errors import DeltaError, RollbackFailedError
 from ...format import VersionHeader
-from ...server_api import PAUSE_MODES
+from ...server_api import PAUSE_MODES, UpdateRequest, UpdateResult
 from ..shared import rpc
-from ..shared.commit import CommitOptions, Staged, TwoPhaseCommit, Update
-from ..shared.messages import CommittedAll, StageSummary, WorkerStatus
+from ..shared.messages import StageSummary, WorkerStatus, WrittenAll
 from ..shared.options import StoreSpec
 from ..shared.plan import UpdatePlan
+from ..shared.two_phase import Staged, TwoPhaseUpdate, Update, WriteOptions
 from .deadline import Deadline
 
 if TYPE_CHECKING:
@@ -67,15 +79,15 @@ class ApiProcess:
 
 @dataclass(frozen=True)
 class Applied:
-    """A committed update, as the API process sees it."""
+    """A written update, as the API process sees it."""
 
     staged: Staged
     pause_ms: float  # pause to resume; in flight: the engine loop's stall
     apply_ms: float  # the in-place writes, slowest rank
-    inflight: CommittedAll | None = None  # mode "inflight": what the engine core did
+    inflight: WrittenAll | None = None  # mode "inflight": what the engine core did
 
 
-class WorkerUpdate(TwoPhaseCommit[Applied]):
+class WorkerUpdate(TwoPhaseUpdate[Applied]):
     """The protocol's steps for one plan made against `served`."""
 
     def __init__(
@@ -100,8 +112,8 @@ class WorkerUpdate(TwoPhaseCommit[Applied]):
         # checked against the record this plan was decided on; the target's header is kept to verify.
         for rec in self.plan.records:
             self.target_header = await api.deadline.in_thread(functools.partial(_header_of, self.store, rec))
-        if not self.served.prepared:
-            (await api.workers.prepare(api.spec, update.target)).all()
+        if not self.served.probed:
+            (await api.workers.probe(api.spec, update.target)).all()
         args = rpc.StageArgs(
             ticket=update.ticket,
             store=api.spec,
@@ -131,8 +143,8 @@ class WorkerUpdate(TwoPhaseCommit[Applied]):
         assert self.target_header is not None
         return await self._served_sums(self.served), self.target_header
 
-    async def commit_ranks(self, staged: Staged, options: CommitOptions) -> Applied:
-        return await commit_through_engine_core(self.api, staged, options)
+    async def write_ranks(self, staged: Staged, options: WriteOptions) -> Applied:
+        return await write_through_engine_core(self.api, staged, options)
 
     async def release(self, ticket: str) -> None:
         if ticket in self._sent:  # best effort: errors are the workers' to log
@@ -152,23 +164,23 @@ def _header_of(store: DeltaStore, rec: VersionRecord) -> VersionHeader:
         vf.close()
 
 
-async def commit_through_engine_core(api: ApiProcess, staged: Staged, options: CommitOptions) -> Applied:
-    """Commit a staged, verified update on every rank through ONE engine-core call (rpc.COMMIT_ALL):
+async def write_through_engine_core(api: ApiProcess, staged: Staged, options: WriteOptions) -> Applied:
+    """Commit a staged, verified update on every rank through ONE engine-core call (rpc.WRITE_ALL):
     inside a pause (mode keep | wait | abort), or between two engine steps with no pause (mode
     "inflight"; InflightRefusedError, 409, where the engine cannot take it safely). A rank that fails
     rolls every rank back (CommitFailedError, 500); nothing has changed then."""
-    api.deadline.clear()  # the pause is not cut short: commit and roll back run to the end
+    api.deadline.clear()  # the pause is not cut short: the writes and a rollback run to the end
     update = staged.update
-    args = rpc.CommitAllArgs(update.ticket, update.target, update.method, options.fault, options.mode)
+    args = rpc.WriteAllArgs(update.ticket, update.target, update.method, options.fault, options.mode)
     if options.mode not in PAUSE_MODES:
-        inflight = await api.engine_core.commit_all(args)
+        inflight = await api.engine_core.write_all(args)
         return Applied(staged, inflight.engine_ms, inflight.apply_ms, inflight)
     t0 = time.perf_counter()
-    # Caches are reset after a successful commit only: a failed update leaves them valid.
+    # Caches are reset after successful writes only: a failed update leaves them valid.
     await api.engine.pause_generation(mode=options.mode, clear_cache=False)
     resume = True
     try:
-        committed = await api.engine_core.commit_all(args)
+        written = await api.engine_core.write_all(args)
         await _reset_prefix_cache(api.engine)
     except RollbackFailedError:
         resume = False  # the engine core stopped scheduling: the ranks may disagree
@@ -176,7 +188,7 @@ async def commit_through_engine_core(api: ApiProcess, staged: Staged, options: C
     finally:
         if resume:
             await api.engine.resume_generation()
-    return Applied(staged, (time.perf_counter() - t0) * 1e3, committed.apply_ms)
+    return Applied(staged, (time.perf_counter() - t0) * 1e3, written.apply_ms)
 
 
 async def _reset_prefix_cache(engine: Any) -> None:
@@ -185,3 +197,44 @@ async def _reset_prefix_cache(engine: Any) -> None:
             return
         await asyncio.sleep(0.01)
     log.warning("vllm-delta: the prefix cache could not be reset after an update")
+
+
+def update_result(
+    plan: UpdatePlan, previous: int | None, request: UpdateRequest, applied: Applied, prefetched: bool
+) -> UpdateResult:
+    """The answer to an update that wrote `plan` from `previous`."""
+    summaries = applied.staged.summaries
+    return UpdateResult(
+        version=plan.target,
+        previous_version=previous,
+        pause_ms=applied.pause_ms,
+        apply_ms=applied.apply_ms,
+        stage_ms=applied.staged.stage_ms,
+        nnz=plan.nnz,
+        bytes=plan.bytes,
+        applied=plan.versions,
+        mode=request.mode,
+        method=request.method,
+        reanchored=plan.reanchor,
+        prefetched=prefetched,
+        elements_written=sum(s.nnz for s in summaries),
+        staged_bytes=sum(s.bytes for s in summaries),
+        timings=summaries[0].timings,
+        inflight=applied.inflight.answer() if applied.inflight is not None else None,
+    )
+
+
+def unchanged_result(target: int, previous: int | None, request: UpdateRequest) -> UpdateResult:
+    """The answer to an update to the version already served (`target`): no pause, nothing applied."""
+    return UpdateResult(
+        version=target,
+        previous_version=previous,
+        pause_ms=0.0,
+        apply_ms=0.0,
+        stage_ms=0.0,
+        nnz=0,
+        bytes=0,
+        applied=[],
+        mode=request.mode,
+        method=request.method,
+    )
