@@ -31,8 +31,10 @@ LAYERS: list[tuple[str, ...]] = [
         "store.cache",
         "store.retention",
         "store.polling",
+        "store.record_reader",
+        "store.mark_folder",
         "store.writes",
-    ),  # filesystem access, download cache, retention, latest(), writing
+    ),  # filesystem access, download cache, retention, latest(), reading records, marks, writing
     ("store.delta_store", "store"),  # DeltaStore, and the package that exports it
     ("store.ledger", "reconstruct"),  # the fleet view; replay and materialize
     ("trainer", "apply", "mirror"),  # the publishing side; the apply engine (plain tensors, no vLLM); regions

@@ -76,10 +76,28 @@ def main(out: str) -> None:
         commit(store, write_parts(tmp, base + 3, base + 2, codec="chunked"))  # chunked parts (format 3)
         mirror.run_once()
         store.mark_bad(2, "diverged: loss spiked at step 2", by="alice@trainer-0:4242")
-        store.mark_bad(base + 2, "a mark with ünïcode and \"quotes\"")
+        store.mark_bad(base + 2, 'a mark with ünïcode and "quotes"')
         ledger = Ledger(store)
-        ledger.report(ReplicaReport("gpu-0", "host-a", 7, "0123456789abcdef", "0123456789abcdef", 8, 3.25, None, 1764123456.7, 1764120000.0))
-        ledger.report(ReplicaReport("gpu-1", "host-b", None, None, None, None, None, "store timed out", 1764123457.125, 1764120001.5, region="eu"))
+        ledger.report(
+            ReplicaReport(
+                "gpu-0", "host-a", 7, "0123456789abcdef", "0123456789abcdef", 8, 3.25, None, 1764123456.7, 1764120000.0
+            )
+        )
+        ledger.report(
+            ReplicaReport(
+                "gpu-1",
+                "host-b",
+                None,
+                None,
+                None,
+                None,
+                None,
+                "store timed out",
+                1764123457.125,
+                1764120001.5,
+                region="eu",
+            )
+        )
         mirror.run_once()  # the marks
         mirror.close()
         lease = Lease(DeltaStore(mirrored), "mirror-eu", src=root, region="eu", ttl_s=60.0, settle_s=0.0)
