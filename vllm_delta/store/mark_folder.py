@@ -38,7 +38,7 @@ class MarkFolder:
             return existing
         mark = BadMark(rec.version, rec.checksum, reason, time.time(), by or default_marker())
         try:
-            self.io.write_small(self.io.path(MARKS_DIR, mark_name(rec.version)), mark.to_json())
+            self.io.write_small(self.io.path(MARKS_DIR, mark_name(rec.version)), mark.to_json().encode())
         except PermissionError as exc:
             raise StoreAccessError(
                 f"cannot mark version {rec.version} bad: store {self.io.uri} refuses writes ({exc})",

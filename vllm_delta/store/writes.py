@@ -297,7 +297,9 @@ class VersionWriter:
                 and self.records.load_record(head.version, True) is not None
             ):
                 return
-            self.io.write_small(self._path(HEAD_NAME), StoreHead(rec.version, rec.checksum, time.time()).to_json())
+            self.io.write_small(
+                self._path(HEAD_NAME), StoreHead(rec.version, rec.checksum, time.time()).to_json().encode()
+            )
         except (OSError, DeltaError) as exc:
             log.warning("%s: could not update %s after version %d: %s", self.uri, HEAD_NAME, rec.version, exc)
 
