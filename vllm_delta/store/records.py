@@ -2,8 +2,9 @@
 
 A version is visible iff its record is (docs/FORMAT.md, "Store layout"). This module knows what a
 record says and which names a store uses (folders, record and data file names); it does no I/O:
-`store.py` reads and writes records, `cache.py` verifies downloaded copies of the files a record
-names, `retention.py` decides which records go. A record change (a field, a format version) is made
+`record_reader.py` reads records, `writes.py` writes them, `cache.py` verifies downloaded copies of
+the files a record names, `retention.py` decides which records go. A record's JSON comes from its
+fields through wire.py's codec (`wire.Document`). A record change (a field, a format version) is made
 here and in docs/FORMAT.md.
 """
 
