@@ -124,7 +124,7 @@ def _members(hint: Any) -> list[Any]:
 # Both directions build one function per type hint, once (functools.cache), so that the per-value
 # work is the value's own: a version header of 20,000 tensors is 20,000 entries to walk.
 Encoder = Callable[[Any], Any]
-Decoder = Callable[[Any, str], Any]
+Decoder = Callable[[Any, Any], Any]  # (data, where it is): `where` is a path, made a string only for an error
 _SCALARS = (str, int, float, bool)
 
 
@@ -207,8 +207,28 @@ def decode(cls: type[T], data: Any) -> T:
     return cast(T, _decoder(hint)(data, cls.__name__))
 
 
-def _as_is(data: Any, where: str) -> Any:
+def _as_is(data: Any, where: Any) -> Any:
     return data
+
+
+def _field(where: Any, suffix: str) -> Any:
+    """The path of a field (`suffix` is ".name"), built without formatting anything."""
+    return (where, suffix)
+
+
+def _item(where: Any, key: Any) -> Any:
+    """The path of a list item or a mapping's value: `[key!r]` once formatted."""
+    return (where, key, None)
+
+
+def _where(path: Any) -> str:
+    """The path as error messages name it: `Message.field[3]['key']`."""
+    parts = []
+    while isinstance(path, tuple):
+        parts.append(path[1] if len(path) == 2 else f"[{path[1]!r}]")
+        path = path[0]
+    parts.append(str(path))
+    return "".join(reversed(parts))
 
 
 @functools.cache
@@ -218,14 +238,25 @@ def _decoder(hint: Any) -> Decoder:
         return _as_is
     if _is_union(base):
         return _union_decoder(base)
+    name = _name(base)
+    if base in (str, int, float) and not extras:
+        exact = base
+
+        def scalar(data: Any, where: Any) -> Any:
+            if type(data) is exact:  # the common case, decided at once
+                return data
+            if data is None:
+                raise TypeError(f"{_where(where)}: null where {name} is expected")
+            return _decode_scalar(exact, data, where)
+
+        return scalar
     inner = _value_decoder(base, extras)
     if base is type(None):
         return lambda data, where: None if data is None else inner(data, where)
-    name = _name(base)
 
-    def dec(data: Any, where: str) -> Any:
+    def dec(data: Any, where: Any) -> Any:
         if data is None:
-            raise TypeError(f"{where}: null where {name} is expected")
+            raise TypeError(f"{_where(where)}: null where {name} is expected")
         return inner(data, where)
 
     return dec
@@ -246,10 +277,10 @@ def _value_decoder(base: Any, extras: tuple[Any, ...]) -> Decoder:
     if origin is Literal:
         types_ = {type(a) for a in args}
 
-        def literal(data: Any, where: str) -> Any:
+        def literal(data: Any, where: Any) -> Any:
             if data in args and type(data) in types_:
                 return data
-            raise ValueError(f"{where}: {data!r:.60} is not one of {list(args)}")
+            raise ValueError(f"{_where(where)}: {data!r:.60} is not one of {list(args)}")
 
         return literal
     if base in (list, tuple) or origin in (list, tuple):
@@ -258,10 +289,10 @@ def _value_decoder(base: Any, extras: tuple[Any, ...]) -> Decoder:
         element = _decoder(args[0] if args else Any)
         as_tuple = base is tuple or origin is tuple
 
-        def sequence(data: Any, where: str) -> Any:
+        def sequence(data: Any, where: Any) -> Any:
             if not isinstance(data, (list, tuple)):
-                raise TypeError(f"{where}: a list is expected, not {type(data).__name__}")
-            items = [element(x, f"{where}[{i}]") for i, x in enumerate(data)]
+                raise TypeError(f"{_where(where)}: a list is expected, not {type(data).__name__}")
+            items = [element(x, (where, i, None)) for i, x in enumerate(data)]  # _item(where, i), inlined
             return tuple(items) if as_tuple else items
 
         return sequence
@@ -271,9 +302,9 @@ def _value_decoder(base: Any, extras: tuple[Any, ...]) -> Decoder:
         item = _decoder(item_hint)
         int_keys = key_hint is int
 
-        def mapping(data: Any, where: str) -> Any:
+        def mapping(data: Any, where: Any) -> Any:
             return {
-                (int(k) if int_keys else key(k, where)): item(v, f"{where}[{k!r}]")
+                (int(k) if int_keys else key(k, where)): item(v, (where, k, None))  # _item(where, k), inlined
                 for k, v in _mapping(data, where).items()
             }
 
@@ -281,10 +312,10 @@ def _value_decoder(base: Any, extras: tuple[Any, ...]) -> Decoder:
     return functools.partial(_decode_scalar, base)
 
 
-def _decode_number(data: Any, where: str) -> Any:
+def _decode_number(data: Any, where: Any) -> Any:
     if isinstance(data, (int, float)) and not isinstance(data, bool):
         return data
-    raise TypeError(f"{where}: {type(data).__name__} where a number is expected")
+    raise TypeError(f"{_where(where)}: {type(data).__name__} where a number is expected")
 
 
 def _union_decoder(hint: Any) -> Decoder:
@@ -292,11 +323,11 @@ def _union_decoder(hint: Any) -> Decoder:
     nullable = type(None) in get_args(hint)
     members = [_decoder(m) for m in _members(hint)]
 
-    def union(data: Any, where: str) -> Any:
+    def union(data: Any, where: Any) -> Any:
         if data is None:
             if nullable:
                 return None
-            raise TypeError(f"{where}: null where {name} is expected")
+            raise TypeError(f"{_where(where)}: null where {name} is expected")
         if len(members) == 1:
             return members[0](data, where)
         for member in members:  # e.g. `int | str`: the first member that takes the value
@@ -304,22 +335,23 @@ def _union_decoder(hint: Any) -> Decoder:
                 return member(data, where)
             except (TypeError, ValueError):
                 continue
-        raise TypeError(f"{where}: {data!r:.60} is none of {name}")
+        raise TypeError(f"{_where(where)}: {data!r:.60} is none of {name}")
 
     return union
 
 
 def _dataclass_decoder(cls: type) -> Decoder:
     check = getattr(cls, "check_wire", None)
-    plan: list[tuple[str, Decoder, bool, bool]] | None = None  # built at the first call: a field may be a cls
+    plan: list[tuple[str, str, Decoder, bool, bool]] | None = None  # built at the first call: a field may be cls
 
-    def dataclass_(data: Any, where: str) -> Any:
+    def dataclass_(data: Any, where: Any) -> Any:
         nonlocal plan
         if plan is None:
             hints = _hints(cls)
             plan = [
                 (
                     f.name,
+                    f".{f.name}",
                     _decoder(hints[f.name]),
                     f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING,
                     _allows_none(hints[f.name]),
@@ -331,14 +363,14 @@ def _dataclass_decoder(cls: type) -> Decoder:
             check(data)
         fields = _mapping(data, where)
         kwargs: dict[str, Any] = {}
-        for name, field_decoder, has_default, allows_none in plan:
+        for name, suffix, field_decoder, has_default, allows_none in plan:
             if name in fields:
                 value = fields[name]
                 if value is None and has_default and not allows_none:
                     continue  # null for a field that has a default: the default
-                kwargs[name] = field_decoder(value, f"{where}.{name}")
+                kwargs[name] = field_decoder(value, (where, suffix))  # _field(where, suffix), inlined
             elif not has_default:
-                raise ValueError(f"{where}: the field {name!r} is missing")
+                raise ValueError(f"{_where(where)}: the field {name!r} is missing")
         return cls(**kwargs)
 
     return dataclass_
@@ -353,31 +385,31 @@ def _named_tuple_decoder(cls: type) -> Decoder:
     names: tuple[str, ...] = cls._fields  # type: ignore[attr-defined]
     plan: list[tuple[str, Decoder]] | None = None  # built at the first call, as for dataclasses
 
-    def named_tuple(data: Any, where: str) -> Any:
+    def named_tuple(data: Any, where: Any) -> Any:
         nonlocal plan
         if plan is None:
             hints = _hints(cls)
             plan = [(n, _decoder(hints[n])) for n in names]
         if isinstance(data, (list, tuple)):
             if len(data) != len(names):
-                raise ValueError(f"{where}: {len(names)} items ({', '.join(names)}) expected, not {len(data)}")
+                raise ValueError(f"{_where(where)}: {len(names)} items ({', '.join(names)}) expected, not {len(data)}")
             data = dict(zip(names, data))
         fields = _mapping(data, where)
         missing = [n for n in names if n not in fields]
         if missing:
-            raise ValueError(f"{where}: the field {missing[0]!r} is missing")
-        return cls(*(field_decoder(fields[n], f"{where}.{n}") for n, field_decoder in plan))
+            raise ValueError(f"{_where(where)}: the field {missing[0]!r} is missing")
+        return cls(*(field_decoder(fields[n], _field(where, f".{n}")) for n, field_decoder in plan))
 
     return named_tuple
 
 
-def _decode_scalar(base: Any, data: Any, where: str) -> Any:
+def _decode_scalar(base: Any, data: Any, where: Any) -> Any:
     if base is float and isinstance(data, (int, float)) and not isinstance(data, bool):
         return float(data)
     if base is int and isinstance(data, bool):
-        raise TypeError(f"{where}: a boolean where an integer is expected")
+        raise TypeError(f"{_where(where)}: a boolean where an integer is expected")
     if isinstance(base, type) and not isinstance(data, base):
-        raise TypeError(f"{where}: {type(data).__name__} where {base.__name__} is expected")
+        raise TypeError(f"{_where(where)}: {type(data).__name__} where {base.__name__} is expected")
     return data
 
 
@@ -386,9 +418,9 @@ def _allows_none(hint: Any) -> bool:
     return base is Any or (_is_union(base) and type(None) in get_args(base))
 
 
-def _mapping(data: Any, where: str) -> Mapping[Any, Any]:
-    if not isinstance(data, Mapping):
-        raise TypeError(f"{where}: an object is expected, not {type(data).__name__}")
+def _mapping(data: Any, where: Any) -> Mapping[Any, Any]:
+    if type(data) is not dict and not isinstance(data, Mapping):
+        raise TypeError(f"{_where(where)}: an object is expected, not {type(data).__name__}")
     return data
 
 
@@ -403,10 +435,14 @@ class Closed:
 
     @classmethod
     def check_wire(cls, data: Any) -> None:
-        known = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]  # subclasses are dataclasses
-        unknown = sorted(set(data) - known) if isinstance(data, Mapping) else []
-        if unknown:
-            raise ValueError(f"{cls.__name__}: unknown keys {short(unknown)}")
+        known = _field_names(cast(Any, cls))
+        if isinstance(data, Mapping) and not known.issuperset(data):
+            raise ValueError(f"{cls.__name__}: unknown keys {short(sorted(set(data) - known))}")
+
+
+@functools.cache
+def _field_names(cls: type) -> frozenset[str]:
+    return frozenset(f.name for f in dataclasses.fields(cls))
 
 
 class Document:
