@@ -39,7 +39,7 @@ import dataclasses
 import functools
 import json
 import types
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import (
     Annotated,
@@ -288,11 +288,15 @@ def _value_decoder(base: Any, extras: tuple[Any, ...]) -> Decoder:
             raise TypeError(f"only tuple[X, ...] is supported, not {_name(base)}")  # a declaration's bug
         element = _decoder(args[0] if args else Any)
         as_tuple = base is tuple or origin is tuple
+        plain = _plain(args[0] if args else Any)
 
         def sequence(data: Any, where: Any) -> Any:
             if not isinstance(data, (list, tuple)):
                 raise TypeError(f"{_where(where)}: a list is expected, not {type(data).__name__}")
-            items = [element(x, (where, i, None)) for i, x in enumerate(data)]  # _item(where, i), inlined
+            if plain is object or (plain is not None and _all_of_type(data, plain)):
+                items = list(data)  # what the element decoder would return, item by item
+            else:
+                items = [element(x, (where, i, None)) for i, x in enumerate(data)]  # _item(where, i), inlined
             return tuple(items) if as_tuple else items
 
         return sequence
@@ -301,15 +305,41 @@ def _value_decoder(base: Any, extras: tuple[Any, ...]) -> Decoder:
         key = _decoder(key_hint)
         item = _decoder(item_hint)
         int_keys = key_hint is int
+        plain_key, plain_item = _plain(key_hint), _plain(item_hint)
+        copy_as_is = plain_key is not None and plain_item is not None and not int_keys
 
         def mapping(data: Any, where: Any) -> Any:
+            data = _mapping(data, where)
+            if (
+                copy_as_is
+                and (plain_key is object or _all_of_type(data, plain_key))
+                and (plain_item is object or _all_of_type(data.values(), plain_item))
+            ):
+                return dict(data)  # what the key and item decoders would return, one by one
             return {
                 (int(k) if int_keys else key(k, where)): item(v, (where, k, None))  # _item(where, k), inlined
-                for k, v in _mapping(data, where).items()
+                for k, v in data.items()
             }
 
         return mapping
     return functools.partial(_decode_scalar, base)
+
+
+def _all_of_type(values: Iterable[Any], cls: Any) -> bool:
+    """Whether every value is exactly of type `cls` (a loop: faster than all() for short lists)."""
+    for value in values:
+        if type(value) is not cls:
+            return False
+    return True
+
+
+def _plain(hint: Any) -> type | None:
+    """`object` for a hint that takes any value, the type for a value its decoder returns as it is
+    when of exactly that type (str, int, float), else None: lists and mappings of such values are
+    copied in one pass."""
+    if hint is Any or hint is object:
+        return object
+    return hint if hint in (str, int, float) else None
 
 
 def _decode_number(data: Any, where: Any) -> Any:
@@ -435,14 +465,14 @@ class Closed:
 
     @classmethod
     def check_wire(cls, data: Any) -> None:
-        known = _field_names(cast(Any, cls))
-        if isinstance(data, Mapping) and not known.issuperset(data):
+        known = _FIELD_NAMES.get(cls)
+        if known is None:
+            known = _FIELD_NAMES[cls] = frozenset(f.name for f in dataclasses.fields(cast(Any, cls)))
+        if (type(data) is dict or isinstance(data, Mapping)) and not known.issuperset(data):
             raise ValueError(f"{cls.__name__}: unknown keys {short(sorted(set(data) - known))}")
 
 
-@functools.cache
-def _field_names(cls: type) -> frozenset[str]:
-    return frozenset(f.name for f in dataclasses.fields(cls))
+_FIELD_NAMES: dict[type, frozenset[str]] = {}  # of each Closed type, once
 
 
 class Document:
