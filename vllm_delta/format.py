@@ -24,15 +24,17 @@ import os
 import struct
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor, Future
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple, TypeGuard, get_args
 
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save, save_file
 
+from . import wire
 from .checksums import is_hex, sum_of_parts
 from .errors import FormatError, ShapeMismatchError
+from .wire import Closed, Number, omit_none, omit_when
 
 FORMAT_NAME = "vllm-delta"
 FORMAT_VERSION = 1  # one-file versions
@@ -79,7 +81,7 @@ def row_size(shape: list[int] | tuple[int, ...]) -> int:
 
 
 @dataclass
-class TensorEntry:
+class TensorEntry(Closed):
     shape: list[int]
     dtype: str  # "BF16" | "F16" | "F32"
     checksum: str  # per-tensor positional sum of the whole tensor at this version (16 hex digits)
@@ -99,7 +101,7 @@ class TensorEntry:
 
 
 @dataclass
-class PartInfo:
+class PartInfo(Closed):
     """What a part file (format version 2) says about itself."""
 
     index: int  # 0 <= index < count
@@ -109,7 +111,10 @@ class PartInfo:
 
 
 @dataclass
-class VersionHeader:
+class VersionHeader(Closed):
+    """The `header` of a version file's metadata: a JSON object through the wire codec (wire.py), keys
+    sorted, no spaces. A header with a key this reader does not know is refused (a newer format)."""
+
     version: int
     kind: VersionKind
     tensors: dict[str, TensorEntry]
@@ -118,10 +123,11 @@ class VersionHeader:
     base_checksum: str | None = None  # deltas: whole-model checksum of the base
     codec: str | None = None  # deltas
     format_version: int = FORMAT_VERSION
-    created: float = 0.0
+    created: Number = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
-    part: PartInfo | None = None  # part files only
-    enc: dict[str, Any] = field(default_factory=dict)  # format 3: the file-level codec's metadata
+    part: PartInfo | None = omit_none()  # part files only (one-file headers are exactly format 1)
+    # format 3: the file-level codec's metadata (absent from formats 1 and 2: what their readers know)
+    enc: dict[str, Any] = omit_when(lambda h: h.format_version < STREAMS_FORMAT_VERSION, default_factory=dict)
 
     @property
     def nnz(self) -> int:
@@ -132,34 +138,27 @@ class VersionHeader:
         return sum(t.numel for t in self.tensors.values())
 
     def to_json(self) -> str:
-        doc = asdict(self)
-        if self.part is None:
-            del doc["part"]  # one-file headers are exactly format 1
-        if self.format_version < STREAMS_FORMAT_VERSION:
-            del doc["enc"]  # headers of formats 1 and 2 are exactly what their readers know
-        return json.dumps(doc, separators=(",", ":"), sort_keys=True)
+        return json.dumps(wire.encode(self), separators=(",", ":"), sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str, *, where: str = "") -> VersionHeader:
         try:
             raw = json.loads(text)
-            fv = raw.get("format_version")
-            if fv not in READ_FORMAT_VERSIONS:
+            fv = raw.get("format_version") if isinstance(raw, dict) else None
+            if isinstance(fv, bool) or fv not in READ_FORMAT_VERSIONS:
                 raise FormatError(
                     f"unknown format version {fv!r} in {where or 'header'} (this reader knows "
                     f"{', '.join(map(str, READ_FORMAT_VERSIONS))})",
-                    version=raw.get("version"),
+                    version=raw.get("version") if isinstance(raw, dict) else None,
                 )
             if fv != STREAMS_FORMAT_VERSION and (fv == PART_FORMAT_VERSION) != ("part" in raw):
                 raise FormatError(f"format version {fv} {'needs' if fv == 2 else 'has no'} a part description")
             if fv != STREAMS_FORMAT_VERSION and "enc" in raw:
                 raise FormatError(f"format version {fv} has no file-level codec metadata")
-            tensors = {name: TensorEntry(**entry) for name, entry in raw.pop("tensors").items()}
-            part = raw.pop("part", None)
-            header = cls(tensors=tensors, part=PartInfo(**part) if part is not None else None, **raw)
+            header = wire.decode(cls, raw)
         except FormatError:
             raise
-        except (ValueError, TypeError, KeyError, AttributeError) as exc:
+        except (ValueError, TypeError) as exc:
             raise FormatError(f"malformed version header in {where or 'file'}: {exc}") from None
         header.validate()
         return header

@@ -129,7 +129,7 @@ def test_one_follow_mode_update(tmp_path, monkeypatch):
             return _original(self, *args, **kwargs)
 
         monkeypatch.setattr(DeltaStore, method, counted)
-    # The store's reading half (store.py) and writing half (storewrite.py) each name these.
+    # The store's reading half (delta_store.py) and writing half (writes.py) each name these.
     sha256, version_file = storewrite_module.file_sha256, store_module.VersionFile
 
     def counted_sha256(path):
