@@ -23,7 +23,10 @@ Hooks, all declared on the type:
 * a `check_wire(data)` classmethod on a message: validates the raw payload before decoding (the
   HTTP requests use it so that a 400 names the first problem in a fixed order); `Closed` is the
   one that refuses unknown keys;
-* a `NamedTuple` travels as a JSON array of its fields (a mapping by field name is read too).
+* a `NamedTuple` travels as a JSON array of its fields (a mapping by field name is read too);
+* a type with its own plain form: `to_plain(self)` and a classmethod `from_plain(data, where)` (e.g.
+  `format.TensorTable`, a header's table of tens of thousands of tensors, read and written as
+  columns); `decode_as(hint, data, where)` is the generic decoder it can fall back on.
 
 `Document` is the base of a dataclass stored as a small versioned JSON object (the store's records,
 head, marks, replica reports, a mirror's lease): `{"format": FORMAT, "format_version": N, ...fields}`,
@@ -155,6 +158,8 @@ def _encoder(hint: Any) -> Encoder:
         if value is None:
             return None
         cls: Any = type(value)
+        if hasattr(cls, "to_plain") and not isinstance(value, type):
+            return value.to_plain()
         if hasattr(cls, "__dataclass_fields__") and not isinstance(value, type):
             return _dataclass_encoder(cls)(value)
         if marked is not None:
@@ -205,6 +210,11 @@ def decode(cls: type[T], data: Any) -> T:
     """An instance of `cls` from its plain form."""
     hint: Any = cls
     return cast(T, _decoder(hint)(data, cls.__name__))
+
+
+def decode_as(hint: Any, data: Any, where: Any) -> Any:
+    """The value `hint` describes, from its plain form (`where`: the path named in errors)."""
+    return _decoder(hint)(data, where)
 
 
 def _as_is(data: Any, where: Any) -> Any:
@@ -264,6 +274,8 @@ def _decoder(hint: Any) -> Decoder:
 
 def _value_decoder(base: Any, extras: tuple[Any, ...]) -> Decoder:
     """The decoder of a value that is not null."""
+    if isinstance(base, type) and hasattr(base, "from_plain"):
+        return cast(Decoder, base.from_plain)
     if HEX64 in extras:
         return lambda data, where: {str(k): from_hex(v) for k, v in _mapping(data, where).items()}
     if AS_WRITTEN in extras:

@@ -107,7 +107,7 @@ class Ranks:
 
     def written(self, plan: UpdatePlan, header: VersionHeader) -> Sums:
         """An update wrote `plan`: the target is served, with its header's sums (returned) and chain."""
-        recorded = {n: int(e.checksum, 16) for n, e in header.tensors.items()}
+        recorded = dict(zip(header.tensors.names, (int(c, 16) for c in header.tensors.checksums)))
         self.note_served(plan.target, header.checksum, recorded)
         self._cache().applied(plan.versions, plan.reanchor)
         return recorded

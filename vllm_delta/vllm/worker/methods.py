@@ -75,7 +75,7 @@ def probe(r: DeltaReplica, args: rpc.ProbeArgs) -> Probed:
     if r.probed:
         return Probed(r.fallback_names)
     header = open_store(args.store).open(args.version, fresh=True).header
-    fallback = r.probe_layout({n: tuple(e.shape) for n, e in header.tensors.items()})
+    fallback = r.probe_layout(header.tensors.shape_map())
     if fallback:
         log.warning("vllm-delta: tensors through vLLM's sparse path: %s", fallback)
     return Probed(sorted(fallback))

@@ -58,7 +58,8 @@ class Served:
 
     @classmethod
     def from_header(cls, header: VersionHeader) -> Served:
-        return cls(header.version, header.checksum, {n: int(e.checksum, 16) for n, e in header.tensors.items()})
+        t = header.tensors
+        return cls(header.version, header.checksum, dict(zip(t.names, (int(c, 16) for c in t.checksums))))
 
 
 @dataclass
