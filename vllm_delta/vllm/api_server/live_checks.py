@@ -64,7 +64,11 @@ class LiveChecks:
             await self._resync()
         if verify:
             await self.verify("request")
-        elif not self.live.known_for(self.ranks.served.version) and not self.operations.busy:
+        elif (
+            not self.live.known_for(self.ranks.served.version)
+            and not self.operations.busy
+            and self.ranks.disagreement is None  # engines that disagree: status says so, ?verify=true re-reads
+        ):
             await self.learn()
 
     async def verify(self, trigger: VerifyTrigger) -> Verification:
@@ -105,7 +109,7 @@ class LiveChecks:
         """Read what the ranks serve with their live sums (one pass over the weights; a server whose
         layout is not probed yet learns them at its first status); rank 0's status. Under the lock."""
         t0 = time.perf_counter()
-        served, ranks = await self.ranks.read(live_sums=True)
+        served, ranks = await self.ranks.read(live_sums=True, agree=False)
         copies = live_copies(ranks, self.ranks.api.engines)
         if copies is not None:
             self.recomputed(served, copies, "startup", (time.perf_counter() - t0) * 1e3)
@@ -155,7 +159,7 @@ class LiveChecks:
                 return  # an update reads the ranks itself; a status after it re-reads if still stale
             self._stale = False
             try:
-                await self.ranks.read()  # a different version or checksum forgets the live sums
+                await self.ranks.read(agree=False)  # a different version or checksum forgets the live sums
             except Exception:
                 self._stale = True
                 raise

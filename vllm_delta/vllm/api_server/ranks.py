@@ -84,9 +84,10 @@ class Ranks:
     def seen_recently(self) -> bool:
         return time.monotonic() - self.served.seen < SEEN_S
 
-    async def read(self, *, live_sums: bool = False) -> tuple[WorkerStatus, list[WorkerStatus]]:
+    async def read(self, *, live_sums: bool = False, agree: bool = True) -> tuple[WorkerStatus, list[WorkerStatus]]:
         """Every rank's status (one RPC): rank 0's, and every rank's in (engine, rank) order, after checking
-        that the ranks of each engine agree (DeltaError) and that the engines do (EnginesDisagreeError)."""
+        that the ranks of each engine agree (DeltaError) and that the engines do: if not, loudly, and
+        with `agree` (what an update needs) EnginesDisagreeError."""
         per_engine = (await self.api.workers.status(live_sums=live_sums)).per_engine()
         engines = []
         for index, ranks in enumerate(per_engine):
@@ -102,7 +103,10 @@ class Ranks:
         self.engines = engines if len(engines) > 1 else []
         if len({(e.version, e.version_checksum) for e in engines}) > 1:
             self._engines_disagree(engines)
-        elif self.disagreement is not None:
+            if agree:
+                raise EnginesDisagreeError(f"{self.disagreement}; restart the server")
+            return per_engine[0][0], [r for engine in per_engine for r in engine]
+        if self.disagreement is not None:
             self.disagreement = None
             self._gauge(0)
         rank0 = per_engine[0][0]
@@ -133,7 +137,6 @@ class Ranks:
         known = [e.version for e in engines if e.version is not None]
         lowest = min(known) if len(known) == len(engines) else None
         self.note_served(lowest, None)
-        raise EnginesDisagreeError(f"{self.disagreement}; restart the server")
 
     @staticmethod
     def _gauge(value: int) -> None:
@@ -193,9 +196,9 @@ class Ranks:
         """Rank 0's status and the live per-tensor sums of every copy of the weights (one per world: each
         engine's, or every engine's at once), in one RPC (two the first time, when the layout has to be
         probed)."""
-        served, ranks = await self.read(live_sums=True)
+        served, ranks = await self.read(live_sums=True, agree=False)  # engines that disagree: each one's sums
         if await self._ensure_probed(served):
-            served, ranks = await self.read(live_sums=True)
+            served, ranks = await self.read(live_sums=True, agree=False)
         copies = live_copies(ranks, self.api.engines)
         if copies is None:
             raise DeltaError("a worker rank did not report its live sums")

@@ -223,7 +223,7 @@ class DeltaService:
         and label outputs with the served version (vLLM says "default")."""
         async with self.operations.lock:
             served = await self.checks.at_startup()
-            if served.version is not None:
+            if served.version is not None and self.ranks.disagreement is None:
                 try:
                     await self.api.engine_core.set_label(served.version, "startup")
                 except Exception as exc:  # noqa: BLE001 - bookkeeping: attribution says "default" meanwhile
