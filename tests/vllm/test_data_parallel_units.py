@@ -287,7 +287,7 @@ def test_a_failed_rollback_stops_every_engine(objs, mode):
 def test_an_inflight_refusal_on_one_engine_is_409_and_undoes_the_others(objs):
     ranks = [WorkerRanks(2), WorkerRanks(2), WorkerRanks(2)]
     cores = engines(objs, ranks, connector_on=[1])
-    with pytest.raises(InflightRefusedError, match="engine 1.*KV connector.*rolled back"):
+    with pytest.raises(InflightRefusedError, match="engine 1.*KV connector.*no engine keeps any writes"):
         write(objs, cores, "inflight")
     assert [w.held for w in ranks] == [[3, 3]] * 3 and [c._weight_version for c in cores] == ["3"] * 3
     assert ranks[1].calls == []  # refused before writing

@@ -212,11 +212,12 @@ async def _write_every_engine(api: ApiProcess, args: rpc.WriteAllArgs) -> list[W
         return outcome.after
     many = " on every engine" if api.engines > 1 else ""
     if isinstance(outcome, AllRolledBack):
-        refused = outcome.failed_type == InflightRefusedError.__name__
-        if not many and outcome.failed_type in (InflightRefusedError.__name__, CommitFailedError.__name__):
-            raise (InflightRefusedError if refused else CommitFailedError)(_message(outcome.failure))  # as it was
+        first = outcome.error
+        refused = first is not None and first.type == InflightRefusedError.__name__
+        if not many and first is not None and (refused or first.type == CommitFailedError.__name__):
+            raise (InflightRefusedError if refused else CommitFailedError)(first.message)  # one engine: as it was
         if refused:  # 409 (the follower falls back to keep): what another engine wrote is undone
-            raise InflightRefusedError(f"{outcome.failure}; what other engines wrote was rolled back")
+            raise InflightRefusedError(f"{outcome.failure} (no engine keeps any writes of this update)")
         raise CommitFailedError(f"update to version {args.version} failed and was rolled back{many}: {outcome.failure}")
     if args.mode not in PAUSE_MODES:  # the engines not stopped by their own failure keep stepping: stop them
         with contextlib.suppress(Exception):
@@ -225,12 +226,6 @@ async def _write_every_engine(api: ApiProcess, args: rpc.WriteAllArgs) -> list[W
         f"update to version {args.version} failed ({outcome.failure}) and could not be rolled back"
         f"{many}: {outcome.rollback_failure}; scheduling is stopped: restart the server"
     )
-
-
-def _message(failure: str) -> str:
-    """The message of "engine E: Type: message" (one engine: its answer as it was)."""
-    parts = failure.split(": ", 2)
-    return parts[2] if len(parts) == 3 and parts[0].startswith("engine ") else failure
 
 
 def inflight_of(engines: list[WrittenAll]) -> WrittenAll:

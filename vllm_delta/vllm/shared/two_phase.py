@@ -47,7 +47,7 @@ from ...checksums import Sums, verify_partials
 from ...errors import DeltaError, http_status
 from ...format import VersionHeader
 from ...server_api import Method, UpdateMode
-from .messages import StageSummary
+from .messages import ErrorPayload, StageSummary
 from .rpc import Replies
 
 T = TypeVar("T")
@@ -150,7 +150,7 @@ class AllRolledBack:
     """A rank failed (it restored itself) or the after-writes step did; every rank was rolled back."""
 
     failure: str  # "rank R: Type: message" of the first failure
-    failed_type: str = ""  # the first failure's exception class name
+    error: ErrorPayload | None = None  # the first failure itself (its class name, HTTP status, message)
 
 
 @dataclass(frozen=True)
@@ -159,7 +159,7 @@ class RollbackFailed:
 
     failure: str
     rollback_failure: str
-    failed_type: str = ""
+    error: ErrorPayload | None = None
 
 
 WriteOutcome = AllWritten[T] | AllRolledBack | RollbackFailed
@@ -175,28 +175,29 @@ async def write_all(
 ) -> WriteOutcome[T]:
     """Write `ticket` in place on every rank. If a rank failed (or the transport did: a worker died), or then
     `after_writes(every rank's reply)` failed, roll every rank back before anything else runs on the ranks."""
+    error: ErrorPayload | None
     try:
         replies = await ranks.write(ticket, method, fault)
     except Exception as exc:  # noqa: BLE001 - e.g. a worker died: roll back what can be
-        failure, failed_type = f"{type(exc).__name__}: {exc}", type(exc).__name__
+        failure, error = f"{type(exc).__name__}: {exc}", ErrorPayload.from_exception(exc)
     else:
         failure = replies.failure() or ""
-        failed_type = replies.errors[0][1].type if replies.errors else ""
+        error = replies.errors[0][1] if replies.errors else None
         if replies.ok:
             written = replies.all()
             apply_ms = max((r.apply_ms for r in written), default=0.0)
             try:
                 return AllWritten(apply_ms, after_writes(written))
             except Exception as exc:  # noqa: BLE001 - after the writes: undo them, the caller sees the failure
-                failure, failed_type = f"after the writes: {type(exc).__name__}: {exc}", type(exc).__name__
+                failure, error = f"after the writes: {type(exc).__name__}: {exc}", ErrorPayload.from_exception(exc)
     try:
         rolled = await ranks.rollback(ticket)
         rollback_failure = None if rolled.ok else rolled.failures()
     except Exception as exc:  # noqa: BLE001 - becomes the inconsistent outcome
         rollback_failure = f"{type(exc).__name__}: {exc}"
     if rollback_failure is not None:
-        return RollbackFailed(failure, rollback_failure, failed_type)
-    return AllRolledBack(failure, failed_type)
+        return RollbackFailed(failure, rollback_failure, error)
+    return AllRolledBack(failure, error)
 
 
 # -- the whole order -------------------------------------------------------------------------------
