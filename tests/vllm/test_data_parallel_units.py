@@ -31,7 +31,7 @@ import pytest
 import torch
 from test_vllm_inflight_units import PROMPT, cached_tokens, make_core, running
 from test_vllm_inflight_units import vllm_objects as _scheduler_objects  # noqa: F401 - its module fixture
-from test_vllm_round_trips import Toy, _publish
+from test_vllm_round_trips import _publish, toy_replica
 
 from vllm_delta.checksums import to_hex
 from vllm_delta.errors import (
@@ -392,10 +392,9 @@ def test_a_staging_failure_on_one_engine_writes_nothing_anywhere():
 def toy_engines(uri: str, cache: str, n: int = 2):
     """n engines (TP=1 each): a toy model at version 0 with its DeltaReplica, the real worker methods,
     the engine-core stand-in around them; and the AsyncLLM stand-in over vLLM's client."""
-    from vllm_delta.reconstruct import open_chain, replay_tensor
+    from vllm_delta.reconstruct import open_chain
     from vllm_delta.store import DeltaStore
     from vllm_delta.vllm.worker import methods as worker
-    from vllm_delta.vllm.worker.replica import REPLICA_ATTR, DeltaReplica, Served
 
     class Worker:
         def __init__(self, model, engine):
@@ -417,13 +416,8 @@ def toy_engines(uri: str, cache: str, n: int = 2):
     files = open_chain(DeltaStore(uri, cache_dir=cache), 0)
     cores, replicas = [], []
     for e in range(n):
-        model = Toy()
-        model.load_weights((name, replay_tensor(files, name)) for name in files[-1].header.tensors)
-        replica = DeltaReplica(model)
-        replica.probe_layout({name: tuple(t.shape) for name, t in files[-1].header.tensors.items()})
-        replica.fallback.set_shadow("wt", replay_tensor(files, "wt"))
-        replica.served = Served.from_header(files[-1].header)
-        setattr(model, REPLICA_ATTR, replica)
+        replica = toy_replica(files)
+        model = replica.model
         core = EngineCoreStandIn()
         core.model_executor, core.scheduler, core.batch_queue, core._weight_version = (
             Executor(Worker(model, e)),
