@@ -81,7 +81,6 @@ class Landed:
     """A WRITE_ALL whose writes landed: what ROLLBACK_ALL needs to undo it (the label before it)."""
 
     ticket: str
-    version: int
     previous_label: str
     inflight: bool
 
@@ -304,7 +303,7 @@ def _after_writes(
             time=time.time(),
         )
         st.history.append(_history_entry(args, written))
-        st.landed = Landed(args.ticket, args.version, previous, inflight)
+        st.landed = Landed(args.ticket, previous, inflight)
         return written
 
     return invalidate_and_label
