@@ -237,6 +237,13 @@ def test_dp_inflight_updates_while_both_engines_stream(server, store):
         assert [(h["mode"], h["label"]) for h in history[-2:]] == [("inflight", "7"), ("inflight", "8")]
         assert all(h["switch"] for h in history[-2:]), "each engine switched with requests running"
     assert check_spans(server, clients) >= 2
+    # The timeline by response id finds the commits a request lived through on its engine.
+    for engine, c in clients:
+        req = next((r for r in c.completed if attribution_of({"weight_versions": r.weight_versions}).mixed), None)
+        if req is not None:
+            tl = server.get(f"/v1/delta/timeline?id={req.id}").json()
+            assert tl["choices"][0]["weight_versions"] == req.weight_versions
+            assert tl["commits"] and {x["engine"] for x in tl["commits"]} == {engine}, (engine, tl["commits"])
     assert server.get("/v1/delta/ready?min_version=8").status_code == 200
     texts = greedy_on_each_engine(server)
     assert texts[0] == texts[1]
