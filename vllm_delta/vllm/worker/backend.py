@@ -177,5 +177,5 @@ class RankUpdate(TwoPhaseUpdate[None]):
         self.store.prune_cache(versions=versions)
 
 
-def _nothing(apply_ms: float) -> None:
+def _nothing(written: list[Written]) -> None:
     return None
