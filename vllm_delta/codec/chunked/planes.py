@@ -26,13 +26,15 @@ COL_BIG, COL_GAP_ESC, COL_MAG_ESC, COL_HASH = N_PLANES, N_PLANES + 1, N_PLANES +
 INDEX_WIDTH = N_PLANES + 4  # per chunk: 5 frame sizes, big elements, gap escapes, mag escapes, hash
 SLICE_ELEMS = 1 << 22  # elements turned into planes at a time on the device (bounds temporaries)
 MAX_CHUNK_ELEMS = 1 << 24
-PAYLOAD_PARTS = ("blob", "index", "gap_esc", "mag_esc")  # file-level payload keys (`::<part>`)
+PAYLOAD_PARTS = ("blob", "index", "gap_esc", "mag_esc")  # file-level payload keys (`::<part>`) every file has
+FIRST_PART = "first"  # optional (written since issue 26): each chunk's first position, for skipping chunks
 # the payload's parts in the order they are written: name, dtype, dimensions
 PAYLOAD_LAYOUT: list[tuple[str, torch.dtype, int]] = [
     ("blob", torch.uint8, 1),
     ("index", torch.int64, 2),
     ("gap_esc", torch.int64, 1),
     ("mag_esc", torch.int64, 1),
+    (FIRST_PART, torch.int64, 1),
 ]
 PlanesBackend = Literal["torch", "triton"]  # planes on the device: the fused kernels, or the torch reference
 PLANES_BACKENDS: tuple[PlanesBackend, ...] = get_args(PlanesBackend)
@@ -92,14 +94,18 @@ class PlaneLayout:
 
     def frames(self, n_big: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(offset, raw size) of every frame in the buffer, [chunks, 5] each, chunk-major."""
-        e = self.chunk_elems
-        k = np.arange(self.chunks, dtype=np.int64)
         elems = self.elems()
-        lo, hi, sign, big, mag = self.starts
-        offsets = np.stack([lo + k * e, hi + k * e, sign + k * (e // 8), big + k * (e // 8), mag + k * e], axis=1)
         bits = -(-elems // 8)
         sizes = np.stack([elems, elems, bits, bits, np.asarray(n_big, dtype=np.int64)], axis=1)
-        return offsets, sizes
+        return self.frame_offsets(), sizes
+
+    def frame_offsets(self) -> np.ndarray:
+        """Where each chunk's five frames start in the buffer, [chunks, 5]: chunk k at k·E elements
+        of every plane, whatever the sizes of the chunks before it."""
+        e = self.chunk_elems
+        k = np.arange(self.chunks, dtype=np.int64)
+        lo, hi, sign, big, mag = self.starts
+        return np.stack([lo + k * e, hi + k * e, sign + k * (e // 8), big + k * (e // 8), mag + k * e], axis=1)
 
 
 # -- planes on the device --------------------------------------------------------------------------
@@ -117,6 +123,7 @@ class Planes:
     n_mag_esc: torch.Tensor
     gap_esc: torch.Tensor
     mag_esc: torch.Tensor
+    first: torch.Tensor | None = None  # int64 [chunks]: the position (in its tensor) of each chunk's first element
 
     @property
     def device(self) -> torch.device:
@@ -178,6 +185,7 @@ class PlaneViews(NamedTuple):
     n_mag_esc: torch.Tensor
     gap_esc: torch.Tensor  # int64
     mag_esc: torch.Tensor
+    first: torch.Tensor | None = None  # int64 [chunks]: each chunk's first position (checked when given)
 
     @property
     def n(self) -> int:
@@ -200,6 +208,7 @@ class PlaneViews(NamedTuple):
             n_mag_esc=self.n_mag_esc[j0:j1],
             gap_esc=self.gap_esc[ga:gb],
             mag_esc=self.mag_esc[ma:mb],
+            first=self.first[j0:j1] if self.first is not None else None,
         )
 
 

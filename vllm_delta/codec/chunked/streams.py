@@ -21,6 +21,7 @@ from .planes import (
     COL_GAP_ESC,
     COL_HASH,
     COL_MAG_ESC,
+    FIRST_PART,
     FRAME_ALIGN,
     INDEX_WIDTH,
     MAX_CHUNK_ELEMS,
@@ -101,6 +102,13 @@ class FileStreams:
                 f"the index counts {int(self.gap_esc_at[-1])}/{int(self.mag_esc_at[-1])}",
                 ctx,
             )
+        # Optional (files written before issue 26 lack it): each chunk's first position in its tensor.
+        self.first: np.ndarray | None = None
+        first = payload.get(FIRST_PART)
+        if first is not None:
+            if first.dtype != torch.int64 or first.shape != (k,):
+                raise err(CodecError, f"chunk positions `first` of shape {list(first.shape)}, expected [{k}]", ctx)
+            self.first = first.numpy()
 
     @property
     def n(self) -> int:
