@@ -166,6 +166,7 @@ class ApplyEngine:
         self._state = 0
         self._warm: set[tuple[torch.dtype, torch.dtype]] = set()
         self._fits: dict[str, tuple[str, list[int]]] = {}  # tensors whose header entry fits the model
+        self._fitting: tuple[tuple[str, ...], list[str], list[list[int]]] | None = None  # the last table that fit
 
     # -- checksums -------------------------------------------------------------------------
     def live_sums(self, names: Iterable[str] | None = None) -> dict[str, int]:
@@ -215,12 +216,17 @@ class ApplyEngine:
         """Every tensor of a version fits the model (name, shape, dtype): ShapeMismatchError or
         UnsupportedModelError naming the first that does not. A tensor seen with the same shape and
         dtype before is not checked again (a mixture of experts lists ~20K tensors per version)."""
+        entries = list(header.tensors.values())
+        table = (tuple(header.tensors), [e.dtype for e in entries], [e.shape for e in entries])
+        if table == self._fitting:  # the tensor table of a version checked before: three C-level compares
+            return
         seen = self._fits
         for name, entry in header.tensors.items():
             if seen.get(name) == (entry.dtype, entry.shape):
                 continue
             self._check_entry(header, name, entry)
             seen[name] = (entry.dtype, list(entry.shape))
+        self._fitting = table
 
     def _stream_ctx(self) -> contextlib.AbstractContextManager[object]:
         return torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()

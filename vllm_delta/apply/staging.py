@@ -277,7 +277,7 @@ def _file_pieces(vf: VersionFile, layout: DeviceLayout) -> dict[int, FilePieces]
         return out
     payload = vf.file_payload()
     widths = table.width[keep]
-    for width in np.unique(widths).tolist():
+    for width in sorted(set(widths.tolist())):
         sel = keep[widths == width]
         sel = sel[np.argsort(table.index[sel], kind="stable")]
         out[int(width)] = FilePieces(

@@ -115,6 +115,8 @@ class FileSet:
     @property
     def indices(self) -> np.ndarray:
         """The layout indices of the tensors the files change (int64, sorted, distinct)."""
+        if len(self.files) == 1:
+            return self.files[0].index  # one piece per tensor, in layout order
         if not self.files:
             return np.zeros(0, dtype=np.int64)
         return np.unique(np.concatenate([f.index for f in self.files]))

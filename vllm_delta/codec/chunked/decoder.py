@@ -438,13 +438,13 @@ def _offsets(version: int, pieces: FilePieces) -> tuple[np.ndarray, np.ndarray]:
     """Each piece's first element in the file's streams and the start of its gap chain (its `enc`),
     checked (CodecError naming the tensor): one pass, no per-piece objects."""
     n = len(pieces)
-    at, start = np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64)
-    for k, enc in enumerate(pieces.encs):
-        try:
-            at[k], start[k] = int(enc["at"]), int(enc.get("start", 0))
-        except (KeyError, TypeError, ValueError, AttributeError):
-            piece_at(enc, int(pieces.numel[k]), ctx_of(version, pieces.names[k]))  # raises, naming the tensor
-            raise
+    try:
+        at = np.fromiter((enc["at"] for enc in pieces.encs), dtype=np.int64, count=n)
+        start = np.fromiter((enc.get("start", 0) for enc in pieces.encs), dtype=np.int64, count=n)
+    except (KeyError, TypeError, ValueError, AttributeError, OverflowError):
+        for k, enc in enumerate(pieces.encs):  # find the piece, and raise naming its tensor
+            piece_at(enc, int(pieces.numel[k]), ctx_of(version, pieces.names[k]))
+        raise
     bad = np.flatnonzero((at < 0) | (start < 0) | (start > pieces.numel))
     if bad.size:
         k = int(bad[0])
