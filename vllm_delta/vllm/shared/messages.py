@@ -86,6 +86,7 @@ class StageSummary:
     bytes: int  # staged device bytes
     stage_ms: float
     timings: dict[str, float] = field(default_factory=dict)  # ms per staging phase
+    decoded: int = 0  # changed elements this rank decoded (the chunks holding its rows: its share)
 
 
 @dataclass(frozen=True)

@@ -310,6 +310,7 @@ class DeltaReplica:
             bytes=t.staged.bytes,
             stage_ms=t.stage_ms,
             timings=dict(t.staged.timings),
+            decoded=t.staged.decoded + t.fallback.decoded,
         )
 
     # -- the pause ------------------------------------------------------------------------------
