@@ -461,16 +461,10 @@ def _offsets(version: int, pieces: FilePieces) -> tuple[np.ndarray, np.ndarray]:
 def _chunk_runs(needed: np.ndarray, per_run: int) -> list[tuple[int, int, bool]]:
     """Runs of needed chunks [k0, k1) of at most `per_run` chunks; `fresh`: the run does not
     continue the previous one (chunks were skipped in between)."""
+    edges = np.diff(np.concatenate([[0], needed.astype(np.int8), [0]]))
+    starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)  # maximal spans of needed chunks
     out: list[tuple[int, int, bool]] = []
-    k, n = 0, needed.size
-    while k < n:
-        if not needed[k]:
-            k += 1
-            continue
-        fresh = not out or out[-1][1] != k
-        stop = k
-        while stop < n and needed[stop] and stop - k < per_run:
-            stop += 1
-        out.append((k, stop, fresh))
-        k = stop
+    for a, b in zip(starts.tolist(), ends.tolist()):
+        for k in range(a, b, per_run):
+            out.append((k, min(b, k + per_run), k == a))
     return out
