@@ -190,6 +190,27 @@ def test_parts_decode_in_one_run_and_one_gpu_call(tmp_path, monkeypatch):
     assert results[1] == results[3]
 
 
+@pytest.mark.parametrize("planes", ["torch", "triton"])
+def test_padded_runs_across_parts_decode_bit_exact(tmp_path, monkeypatch, planes):
+    """What a GPU does with the parts of a version, here on the CPU: one run over every part's chunks,
+    each part's short last chunk padded to a whole chunk's room with zeros and decoded with the rest in
+    one fused decode (the Triton kernel under TRITON_INTERPRET=1, or the torch planes), the padding
+    dropped; the same writes as the one-file version, on every rank."""
+    from vllm_delta.codec.chunked import decode, decoder, kernels
+
+    if planes == "triton" and not kernels.available(torch.device("cpu")):
+        pytest.skip("the Triton kernels run on the CPU under TRITON_INTERPRET=1 only")
+    monkeypatch.setattr(decoder, "PAD_DEVICES", frozenset({"cuda", "cpu"}))
+    monkeypatch.setattr(decode, "default_backend", lambda dev: planes)
+    old, new, _, vf = _version(tmp_path, SPEC, 3, seed=7)
+    assert all(f.header.enc["elems"] % CHUNK for f in vf.parts)  # every part ends in a short chunk
+    for tp, rank in ((1, 0), (2, 0), (2, 1)):
+        shapes, layout = model_layout(SPEC, tp, rank)
+        engine = ApplyEngine(targets_of(layout, shapes, old), layout, torch.device("cpu"), chunk_elems=1 << 20)
+        engine.write(engine.stage([vf]))
+        _assert_holds(engine, SPEC, tp, rank, new)
+
+
 def test_files_without_first_positions_decode_every_chunk(tmp_path):
     """A chunked file written before `first` existed: a rank cannot start a tensor's gap chain
     mid-tensor, so it decodes every chunk of the tensors it holds; the result is the same."""

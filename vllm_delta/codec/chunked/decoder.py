@@ -43,6 +43,7 @@ from .streams import FileStreams, piece_at
 
 log = logging.getLogger(__name__)
 
+PAD_DEVICES = frozenset({"cuda"})  # where a run decodes a part's short last chunk padded (one fused decode)
 GPU_RUN_ELEMS = 1 << 27  # GPU path: elements per nvCOMP call (3.3 B each of device planes): few
 # calls (~10 ms each on an H100 whatever their size, benchmarks/codec_calls.py); Qwen3-8B at 1% is one
 _TLS = threading.local()
@@ -346,17 +347,27 @@ class _Sequence:
             first=first,
         )
 
+    def _sub_runs(self, g0: int, g1: int) -> list[tuple[int, int]]:
+        """The run's chunks in sub-runs of at most `per_decode`, each decoded by one `decode_planes`.
+        A short chunk inside the run (a part's last) is padded on a GPU (decoding a chunk's room of
+        zeros costs microseconds, one more decode a launch and a host wait) and ends a sub-run on the
+        CPU (where the padding would cost more than the decode)."""
+        cuts = set(range(0, g1 - g0, self.per_decode)) | {g1 - g0}
+        if self.host.device.type not in PAD_DEVICES:
+            cuts |= {int(j) + 1 for j in self._padded(g0, g1)}
+        edges = sorted(cuts)
+        return list(zip(edges[:-1], edges[1:]))
+
     def _decode_planes(self, run: _Run, buf: torch.Tensor) -> Iterator[Chunk]:
-        """The run's planes (`buf`, on the device) in sub-runs of `per_decode` chunks."""
+        """The run's planes (`buf`, on the device) in sub-runs (`_sub_runs`)."""
         g0, g1, e = run.g0, run.g1, self.e
         views = self._views(g0, g1, buf)
-        for j0 in range(0, g1 - g0, self.per_decode):
-            j1 = min(g1 - g0, j0 + self.per_decode)
+        for j0, j1 in self._sub_runs(g0, g1):
             esc = (
                 (int(self.gap_at[g0 + j0] - self.gap_at[g0]), int(self.gap_at[g0 + j1] - self.gap_at[g0])),
                 (int(self.mag_at[g0 + j0] - self.mag_at[g0]), int(self.mag_at[g0 + j1] - self.mag_at[g0])),
             )
-            sub = views.sub(j0, j1, esc)
+            sub = views.sub(j0, j1, esc, int(self.elems[g0 + j1 - 1]))
             out = decode_planes(sub, (g0 + j0) * e, self.spans, self.carry, self.ctx_of)
             if not out.counts.size:
                 continue

@@ -191,10 +191,15 @@ class PlaneViews(NamedTuple):
     def n(self) -> int:
         return int(self.lo.numel())
 
-    def sub(self, j0: int, j1: int, esc: tuple[tuple[int, int], tuple[int, int]]) -> PlaneViews:
-        """Chunks [j0, j1) of this run; `esc`: their (gap, mag) escape table ranges in this run's tables."""
+    def sub(
+        self, j0: int, j1: int, esc: tuple[tuple[int, int], tuple[int, int]], last: int | None = None
+    ) -> PlaneViews:
+        """Chunks [j0, j1) of this run; `esc`: their (gap, mag) escape table ranges in this run's tables;
+        `last`: the elements of chunk j1 - 1 when it is short (default: whole, or the run's end)."""
         e = self.chunk_elems
         a, b = j0 * e, min(self.n, j1 * e)
+        if last is not None:
+            b = min(b, (j1 - 1) * e + last)
         (ga, gb), (ma, mb) = esc
         return PlaneViews(
             chunk_elems=e,
