@@ -38,7 +38,7 @@ from ..base import Ctx, err
 from ..decoding import Chunk, Fetch, FilePieces, Pieces, Runs, StagingHost, ctx_of, files_of
 from . import gpu
 from .decode import Carry, Spans, decode_planes
-from .planes import COL_BIG, COL_HASH, COL_MAG_ESC, N_PLANES, PLANES, PlaneLayout, PlaneViews
+from .planes import COL_HASH, N_PLANES, PLANES, PlaneLayout, PlaneViews, views_over
 from .streams import FileStreams, piece_at
 
 log = logging.getLogger(__name__)
@@ -320,32 +320,13 @@ class _Sequence:
         yield from self._decode_planes(run, buf)
 
     def _views(self, g0: int, g1: int, buf: torch.Tensor) -> PlaneViews:
-        """The planes of the run over `buf` (on the device), with its counts, escapes and first positions."""
-        dev, nb = self.host.device, self.nb
-        lay = self._layout(g0, g1)
-        lo, hi, sign, big, mag = lay.starts
-        n, bits = lay.n, lay.bit_bytes
-        counts = np.ascontiguousarray(self.index[g0:g1, COL_BIG : COL_MAG_ESC + 1].T)
-        idx = torch.from_numpy(counts).to(dev, non_blocking=nb)
+        """The planes of the run over `buf` (on the device), with its counts, escapes and first positions
+        (checked against the decoded positions, where every chunk of the run has one)."""
         ga, gb = int(self.gap_at[g0]), int(self.gap_at[g1])
         ma, mb = int(self.mag_at[g0]), int(self.mag_at[g1])
-        first = None
-        if self.has_first[g0:g1].all():  # checked against the decoded positions
-            first = torch.from_numpy(self.first[g0:g1].copy()).to(dev, non_blocking=nb)
-        return PlaneViews(
-            chunk_elems=self.e,
-            lo=buf[lo : lo + n],
-            hi=buf[hi : hi + n],
-            sign=buf[sign : sign + bits],
-            big=buf[big : big + bits],
-            mag=buf[mag : mag + lay.chunks * self.e].view(lay.chunks, self.e),
-            n_big=idx[0],
-            n_gap_esc=idx[1],
-            n_mag_esc=idx[2],
-            gap_esc=self.gap_esc[ga:gb].to(dev, non_blocking=nb),
-            mag_esc=self.mag_esc[ma:mb].to(dev, non_blocking=nb),
-            first=first,
-        )
+        first = self.first[g0:g1] if self.has_first[g0:g1].all() else None
+        escapes = (self.gap_esc[ga:gb], self.mag_esc[ma:mb])
+        return views_over(buf, self._layout(g0, g1), self.index[g0:g1], escapes, self.host.device, first)
 
     def _sub_runs(self, g0: int, g1: int) -> list[tuple[int, int]]:
         """The run's chunks in sub-runs of at most `per_decode`, each decoded by one `decode_planes`.

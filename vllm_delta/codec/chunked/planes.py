@@ -217,6 +217,37 @@ class PlaneViews(NamedTuple):
         )
 
 
+def views_over(
+    buf: torch.Tensor,
+    layout: PlaneLayout,
+    index: np.ndarray,
+    escapes: tuple[torch.Tensor, torch.Tensor],
+    device: torch.device,
+    first: np.ndarray | None = None,
+) -> PlaneViews:
+    """The planes of a run of chunks over `buf` (laid out by `layout`, on `device`), with the chunks'
+    counts (`index`: their rows of a file's index, [chunks, 9]), their (gap, value) escape tables and,
+    when given, their first positions, copied to `device`."""
+    nb = device.type == "cuda"
+    lo, hi, sign, big, mag = layout.starts
+    n, bits, e = layout.n, layout.bit_bytes, layout.chunk_elems
+    counts = torch.from_numpy(np.ascontiguousarray(index[:, COL_BIG : COL_MAG_ESC + 1].T)).to(device, non_blocking=nb)
+    return PlaneViews(
+        chunk_elems=e,
+        lo=buf[lo : lo + n],
+        hi=buf[hi : hi + n],
+        sign=buf[sign : sign + bits],
+        big=buf[big : big + bits],
+        mag=buf[mag : mag + layout.chunks * e].view(layout.chunks, e),
+        n_big=counts[0],
+        n_gap_esc=counts[1],
+        n_mag_esc=counts[2],
+        gap_esc=escapes[0].to(device, non_blocking=nb),
+        mag_esc=escapes[1].to(device, non_blocking=nb),
+        first=torch.from_numpy(first.copy()).to(device, non_blocking=nb) if first is not None else None,
+    )
+
+
 def plane_views(planes: Planes) -> PlaneViews:
     """An encoder's Planes as views (tests decode them directly)."""
     lay = planes.layout

@@ -30,6 +30,7 @@ from .planes import (
     PLANES,
     PlaneLayout,
     PlaneViews,
+    views_over,
 )
 
 _TLS = threading.local()
@@ -158,29 +159,10 @@ class FileStreams:
     def views(self, k0: int, k1: int, buf: torch.Tensor, device: torch.device | None = None) -> PlaneViews:
         """The planes of chunks [k0, k1) over `buf` (their `range_layout`, filled by
         `decompress_into` or nvCOMP), with their counts and escape tables (on `device`, default buf's)."""
-        dev = device or buf.device
-        nb = dev.type == "cuda"
-        lay = self.range_layout(k0, k1)
-        lo, hi, sign, big, mag = lay.starts
-        n, bits = lay.n, lay.bit_bytes
-        idx = torch.from_numpy(np.ascontiguousarray(self.index[k0:k1, COL_BIG : COL_MAG_ESC + 1].T)).to(
-            dev, non_blocking=nb
-        )
         ga, gb = int(self.gap_esc_at[k0]), int(self.gap_esc_at[k1])
         ma, mb = int(self.mag_esc_at[k0]), int(self.mag_esc_at[k1])
-        return PlaneViews(
-            chunk_elems=self.chunk_elems,
-            lo=buf[lo : lo + n],
-            hi=buf[hi : hi + n],
-            sign=buf[sign : sign + bits],
-            big=buf[big : big + bits],
-            mag=buf[mag : mag + lay.chunks * lay.chunk_elems].view(lay.chunks, lay.chunk_elems),
-            n_big=idx[0],
-            n_gap_esc=idx[1],
-            n_mag_esc=idx[2],
-            gap_esc=self.gap_esc[ga:gb].to(dev, non_blocking=nb),
-            mag_esc=self.mag_esc[ma:mb].to(dev, non_blocking=nb),
-        )
+        escapes = (self.gap_esc[ga:gb], self.mag_esc[ma:mb])
+        return views_over(buf, self.range_layout(k0, k1), self.index[k0:k1], escapes, device or buf.device)
 
 
 def piece_at(meta: Any, numel: int, ctx: Ctx) -> tuple[int, int]:
