@@ -162,8 +162,11 @@ class Ranks:
         self.pools: dict[int, ProcessPoolExecutor] = {}
 
     def run(self, spec, tp: int, paths: list[str], changes: dict | None) -> list[dict]:
-        if tp == 1:
-            return [stage_rank(_job(spec, 1, 0, paths, self.args, self.cuda, None, changes))]
+        if tp == 1:  # in this process, on GPU 0; its memory goes back before the ranks' processes start
+            out = [stage_rank(_job(spec, 1, 0, paths, self.args, self.cuda, None, changes))]
+            if self.cuda:
+                torch.cuda.empty_cache()
+            return out
         if tp not in self.pools:
             self.pools[tp] = ProcessPoolExecutor(tp, mp_context=self.ctx)
         barrier = self.manager.Barrier(tp)
