@@ -158,6 +158,7 @@ class Config:
     chunk_elems: int
     backend: str | None
     smoke: bool
+    engine_gpu: int | None = None  # the engine's card (default: rank 0's)
 
 
 def _sync(dev: torch.device) -> None:
@@ -218,9 +219,12 @@ def run_rank(rank: int, world: int, cfg: Config) -> dict:
     group = dist.group.WORLD if world > 1 else None
     tempfile.tempdir = os.path.dirname(cfg.store)  # the publisher's temp files: renamed into the store
     targets: list[torch.Tensor] = []
+    # The engine (rank 0's process) on its own card where one is free (--engine-gpu): a whole 30B-A3B's
+    # fp32 master shards, snapshot and the engine's bf16 targets do not fit one card together.
+    eng_dev = dev if cfg.engine_gpu is None or dev.type != "cuda" else torch.device("cuda", cfg.engine_gpu)
     if rank == 0:
-        targets = [torch.zeros(s, dtype=torch.bfloat16, device=dev) for s in target_shapes.values()]
-    engine = ApplyEngine(dict(zip(target_shapes, targets)), layout, dev) if rank == 0 else None
+        targets = [torch.zeros(s, dtype=torch.bfloat16, device=eng_dev) for s in target_shapes.values()]
+    engine = ApplyEngine(dict(zip(target_shapes, targets)), layout, eng_dev) if rank == 0 else None
 
     def step() -> None:
         opt.step()
@@ -482,6 +486,13 @@ def main() -> int:
     ap.add_argument("--backend", choices=["triton", "triton-chunked", "torch"], default=None, help="detection backend")
     ap.add_argument("--store", default=None, help="store directory (default: a fresh one in /dev/shm or /tmp)")
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
+    ap.add_argument(
+        "--engine-gpu",
+        type=int,
+        default=None,
+        help="the engine's card (default: rank 0's; a free card for models "
+        "whose training state and engine do not fit one card together)",
+    )
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU, W=1 then W=2 (gloo); checks only")
     args = ap.parse_args()
     if args.smoke:
@@ -516,6 +527,7 @@ def main() -> int:
             chunk_elems=args.chunk_elems if not args.smoke else 5000,
             backend=args.backend,
             smoke=args.smoke,
+            engine_gpu=args.engine_gpu,
         )
         try:
             if world == 1:

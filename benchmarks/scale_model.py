@@ -91,10 +91,18 @@ def code_default(path: str, owner: str, name: str) -> float:
         scope = node.body
     for n in scope:
         if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name) and n.target.id == name and n.value:
-            return float(ast.literal_eval(n.value))
+            return float(ast.literal_eval(_declared_default(n.value)))
         if isinstance(n, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in n.targets):
             return float(ast.literal_eval(n.value))
     raise KeyError(f"{path}: no default {owner}.{name}")
+
+
+def _declared_default(value: ast.expr) -> ast.expr:
+    """A field's default: the value itself, or the default of a server option's declaration
+    (`option(key, default, doc, check)`, vllm_delta/vllm/shared/option_fields.py)."""
+    if isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id == "option":
+        return value.args[1]
+    return value
 
 
 def _named(scope: list[ast.stmt], name: str) -> ast.ClassDef | ast.FunctionDef:

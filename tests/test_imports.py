@@ -19,10 +19,10 @@ ROOT = Path(__file__).resolve().parent.parent / PACKAGE
 
 # Lowest first. A module may import modules of its own layer (if that makes no cycle) or lower ones.
 LAYERS: list[tuple[str, ...]] = [
-    ("errors", "bits", "attribution"),  # leaves
+    ("errors", "bits"),  # leaves
     ("checksums",),  # the checksum definition
-    ("wire",),  # the generic dataclass <-> plain values codec
-    ("server_api",),  # the HTTP contract of a server: request and answer bodies (clients and plugin)
+    ("wire",),  # the generic dataclass <-> plain values codec, and the store's JSON documents
+    ("server_api", "attribution"),  # the HTTP contract of a server: bodies (clients and plugin); attribution
     ("format", "codec"),  # the wire: version files, codecs
     ("writer", "store.records", "store.replicas"),  # building versions; commit records and replica reports
     ("store.marks",),  # bad-version marks and the rule that reads them (on records)
@@ -31,8 +31,10 @@ LAYERS: list[tuple[str, ...]] = [
         "store.cache",
         "store.retention",
         "store.polling",
+        "store.record_reader",
+        "store.mark_folder",
         "store.writes",
-    ),  # filesystem access, download cache, retention, latest(), writing
+    ),  # filesystem access, download cache, retention, latest(), reading records, marks, writing
     ("store.delta_store", "store"),  # DeltaStore, and the package that exports it
     ("store.ledger", "reconstruct"),  # the fleet view; replay and materialize
     ("trainer", "apply", "mirror"),  # the publishing side; the apply engine (plain tensors, no vLLM); regions

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import re
 
@@ -313,7 +314,7 @@ def test_malformed_piece_metadata_in_a_one_file_version_names_the_tensor(tmp_pat
     checks each piece's metadata and names the tensor."""
     tensors = [t for t in _tensors(6) if t[3].dtype == torch.int16]
     vf, shapes = _chunked_version_file(tmp_path, tensors)
-    vf.header.tensors["sparse"].enc = {"start": 0}  # no "at"
+    vf.header.tensors["sparse"] = dataclasses.replace(vf.header.tensors["sparse"], enc={"start": 0})  # no "at"
     dl = DeviceLayout(Layout.identity(shapes), torch.device("cpu"))
     fast = staging.changed_items(vf, dl)[2]
     assert isinstance(fast, staging.FileSet)

@@ -35,7 +35,7 @@ from collections.abc import Iterable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 
@@ -133,20 +133,24 @@ class Publisher:
         group: ProcessGroup | None = None,
         max_staleness: int | None = None,
         min_replicas: int = 1,
+        storage_options: dict[str, Any] | None = None,
         options: PublisherOptions | None = None,
     ):
-        """`anchor_every`: a full version (anchor) every that many versions. `codec`: "chunked" (the
-        default), "compact" or "raw" (codec/). `group`: a torch.distributed process group (or
-        `torch.distributed.group.WORLD`) whose ranks publish together, each its own part of every
-        version (created collectively: every rank of the group constructs its Publisher).
+        """`uri`: where versions go (a path, `s3://...`, `hf://buckets/...`: any fsspec URI), or a
+        `DeltaStore`. `anchor_every`: a full version (anchor) every that many versions. `codec`:
+        "chunked" (the default), "compact" or "raw" (codec/). `group`: a torch.distributed process
+        group (or `torch.distributed.group.WORLD`) whose ranks publish together, each its own part of
+        every version (created collectively: every rank of the group constructs its Publisher).
         `max_staleness`, `min_replicas`: `publish` waits until that many reporting replicas serve a
-        version at most that far behind (staleness.py).
+        version at most that far behind (staleness.py). `storage_options`: fsspec options for `uri`
+        (S3 endpoint, credentials, ...), as `DeltaStore` takes them (or in
+        `options.store.storage_options`: one of the two).
         `options`: everything else, grouped by job (options.py)."""
         opts = options if options is not None else PublisherOptions()
         if anchor_every < 1:
             raise ValueError("anchor_every must be >= 1")
         staleness = opts.staleness_policy(max_staleness, min_replicas)
-        self.store = uri if isinstance(uri, DeltaStore) else DeltaStore(uri, storage_options=opts.store.storage_options)
+        self.store = opts.store.open_store(uri, storage_options)
         self.codec = codecs.get_codec(codec)
         self.anchor_every = anchor_every
         self.dtype = opts.dtype

@@ -269,7 +269,9 @@ async def _timeline(request: Request) -> Timeline:
     """GET /v1/delta/timeline[?id=<response id>]: the engine's label history (every update: version,
     label, engine step, time; in-flight commits add each running request's switch index) and, with
     an id, the spans of that response's choices and the commits it lived through."""
-    timeline = await _service(request).engine_core.timeline()
+    timelines = await _service(request).engine_core.timelines()
+    # Data parallelism: engine 0's at the top, every engine's in `engines` (each has its own steps).
+    timeline = timelines[0] if len(timelines) == 1 else dataclasses.replace(timelines[0], engines=timelines)
     response_id = request.query_params.get("id")
     if response_id is None:
         return timeline
@@ -278,8 +280,16 @@ async def _timeline(request: Request) -> Timeline:
     spans = getattr(request.app.state, SPANS_KEY, None)
     ids, choices = spans_for_response(spans, response_id) if spans is not None else ([], [])
     commits = [
-        CommitSwitch(version=h.version, label=h.label, engine_step=h.engine_step, time=h.time, switch=switch)
-        for h in timeline.history
+        CommitSwitch(
+            version=h.version,
+            label=h.label,
+            engine_step=h.engine_step,
+            time=h.time,
+            switch=switch,
+            engine=engine if len(timelines) > 1 else None,
+        )
+        for engine, t in enumerate(timelines)
+        for h in t.history
         if (switch := _switches(h.switch or {}, ids))
     ]
     return dataclasses.replace(timeline, id=response_id, choices=choices, commits=commits)

@@ -24,14 +24,14 @@ import contextlib
 import logging
 import time
 
-from ...checksums import Sums, add_sums
+from ...checksums import Sums
 from ...errors import ServerBusyError
 from ...server_api import Verification, VerifyTrigger
 from ..shared.messages import WorkerStatus
-from .live import LiveChecksum
+from .live import LiveChecksum, LiveCopy
 from .metrics import metrics
 from .operations import Operations
-from .ranks import Ranks
+from .ranks import Ranks, live_copies
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,11 @@ class LiveChecks:
             await self._resync()
         if verify:
             await self.verify("request")
-        elif not self.live.known_for(self.ranks.served.version) and not self.operations.busy:
+        elif (
+            not self.live.known_for(self.ranks.served.version)
+            and not self.operations.busy
+            and self.ranks.disagreement is None  # engines that disagree: status says so, ?verify=true re-reads
+        ):
             await self.learn()
 
     async def verify(self, trigger: VerifyTrigger) -> Verification:
@@ -105,13 +109,15 @@ class LiveChecks:
         """Read what the ranks serve with their live sums (one pass over the weights; a server whose
         layout is not probed yet learns them at its first status); rank 0's status. Under the lock."""
         t0 = time.perf_counter()
-        served, ranks = await self.ranks.read(live_sums=True)
-        if all(r.live_sums is not None for r in ranks):
-            live = add_sums(r.live_sums or {} for r in ranks)
-            self.recomputed(served, live, "startup", (time.perf_counter() - t0) * 1e3)
+        served, ranks = await self.ranks.read(live_sums=True, agree=False)
+        copies = live_copies(ranks, self.ranks.api.engines)
+        if copies is not None:
+            self.recomputed(served, copies, "startup", (time.perf_counter() - t0) * 1e3)
         return served
 
-    def recomputed(self, served: WorkerStatus, live: Sums, trigger: VerifyTrigger, ms: float) -> Verification:
+    def recomputed(
+        self, served: WorkerStatus, live: Sums | list[LiveCopy], trigger: VerifyTrigger, ms: float
+    ) -> Verification:
         v = self.live.recomputed(served.version, live, version_checksum=served.checksum, trigger=trigger, ms=ms)
         self.verification = v
         m = metrics()
@@ -120,13 +126,16 @@ class LiveChecks:
         if not v.ok:
             log.error(
                 "vllm-delta: LIVE CHECKSUM MISMATCH (%s): the live weights have checksum %s, version %s records %s, "
-                "kept current %s; tensors that changed behind the plugin's back: %s",
+                "kept current %s; tensors that changed behind the plugin's back: %s%s",
                 trigger,
                 v.checksum,
                 served.version,
                 served.checksum,
                 v.expected,
                 v.mismatched or "none found (the weights differ from the version's since before)",
+                "; per engine: " + ", ".join(f"engine {e.engine}: {e.checksum}" for e in v.engines)
+                if v.engines
+                else "",
             )
         return v
 
@@ -150,7 +159,7 @@ class LiveChecks:
                 return  # an update reads the ranks itself; a status after it re-reads if still stale
             self._stale = False
             try:
-                await self.ranks.read()  # a different version or checksum forgets the live sums
+                await self.ranks.read(agree=False)  # a different version or checksum forgets the live sums
             except Exception:
                 self._stale = True
                 raise

@@ -24,6 +24,7 @@ answers at once, during an update too (a hung store must not hang the control pl
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import time
@@ -126,7 +127,7 @@ class DeltaService:
                 await self.prefetch.drop()
                 steps = self._steps(served, plan)
                 held = Prefetched(
-                    served.version, plan, await steps.stage(self._new_update(plan, request.method)), steps
+                    served.version, plan, await steps.stage(self._new_update(plan, request.method, None)), steps
                 )
             self.prefetch.held = held
             await self.ranks.prune_cache(served.version, self.prefetch.versions)
@@ -182,10 +183,11 @@ class DeltaService:
         else:
             await self.prefetch.drop()
             steps = self._steps(served, plan)
-            applied = await steps.apply(self._new_update(plan, request.method), options)
+            applied = await steps.apply(self._new_update(plan, request.method, request.fault), options)
         out = update_result(plan, served.version, request, applied, prefetched is not None)
         assert steps.target_header is not None
-        self._note_applied(plan, out, steps.target_header, [s.partials for s in applied.staged.summaries])
+        # One world's partials: every engine's copy was verified to move by the same (two_phase.worlds).
+        self._note_applied(plan, out, steps.target_header, [s.partials for s in applied.staged.one_world()])
         return out
 
     async def _plan(self, served: WorkerStatus, request: StageRequest | UpdateRequest) -> UpdatePlan:
@@ -196,8 +198,8 @@ class DeltaService:
         return WorkerUpdate(self.api, self.store, served, plan, self.ranks.served_sums)
 
     @staticmethod
-    def _new_update(plan: UpdatePlan, method: Method) -> Update:
-        return Update(uuid.uuid4().hex, plan.versions, plan.target, method)
+    def _new_update(plan: UpdatePlan, method: Method, fault: str | None) -> Update:
+        return Update(uuid.uuid4().hex, plan.versions, plan.target, method, fault)
 
     async def _unchanged(self, served: WorkerStatus, request: UpdateRequest) -> UpdateResult:
         target = await self.api.deadline.in_thread(functools.partial(self.store.resolve, request.version))
@@ -221,7 +223,7 @@ class DeltaService:
         and label outputs with the served version (vLLM says "default")."""
         async with self.operations.lock:
             served = await self.checks.at_startup()
-            if served.version is not None:
+            if served.version is not None and self.ranks.disagreement is None:
                 try:
                     await self.api.engine_core.set_label(served.version, "startup")
                 except Exception as exc:  # noqa: BLE001 - bookkeeping: attribution says "default" meanwhile
@@ -282,11 +284,17 @@ class DeltaService:
             last_failure=ops.last_failure,
             follow=self.follower.status if self.follower is not None else None,
             verification=self.checks.verification,
+            engines=self.ranks.engines or None,
+            engines_disagree=self.ranks.disagreement,
         )
 
     def readiness(self, min_version: int | None) -> Readiness:
-        """GET /v1/delta/ready (no worker call): follower.readiness."""
-        return readiness(self.ranks.served.version, min_version, self.follower)
+        """GET /v1/delta/ready (no worker call): follower.readiness; never ready while the data-parallel
+        engines serve different versions."""
+        answer = readiness(self.ranks.served.version, min_version, self.follower)
+        if self.ranks.disagreement is not None:
+            return dataclasses.replace(answer, ready=False, reason=self.ranks.disagreement)
+        return answer
 
     def start_audit(self, period_s: float) -> None:
         self.checks.start_audit(period_s)

@@ -26,6 +26,8 @@ also drops the prefix-cache hashes and taints running requests. Nothing is preem
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import functools
 import logging
 import os
@@ -35,14 +37,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ...checksums import Sums
-from ...errors import DeltaError, RollbackFailedError
+from ...errors import CommitFailedError, DeltaError, InflightRefusedError, RollbackFailedError
 from ...format import VersionHeader
 from ...server_api import PAUSE_MODES, UpdateRequest, UpdateResult
 from ..shared import rpc
 from ..shared.messages import StageSummary, WorkerStatus, WrittenAll
 from ..shared.options import StoreSpec
 from ..shared.plan import UpdatePlan
-from ..shared.two_phase import Staged, TwoPhaseUpdate, Update, WriteOptions
+from ..shared.two_phase import AllRolledBack, AllWritten, Staged, TwoPhaseUpdate, Update, WriteOptions, write_all
 from .deadline import Deadline
 
 if TYPE_CHECKING:
@@ -64,6 +66,11 @@ class ApiProcess:
     engine_core: rpc.EngineCore
     spec: StoreSpec
     deadline: Deadline
+
+    @property
+    def engines(self) -> int:
+        """The engine cores this API process fronts (vLLM's data-parallel engines; 1 without)."""
+        return len(getattr(getattr(self.engine, "engine_core", None), "core_engines", None) or [None])
 
     @classmethod
     def of(cls, engine_client: Any, spec: StoreSpec) -> ApiProcess:
@@ -120,6 +127,7 @@ class WorkerUpdate(TwoPhaseUpdate[Applied]):
             versions=update.versions,
             method=update.method,
             records=[r.to_json() for r in self.plan.records],
+            fault=update.fault,
         )
         self._sent.add(update.ticket)
         (await api.workers.stage_start(args)).all()
@@ -131,9 +139,10 @@ class WorkerUpdate(TwoPhaseUpdate[Applied]):
         interval = POLL_S
         while True:
             await asyncio.sleep(interval)
-            polls = (await self.api.workers.stage_poll(ticket)).all()
+            replies = await self.api.workers.stage_poll(ticket)
+            polls = replies.all()
             if all(p.summary is not None for p in polls):
-                return rpc.Replies([p.summary for p in polls], [])
+                return rpc.Replies([p.summary for p in polls], [], replies.where)
             self.api.deadline.left("the workers staged")
             if time.monotonic() > give_up:
                 raise DeltaError(f"staging did not finish within {RPC_TIMEOUT_S:.0f} s")
@@ -165,30 +174,76 @@ def _header_of(store: DeltaStore, rec: VersionRecord) -> VersionHeader:
 
 
 async def write_through_engine_core(api: ApiProcess, staged: Staged, options: WriteOptions) -> Applied:
-    """Commit a staged, verified update on every rank through ONE engine-core call (rpc.WRITE_ALL):
-    inside a pause (mode keep | wait | abort), or between two engine steps with no pause (mode
-    "inflight"; InflightRefusedError, 409, where the engine cannot take it safely). A rank that fails
-    rolls every rank back (CommitFailedError, 500); nothing has changed then."""
+    """Write a staged, verified update on every rank of every engine core: one engine-core call per engine
+    (rpc.WRITE_ALL), inside a pause (mode keep | wait | abort: every engine paused), or between two engine
+    steps with no pause (mode "inflight"; InflightRefusedError, 409, where an engine cannot take it
+    safely). A rank that fails rolls back every rank of its engine, and then every other engine is
+    rolled back too (rpc.ROLLBACK_ALL; CommitFailedError, 500): nothing has changed anywhere then."""
     api.deadline.clear()  # the pause is not cut short: the writes and a rollback run to the end
     update = staged.update
     args = rpc.WriteAllArgs(update.ticket, update.target, update.method, options.fault, options.mode)
     if options.mode not in PAUSE_MODES:
-        inflight = await api.engine_core.write_all(args)
+        engines = await _write_every_engine(api, args)
+        inflight = inflight_of(engines)
         return Applied(staged, inflight.engine_ms, inflight.apply_ms, inflight)
     t0 = time.perf_counter()
     # Caches are reset after successful writes only: a failed update leaves them valid.
-    await api.engine.pause_generation(mode=options.mode, clear_cache=False)
+    await api.engine.pause_generation(mode=options.mode, clear_cache=False)  # every engine (vLLM's client)
     resume = True
     try:
-        written = await api.engine_core.write_all(args)
+        engines = await _write_every_engine(api, args)
         await _reset_prefix_cache(api.engine)
     except RollbackFailedError:
-        resume = False  # the engine core stopped scheduling: the ranks may disagree
+        resume = False  # an engine core stopped scheduling: the ranks may disagree
         raise
     finally:
         if resume:
             await api.engine.resume_generation()
-    return Applied(staged, (time.perf_counter() - t0) * 1e3, written.apply_ms)
+    return Applied(staged, (time.perf_counter() - t0) * 1e3, max(e.apply_ms for e in engines))
+
+
+async def _write_every_engine(api: ApiProcess, args: rpc.WriteAllArgs) -> list[WrittenAll]:
+    """two_phase.write_all over the engine cores: every engine writes all its ranks; if one failed, every
+    engine is rolled back. Raises what the first failure was (InflightRefusedError: nothing written,
+    409), CommitFailedError (500) or RollbackFailedError (500: every engine stops scheduling)."""
+    engines = rpc.EngineWrites(api.engine_core, args)
+    outcome = await write_all(engines, args.ticket, method=args.method, fault=args.fault, after_writes=list)
+    if isinstance(outcome, AllWritten):
+        return outcome.after
+    many = " on every engine" if api.engines > 1 else ""
+    if isinstance(outcome, AllRolledBack):
+        first = outcome.error
+        refused = first is not None and first.type == InflightRefusedError.__name__
+        if not many and first is not None and (refused or first.type == CommitFailedError.__name__):
+            raise (InflightRefusedError if refused else CommitFailedError)(first.message)  # one engine: as it was
+        if refused:  # 409 (the follower falls back to keep): what another engine wrote is undone
+            raise InflightRefusedError(f"{outcome.failure} (no engine keeps any writes of this update)")
+        raise CommitFailedError(f"update to version {args.version} failed and was rolled back{many}: {outcome.failure}")
+    if args.mode not in PAUSE_MODES:  # the engines not stopped by their own failure keep stepping: stop them
+        with contextlib.suppress(Exception):
+            await api.engine.pause_generation(mode="keep", clear_cache=False)
+    raise RollbackFailedError(
+        f"update to version {args.version} failed ({outcome.failure}) and could not be rolled back"
+        f"{many}: {outcome.rollback_failure}; scheduling is stopped: restart the server"
+    )
+
+
+def inflight_of(engines: list[WrittenAll]) -> WrittenAll:
+    """One in-flight answer for every engine: engine 0's label and step, the slowest engine's times,
+    the counts summed over engines (each engine switched between two of its own steps)."""
+    first = engines[0]
+    if len(engines) == 1:
+        return first
+    return dataclasses.replace(
+        first,
+        engine_ms=max(e.engine_ms for e in engines),
+        apply_ms=max(e.apply_ms for e in engines),
+        dropped_blocks=sum(e.dropped_blocks for e in engines),
+        dropped_blocks_in_use=sum(e.dropped_blocks_in_use for e in engines),
+        tainted=sum(e.tainted for e in engines),
+        batches_in_flight=sum(e.batches_in_flight for e in engines),
+        switch={k: v for e in engines for k, v in e.switch.items()},
+    )
 
 
 async def _reset_prefix_cache(engine: Any) -> None:

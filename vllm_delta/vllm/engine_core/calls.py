@@ -23,6 +23,12 @@ forwarding them to the workers. In that one call (`write_between_steps`, around 
                 queue the batches already in flight keep the old label) and record the update in
                 a bounded history (engine step, time; in flight, each running request's switch index)
 
+Data parallelism: the API process makes this call on every engine core and, if one failed, calls
+rpc.ROLLBACK_ALL on every engine (`rollback_between_steps`): an engine whose writes landed rolls
+every rank back, and its label goes back to the one before (recorded as a "rollback" in the history;
+in flight, with the same prefix-cache invalidation and taint as the writes, since the engine may
+have stepped on the new weights meanwhile). A failed rollback stops scheduling, as above.
+
 Worker ordering: `MultiprocExecutor` sends one message on a broadcast queue read by every rank, and
 each worker runs its queue in order, so the writes run after the forward steps already dispatched
 and before any later one, on every rank. On GPU the writes are issued on the worker's current stream
@@ -42,11 +48,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...attribution import version_label
+from ...attribution import parse_label, version_label
 from ...errors import CommitFailedError, InflightRefusedError, RollbackFailedError
 from ...server_api import PAUSE_MODES, HistoryEntry, Timeline
 from ..shared import rpc
-from ..shared.messages import LabelSet, PrefixCleared, PrefixState, WrittenAll
+from ..shared.messages import LabelSet, PrefixCleared, PrefixState, RolledBackAll, Written, WrittenAll
 from ..shared.two_phase import AllRolledBack, AllWritten, run_sync, write_all
 
 log = logging.getLogger(__name__)
@@ -67,6 +73,16 @@ class EngineState:
     # pipeline parallelism), oldest first: they ran on the weights before it and keep that label.
     held: deque[str] = field(default_factory=deque)
     inconsistent: str | None = None  # set when a rollback failed: the ranks may disagree
+    landed: Landed | None = None  # the last WRITE_ALL whose writes landed (ROLLBACK_ALL may undo them)
+
+
+@dataclass(frozen=True)
+class Landed:
+    """A WRITE_ALL whose writes landed: what ROLLBACK_ALL needs to undo it (the label before it)."""
+
+    ticket: str
+    previous_label: str
+    inflight: bool
 
 
 def state_of(core: Any) -> EngineState:
@@ -98,9 +114,13 @@ def preflight(core: Any) -> list[str]:
             "a multimodal model: encoder outputs of the old weights stay cached for running and new requests"
         )
     if getattr(config.parallel_config, "data_parallel_size", 1) > 1:
+        # vLLM runs dense models' data-parallel engines as independent engines of size 1 (they pass
+        # here, each switching between two of its own steps); MoE engines keep the size: they step in
+        # lockstep and split the experts among them, and each engine would switch at its own step.
         reasons.append(
-            "data parallelism: each engine core steps on its own, so the ranks of an expert-parallel "
-            "forward could mix versions; use mode keep"
+            "data parallelism with a mixture-of-experts model: the engines split the experts and step "
+            "together, but each would switch weights between two of its own steps, so one forward could "
+            "mix versions across engines; use mode keep"
         )
     if not _block_pools(scheduler):
         reasons.append(f"the scheduler {type(scheduler).__name__} has no prefix-cache block pool vllm-delta knows")
@@ -231,22 +251,43 @@ def _refuse_unsafe(core: Any, st: EngineState, inflight: bool) -> None:
         raise InflightRefusedError("in-flight update refused: " + "; ".join(reasons))
 
 
+@dataclass(frozen=True)
+class _Switch:
+    """What a label change does to the requests of this engine, computed before the writes (so nothing
+    after them can fail): the requests holding KV, their switch indices, the batches in flight."""
+
+    holding: list[Any]
+    switch: dict[str, int]
+    in_flight: int
+
+    @classmethod
+    def of(cls, core: Any, inflight: bool) -> _Switch:
+        holding = holding_kv(core.scheduler) if inflight else []
+        switch = {external_id(r.request_id): r.num_output_tokens + r.num_output_placeholders for r in holding}
+        in_flight = len(core.batch_queue) if inflight and getattr(core, "batch_queue", None) is not None else 0
+        return cls(holding, switch, in_flight)
+
+    def apply(self, core: Any, st: EngineState, label: str, inflight: bool) -> PrefixCleared:
+        """Between two steps, in flight: drop every prefix hash and taint the requests holding KV; then
+        the label (batches already in flight keep theirs)."""
+        dropped = drop_prefix_hashes(core.scheduler) if inflight else PrefixCleared(0, 0, 0)
+        for r in self.holding:
+            setattr(r, TAINT_ATTR, True)
+        _set_label(core, st, label, self.in_flight)
+        return dropped
+
+
 def _after_writes(
     core: Any, st: EngineState, args: rpc.WriteAllArgs, inflight: bool, t0: float
-) -> Callable[[float], WrittenAll]:
+) -> Callable[[list[Written]], WrittenAll]:
     """The after-writes step. Everything that can fail is computed here, before the writes."""
-    scheduler = core.scheduler
-    holding = holding_kv(scheduler) if inflight else []
-    switch = {external_id(r.request_id): r.num_output_tokens + r.num_output_placeholders for r in holding}
-    in_flight = len(core.batch_queue) if inflight and getattr(core, "batch_queue", None) is not None else 0
+    change = _Switch.of(core, inflight)
     previous = core._weight_version
     label = version_label(args.version)
 
-    def invalidate_and_label(apply_ms: float) -> WrittenAll:
-        dropped = drop_prefix_hashes(scheduler) if inflight else PrefixCleared(0, 0, 0)
-        for r in holding:
-            setattr(r, TAINT_ATTR, True)
-        _set_label(core, st, label, in_flight)
+    def invalidate_and_label(written_ranks: list[Written]) -> WrittenAll:
+        apply_ms = max((w.apply_ms for w in written_ranks), default=0.0)
+        dropped = change.apply(core, st, label, inflight)
         written = WrittenAll(
             version=args.version,
             label=label,
@@ -256,15 +297,68 @@ def _after_writes(
             apply_ms=apply_ms,
             dropped_blocks=dropped.blocks,
             dropped_blocks_in_use=dropped.blocks_in_use,
-            tainted=len(holding),
-            batches_in_flight=in_flight,
-            switch=switch,
+            tainted=len(change.holding),
+            batches_in_flight=change.in_flight,
+            switch=change.switch,
             time=time.time(),
         )
         st.history.append(_history_entry(args, written))
+        st.landed = Landed(args.ticket, previous, inflight)
         return written
 
     return invalidate_and_label
+
+
+def _rollback_all(core: Any, args: rpc.RollbackAllArgs) -> RolledBackAll:
+    """The reserved call ROLLBACK_ALL (engine-core thread, between two steps): another engine failed its
+    writes. If this engine's WRITE_ALL of the ticket landed, roll back every rank and put the label back
+    to the one before (in flight: the engine may have stepped on the new weights since, so prefix hashes
+    are dropped and requests holding KV tainted, as at the writes). If it did not land, there is nothing
+    to undo: its own WRITE_ALL refused before writing or already rolled its ranks back (or, having failed
+    to, stopped this engine: then this call refuses too). Raises RollbackFailedError (scheduling stopped)."""
+    t0 = time.perf_counter()
+    st = state_of(core)
+    if st.inconsistent is not None:
+        raise RollbackFailedError(f"a rollback failed earlier, ranks may disagree: {st.inconsistent}")
+    landed = st.landed if st.landed is not None and st.landed.ticket == args.ticket else None
+    if landed is None:
+        return RolledBackAll(
+            ranks_rolled_back=0,
+            relabelled=False,
+            label=core._weight_version,
+            engine_ms=(time.perf_counter() - t0) * 1e3,
+        )
+    change = _Switch.of(core, landed.inflight)
+    replies = run_sync(rpc.Workers(rpc.executor_transport(core.model_executor)).rollback(args.ticket))
+    if not replies.ok:
+        _stop_scheduling(core, st, f"rolling back version {args.version} failed: {replies.failures()}")
+        raise RollbackFailedError(f"rolling back version {args.version} failed: {replies.failures()}")
+    rolled = sum(1 for r in replies.all() if r.rolled_back)
+    st.landed = None
+    undone = core._weight_version
+    change.apply(core, st, landed.previous_label, landed.inflight)
+    st.history.append(
+        HistoryEntry(
+            mode="rollback",
+            version=_version_of(landed.previous_label),
+            label=landed.previous_label,
+            previous_label=undone,
+            engine_step=st.steps,
+            switch=change.switch if landed.inflight else None,
+            time=time.time(),
+        )
+    )
+    return RolledBackAll(
+        ranks_rolled_back=rolled,
+        relabelled=True,
+        label=landed.previous_label,
+        engine_ms=(time.perf_counter() - t0) * 1e3,
+    )
+
+
+def _version_of(label: str) -> int | None:
+    version = parse_label(label)
+    return version if isinstance(version, int) else None
 
 
 def _history_entry(args: rpc.WriteAllArgs, c: WrittenAll) -> HistoryEntry:
@@ -345,11 +439,12 @@ def _prefix_state(core: Any, args: rpc.NoArgs) -> PrefixState:
 # The reserved names, served from their declarations: each answers the reply's plain form (or an
 # error reply with the exception's HTTP status) and never raises across the utility boundary.
 write_between_steps = rpc.serve(rpc.WRITE_ALL, _write_all)
+rollback_between_steps = rpc.serve(rpc.ROLLBACK_ALL, _rollback_all)
 set_label = rpc.serve(rpc.SET_LABEL, _set_label_by_hand)
 engine_timeline = rpc.serve(rpc.ENGINE_TIMELINE, _timeline)
 prefix_state = rpc.serve(rpc.PREFIX_STATE, _prefix_state)
 RESERVED: dict[str, Callable[..., Any]] = {
-    f.__name__: f for f in (write_between_steps, set_label, engine_timeline, prefix_state)
+    f.__name__: f for f in (write_between_steps, rollback_between_steps, set_label, engine_timeline, prefix_state)
 }
 assert set(RESERVED) == {c.name for c in rpc.ENGINE_CORE_CALLS}, "every engine-core call is served"
 

@@ -32,11 +32,13 @@ class ErrorPayload:
     def from_exception(cls, exc: BaseException) -> ErrorPayload:
         return cls(type(exc).__name__, http_status(exc), str(exc))
 
-    def to_error(self, rank: int | None) -> WorkerError:
+    def to_error(self, rank: int | str | None) -> WorkerError:
+        """`rank`: the failed rank's number, or who failed in words ("engine 1 rank 0"; rpc.Where)."""
         return WorkerError(self.message, status=self.status, rank=rank, type_name=self.type)
 
-    def describe(self, rank: int) -> str:
-        return f"rank {rank}: {self.type}: {self.message}"
+    def describe(self, rank: int | str) -> str:
+        who = f"rank {rank}" if isinstance(rank, int) else rank
+        return f"{who}: {self.type}: {self.message}"
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,7 @@ class WorkerStatus:
     tickets: list[str] = field(default_factory=list)  # staged updates held
     coverage: Coverage | None = None
     live_sums: HexSums | None = None  # this rank's share of the live per-tensor sums, when asked for
+    world_size: int = 1  # the ranks that together hold one copy of the weights (two_phase.worlds)
 
 
 @dataclass(frozen=True)
@@ -74,6 +77,8 @@ class RankSums:
 
     version: int | None  # the served version
     sums: HexSums
+    rank: int = 0  # in its world (two_phase.worlds)
+    world_size: int = 1
 
 
 @dataclass(frozen=True)
@@ -87,6 +92,9 @@ class StageSummary:
     stage_ms: float
     timings: dict[str, float] = field(default_factory=dict)  # ms per staging phase
     decoded: int = 0  # changed elements this rank decoded (the chunks holding its rows: its share)
+    # The rank in its world (the ranks that together hold one copy of the weights: two_phase.worlds).
+    rank: int = 0
+    world_size: int = 1
 
 
 @dataclass(frozen=True)
@@ -200,6 +208,17 @@ class WrittenAll:
             batches_in_flight=self.batches_in_flight,
             requests_running=len(self.switch),
         )
+
+
+@dataclass(frozen=True, kw_only=True)
+class RolledBackAll:
+    """rpc.ROLLBACK_ALL: every rank of this engine undid the ticket's writes (another engine failed). If
+    this engine's writes had landed, its label is back to the one before them (`relabelled`)."""
+
+    ranks_rolled_back: int  # ranks that had writes to undo
+    relabelled: bool
+    label: str  # vLLM's weight-version label from now on
+    engine_ms: float
 
 
 @dataclass(frozen=True, kw_only=True)

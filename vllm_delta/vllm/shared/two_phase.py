@@ -14,7 +14,9 @@ every rank back if one failed -> release. (Words: "write" is the in-place writes
 Who runs what (the transport differs, never the order; rpc.py):
 
     API process    TwoPhaseUpdate (api_server/worker_update.py): staging on the workers' background
-                   threads, polled over RPC; its write step is ONE engine-core call (rpc.WRITE_ALL)
+                   threads, polled over RPC; its write step is write_all over the engine cores, ONE
+                   engine-core call each (rpc.WRITE_ALL; rpc.ROLLBACK_ALL undoes an engine's writes
+                   when another engine failed)
     engine core    write_all over model_executor.collective_rpc, inside the API's pause or between
                    two engine steps (engine_core/calls.py), with the label change as its after-writes step
     worker ranks   TwoPhaseUpdate (the weight-transfer backend): every rank runs the whole protocol,
@@ -24,21 +26,28 @@ Who runs what (the transport differs, never the order; rpc.py):
 The steps are coroutines so that the API process never blocks its event loop; where the transport is
 synchronous (engine core, worker ranks) `run_sync` drives them without an event loop: nothing in
 them suspends.
+
+Data parallelism: every engine core holds the weights with its own ranks, so an update spans every
+rank of every engine. Staging and verification: every rank of every engine stages; the partials are
+verified per world (`worlds`: the ranks that together hold one copy of the weights) against the same
+served sums and target header, so no engine writes unless every engine's copy would come out right.
+Writing: write_all at two levels, one protocol: each engine core writes its ranks and rolls them
+back if one failed; the API process writes every engine and rolls every engine back if one failed.
 """
 
 from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar, cast
 
 from ...checksums import Sums, verify_partials
-from ...errors import http_status
+from ...errors import DeltaError, http_status
 from ...format import VersionHeader
 from ...server_api import Method, UpdateMode
-from .messages import RolledBack, StageSummary, Written
+from .messages import ErrorPayload, StageSummary
 from .rpc import Replies
 
 T = TypeVar("T")
@@ -63,6 +72,7 @@ class Update:
     versions: list[int]
     target: int
     method: Method = "delta"
+    fault: str | None = None  # test hook (server_api.fault_hits): "stage@..." fails a rank's staging
 
 
 @dataclass(frozen=True)
@@ -70,8 +80,39 @@ class Staged:
     """An update staged and verified on every rank: nothing written yet, buffers held by the ticket."""
 
     update: Update
-    summaries: list[StageSummary]  # one per rank
+    summaries: list[StageSummary]  # one per rank of every engine, in (engine, rank) order
     stage_ms: float
+
+    def one_world(self) -> list[StageSummary]:
+        """The summaries of the ranks that hold one copy of the weights (their partials add up to the
+        update's change of the live sums; every world's are verified to be the same change)."""
+        return [self.summaries[i] for i in worlds(self.summaries)[0]] if self.summaries else []
+
+
+class RankOfWorld(Protocol):
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+
+def worlds(ranks: Sequence[RankOfWorld]) -> list[range]:
+    """The indices of the ranks that together hold one copy of the weights (vLLM's world group): each
+    engine core's own ranks without data parallelism and with independent (dense) engines; every
+    engine's ranks at once where the engines share one world (MoE data parallelism splits experts
+    across engines). Replies come in (engine, rank) order, so a world is a run of ranks 0..size-1."""
+    out: list[range] = []
+    i = 0
+    while i < len(ranks):
+        size = max(ranks[i].world_size, 1)
+        run = ranks[i : i + size]
+        if [r.rank for r in run] != list(range(size)) or any(r.world_size != size for r in run):
+            seen = [(r.rank, r.world_size) for r in ranks]
+            raise DeltaError(f"the worker ranks (rank, world size) {seen} do not form whole worlds")
+        out.append(range(i, i + size))
+        i += size
+    return out
 
 
 @dataclass(frozen=True)
@@ -81,12 +122,21 @@ class WriteOptions:
 
 
 # -- write every rank, roll every rank back --------------------------------------------------------
-class WritingRanks(Protocol):
-    """Every rank at once (replies in rank order): rpc.Workers, or a worker rank and its peers."""
+class Timed(Protocol):
+    @property
+    def apply_ms(self) -> float: ...
 
-    async def write(self, ticket: str, method: Method = "delta", fault: str | None = None) -> Replies[Written]: ...
 
-    async def rollback(self, ticket: str) -> Replies[RolledBack]: ...
+W = TypeVar("W", bound=Timed)
+
+
+class WritingRanks(Protocol[W]):
+    """Every rank at once (replies in order): rpc.Workers, a worker rank and its peers, or every engine
+    core of the API process (each writing all its ranks)."""
+
+    async def write(self, ticket: str, method: Method = "delta", fault: str | None = None) -> Replies[W]: ...
+
+    async def rollback(self, ticket: str) -> Replies[Any]: ...
 
 
 @dataclass(frozen=True)
@@ -100,6 +150,7 @@ class AllRolledBack:
     """A rank failed (it restored itself) or the after-writes step did; every rank was rolled back."""
 
     failure: str  # "rank R: Type: message" of the first failure
+    error: ErrorPayload | None = None  # the first failure itself (its class name, HTTP status, message)
 
 
 @dataclass(frozen=True)
@@ -108,41 +159,45 @@ class RollbackFailed:
 
     failure: str
     rollback_failure: str
+    error: ErrorPayload | None = None
 
 
 WriteOutcome = AllWritten[T] | AllRolledBack | RollbackFailed
 
 
 async def write_all(
-    ranks: WritingRanks,
+    ranks: WritingRanks[W],
     ticket: str,
     *,
     method: Method = "delta",
     fault: str | None = None,
-    after_writes: Callable[[float], T],
+    after_writes: Callable[[list[W]], T],
 ) -> WriteOutcome[T]:
     """Write `ticket` in place on every rank. If a rank failed (or the transport did: a worker died), or then
-    `after_writes(apply_ms)` failed, roll every rank back before anything else runs on the ranks."""
+    `after_writes(every rank's reply)` failed, roll every rank back before anything else runs on the ranks."""
+    error: ErrorPayload | None
     try:
         replies = await ranks.write(ticket, method, fault)
     except Exception as exc:  # noqa: BLE001 - e.g. a worker died: roll back what can be
-        failure = f"{type(exc).__name__}: {exc}"
+        failure, error = f"{type(exc).__name__}: {exc}", ErrorPayload.from_exception(exc)
     else:
         failure = replies.failure() or ""
+        error = replies.errors[0][1] if replies.errors else None
         if replies.ok:
-            apply_ms = max((r.apply_ms for r in replies.all()), default=0.0)
+            written = replies.all()
+            apply_ms = max((r.apply_ms for r in written), default=0.0)
             try:
-                return AllWritten(apply_ms, after_writes(apply_ms))
+                return AllWritten(apply_ms, after_writes(written))
             except Exception as exc:  # noqa: BLE001 - after the writes: undo them, the caller sees the failure
-                failure = f"after the writes: {type(exc).__name__}: {exc}"
+                failure, error = f"after the writes: {type(exc).__name__}: {exc}", ErrorPayload.from_exception(exc)
     try:
         rolled = await ranks.rollback(ticket)
         rollback_failure = None if rolled.ok else rolled.failures()
     except Exception as exc:  # noqa: BLE001 - becomes the inconsistent outcome
         rollback_failure = f"{type(exc).__name__}: {exc}"
     if rollback_failure is not None:
-        return RollbackFailed(failure, rollback_failure)
-    return AllRolledBack(failure)
+        return RollbackFailed(failure, rollback_failure, error)
+    return AllRolledBack(failure, error)
 
 
 # -- the whole order -------------------------------------------------------------------------------
@@ -160,9 +215,12 @@ class TwoPhaseUpdate(ABC, Generic[Out]):
         t0 = time.perf_counter()
         try:
             try:
-                summaries = (await self.stage_ranks(update)).all()
+                replies = await self.stage_ranks(update)
+                summaries = replies.all()
                 current, target = await self.verification_basis(update)
-                verify_partials(current, [s.partials for s in summaries], target)
+                for world in worlds(summaries):  # each engine's copy of the weights (module doc)
+                    who = replies.who(world[0]).engine if replies.engines > 1 else None
+                    verify_partials(current, [summaries[i].partials for i in world], target, engine=who)
             except BaseException:
                 await self.release(update.ticket)
                 raise

@@ -97,7 +97,7 @@ class DeltaWeightTransferEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateI
         replica = replica_of(self.model)
         target = store.resolve(update_info.version)
         if not replica.probed:  # every rank gets here together: the probe's exchange is collective
-            replica.probe_layout({n: tuple(e.shape) for n, e in store.open(target, fresh=True).header.tensors.items()})
+            replica.probe_layout(store.open(target, fresh=True).header.tensors.shape_map())
         plan = plan_update(store, replica.served.version, replica.served.checksum, target, update_info.allow_reanchor)
         if not plan.versions:
             return
@@ -177,5 +177,5 @@ class RankUpdate(TwoPhaseUpdate[None]):
         self.store.prune_cache(versions=versions)
 
 
-def _nothing(apply_ms: float) -> None:
+def _nothing(written: list[Written]) -> None:
     return None

@@ -113,7 +113,7 @@ class DeltaModelLoader(DefaultModelLoader):
         replica = DeltaReplica(model)
         try:
             fallback = replica.probe_layout(
-                {n: tuple(e.shape) for n, e in header.tensors.items()},
+                header.tensors.shape_map(),
                 validate=self.options.validate,
                 force_fallback=self.options.fallback,
             )

@@ -67,6 +67,7 @@ def status(r: DeltaReplica, args: rpc.StatusArgs) -> WorkerStatus:
         tickets=sorted(r.tickets),
         coverage=r.coverage() if r.probed else None,
         live_sums=r.live_sums() if args.live_sums and r.probed else None,
+        world_size=r.world_size,
     )
 
 
@@ -75,7 +76,7 @@ def probe(r: DeltaReplica, args: rpc.ProbeArgs) -> Probed:
     if r.probed:
         return Probed(r.fallback_names)
     header = open_store(args.store).open(args.version, fresh=True).header
-    fallback = r.probe_layout({n: tuple(e.shape) for n, e in header.tensors.items()})
+    fallback = r.probe_layout(header.tensors.shape_map())
     if fallback:
         log.warning("vllm-delta: tensors through vLLM's sparse path: %s", fallback)
     return Probed(sorted(fallback))
@@ -85,12 +86,12 @@ def live_sums(r: DeltaReplica, args: rpc.NoArgs) -> RankSums:
     """This rank's share of the live per-tensor sums (the API process adds the ranks up)."""
     if not r.probed:
         raise UnsupportedModelError("the layout has not been probed yet")
-    return RankSums(r.served.version, r.live_sums())
+    return RankSums(r.served.version, r.live_sums(), r.rank, r.world_size)
 
 
 def served_sums(r: DeltaReplica, args: rpc.NoArgs) -> RankSums:
     """Per-tensor sums the served version's header records (what staged partials are added to)."""
-    return RankSums(r.served.version, dict(r.served.sums))
+    return RankSums(r.served.version, dict(r.served.sums), r.rank, r.world_size)
 
 
 def stage_start(r: DeltaReplica, args: rpc.StageArgs) -> StageStarted:
@@ -102,11 +103,21 @@ def stage_start(r: DeltaReplica, args: rpc.StageArgs) -> StageStarted:
         if [rec.version for rec in recs] != list(args.versions):
             raise ValueError(f"records of versions {[rec.version for rec in recs]} for versions {args.versions}")
         r.stage_start(
-            args.ticket, args.versions, lambda: [st.open(rec.version, record=rec) for rec in recs], method=args.method
+            args.ticket,
+            args.versions,
+            lambda: [st.open(rec.version, record=rec) for rec in recs],
+            method=args.method,
+            fault=args.fault,
         )
     else:
         versions = list(args.versions)
-        r.stage_start(args.ticket, versions, lambda: [st.open(v, fresh=True) for v in versions], method=args.method)
+        r.stage_start(
+            args.ticket,
+            versions,
+            lambda: [st.open(v, fresh=True) for v in versions],
+            method=args.method,
+            fault=args.fault,
+        )
     return StageStarted(args.ticket)
 
 
@@ -127,11 +138,12 @@ def release(r: DeltaReplica, args: rpc.TicketArgs) -> Released:
     return Released(args.ticket)
 
 
-def test_write(r: DeltaReplica, args: rpc.NoArgs) -> TestWritten:
-    """Test hook: flip one live bit on rank 0, telling nobody (refused without VLLM_DELTA_TEST_FAULTS=1)."""
+def test_write(r: DeltaReplica, args: rpc.TestWriteArgs) -> TestWritten:
+    """Test hook: flip one live bit on rank 0 of engine `args.engine`, telling nobody (refused without
+    VLLM_DELTA_TEST_FAULTS=1)."""
     if os.environ.get(FAULTS_ENV) != "1":
         raise PermissionError(f"{rpc.TEST_WRITE.name} is a test hook, enabled only with {FAULTS_ENV}=1")
-    written = r.write_behind_our_back() if r.rank == 0 else None
+    written = r.write_behind_our_back() if r.rank == 0 and r.engine_index == args.engine else None
     return TestWritten(r.rank, *(written or (None, None)))
 
 
@@ -142,11 +154,22 @@ def test_heap(r: DeltaReplica, args: rpc.HeapArgs) -> HeapReport:
     return heap.act(args.action, r.rank)
 
 
+def engine_index(worker: Any) -> int:
+    """vLLM's data-parallel rank of the worker's engine core (`data_parallel_index`: set for dense engines,
+    which vLLM runs as independent engines of data-parallel size 1, and for MoE engines alike); 0 without
+    data parallelism."""
+    parallel = getattr(getattr(worker, "vllm_config", None), "parallel_config", None)
+    index = getattr(parallel, "data_parallel_index", None)
+    return index if isinstance(index, int) else 0
+
+
 def _on_worker(fn: Callable[[DeltaReplica, A], R]) -> Callable[[Any, A], R]:
     """`fn` on the replica of a vLLM worker's model."""
 
     def on_worker(worker: Any, args: A) -> R:
-        return fn(replica_of(worker.get_model()), args)
+        replica = replica_of(worker.get_model())
+        replica.engine_index = engine_index(worker)
+        return fn(replica, args)
 
     on_worker.__doc__ = fn.__doc__
     return on_worker

@@ -36,7 +36,7 @@ from ...apply.layout import hf_2d
 from ...checksums import Sums, add_sums, to_hex
 from ...errors import ChecksumMismatchError, InjectedFaultError, UnsupportedModelError
 from ...format import VersionHeader, VersionLike
-from ...server_api import FAULTS_ENV, METHODS, Counted, Coverage, HandlerInfo, Method, Recomputed, ViaVllm
+from ...server_api import METHODS, Counted, Coverage, HandlerInfo, Method, Recomputed, ViaVllm, fault_hits
 from ..postprocess.derived import Product, check_targets, report_of
 from ..postprocess.handlers import Handler, claims_for, handlers
 from ..postprocess.loaded import fed_sums
@@ -58,7 +58,8 @@ class Served:
 
     @classmethod
     def from_header(cls, header: VersionHeader) -> Served:
-        return cls(header.version, header.checksum, {n: int(e.checksum, 16) for n, e in header.tensors.items()})
+        t = header.tensors
+        return cls(header.version, header.checksum, dict(zip(t.names, (int(c, 16) for c in t.checksums))))
 
 
 @dataclass
@@ -72,6 +73,7 @@ class Ticket:
     previous: Served | None = None  # what was served before this ticket's writes
     method: Method = "delta"  # "vllm": write through vLLM's sparse path instead (vllm_path.py)
     vllm_patches: list[Any] | None = None  # for method "vllm": vLLM CheckpointWeightPatch objects
+    fault: str | None = None  # test hook (server_api.fault_hits)
 
 
 class DeltaReplica:
@@ -79,6 +81,7 @@ class DeltaReplica:
         self.model = model
         self.device = torch.device(device) if device is not None else _model_device(model)
         self.rank, self.world_size = dist.rank_and_size()
+        self.engine_index = 0  # vLLM's data-parallel rank of this worker's engine core (set by the worker methods)
         self.probe: ProbeResult | None = None
         self.engine: ApplyEngine | None = None
         self.fallback: FallbackApplier | None = None
@@ -215,6 +218,10 @@ class DeltaReplica:
             post_processing=report.summary() if report is not None else None,
         )
 
+    @property
+    def _who(self) -> str:
+        return f"engine {self.engine_index} rank {self.rank}" if self.engine_index else f"rank {self.rank}"
+
     def _require(self) -> ApplyEngine:
         if self.engine is None:
             raise UnsupportedModelError("the layout has not been probed on this worker yet")
@@ -262,7 +269,12 @@ class DeltaReplica:
         return self.summary(ticket)
 
     def stage_start(
-        self, ticket: str, versions: list[int], open_files: Callable[[], list[VersionLike]], method: Method = "delta"
+        self,
+        ticket: str,
+        versions: list[int],
+        open_files: Callable[[], list[VersionLike]],
+        method: Method = "delta",
+        fault: str | None = None,
     ) -> None:
         """Stage on a background thread: generation continues between the worker's RPCs meanwhile."""
         self._require()
@@ -270,7 +282,7 @@ class DeltaReplica:
             raise ValueError(f"ticket {ticket} is already staged")
         if method not in METHODS:
             raise ValueError(f"unknown apply method {method!r}")
-        t = Ticket(list(versions), method=method)
+        t = Ticket(list(versions), method=method, fault=fault)
         if self._stager is None:
             self._stager = ThreadPoolExecutor(1, thread_name_prefix="vllm-delta-stage")
         self.tickets[ticket] = t
@@ -281,6 +293,8 @@ class DeltaReplica:
         try:
             engine = self._require()
             files = open_files()
+            if fault_hits(t.fault, "stage", self.engine_index, self.rank):
+                raise InjectedFaultError(f"injected fault while staging on {self._who}")
             t.staged = engine.stage(files)  # on the engine's own side stream
             assert self.fallback is not None
             t.fallback = self.fallback.stage(files)
@@ -311,6 +325,8 @@ class DeltaReplica:
             stage_ms=t.stage_ms,
             timings=dict(t.staged.timings),
             decoded=t.staged.decoded + t.fallback.decoded,
+            rank=self.rank,
+            world_size=self.world_size,
         )
 
     # -- the pause ------------------------------------------------------------------------------
@@ -332,8 +348,8 @@ class DeltaReplica:
         try:
             self.fallback.write(t.fallback)
             self.recompute_derived()
-            if fault == f"commit@{self.rank}" and os.environ.get(FAULTS_ENV) == "1":
-                raise InjectedFaultError(f"injected fault after the writes on rank {self.rank}")
+            if fault_hits(fault, "commit", self.engine_index, self.rank):
+                raise InjectedFaultError(f"injected fault after the writes on {self._who}")
         except BaseException:
             self.fallback.rollback(t.fallback)
             engine.rollback(t.staged)
