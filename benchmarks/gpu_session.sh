@@ -20,6 +20,10 @@
 #             (a 2-GPU machine)                                                          [issue 26 item 1]
 #   apply     benchmarks/apply_gpu.py qwen3-8b + qwen3-30b-a3b at 1% and 3%, staging per path [issues 11, 17]
 #   moe       benchmarks/publish_gpu.py for qwen3-30b-a3b, 12 of its 48 layers          [issue 17]
+#   moe48     benchmarks/publish_gpu.py for the whole qwen3-30b-a3b (48 layers) at --world 2, the engine on a
+#             third card (--engine-gpu 2: fp32 master weights sharded over two cards; a 4-GPU machine)  [issue 25 item 4]
+#   old / oldmoe  publish (8B, W=1, chunked:gpu) / moe from the tree in $OLD_TREE (default .old: the code before,
+#             `git archive <commit> | tar -x -C .old`, carried): today's path beside the old one in one call
 #   trainer   benchmarks/trainer_gpu.py (detection + prepare alone)
 #   detect    benchmarks/detect_gpu.py (FlatSnapshot.changes: bitmask path vs chunked paths, 2^28/2^30)
 # Wheels missing on the machine (zstandard; nvCOMP: nvidia-nvcomp-cu13 and nvidia-libnvcomp-cu13, 6.0.0.12)
@@ -59,12 +63,17 @@ run() {  # name timeout command...: in its own process group; past the timeout e
   echo "== $name: exit $rc in $(( $(date +%s) - t0 )) s"
   tail -n ${TAIL:-25} "$OUT/$name.log"
 }
+old_tree() {  # command...: run in the old tree (its root first on the path, and the working folder)
+  local tree; tree=$(cd "${OLD_TREE:-.old}" && pwd) || return 2
+  (cd "$tree" && PYTHONPATH="$tree:${PYTHONPATH#$PWD:}" "$@")
+}
+export -f old_tree  # `run` starts it through bash -c (setsid runs programs, not functions)
 for stage in ${STAGES:-tests publish apply world2}; do
   case $stage in
     tests)   run pytest_gpu ${TESTS_LIMIT:-200} python3 -m pytest -q -m gpu tests/apply tests/trainer tests/test_codec_gpu.py tests/test_codec_kernels.py --maxfail=20 -p no:cacheprovider ;;
     calls)   run codec_calls ${CALLS_LIMIT:-200} python3 benchmarks/codec_calls.py --out "$OUT" ${CALLS_ARGS:-} ;;
     codec)   run codec_gpu 300 python3 benchmarks/codec_gpu.py --out "$OUT" ${CODEC_ARGS:-} ;;
-    moe)     run publish_moe ${MOE_LIMIT:-300} python3 benchmarks/publish_gpu.py --model qwen3-30b-a3b --layers 12 --steps 4 --out "$OUT/moe" ${MOE_ARGS:-} ;;
+    moe)     run publish_moe ${MOE_LIMIT:-300} python3 benchmarks/publish_gpu.py --model qwen3-30b-a3b --layers 12 --steps 4 --codecs chunked:gpu --out "$OUT/moe" ${MOE_ARGS:-} ;;
     publish) run publish_w1 ${PUBLISH_LIMIT:-330} python3 benchmarks/publish_gpu.py --out "$OUT" ${PUBLISH_ARGS:-} ;;
     publish_torch) run publish_w1_torch 180 python3 benchmarks/publish_gpu.py --backend torch --codecs chunked:gpu --out "$OUT/torch" ${PUBLISH_ARGS:-} ;;
     world2)  run publish_w2 ${WORLD_LIMIT:-420} python3 benchmarks/publish_gpu.py --world 2 --codecs compact,chunked:gpu --out "$OUT" ${PUBLISH_ARGS:-} ;;
@@ -73,6 +82,9 @@ for stage in ${STAGES:-tests publish apply world2}; do
     tp2)     run stage_tp ${TP_LIMIT:-420} python3 benchmarks/stage_tp.py --models qwen3-8b,qwen3-30b-a3b --tp 1,2 --out "$OUT" ${TP_ARGS:-}
              run stage_tp_parts ${TP_LIMIT:-420} python3 benchmarks/stage_tp.py --models qwen3-8b --tp 1,2 --parts 2 --out "$OUT/parts" ${TP_ARGS:-} ;;
     apply)   run apply_gpu ${APPLY_LIMIT:-420} python3 benchmarks/apply_gpu.py --models qwen3-8b,qwen3-30b-a3b --densities 0.01,0.03 --out "$OUT" ${APPLY_ARGS:-} ;;
+    moe48)   run publish_moe48 ${MOE48_LIMIT:-420} python3 benchmarks/publish_gpu.py --model qwen3-30b-a3b --world 2 --engine-gpu 2 --codecs chunked:gpu --steps ${MOE48_STEPS:-2} --warmup 1 --out "$OUT/moe48" ;;
+    old)     run publish_w1_old ${OLD_LIMIT:-240} bash -c 'old_tree "$@"' old python3 benchmarks/publish_gpu.py --codecs chunked:gpu --out "$OUT/old" ${PUBLISH_ARGS:-} ;;
+    oldmoe)  run publish_moe_old ${MOE_LIMIT:-300} bash -c 'old_tree "$@"' old python3 benchmarks/publish_gpu.py --model qwen3-30b-a3b --layers 12 --steps 4 --codecs chunked:gpu --out "$OUT/moe_old" ${MOE_ARGS:-} ;;
     trainer) run trainer_gpu 120 python3 benchmarks/trainer_gpu.py --out "$OUT" ;;
     detect)  run detect_gpu 300 python3 benchmarks/detect_gpu.py --out "$OUT" ${DETECT_ARGS:-} ;;
     *) echo "unknown stage $stage" ;;
