@@ -22,7 +22,7 @@ from vllm_delta.apply.engine import ApplyEngine
 from vllm_delta.apply.layout import hf_2d
 from vllm_delta.bits import bit_view
 from vllm_delta.checksums import verify_partials
-from vllm_delta.codec.chunked import gpu
+from vllm_delta.codec.chunked import decoder, gpu
 from vllm_delta.errors import ChecksumMismatchError, CodecError
 from vllm_delta.testing.apply_fixtures import (
     Qwen3MoeSpec,
@@ -155,11 +155,13 @@ def test_tp_layouts_tile_every_tensor_once():
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("parts", [1, 3])
 @pytest.mark.parametrize("spec", [SPEC, MOE], ids=["dense", "moe"])
-def test_each_rank_decodes_its_share_bit_exact(tmp_path, parts, spec, device):
+def test_each_rank_decodes_its_share_bit_exact(tmp_path, parts, spec, device, monkeypatch):
     """TP=1 decodes every changed element; each TP=2 rank decodes fewer, at least those it holds,
     writes exactly the reference, and the ranks' partials add up to the version's sums (on a GPU:
-    nvCOMP where it is installed, the Triton planes, a part's short chunk decoded padded)."""
+    nvCOMP where it is installed, the Triton planes, a part's short chunk decoded padded; every gap
+    skipped, as on the CPU, so that the skipping itself is what runs there)."""
     dev = _device(device)
+    monkeypatch.setattr(decoder, "GPU_SKIP_MIN_ELEMS", 1)
     old, new, changes, vf = _version(tmp_path, spec, parts)
     nnz = vf.header.nnz
     one = _engine(spec, 1, 0, old, dev)
@@ -178,6 +180,37 @@ def test_each_rank_decodes_its_share_bit_exact(tmp_path, parts, spec, device):
         _assert_holds(engine, spec, 2, rank, new)
         assert _held_elements(spec, 2, rank, changes) <= staged.decoded <= SHARE[spec.name] * nnz, (rank, decoded, nnz)
     verify_partials(hf_sums(old), partials, vf.header)
+
+
+def test_short_gaps_are_decoded_in_one_gpu_call(tmp_path, monkeypatch):
+    """On the GPU path a gap of skipped chunks shorter than GPU_SKIP_MIN_ELEMS is decoded rather than
+    skipped (each run costs an nvCOMP call and a decode): a TP=2 rank then inflates its file in one
+    call, decodes the other rank's chunks between its own, and still writes exactly its rows; with every gap skipped the
+    same rank makes one call per run of its chunks. (nvCOMP stood in for by zstandard on the CPU.)"""
+    from test_staging import _StandInZstd
+
+    backend = _StandInZstd()
+    monkeypatch.setattr(gpu, "backend", lambda device: (backend, ""))
+    old, new, _, vf = _version(tmp_path, SPEC, 1, seed=5)
+    seen, default = {}, decoder.GPU_SKIP_MIN_ELEMS
+    for skip_min in (default, 1):
+        monkeypatch.setattr(decoder, "GPU_SKIP_MIN_ELEMS", skip_min)
+        partials = []
+        for rank in range(2):
+            engine = _engine(SPEC, 2, rank, old)
+            calls = backend.calls
+            staged = engine.stage([vf])
+            seen[skip_min, rank] = (backend.calls - calls, staged.decoded)
+            engine.write(staged)
+            _assert_holds(engine, SPEC, 2, rank, new)
+            partials.append(staged.partials)
+        verify_partials(hf_sums(old), partials, vf.header)
+    for rank in range(2):
+        calls, decoded = seen[1, rank]
+        assert calls > 1, seen  # every gap skipped: a call per run of the rank's chunks
+        # gaps filled: one call, more decoded (the chunks before the first and after the last needed stay skipped)
+        filled_calls, filled = seen[default, rank]
+        assert filled_calls == 1 and decoded < filled <= vf.header.nnz, seen
 
 
 def test_parts_decode_in_one_run_and_one_gpu_call(tmp_path, monkeypatch):

@@ -5,7 +5,8 @@ chunks (`_Sequence`: file after file, each file's chunks in order), so that a ru
 it one nvCOMP call and one fused decode, can take chunks of several parts: a version published by W
 ranks stages like one file. Per file: its streams checked, the chunks holding elements the layout
 needs found (the others skipped: tensors the layout does not hold, and, where the file records each
-chunk's first position, the chunks of other ranks' rows), then the needed chunks cut into runs. A
+chunk's first position, the chunks of other ranks' rows; on a GPU only gaps long enough to pay for
+another run, GPU_SKIP_MIN_ELEMS), then the needed chunks cut into runs. A
 run's host work is a copy of its compressed bytes into pinned memory (GPU path: nvCOMP verifies and
 inflates them on the device, runs of up to GPU_RUN_ELEMS elements per call) or the verification and
 decompression of its frames by zstandard into pinned memory (CPU path). Its device work decodes the
@@ -46,6 +47,11 @@ log = logging.getLogger(__name__)
 PAD_DEVICES = frozenset({"cuda"})  # where a run decodes a part's short last chunk padded (one fused decode)
 GPU_RUN_ELEMS = 1 << 27  # GPU path: elements per nvCOMP call (3.3 B each of device planes): few
 # calls (~10 ms each on an H100 whatever their size, benchmarks/codec_calls.py); Qwen3-8B at 1% is one
+GPU_SKIP_MIN_ELEMS = 1 << 22  # GPU path: skipped chunks between two needed ones are decoded anyway unless they
+# hold at least this many elements: each run costs an nvCOMP call, a fused decode and a host wait (~1.5 ms
+# on an H200), decoding 4M elements about as much. Skipping every gap cut Qwen3-8B's staging at TP=2 into
+# ~250 runs, 17x TP=1's time (benchmarks/results/issue26/stage_tp_h200x4.log).
+CPU_SKIP_MIN_ELEMS = 1  # CPU path: every gap skipped (a run there is a task of zstandard frames: no fixed cost)
 _TLS = threading.local()
 
 
@@ -147,6 +153,8 @@ class _Sequence:
         self.index_of = torch.from_numpy(self.index_np).to(dev, non_blocking=self.nb)
         self.per_decode = max(1, host.chunk_elems // e)
         per_run = max(self.per_decode, GPU_RUN_ELEMS // e) if backend is not None else self.per_decode
+        skip_min = GPU_SKIP_MIN_ELEMS if backend is not None else CPU_SKIP_MIN_ELEMS
+        needed_all = _fill_gaps(needed_all, max(1, skip_min // e))
         self.runs = [_Run(self, g0, g1, fresh) for g0, g1, fresh in _chunk_runs(needed_all, per_run)]
         self.elements = int(self.elems[needed_all].sum())
         self.compressed: set[int] = set()  # runs (by first chunk) fetched as compressed bytes
@@ -448,6 +456,25 @@ def _offsets(version: int, pieces: FilePieces) -> tuple[np.ndarray, np.ndarray]:
             f"piece starts at {start[k]}, its part's rows at {pieces.start[k]}", version=version, tensor=pieces.names[k]
         )
     return at, start
+
+
+def _fill_gaps(needed: np.ndarray, min_gap: int) -> np.ndarray:
+    """`needed` with every gap of fewer than `min_gap` chunks between two needed chunks filled (decoded
+    rather than skipped); the chunks before the first and after the last needed one stay skipped."""
+    edges = np.diff(np.concatenate([[0], needed.astype(np.int8), [0]]))
+    starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
+    if starts.size < 2 or min_gap <= 1:
+        return needed
+    gap_from, gap_to = ends[:-1], starts[1:]
+    short = (gap_to - gap_from) < min_gap
+    if not short.any():
+        return needed
+    out: np.ndarray = needed.copy()
+    delta = np.zeros(needed.size + 1, dtype=np.int64)
+    np.add.at(delta, gap_from[short], 1)
+    np.add.at(delta, gap_to[short], -1)
+    out |= np.cumsum(delta[:-1]) > 0
+    return out
 
 
 def _chunk_runs(needed: np.ndarray, per_run: int) -> list[tuple[int, int, bool]]:
