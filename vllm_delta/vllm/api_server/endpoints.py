@@ -12,7 +12,8 @@ cache unwritable, 504 store too slow; the server keeps serving the previous vers
 
 Request bodies are JSON objects of a few fields: over MAX_BODY_BYTES they are refused (413) before
 they are read when Content-Length says so, else as soon as the count passes it (chunked bodies);
-deep nesting and non-JSON are 400, and error messages quote at most a short prefix of bad input.
+deep nesting, non-JSON and a body that is not a JSON object (null, an array, a number) are 400, and
+error messages quote at most a short prefix of bad input.
 """
 
 from __future__ import annotations
@@ -97,7 +98,8 @@ def _service(request: Request) -> DeltaService:
 
 
 async def read_json(request: Request, max_bytes: int = MAX_BODY_BYTES) -> Any:
-    """The request's JSON body ({} when empty), with the limits of the module docstring."""
+    """The request's JSON body, an object ({} when empty), with the limits of the module docstring;
+    any other JSON value as a whole body (null, an array, a number, ...) is a 400."""
     ctype = request.headers.get("content-type")
     if ctype is not None and ctype.split(";", 1)[0].strip().lower() != "application/json":
         raise UnsupportedMediaTypeError(f"Content-Type must be application/json, not {short(ctype)}")
@@ -115,11 +117,24 @@ async def read_json(request: Request, max_bytes: int = MAX_BODY_BYTES) -> Any:
     if not raw.strip():
         return {}
     try:
-        return json.loads(raw)
+        body = json.loads(raw)
     except RecursionError:
         raise BadRequestError("the body is nested too deeply") from None
     except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
         raise BadRequestError(f"the body is not JSON: {short(str(exc))}") from None
+    if not isinstance(body, dict):  # null, an array, a number, a string, a bool: every route takes an object
+        raise BadRequestError(f"the body must be a JSON object, not {_json_kind(body)}")
+    return body
+
+
+def _json_kind(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    return "a string" if isinstance(value, str) else "an array"
 
 
 class DeltaEndpointPlugin:
