@@ -84,6 +84,7 @@ from ...server_api import (
     VerifyTrigger,
 )
 from ..shared.commit import CommitOptions, Staged, Update
+from ..shared.eplb import refuse_eplb
 from ..shared.messages import WorkerStatus
 from ..shared.options import FollowOptions, ServiceOptions, StoreSpec
 from ..shared.plan import UpdatePlan, plan_update
@@ -179,6 +180,7 @@ class DeltaService:
             if m is not None:
                 m.in_progress.set(1)
             try:
+                refuse_eplb(self.api.vllm_config, "weight updates" if name == "update" else "staging a version")
                 yield
             except Exception as exc:
                 type_name = exc.type_name if isinstance(exc, WorkerError) else type(exc).__name__
@@ -483,8 +485,12 @@ class DeltaService:
     def start_follower(self, options: FollowOptions) -> Follower:
         """A Follower whose every update goes through this service (its lock, staging, verification,
         two-phase commit and rollback), started as a task of the running event loop; its state is part
-        of status(). `stop_follower` ends it."""
+        of status(). `stop_follower` ends it. Following on a server with EPLB is refused (the server
+        does not start: shared/eplb.py)."""
         from .follower import Follower
+
+        if options.follow:
+            refuse_eplb(self.api.vllm_config, "to follow the store")
 
         async def apply(version: int) -> float | None:
             result = await self.follow_update(version, options.mode)

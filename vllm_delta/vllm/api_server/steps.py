@@ -53,6 +53,11 @@ class ApiProcess:
     spec: StoreSpec
     deadline: Deadline
 
+    @property
+    def vllm_config(self) -> Any:
+        """vLLM's config of the engine (None for a stand-in engine without one)."""
+        return getattr(self.engine, "vllm_config", None)
+
     @classmethod
     def of(cls, engine_client: Any, spec: StoreSpec) -> ApiProcess:
         transport = rpc.engine_client_transport(engine_client, RPC_TIMEOUT_S)

@@ -6,6 +6,7 @@ process reaches it through the public `EngineClient.collective_rpc`: the plugin 
 `EngineCore.collective_rpc` and answers the reserved names (rpc.ENGINE_CORE_CALLS) itself instead of
 forwarding them to the workers. In that one call (`commit_between_steps`, around commit.commit_all):
 
+    refuse      every mode: no commit on a server with EPLB (shared/eplb.py), none after a failed rollback
     preflight   mode "inflight" only: refuse what cannot be made safe (409 + reason): KV /
                 encoder-cache / aux-output connectors, multimodal encoder caches, data parallelism,
                 an unknown scheduler
@@ -46,6 +47,7 @@ from ...errors import CommitFailedError, InflightRefusedError, RollbackFailedErr
 from ...server_api import PAUSE_MODES, HistoryEntry, Timeline
 from ..shared import rpc
 from ..shared.commit import AllCommitted, AllRolledBack, commit_all, run_sync
+from ..shared.eplb import refuse_eplb
 from ..shared.messages import CommittedAll, LabelSet, PrefixCleared, PrefixState
 
 log = logging.getLogger(__name__)
@@ -186,8 +188,8 @@ def _commit_all(core: Any, args: rpc.CommitAllArgs) -> CommittedAll:
     """The reserved call COMMIT_ALL (engine-core thread, between two steps): commit.commit_all over the
     workers, then, as its after-writes step, the prefix-cache invalidation (mode "inflight") and the
     label. In a pause mode the API process paused first and resets the prefix cache itself.
-    Raises InflightRefusedError (409: nothing was written), CommitFailedError (500: every rank rolled
-    back) or RollbackFailedError (500: scheduling stopped, later commits refused)."""
+    Raises InflightRefusedError or EplbRefusedError (409: nothing was written), CommitFailedError (500:
+    every rank rolled back) or RollbackFailedError (500: scheduling stopped, later commits refused)."""
     t0 = time.perf_counter()
     st = state_of(core)
     inflight = args.mode not in PAUSE_MODES
@@ -216,10 +218,11 @@ def _commit_all(core: Any, args: rpc.CommitAllArgs) -> CommittedAll:
 
 
 def _refuse_unsafe(core: Any, st: EngineState, inflight: bool) -> None:
-    """Before anything is written: no commit after a failed rollback; no in-flight commit this engine
-    cannot make safe (preflight)."""
+    """Before anything is written: no commit after a failed rollback; none with EPLB on (shared/eplb.py);
+    no in-flight commit this engine cannot make safe (preflight)."""
     if st.inconsistent is not None:
         raise RollbackFailedError(f"a rollback failed earlier, ranks may disagree: {st.inconsistent}")
+    refuse_eplb(core.vllm_config, "weight updates")  # every mode: expert slots move under EPLB
     if not inflight:
         return
     try:

@@ -41,6 +41,7 @@ from ..shared.commit import (
     commit_all,
     run_sync,
 )
+from ..shared.eplb import refuse_eplb
 from ..shared.messages import Committed, RolledBack, StageSummary
 from ..shared.options import StoreSpec, server_store
 from ..shared.plan import UpdatePlan, plan_update
@@ -77,6 +78,7 @@ class DeltaWeightTransferEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateI
         self.spec: StoreSpec | None = server_store(load.load_format, load.model_loader_extra_config)
 
     def init_transfer_engine(self, init_info: DeltaInitInfo) -> None:
+        refuse_eplb(self.vllm_config, "the weight-transfer backend delta")
         if init_info.store:
             self.spec = StoreSpec(init_info.store, dict(init_info.storage_options or {}))
 
@@ -90,6 +92,7 @@ class DeltaWeightTransferEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateI
         pass
 
     def receive_weights(self, update_info: DeltaUpdateInfo) -> None:
+        refuse_eplb(self.vllm_config, "weight updates through the weight-transfer backend delta")
         if self.spec is None:
             raise ValueError("no store: start with --load-format delta or pass init_info {'store': URI}")
         store = open_store(self.spec)
