@@ -21,6 +21,9 @@ from dataclasses import dataclass, fields
 from typing import Any, Literal, TypeVar, get_args
 
 from . import wire
+from .attribution import PREFILL_WEIGHT_VERSIONS as PREFILL_WEIGHT_VERSIONS
+from .attribution import RETURN_WEIGHT_VERSIONS as RETURN_WEIGHT_VERSIONS
+from .attribution import WEIGHT_VERSIONS as WEIGHT_VERSIONS
 from .errors import BadRequestError, short
 from .wire import Millis, omit_none
 
@@ -359,6 +362,38 @@ class Readiness:
     reason: str | None = omit_none()  # why not ready
 
 
+# -- attribution on vLLM's OpenAI routes (api_server/spans.py; clients: vllm_delta.attribution, which
+# names the request flag and the two keys: RETURN_WEIGHT_VERSIONS, WEIGHT_VERSIONS, PREFILL_WEIGHT_VERSIONS)
+# Where a prompt position's KV came from outside this engine's own steps (none today: a KV connector
+# turns prompt provenance off), its label.
+UNKNOWN_LABEL = "unknown"
+
+# vLLM 0.33 answers new generation requests with a retryable 503 while paused in mode wait or abort
+# (vllm/v1/engine/exceptions.py: RetryableRequestError); 0.32 queued them.
+ENGINE_PAUSED = "engine_paused"
+
+
+def is_engine_paused(status: int, body: Any) -> bool:
+    """Whether an HTTP answer is vLLM's "engine paused, retry" (503 with `engine_paused` in its error)."""
+    if status != 503 or not isinstance(body, dict):
+        return False
+    error = body.get("error", body)
+    if not isinstance(error, dict):
+        return False
+    return any(ENGINE_PAUSED in str(error.get(key, "")) for key in ("code", "type", "message"))
+
+
+@dataclass(frozen=True)
+class WeightSpan:
+    """vLLM's `WeightVersionSpan` as JSON (SGLang's spans have the same fields): tokens [start, end)
+    ran on the weights labelled `version` (a store version number as a string, e.g. "7"; "default"
+    before any)."""
+
+    version: str
+    start: int
+    end: int
+
+
 # -- GET /v1/delta/timeline (also the engine core's reply to rpc.ENGINE_TIMELINE) -------------------
 @dataclass(frozen=True, kw_only=True)
 class HistoryEntry:
@@ -382,10 +417,10 @@ class HistoryEntry:
 
 @dataclass(frozen=True)
 class ChoiceSpans:
-    """The spans of one choice of a response: [[version, start, end], ...] (api_server attribution)."""
+    """The output-token spans of one choice of a response, in vLLM's schema (api_server/spans.py)."""
 
     index: int
-    weight_versions: list[list[Any]]
+    weight_versions: list[WeightSpan]
 
 
 @dataclass(frozen=True, kw_only=True)

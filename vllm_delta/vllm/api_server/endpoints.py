@@ -45,12 +45,12 @@ from ...server_api import (
 )
 from ..shared import heap, rpc
 from ..shared.messages import HeapAnswer
-from ..shared.options import server_options
+from ..shared.options import server_options, weight_versions_policy
 from .gating import VersionGate, VersionGateMiddleware
 from .metrics import metrics
 from .outside import PastThePluginMiddleware
 from .service import DeltaService
-from .spans import AttributionMiddleware, SpanStore, spans_for_response, wrap_generate
+from .spans import AttributionMiddleware, SpanPolicy, SpanStore, spans_for_response, wrap_generate
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +58,7 @@ PREFIX = "/v1/delta"
 STATE_KEY = "vllm_delta_service"
 MAX_BODY_BYTES = 64 * 1024  # our bodies are well under 200 bytes
 SPANS_KEY = "vllm_delta_spans"
+SPAN_POLICY_KEY = "vllm_delta_span_policy"
 GATE_KEY = "vllm_delta_gate"
 
 
@@ -196,10 +197,12 @@ class DeltaEndpointPlugin:
                 """Test hook: what vllm_delta keeps alive in this process and in every worker (heap.py)."""
                 return await _heap(_service(request), await read_json(request))
 
-        # Attribution: spans recorded by the generate() wrapper (init_state), added to responses here.
-        spans = SpanStore()
+        # Attribution: spans recorded by the generate() wrapper (init_state), added to responses here for
+        # the requests that ask (init_state sets the policy: the server option, the engine-core lookup).
+        spans, policy = SpanStore(), SpanPolicy()
         setattr(app.state, SPANS_KEY, spans)
-        app.add_middleware(AttributionMiddleware, store=spans)
+        setattr(app.state, SPAN_POLICY_KEY, policy)
+        app.add_middleware(AttributionMiddleware, store=spans, policy=policy)
         # The version gate, in front of the same routes (added last: it runs first, inside vLLM's
         # --api-key check, which vLLM adds after the plugins attach). The service configures it.
         gate = VersionGate()
@@ -220,6 +223,12 @@ class DeltaEndpointPlugin:
             options = server_options(
                 getattr(args, "load_format", None), getattr(args, "model_loader_extra_config", None)
             )
+        policy = getattr(state, SPAN_POLICY_KEY, None)
+        if policy is not None:
+            policy.always = weight_versions_policy(options) == "always"
+            policy.prompt_versions = rpc.EngineCore(
+                rpc.engine_client_transport(engine_client, LABEL_TIMEOUT_S)
+            ).prompt_versions
         if options is None:
             log.warning("vllm-delta: no store configured; /v1/delta/* will answer 500 until one is")
             return

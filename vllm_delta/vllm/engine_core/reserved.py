@@ -49,6 +49,8 @@ from ..shared import rpc
 from ..shared.commit import AllCommitted, AllRolledBack, commit_all, run_sync
 from ..shared.eplb import refuse_eplb
 from ..shared.messages import CommittedAll, LabelSet, PrefixCleared, PrefixState
+from . import provenance
+from .provenance import external_id
 
 log = logging.getLogger(__name__)
 
@@ -165,12 +167,6 @@ def drop_prefix_hashes(scheduler: Any) -> PrefixCleared:
 def holding_kv(scheduler: Any) -> list[Any]:
     """Requests whose KV (some of it computed now) would outlive the commit."""
     return [r for r in scheduler.requests.values() if r.num_computed_tokens > 0]
-
-
-def external_id(engine_request_id: str) -> str:
-    """The id the API process passed to generate(): vLLM appends "-<8 random chars>" (input_processor)."""
-    head, sep, tail = engine_request_id.rpartition("-")
-    return head if sep and len(tail) == 8 else engine_request_id
 
 
 # -- the commit ------------------------------------------------------------------------------------
@@ -350,8 +346,9 @@ commit_between_steps = rpc.serve(rpc.COMMIT_ALL, _commit_all)
 set_label = rpc.serve(rpc.SET_LABEL, _set_label_by_hand)
 engine_timeline = rpc.serve(rpc.ENGINE_TIMELINE, _timeline)
 prefix_state = rpc.serve(rpc.PREFIX_STATE, _prefix_state)
+prompt_versions = rpc.serve(rpc.PROMPT_VERSIONS, provenance.lookup)
 RESERVED: dict[str, Callable[..., Any]] = {
-    f.__name__: f for f in (commit_between_steps, set_label, engine_timeline, prefix_state)
+    f.__name__: f for f in (commit_between_steps, set_label, engine_timeline, prefix_state, prompt_versions)
 }
 assert set(RESERVED) == {c.name for c in rpc.ENGINE_CORE_CALLS}, "every engine-core call is served"
 
@@ -425,3 +422,4 @@ def install() -> None:
 
     patch_engine_core(EngineCore)
     patch_block_pool(BlockPool)
+    provenance.install()  # prompt provenance: the scheduler's steps stamped with the label they run under

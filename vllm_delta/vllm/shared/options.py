@@ -3,8 +3,9 @@
 Taken from `--model-loader-extra-config` when the load format is "delta", else from the
 environment (`VLLM_DELTA_STORE`, `VLLM_DELTA_STORAGE_OPTIONS` as JSON, `VLLM_DELTA_STORE_TIMEOUT_S`,
 `VLLM_DELTA_UPDATE_TIMEOUT_S`, `VLLM_DELTA_CACHE_MAX_BYTES`, `VLLM_DELTA_MIN_VERSION_WAIT_S`,
-`VLLM_DELTA_AUDIT_S`), so that a server started from a plain
-checkpoint can still take store versions.
+`VLLM_DELTA_AUDIT_S`, `VLLM_DELTA_WEIGHT_VERSIONS`), so that a server started from a plain
+checkpoint can still take store versions. `VLLM_DELTA_WEIGHT_VERSIONS` applies without a store too
+(`weight_versions_policy`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import json
 import os
 import tempfile
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from ...server_api import UPDATE_MODES, UpdateMode
 
@@ -41,6 +42,7 @@ LOADER_KEYS = (
     # The API process (service.py, gating.py):
     "delta_min_version_wait_s",  # how long a request whose min_weight_version is ahead waits (default 5)
     "delta_audit_s",  # recompute the live checksum in the background every so many seconds (default 0: never)
+    "delta_weight_versions",  # "requested" (default): spans for requests that set return_weight_versions; "always"
 )
 
 
@@ -148,16 +150,33 @@ class FollowOptions:
 DEFAULT_MIN_VERSION_WAIT_S = 5.0
 MAX_WAIT_S = 3600.0  # a request held longer than an hour is a mistake, not a policy
 MAX_AUDIT_S = 7 * 86400.0
+SpansPolicy = Literal["requested", "always"]
+SPANS_POLICIES: tuple[SpansPolicy, ...] = get_args(SpansPolicy)
+SPANS_ENV = "VLLM_DELTA_WEIGHT_VERSIONS"
+
+
+def weight_versions_policy(options: ServerOptions | None) -> SpansPolicy:
+    """Which completion requests get `weight_versions` / `prefill_weight_versions` filled (api_server/spans.py):
+    the server's option, or without a store the environment's (a server with the plugin and no store
+    still attributes its completions)."""
+    if options is not None:
+        return options.service.weight_versions
+    return ServiceOptions.from_extra_config(
+        {"delta_weight_versions": os.environ.get(SPANS_ENV) or "requested"}
+    ).weight_versions
 
 
 @dataclass(frozen=True)
 class ServiceOptions:
     """The API process's own knobs, checked at server start: how long a generation request whose
     `min_weight_version` is ahead of the served version waits for it (0: answer 409 at once), and how
-    often the live checksum is recomputed in the background (0: never; `?verify=true` always can)."""
+    often the live checksum is recomputed in the background (0: never; `?verify=true` always can), and
+    which completion requests get their spans filled: those that set `return_weight_versions` (vLLM
+    0.33's flag), or "always" (for clients that cannot send it)."""
 
     min_version_wait_s: float = DEFAULT_MIN_VERSION_WAIT_S
     audit_s: float = 0.0
+    weight_versions: SpansPolicy = "requested"
 
     def __post_init__(self) -> None:
         for key, seconds, most in (
@@ -166,6 +185,10 @@ class ServiceOptions:
         ):
             if not _is_number(seconds) or not 0 <= seconds <= most:
                 raise ValueError(f"{key} must be a number of seconds from 0 to {most:.0f}, not {seconds!r}")
+        if self.weight_versions not in SPANS_POLICIES:
+            raise ValueError(
+                f"delta_weight_versions must be one of {', '.join(SPANS_POLICIES)}, not {self.weight_versions!r}"
+            )
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any]) -> ServiceOptions:
@@ -173,6 +196,7 @@ class ServiceOptions:
         return cls(
             min_version_wait_s=extra.get("delta_min_version_wait_s", d.min_version_wait_s),
             audit_s=extra.get("delta_audit_s", d.audit_s),
+            weight_versions=extra.get("delta_weight_versions", d.weight_versions),
         )
 
 
@@ -235,7 +259,7 @@ def server_options(load_format: str | None, extra: dict | str | None) -> ServerO
     if not uri:
         return None
     opts = json.loads(os.environ.get("VLLM_DELTA_STORAGE_OPTIONS") or "{}")
-    env = {}
+    env: dict[str, Any] = {}
     for key in (
         "delta_store_timeout_s",
         "delta_update_timeout_s",
@@ -246,6 +270,8 @@ def server_options(load_format: str | None, extra: dict | str | None) -> ServerO
         value = os.environ.get("VLLM_" + key.upper())
         if value:
             env[key] = float(value)
+    if os.environ.get(SPANS_ENV):
+        env["delta_weight_versions"] = os.environ[SPANS_ENV]
     return ServerOptions(StoreSpec.from_extra(env, uri, opts, None), service=ServiceOptions.from_extra_config(env))
 
 

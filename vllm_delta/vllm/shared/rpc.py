@@ -12,7 +12,8 @@ else spells its name:
     STAGE_START  stage on the rank's background thread          SET_LABEL       the weight-version label
     STAGE_POLL   the staging summary once done                  ENGINE_TIMELINE the label history
     COMMIT       write in place                                 PREFIX_STATE    prefix-cache counts
-    ROLLBACK     undo a commit
+    ROLLBACK     undo a commit                                  PROMPT_VERSIONS which label computed
+                                                                                each prompt's KV
     RELEASE      drop a staged update
 
 The caller's side is a typed client over a transport: `Workers` (one method per worker call, every
@@ -35,10 +36,11 @@ from typing import Any, Generic, Protocol, TypeVar
 from ...errors import (
     CommitFailedError,
     DeltaError,
+    EplbRefusedError,
     InflightRefusedError,
     RollbackFailedError,
 )
-from ...server_api import LabelCause, Method, Timeline, UpdateMode, from_wire, to_wire
+from ...server_api import LabelCause, Method, Timeline, UpdateMode, WeightSpan, from_wire, to_wire
 from .heap import HeapAction
 from .messages import (
     Committed,
@@ -49,6 +51,7 @@ from .messages import (
     LabelSet,
     PrefixState,
     Prepared,
+    PromptVersions,
     RankSums,
     Released,
     RolledBack,
@@ -127,6 +130,11 @@ class CommitAllArgs(Args):
 
 
 @dataclass(frozen=True)
+class PromptIdsArgs(Args):
+    ids: list[str]  # generate() ids (n > 1: "<k>_<id>"), without vLLM's random suffix
+
+
+@dataclass(frozen=True)
 class LabelArgs(Args):
     version: int | None = None
     label: str | None = None  # instead of the version's label
@@ -157,6 +165,7 @@ COMMIT_ALL = Call("delta_commit_all", CommitAllArgs, CommittedAll)
 SET_LABEL = Call("delta_set_label", LabelArgs, LabelSet)
 ENGINE_TIMELINE = Call("delta_engine_timeline", NoArgs, Timeline)
 PREFIX_STATE = Call("delta_prefix_state", NoArgs, PrefixState)
+PROMPT_VERSIONS = Call("delta_prompt_versions", PromptIdsArgs, PromptVersions)
 
 WORKER_CALLS: tuple[Call[Any, Any], ...] = (
     STATUS,
@@ -169,7 +178,7 @@ WORKER_CALLS: tuple[Call[Any, Any], ...] = (
     ROLLBACK,
     RELEASE,
 )
-ENGINE_CORE_CALLS: tuple[Call[Any, Any], ...] = (COMMIT_ALL, SET_LABEL, ENGINE_TIMELINE, PREFIX_STATE)
+ENGINE_CORE_CALLS: tuple[Call[Any, Any], ...] = (COMMIT_ALL, SET_LABEL, ENGINE_TIMELINE, PREFIX_STATE, PROMPT_VERSIONS)
 
 # Test hook, a worker method only with VLLM_DELTA_TEST_FAULTS=1 (reached through vLLM's dev-mode
 # /collective_rpc, past the plugin's API process): flip one live bit, to prove that a verification
@@ -302,7 +311,7 @@ class Workers:
 
 # Errors of the engine core's calls that keep their class in the API process (their HTTP answer names it).
 _ENGINE_ERRORS: dict[str, type[DeltaError]] = {
-    cls.__name__: cls for cls in (InflightRefusedError, CommitFailedError, RollbackFailedError)
+    cls.__name__: cls for cls in (InflightRefusedError, EplbRefusedError, CommitFailedError, RollbackFailedError)
 }
 
 
@@ -328,6 +337,9 @@ class EngineCore:
 
     async def timeline(self) -> Timeline:
         return await self._one(ENGINE_TIMELINE, NoArgs())
+
+    async def prompt_versions(self, ids: list[str]) -> dict[str, list[WeightSpan]]:
+        return (await self._one(PROMPT_VERSIONS, PromptIdsArgs(list(ids)))).spans
 
 
 # -- the callee's side -----------------------------------------------------------------------------
