@@ -20,6 +20,7 @@ from types import SimpleNamespace
 import pytest
 
 from vllm_delta.server_api import UpdateRequest, from_wire
+from vllm_delta.vllm.engine_core import provenance
 from vllm_delta.vllm.engine_core import reserved as enginecore
 from vllm_delta.vllm.shared import rpc
 from vllm_delta.vllm.shared.rpc import error_reply
@@ -74,6 +75,7 @@ def vllm_objects(llama_run, tmp_path_factory):
         return cfg
 
     plain = config()
+    chunked = config(max_num_batched_tokens=16)  # a 40-token prompt takes three steps
     kv_dir = tmp_path_factory.mktemp("kv")
     connector = config(
         kv_transfer_config=KVTransferConfig(
@@ -89,23 +91,29 @@ def vllm_objects(llama_run, tmp_path_factory):
     hash_fn = get_hash_fn_by_name(plain.cache_config.prefix_caching_hash_algo)
     init_none_hash(hash_fn)
     return SimpleNamespace(
-        plain=plain, connector=connector, kv_config=kv_config, hasher=get_request_block_hasher(BLOCK, hash_fn)
+        plain=plain,
+        chunked=chunked,
+        connector=connector,
+        kv_config=kv_config,
+        hasher=get_request_block_hasher(BLOCK, hash_fn),
     )
 
 
-def make_core(objs, *, connector=False, executor=None, batch_queue=None):
+def make_core(objs, *, connector=False, executor=None, batch_queue=None, chunked=False):
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.structured_output import StructuredOutputManager
 
-    cfg = objs.connector if connector else objs.plain
+    cfg = objs.connector if connector else objs.chunked if chunked else objs.plain
     scheduler = Scheduler(cfg, objs.kv_config, StructuredOutputManager(cfg), block_size=BLOCK, log_stats=True)
-    return SimpleNamespace(
+    core = SimpleNamespace(
         vllm_config=cfg,
         scheduler=scheduler,
         model_executor=executor or FakeExecutor(),
         batch_queue=batch_queue,
         _weight_version="3",
     )
+    provenance.attach(core)  # what the patched EngineCore.__init__ does
+    return core
 
 
 def request(objs, rid: str, tokens: list[int]):
@@ -292,3 +300,88 @@ def test_update_request_accepts_inflight():
 
     with pytest.raises(BadRequestError, match="inflight"):
         from_wire(UpdateRequest, {"version": 3, "mode": "sometime"})
+
+
+# -- prompt provenance (engine_core/provenance.py): which label computed each prompt position's KV ----
+def prompt_spans(core, rid: str):
+    """The reserved call PROMPT_VERSIONS for one request, as (label, start, end) tuples."""
+    reply = enginecore.prompt_versions(core, ids=[rid, "never-seen"])
+    assert "error" not in reply and set(reply["spans"]) <= {rid}, reply
+    return [(s["version"], s["start"], s["end"]) for s in reply["spans"].get(rid, [])]
+
+
+def test_prompt_provenance_keeps_the_version_of_prefix_cache_hits(vllm_objects):
+    """A prefix computed at 3 and reused after the label became 4 without a cache reset (vLLM's own RL
+    routes: /update_weights then /finish_weight_update): those positions report 3, the rest 4."""
+    core = make_core(vllm_objects)
+    running(core, vllm_objects, "cmpl-a-0", PROMPT)
+    assert prompt_spans(core, "cmpl-a-0") == [("3", 0, 40)]
+    core._weight_version = "4"  # what vLLM's set_weight_version does (the prefix cache stays)
+    longer = PROMPT[:32] + list(range(100, 110))
+    assert cached_tokens(core, vllm_objects, longer) == 32
+    running(core, vllm_objects, "cmpl-b-0", longer)
+    assert prompt_spans(core, "cmpl-b-0") == [("3", 0, 32), ("4", 32, 42)]
+    # The same prompt again: every full block hits (3); vLLM recomputes the tail at 4.
+    running(core, vllm_objects, "chatcmpl-c", PROMPT)
+    assert prompt_spans(core, "chatcmpl-c") == [("3", 0, 32), ("4", 32, 40)]
+
+
+def test_prompt_provenance_after_an_inflight_commit_is_recomputed(vllm_objects):
+    """After an in-flight commit the taint rules drop every cached hash: a request reusing the prompt
+    recomputes it and reports the new version only."""
+    core = make_core(vllm_objects)
+    running(core, vllm_objects, "cmpl-a-0", PROMPT)
+    assert "error" not in commit(core)  # in flight, to 4
+    running(core, vllm_objects, "cmpl-b-0", PROMPT)
+    assert prompt_spans(core, "cmpl-b-0") == [("4", 0, 40)]
+    assert prompt_spans(core, "cmpl-a-0") == [("3", 0, 40)]  # what a's KV was computed with stays known
+
+
+def test_prompt_provenance_across_an_inflight_commit_in_the_middle_of_a_prefill(vllm_objects):
+    """Chunked prefill (16 tokens a step): two chunks at 3, an in-flight commit, the last chunk at 4."""
+    core = make_core(vllm_objects, chunked=True)
+    req = request(vllm_objects, "cmpl-a-0", PROMPT)
+    core.scheduler.add_request(req)
+    core.scheduler.schedule()
+    core.scheduler.schedule()
+    assert req.num_computed_tokens == 32 and prompt_spans(core, "cmpl-a-0") == []  # not complete yet
+    assert "error" not in commit(core)
+    core.scheduler.schedule()
+    assert req.num_computed_tokens == 40
+    assert prompt_spans(core, "cmpl-a-0") == [("3", 0, 32), ("4", 32, 40)]
+
+
+def test_prompt_provenance_of_a_recomputed_prompt(vllm_objects):
+    """Keep mode: the commit in a pause, then vLLM's reset preempts the running request (and drops the
+    prefix cache); its prompt is recomputed on the new weights and reports only them."""
+    core = make_core(vllm_objects)
+    req = running(core, vllm_objects, "cmpl-a-0", PROMPT)
+    assert prompt_spans(core, "cmpl-a-0") == [("3", 0, 40)]
+    assert "error" not in enginecore.commit_between_steps(core, ticket="t", version=4, mode="keep")
+    assert core.scheduler.reset_prefix_cache(reset_running_requests=True)
+    assert req.num_computed_tokens == 0
+    core.scheduler.schedule()
+    assert req.num_computed_tokens == 40 and prompt_spans(core, "cmpl-a-0") == [("4", 0, 40)]
+
+
+def test_block_stamps():
+    """The stamp arithmetic alone: mid-block label changes, rewrites from an offset, copies."""
+    from types import SimpleNamespace as B
+
+    t = provenance.Tracker(manager=None, block_size=4)
+    blocks = [B(block_id=7), B(block_id=8), B(block_id=9)]
+    t.stamp(blocks, 0, 6, "1")
+    t.stamp(blocks, 6, 7, "1")  # decode on the same label: nothing changes
+    t.stamp(blocks, 7, 10, "2")
+    assert t.stamps == {7: [(0, "1")], 8: [(0, "1"), (3, "2")], 9: [(0, "2")]}
+    assert [(s.version, s.start, s.end) for s in t.prompt_spans(blocks, 9)] == [("1", 0, 7), ("2", 7, 9)]
+    t.stamp(blocks, 5, 6, "3")  # rewritten from offset 1 (a rejected speculative token, recomputed)
+    assert t.stamps[8] == [(0, "1"), (1, "3")]
+    t.copy(8, 11)
+    assert t.stamps[11] == [(0, "1"), (1, "3")] and t.stamps[11] is not t.stamps[8]
+    unseen = provenance.Tracker(manager=None, block_size=4)
+    unseen.stamp([B(block_id=1)], 2, 4, "5")
+    assert [(s.version, s.start, s.end) for s in unseen.prompt_spans([B(block_id=1)], 4)] == [
+        ("unknown", 0, 2),
+        ("5", 2, 4),
+    ]
