@@ -32,7 +32,8 @@ UpdateMode = Literal["keep", "wait", "abort", "inflight"]  # "inflight": no paus
 Method = Literal["delta", "vllm"]  # our scatter | vLLM's load_checkpoint_weight_patches (vllm_path.py)
 Operation = Literal["update", "stage"]
 LabelCause = Literal["keep", "wait", "abort", "inflight", "startup", "pause"]  # why the label changed
-VerifyTrigger = Literal["startup", "request", "audit"]  # what recomputed the live checksum
+# What recomputed the live checksum; "outside": one of vLLM's own routes wrote the weights (a reset)
+VerifyTrigger = Literal["startup", "request", "audit", "outside"]
 
 UPDATE_MODES: tuple[UpdateMode, ...] = get_args(UpdateMode)
 PAUSE_MODES: tuple[PauseMode, ...] = get_args(PauseMode)

@@ -278,10 +278,10 @@ def _flag(text: str | None, name: str) -> bool:
 TIMELINE_ID_LIMIT = 256  # characters of ?id=
 
 
-def _past_the_plugin(scope: Any) -> None:
+def _past_the_plugin(scope: Any, reset: bool) -> None:
     service = getattr(scope["app"].state, STATE_KEY, None)
     if service is not None:
-        service.past_the_plugin()
+        service.past_the_plugin(weights_reset=reset)
 
 
 async def _heap(service: DeltaService, body: Any) -> HeapAnswer:

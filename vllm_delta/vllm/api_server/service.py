@@ -90,7 +90,7 @@ from ..shared.options import FollowOptions, ServiceOptions, StoreSpec
 from ..shared.plan import UpdatePlan, plan_update
 from .gating import VersionGate
 from .live import LiveChecksum
-from .metrics import metrics
+from .metrics import metrics, vllm_operation
 from .steps import ApiProcess, WorkerUpdate
 
 if TYPE_CHECKING:
@@ -160,6 +160,7 @@ class DeltaService:
         self._inflight_refused: str | None = None  # why this engine refused an in-flight update (follow mode)
         self._audit: asyncio.Task[None] | None = None
         self._stale = False  # vLLM's own routes may have changed the weights (outside.py): re-read once
+        self._reverify = False  # one of them wrote the weights, the workers' record unchanged: recompute once
         self._resyncing: asyncio.Task[None] | None = None
 
     @property
@@ -180,8 +181,9 @@ class DeltaService:
             if m is not None:
                 m.in_progress.set(1)
             try:
-                refuse_eplb(self.api.vllm_config, "weight updates" if name == "update" else "staging a version")
-                yield
+                with vllm_operation(name):  # vLLM's vllm:rl_weight_update_* series, beside ours
+                    refuse_eplb(self.api.vllm_config, "weight updates" if name == "update" else "staging a version")
+                    yield
             except Exception as exc:
                 type_name = exc.type_name if isinstance(exc, WorkerError) else type(exc).__name__
                 self.last_failure = Failure(name, version, type_name, http_status(exc), str(exc)[:2000], time.time())
@@ -519,6 +521,9 @@ class DeltaService:
             await self._resync()
         if verify:
             await self.verify("request")
+        elif self._reverify and self.in_progress is None:
+            self._reverify = False
+            await self.verify("outside")
         elif not self.live.known_for(self._served.version) and self.in_progress is None:
             await self._learn()
         served, view = self._served, self._view
@@ -565,10 +570,14 @@ class DeltaService:
             if self._operations == started and self.in_progress is None:
                 self._recomputed(served, live, "startup", (time.perf_counter() - t0) * 1e3)
 
-    def past_the_plugin(self) -> None:
+    def past_the_plugin(self, *, weights_reset: bool = False) -> None:
         """One of vLLM's own routes may have changed the weights (outside.py): re-read what the workers
-        serve before the next status answers, and soon in the background (so the gate learns it)."""
+        serve before the next status answers, and soon in the background (so the gate learns it). After a
+        reset (the weights written, the workers' record unchanged) the next status also recomputes the
+        live sums (a verification: the tensors that changed are named)."""
         self._stale = True
+        if weights_reset:
+            self._reverify = True
         if self._resyncing is None or self._resyncing.done():
             self._resyncing = asyncio.get_running_loop().create_task(self._resync_quietly(), name="vllm-delta-resync")
 
