@@ -369,19 +369,24 @@ class Readiness:
 # turns prompt provenance off), its label.
 UNKNOWN_LABEL = "unknown"
 
-# vLLM 0.33 answers new generation requests with a retryable 503 while paused in mode wait or abort
-# (vllm/v1/engine/exceptions.py: RetryableRequestError); 0.32 queued them.
+# vLLM 0.33 refuses new generation requests while paused in mode wait or abort (0.32 queued them): the
+# engine core finishes them with RequestError(code="engine_paused", "Generation is paused. Please retry
+# after it resumes.", retryable), which the server answers as a RetryableRequestError: HTTP 503
+# {"error": {"message", "type": "ServiceUnavailableError", "code": 503}}, or that error as an event of
+# a stream. The word "engine_paused" itself stays inside vLLM, so the message tells it.
 ENGINE_PAUSED = "engine_paused"
+PAUSED_MESSAGE = "generation is paused"
 
 
-def is_engine_paused(status: int, body: Any) -> bool:
-    """Whether an HTTP answer is vLLM's "engine paused, retry" (503 with `engine_paused` in its error)."""
+def is_engine_paused(status: Any, body: Any) -> bool:
+    """Whether an answer is vLLM's retryable "generation is paused" refusal: `status` is the HTTP status
+    (or a streamed error event's `code`), `body` the JSON answer or event."""
     if status != 503 or not isinstance(body, dict):
         return False
-    error = body.get("error", body)
+    error = body.get("error")
     if not isinstance(error, dict):
         return False
-    return any(ENGINE_PAUSED in str(error.get(key, "")) for key in ("code", "type", "message"))
+    return ENGINE_PAUSED in str(error.get("code")) or PAUSED_MESSAGE in str(error.get("message", "")).lower()
 
 
 @dataclass(frozen=True)

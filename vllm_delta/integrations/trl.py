@@ -87,6 +87,7 @@ class DeltaVLLMClient(VLLMClient):
         self.attributed: Counter[int | str] = Counter()  # completions per producing version
         self._violation: str | None = None
         super().__init__(base_url=base_url, connection_timeout=connection_timeout)
+        self._generation = _session_leaving_503(self.session)
 
     def init_communicator(self, device: Any = 0) -> None:
         raise RuntimeError("vllm-delta syncs weights through its store: there is no NCCL communicator to open")
@@ -116,7 +117,7 @@ class DeltaVLLMClient(VLLMClient):
         """TRL's `_post`, retrying vLLM's 503 `engine_paused` until `paused_wait_s` has passed."""
         give_up = time.monotonic() + self.paused_wait_s
         while True:
-            response = self.session.post(url, **kwargs)
+            response = self._generation.post(url, **kwargs)
             if response.status_code != 503 or time.monotonic() >= give_up or not is_engine_paused(503, _json(response)):
                 break
             self.paused_retries += 1
@@ -148,6 +149,21 @@ class DeltaVLLMClient(VLLMClient):
     def _note(self, message: str) -> None:
         if self._violation is None:
             self._violation = message
+
+
+def _session_leaving_503(trl_session: Any) -> Any:
+    """A session for generation requests with the retries of TRL's own session, but for a 503: TRL's
+    retries it blindly (5 times, backing off 2 s, 4 s, 8 s, ...); here the body decides (a paused
+    engine is retried until the deadline, anything else is the answer)."""
+    import requests
+    from requests.adapters import HTTPAdapter
+
+    session = requests.Session()
+    retry = trl_session.get_adapter("http://").max_retries
+    forced = frozenset(retry.status_forcelist or ()) - {503}
+    for scheme in ("http://", "https://"):
+        session.mount(scheme, HTTPAdapter(max_retries=retry.new(status_forcelist=forced)))
+    return session
 
 
 def _json(response: Any) -> Any:

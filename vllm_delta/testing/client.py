@@ -30,6 +30,10 @@ REQUEST_TIMEOUT_S = 120.0
 PAUSED_RETRY_S = 0.05
 
 
+class _Paused(Exception):
+    """A stream whose first event is vLLM's "generation is paused" error (retried, not an error)."""
+
+
 @dataclass
 class StreamedCompletion:
     """One finished streamed request, as the client saw it."""
@@ -195,8 +199,8 @@ class StreamingClient:
                         self.paused_retries += 1
                         time.sleep(PAUSED_RETRY_S)
                         continue
-                    paused_since = None
                     if r.status_code != 200:
+                        paused_since = None
                         self.errors.append(f"HTTP {r.status_code}: {r.text[:200]}")
                         time.sleep(0.2)
                         continue
@@ -217,10 +221,21 @@ class StreamingClient:
                         self.errors.append(f"request {cur.id} ended without a finish_reason")
                     else:
                         self.completed.append(cur)
+            except _Paused:
+                if paused_since is not None and time.monotonic() - paused_since > REQUEST_TIMEOUT_S:
+                    self.errors.append("generation stayed paused past the request timeout")
+                    paused_since = None
+                    continue
+                paused_since = paused_since if paused_since is not None else time.monotonic()
+                self.paused_retries += 1
+                time.sleep(PAUSED_RETRY_S)
+                continue
             except (requests.RequestException, ValueError) as exc:
                 paused_since = None
                 self.errors.append(str(exc))
                 time.sleep(0.2)
+            else:
+                paused_since = None
 
     @staticmethod
     def _paused(response: Any, since: float | None) -> bool:
@@ -237,6 +252,9 @@ class StreamingClient:
         """Record one streamed event into `cur`; the number of output tokens it carried."""
         msg = json.loads(data)
         if "error" in msg:
+            error = msg["error"]
+            if not cur.tokens and is_engine_paused(error.get("code") if isinstance(error, dict) else None, msg):
+                raise _Paused()
             raise ValueError(f"error event: {msg['error']}")
         cur.id = msg.get("id", cur.id)
         n = 0
