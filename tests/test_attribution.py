@@ -31,6 +31,8 @@ from vllm_delta.vllm.api_server.spans import (
     wrap_generate,
 )
 
+pytestmark = pytest.mark.vllm_objects  # make check-vllm-next runs them against the newest vLLM
+
 
 def objs(*spans):
     return [{"version": str(v), "start": a, "end": b} for v, a, b in spans]

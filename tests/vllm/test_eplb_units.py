@@ -19,7 +19,7 @@ import pytest
 from vllm_delta.errors import EplbRefusedError
 from vllm_delta.vllm.shared.eplb import OPTION, eplb_enabled, refuse_eplb
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.vllm_objects]  # objects only: make check-vllm-next runs them
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ from vllm_delta.vllm.engine_core import reserved as enginecore
 from vllm_delta.vllm.shared import rpc
 from vllm_delta.vllm.shared.rpc import error_reply
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.vllm_objects]  # objects only: make check-vllm-next runs them
 
 BLOCK = 16
 
@@ -112,7 +112,7 @@ def make_core(objs, *, connector=False, executor=None, batch_queue=None, chunked
         batch_queue=batch_queue,
         _weight_version="3",
     )
-    provenance.attach(core)  # what the patched EngineCore.__init__ does
+    provenance.attach(core)  # what the patched EngineCore methods do on their first call
     return core
 
 

@@ -137,9 +137,10 @@ def tracker_of(scheduler: Any) -> Tracker | None:
 
 
 def attach(core: Any) -> None:
-    """Tie the core's scheduler to the core, whose `_weight_version` labels its steps."""
+    """Tie the core's scheduler to the core, whose `_weight_version` labels its steps (until then they
+    run under "default", the label every engine core starts with)."""
     scheduler = getattr(core, "scheduler", None)
-    if scheduler is not None:
+    if scheduler is not None and getattr(scheduler, CORE_ATTR, None) is not core:
         setattr(scheduler, CORE_ATTR, core)
 
 
@@ -196,19 +197,22 @@ def patch_scheduler(scheduler_cls: Any) -> None:
     scheduler_cls.schedule = schedule
 
 
-def patch_engine_core_init(engine_core_cls: Any) -> None:
-    """Attach every engine core to its scheduler once built. Idempotent."""
-    orig = engine_core_cls.__init__
+def patch_set_weight_version(engine_core_cls: Any) -> None:
+    """vLLM's own label setter (its /update_weight_version and /finish_weight_update) attaches the core to
+    its scheduler before the label changes. With the reserved calls and every labelled step
+    (reserved.patch_engine_core), the scheduler knows its core before any label but the initial
+    "default" is set: the plugin is loaded inside EngineCore.__init__, too late to wrap it. Idempotent."""
+    orig = engine_core_cls.set_weight_version
     if getattr(orig, PATCHED_ATTR, False):
         return
 
     @functools.wraps(orig)
-    def __init__(self, *args, **kwargs):
-        orig(self, *args, **kwargs)
+    def set_weight_version(self, *args, **kwargs):
         attach(self)
+        return orig(self, *args, **kwargs)
 
-    setattr(__init__, PATCHED_ATTR, True)
-    engine_core_cls.__init__ = __init__
+    setattr(set_weight_version, PATCHED_ATTR, True)
+    engine_core_cls.set_weight_version = set_weight_version
 
 
 def lookup(core: Any, args: rpc.PromptIdsArgs) -> PromptVersions:
@@ -225,4 +229,4 @@ def install() -> None:
     from vllm.v1.engine.core import EngineCore
 
     patch_scheduler(Scheduler)
-    patch_engine_core_init(EngineCore)
+    patch_set_weight_version(EngineCore)

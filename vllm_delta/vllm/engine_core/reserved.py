@@ -363,6 +363,7 @@ def patch_engine_core(engine_core_cls: Any) -> None:
 
     @functools.wraps(orig_rpc)
     def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+        provenance.attach(self)  # before a reserved call can change the label
         if isinstance(method, str) and method in RESERVED:
             if args:
                 return [rpc.error_reply(TypeError(f"{method} takes keyword arguments only"))]
@@ -373,6 +374,7 @@ def patch_engine_core(engine_core_cls: Any) -> None:
 
     @functools.wraps(orig_attach)
     def _attach_weight_version(self, outputs):
+        provenance.attach(self)
         st = state_of(self)
         st.steps += 1
         if st.held:
