@@ -291,7 +291,7 @@ def test_the_paused_refusal_as_this_vllm_writes_it_is_what_our_clients_retry():
     from http import HTTPStatus
 
     from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
-    from vllm.v1.engine.core import EngineCore
+    from vllm.v1.engine.core import EngineCoreProc
 
     finished = []
     fake = SimpleNamespace(
@@ -300,7 +300,7 @@ def test_the_paused_refusal_as_this_vllm_writes_it_is_what_our_clients_retry():
         _send_finish_outputs_to_client=lambda ids, client, reason, error: finished.append(error),
     )
     request = SimpleNamespace(abort_immediately=False, request_id="r", client_index=0, kv_transfer_params=None)
-    assert EngineCore._reject_add_while_paused(fake, request) is True
+    assert EngineCoreProc._reject_add_while_paused(fake, request) is True
     [error] = finished
     assert error.code == "engine_paused" and error.retryable
     body = create_error_response(error.to_exception()).model_dump()
