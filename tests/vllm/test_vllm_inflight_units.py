@@ -344,7 +344,8 @@ def test_prompt_provenance_across_an_inflight_commit_in_the_middle_of_a_prefill(
     core.scheduler.add_request(req)
     core.scheduler.schedule()
     core.scheduler.schedule()
-    assert req.num_computed_tokens == 32 and prompt_spans(core, "cmpl-a-0") == []  # not complete yet
+    # Not complete yet: what is known so far (the rest on the label now current).
+    assert req.num_computed_tokens == 32 and prompt_spans(core, "cmpl-a-0") == [("3", 0, 40)]
     assert "error" not in commit(core)
     core.scheduler.schedule()
     assert req.num_computed_tokens == 40
@@ -364,24 +365,41 @@ def test_prompt_provenance_of_a_recomputed_prompt(vllm_objects):
     assert req.num_computed_tokens == 40 and prompt_spans(core, "cmpl-a-0") == [("4", 0, 40)]
 
 
-def test_block_stamps():
-    """The stamp arithmetic alone: mid-block label changes, rewrites from an offset, copies."""
+def test_segments_stamps_and_label_changes():
+    """The arithmetic alone: a lookup's hit segments from block stamps, label changes at the computed
+    position, stamps of inserted blocks, prompt spans."""
     from types import SimpleNamespace as B
 
-    t = provenance.Tracker(manager=None, block_size=4)
+    t = provenance.Tracker(scheduler=B(requests={}), group_id=0, block_size=4)
+    a = B(request_id="cmpl-a-0-abcd1234", num_prompt_tokens=10, num_computed_tokens=0)
+    t.looked_up(a, (), 0)  # no hit: everything on the current label ("default": no core yet)
+    assert getattr(a, provenance.SEGMENTS_ATTR) == [(0, "default")]
+    a.num_computed_tokens = 6
+    t.scheduler.requests = {"a": a}
+    provenance.label_changed(t.scheduler, "2")
+    a.num_computed_tokens = 10
+    assert a._vllm_delta_segments == [(0, "default"), (6, "2")]
     blocks = [B(block_id=7), B(block_id=8), B(block_id=9)]
-    t.stamp(blocks, 0, 6, "1")
-    t.stamp(blocks, 6, 7, "1")  # decode on the same label: nothing changes
-    t.stamp(blocks, 7, 10, "2")
-    assert t.stamps == {7: [(0, "1")], 8: [(0, "1"), (3, "2")], 9: [(0, "2")]}
-    assert [(s.version, s.start, s.end) for s in t.prompt_spans(blocks, 9)] == [("1", 0, 7), ("2", 7, 9)]
-    t.stamp(blocks, 5, 6, "3")  # rewritten from offset 1 (a rejected speculative token, recomputed)
-    assert t.stamps[8] == [(0, "1"), (1, "3")]
-    t.copy(8, 11)
-    assert t.stamps[11] == [(0, "1"), (1, "3")] and t.stamps[11] is not t.stamps[8]
-    unseen = provenance.Tracker(manager=None, block_size=4)
-    unseen.stamp([B(block_id=1)], 2, 4, "5")
-    assert [(s.version, s.start, s.end) for s in unseen.prompt_spans([B(block_id=1)], 4)] == [
-        ("unknown", 0, 2),
-        ("5", 2, 4),
-    ]
+    t.cached(a, blocks, 0, 2)
+    assert t.stamps == {7: [(0, "default")], 8: [(0, "default"), (2, "2")]}
+    spans = provenance.prompt_spans(t.kept["cmpl-a-0"])
+    assert [(s.version, s.start, s.end) for s in spans] == [("default", 0, 6), ("2", 6, 10)]
+    # A later request hitting both blocks: their stamps, then the current label.
+    t.scheduler._vllm_delta_core = B(_weight_version="3")
+    b = B(request_id="chatcmpl-b-abcd1234", num_prompt_tokens=12, num_computed_tokens=0)
+    t.looked_up(b, blocks[:2], 8)
+    assert b._vllm_delta_segments == [(0, "default"), (6, "2"), (8, "3")]
+    # A change at a position already counted for a label that never computed anything replaces it.
+    c = B(
+        request_id="c-abcd1234", num_prompt_tokens=4, num_computed_tokens=0, _vllm_delta_segments=[(0, "3"), (4, "4")]
+    )
+    c.num_computed_tokens = 4
+    t.scheduler.requests = {"c": c}
+    provenance.label_changed(t.scheduler, "5")
+    assert c._vllm_delta_segments == [(0, "3"), (4, "5")]
+    # A block of a request whose segments are unknown, and a hit on an unstamped block, say so.
+    t.cached(B(request_id="x"), [B(block_id=1)], 0, 1)
+    assert t.stamps[1] == [(0, "unknown")]
+    d = B(request_id="d-abcd1234", num_prompt_tokens=6, num_computed_tokens=0)
+    t.looked_up(d, [B(block_id=99)], 4)
+    assert d._vllm_delta_segments == [(0, "unknown"), (4, "3")]

@@ -37,6 +37,7 @@ def test_register_installs_every_hook():
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
     from vllm.model_executor import model_loader
     from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.engine.core import EngineCore
     from vllm.v1.worker.gpu_worker import Worker
@@ -59,6 +60,7 @@ def test_register_installs_every_hook():
         assert getattr(getattr(cls, attr), reserved.PATCHED_ATTR, False), (cls, attr)
     assert getattr(Scheduler.schedule, provenance.PATCHED_ATTR, False)
     assert getattr(EngineCore.set_weight_version, provenance.PATCHED_ATTR, False)
+    assert getattr(KVCacheManager.get_computed_blocks, provenance.PATCHED_ATTR, False)
 
 
 def test_the_endpoint_plugin_attaches_to_this_vllms_app(monkeypatch):

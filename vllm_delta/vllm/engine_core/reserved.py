@@ -293,6 +293,7 @@ def _set_label(core: Any, st: EngineState, label: str, in_flight: int = 0) -> No
     """`in_flight` batches were dispatched before this point: they keep the labels they ran under."""
     earlier = list(st.held)[:in_flight]
     st.held = deque(earlier + [core._weight_version] * (in_flight - len(earlier)))
+    provenance.set_label(core, label)  # the requests holding KV compute their next positions under it
     core._weight_version = label
 
 
@@ -363,7 +364,7 @@ def patch_engine_core(engine_core_cls: Any) -> None:
 
     @functools.wraps(orig_rpc)
     def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
-        provenance.attach(self)  # before a reserved call can change the label
+        provenance.attach(self)  # the scheduler learns its core (its label) before any change
         if isinstance(method, str) and method in RESERVED:
             if args:
                 return [rpc.error_reply(TypeError(f"{method} takes keyword arguments only"))]
@@ -402,7 +403,9 @@ def patch_block_pool(block_pool_cls: Any) -> None:
     def cache_full_blocks(self, request, *args, **kwargs):
         if getattr(request, TAINT_ATTR, False):
             return None
-        return orig_full(self, request, *args, **kwargs)
+        out = orig_full(self, request, *args, **kwargs)
+        provenance.blocks_cached(self, request, args, kwargs)  # the inserted blocks' prompt provenance
+        return out
 
     @functools.wraps(orig_partial)
     def cache_partial_block(self, request, *args, **kwargs):
@@ -424,4 +427,4 @@ def install() -> None:
 
     patch_engine_core(EngineCore)
     patch_block_pool(BlockPool)
-    provenance.install()  # prompt provenance: the scheduler's steps stamped with the label they run under
+    provenance.install()  # prompt provenance (lookups, label changes, insertions)
