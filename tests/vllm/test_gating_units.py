@@ -421,6 +421,9 @@ def test_vllms_own_weight_routes_make_status_re_read_the_workers(tmp_path):
         v = st.verification
         assert v is not None and v.trigger == "outside" and not v.ok and v.mismatched == ["w"]
         assert (await svc.status()).verification == v and engine.calls == ["delta_status", "delta_status"]  # once
+        # An update now stages against what the weights are (a re-anchor restores the version), not the record.
+        served, _ = await svc._read_served()
+        assert await svc.served_sums(served) == {"w": 0}
         await svc.stop()
 
     asyncio.run(scenario())

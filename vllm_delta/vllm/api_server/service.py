@@ -231,9 +231,16 @@ class DeltaService:
 
     async def served_sums(self, served: WorkerStatus) -> Sums:
         """The per-tensor sums staged partials add to: the served version's recorded sums (known since
-        the last update, else asked once), or the live sums when the served version is unknown."""
+        the last update, else asked once), or the live sums when the served version is unknown or the
+        last verification found the weights are not that version's any more (something wrote them past
+        the plugin, e.g. vLLM's /weight_checker reset: a re-anchor, staged against the live weights,
+        then verifies against what they really are)."""
         if served.version is None:
             return await self._live_sums()
+        v = self.verification
+        if v is not None and not v.ok and v.version == served.version and self.live.known_for(served.version):
+            assert self.live.sums is not None
+            return dict(self.live.sums)
         known = self._served
         if (known.version, known.checksum) == (served.version, served.checksum) and known.sums is not None:
             return known.sums

@@ -218,7 +218,7 @@ def _refuse_unsafe(core: Any, st: EngineState, inflight: bool) -> None:
     no in-flight commit this engine cannot make safe (preflight)."""
     if st.inconsistent is not None:
         raise RollbackFailedError(f"a rollback failed earlier, ranks may disagree: {st.inconsistent}")
-    refuse_eplb(core.vllm_config, "weight updates")  # every mode: expert slots move under EPLB
+    refuse_eplb(getattr(core, "vllm_config", None), "weight updates")  # every mode: expert slots move under EPLB
     if not inflight:
         return
     try:
