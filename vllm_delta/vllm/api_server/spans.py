@@ -38,7 +38,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,7 +54,8 @@ from .asgi import App, Message, Receive, Scope, Send
 log = logging.getLogger(__name__)
 
 Json = dict[str, Any]
-SpanList = list[WeightSpan]
+# (version, start, end): kept compact, as tuples, for the last STORE_LIMIT requests (WeightSpan on the wire)
+SpanList = list[tuple[str, int, int]]
 # generate() requests whose spans are kept (~0.5 KB each): GET /v1/delta/timeline?id= is a fallback a client
 # uses right after its response, and a bound this size is full within minutes, after which memory is flat.
 STORE_LIMIT = 4096
@@ -62,7 +63,7 @@ WRAPPED_ATTR = "_vllm_delta_attribution"
 
 PATHS = ("/v1/completions", "/v1/chat/completions")
 # The engine-core call behind prefill_weight_versions: engine request ids -> their prompt spans.
-PromptLookup = Callable[[list[str]], Awaitable[dict[str, SpanList]]]
+PromptLookup = Callable[[list[str]], Awaitable[dict[str, list[WeightSpan]]]]
 
 
 @dataclass
@@ -108,13 +109,17 @@ class SpanStore:
 
 
 def to_span_list(weight_versions: Any) -> SpanList:
-    """vLLM's WeightVersionSpan list (an output's `weight_versions`) as our copy of the same schema."""
-    return [WeightSpan(str(s.version), int(s.start), int(s.end)) for s in weight_versions]
+    """vLLM's WeightVersionSpan list (an output's `weight_versions`), kept compact."""
+    return [(str(s.version), int(s.start), int(s.end)) for s in weight_versions]
 
 
-def span_json(spans: SpanList) -> list[Json]:
+def span_json(spans: Iterable[tuple[str, int, int]]) -> list[Json]:
     """Spans as vLLM writes them: [{"version": "7", "start": 0, "end": 25}, ...]."""
-    return [{"version": s.version, "start": s.start, "end": s.end} for s in spans]
+    return [{"version": version, "start": start, "end": end} for version, start, end in spans]
+
+
+def weight_spans(spans: SpanList) -> list[WeightSpan]:
+    return [WeightSpan(*s) for s in spans]
 
 
 def _n_of(sampling_params: Any) -> int:
@@ -173,13 +178,13 @@ def spans_for_response(store: SpanStore, response_id: str) -> tuple[list[str], l
     """(the generate() ids, the spans of each choice) of a response id (completion or chat)."""
     rec = store.get(response_id)
     if rec is not None:  # chat: one generate() per response
-        return [response_id], [ChoiceSpans(i, rec.outputs[i]) for i in sorted(rec.outputs)]
+        return [response_id], [ChoiceSpans(i, weight_spans(rec.outputs[i])) for i in sorted(rec.outputs)]
     ids: list[str] = []
     choices: list[ChoiceSpans] = []
     prompt = 0
     while (rec := store.get(f"{response_id}-{prompt}")) is not None:
         ids.append(f"{response_id}-{prompt}")
-        choices += [ChoiceSpans(prompt * rec.n + i, rec.outputs[i]) for i in sorted(rec.outputs)]
+        choices += [ChoiceSpans(prompt * rec.n + i, weight_spans(rec.outputs[i])) for i in sorted(rec.outputs)]
         prompt += 1
     return ids, choices
 
@@ -239,9 +244,9 @@ async def annotate(obj: Any, store: SpanStore, policy: SpanPolicy, exchange: Exc
             log.warning("vllm-delta: prompt provenance of %s unavailable: %s", response_id, exc)
             found = {}
         for k, choice in wanting.items():
-            spans = found.get(ids[k])
-            if spans is not None:
-                choice[PREFILL_WEIGHT_VERSIONS] = span_json(spans)
+            prompt_spans = found.get(ids[k])
+            if prompt_spans is not None:
+                choice[PREFILL_WEIGHT_VERSIONS] = span_json((s.version, s.start, s.end) for s in prompt_spans)
                 changed = True
     return changed
 
