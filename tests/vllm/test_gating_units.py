@@ -48,7 +48,7 @@ def test_bounds_from_the_body_and_the_header():
 
 
 def test_the_server_api_bound_is_the_stores():
-    from vllm_delta import records
+    from vllm_delta.store import records
 
     assert MAX_VERSION == records.MAX_VERSION
 
