@@ -37,7 +37,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
+
+from . import wire
 
 Version = int | str
 
@@ -63,9 +65,9 @@ def parse_label(label: str | int) -> Version:
     return int(label) if label.isdigit() else label
 
 
-@dataclass(frozen=True)
-class Span:
-    """Output tokens [start, end) were sampled on `version`."""
+class Span(NamedTuple):
+    """Output tokens [start, end) were sampled on `version`. `to_json` writes vLLM's object; read from
+    that object or from the `[version, start, end]` array of older servers (wire.py's NamedTuple form)."""
 
     version: Version
     start: int
@@ -128,24 +130,23 @@ class Attribution:
         return [s.version for s in self.spans for _ in range(s.start, s.end)]
 
     def to_json(self) -> list[dict[str, Any]]:
+        """The spans in vLLM's schema: `[{"version": "7", "start": 0, "end": 25}, ...]`."""
         return [s.to_json() for s in self.spans]
 
 
 def parse_spans(raw: Iterable[Sequence[Any] | Mapping[str, Any]]) -> Attribution:
     """Spans as servers send them: vLLM's {"version", "start", "end"} objects, or the [version, start,
-    end] lists of older vllm-delta servers. Raises ValueError if they do not tile the tokens from 0 in
-    order."""
-    spans = []
-    for item in raw:
-        if isinstance(item, Mapping):
-            version, start, end = item["version"], item["start"], item["end"]
-        else:
-            version, start, end = item
-        spans.append(Span(parse_label(version), int(start), int(end)))
+    end] lists of older vllm-delta servers. Raises ValueError if one is malformed or they do not tile
+    the tokens from 0 in order."""
+    try:
+        spans = [wire.decode(Span, item) for item in raw]
+    except TypeError as exc:
+        raise ValueError(f"malformed weight_versions span: {exc}") from None
+    spans = [s._replace(version=parse_label(s.version)) for s in spans]
     expected = 0
     for s in spans:
         if s.start != expected or s.end < s.start:
-            raise ValueError(f"weight_versions spans do not tile the output tokens: {[sp.to_json() for sp in spans]}")
+            raise ValueError(f"weight_versions spans do not tile the output tokens: {[s.to_json() for s in spans]}")
         expected = s.end
     return Attribution(tuple(spans))
 

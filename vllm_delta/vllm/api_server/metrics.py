@@ -15,10 +15,12 @@ logger starts). Labels carry error class names and status codes only: `/metrics`
     vllm_delta_update_bytes, _update_changed_elements          histograms (applied updates)
     vllm_delta_cache_bytes                        gauge: the download cache of the server's store
     vllm_delta_live_checksum_verifications_total{trigger,outcome}   recomputations of the live checksum:
-                                                  startup | request | audit; ok | mismatch
+                                                  startup | request | audit | outside; ok | mismatch
     vllm_delta_live_checksum_mismatch             gauge: 1 while the last recomputation found a mismatch
     vllm_delta_min_version_requests_total{outcome}   requests with a min_weight_version: ran (at once) |
                                                   held (waited, then ran) | refused (409) | malformed (400)
+    vllm_delta_engines_disagree                   gauge: 1 while the data-parallel engines serve different
+                                                  versions (as last read)
 
 Beside them, every update and prefetch is observed through vLLM's own RL series (vLLM 0.32 and 0.33,
 `vllm/entrypoints/rl/online/metrics.py`), so a dashboard built on vLLM's series sees them:
@@ -87,6 +89,11 @@ class Metrics:
         )
         self.gated = Counter(
             "vllm_delta_min_version_requests", "Generation requests with a min_weight_version by outcome", ["outcome"]
+        )
+        self.engines_disagree = Gauge(
+            "vllm_delta_engines_disagree",
+            "1 while the data-parallel engines of this server serve different versions",
+            multiprocess_mode="mostrecent",
         )
         for outcome in ("applied", "unchanged", "failed"):
             self.updates.labels(outcome=outcome)  # exported at 0 from the start

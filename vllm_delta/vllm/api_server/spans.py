@@ -2,7 +2,7 @@
 the OpenAI surface, in vLLM 0.33's schema.
 
 vLLM does the bookkeeping of the output spans: the engine core stamps each step's outputs with its
-weight-version label (set by vllm-delta at start-up and at every update, engine_core/reserved.py), and the
+weight-version label (set by vllm-delta at start-up and at every update, engine_core/calls.py), and the
 output processor turns label changes into `CompletionOutput.weight_versions` spans on finished outputs.
 vLLM 0.33 shows them on /v1/completions and /v1/chat/completions when the request sets
 `return_weight_versions: true` ({"version": "7", "start": 0, "end": 25} objects; `null` otherwise);

@@ -13,7 +13,7 @@ over the positions it holds KV for, kept by events only (nothing runs per engine
                 (re)start: a new request, one preempted and resumed): its segments begin with the
                 stamps of the cached blocks it hits, then the current label from the first position it
                 computes itself
-    label       every label change (our commits, engine_core/reserved.py; vLLM's own
+    label       every label change (our writes and rollbacks, engine_core/calls.py; vLLM's own
                 `set_weight_version`): each request holding KV gets a new segment from its
                 `num_computed_tokens`, the first position the scheduler hands out after the change. A
                 batch already dispatched under a batch queue ran on the old weights, and the scheduler
@@ -248,7 +248,7 @@ def patch_kv_cache_manager(manager_cls: Any) -> None:
 
 def blocks_cached(pool: Any, request: Any, args: tuple, kwargs: dict) -> None:
     """After `BlockPool.cache_full_blocks(request, blocks, num_cached_blocks, num_full_blocks, block_size,
-    kv_cache_group_id, ...)` inserted blocks (reserved.patch_block_pool calls it): stamp them."""
+    kv_cache_group_id, ...)` inserted blocks (calls.patch_block_pool calls it): stamp them."""
     tracker = getattr(pool, TRACKER_ATTR, None)
     if not isinstance(tracker, Tracker):
         return

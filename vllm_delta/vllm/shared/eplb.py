@@ -8,8 +8,9 @@ an update after a rebalance would write experts into the wrong slots, silently (
 apply exists, a server with EPLB takes no store version at all:
 
     start-up        --load-format delta refuses to load (worker/loader.py)
-    push, follow    the API process refuses before staging (api_server/service.py), 409
-    every commit    the engine core refuses COMMIT_ALL, in a pause or in flight (engine_core/reserved.py)
+    push, follow    the API process refuses before staging (api_server/operations.py; the follower
+                    at its start, api_server/service.py), 409
+    every write     every engine core refuses WRITE_ALL, in a pause or in flight (engine_core/calls.py)
     native backend  the weight-transfer backend "delta" refuses init_transfer_engine and update_weights
                     (worker/backend.py)
 """
