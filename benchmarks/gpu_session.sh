@@ -13,6 +13,11 @@
 #   world2    benchmarks/publish_gpu.py --world 2 (FSDP2 over NCCL; a 2-GPU machine)   [issues 9, 25]
 #             two publishers one after the other (compact, then chunked:gpu): the hang of issue 25
 #   world4    the same at --world 4 (a 4-GPU machine)                                    [issue 25]
+#   worlds    benchmarks/publish_gpu.py --world 1,2,4 chunked:gpu: the server's open, staging phases and
+#             time to live of a version of W parts, one table (a 4-GPU machine)           [issue 25 item 2]
+#   tp2       benchmarks/stage_tp.py qwen3-8b + qwen3-30b-a3b at 1%, TP=1 beside TP=2 (a process and a GPU
+#             per rank): each rank's decoded elements and staging time; then a version of 2 parts
+#             (a 2-GPU machine)                                                          [issue 26 item 1]
 #   apply     benchmarks/apply_gpu.py qwen3-8b + qwen3-30b-a3b at 1% and 3%, staging per path [issues 11, 17]
 #   moe       benchmarks/publish_gpu.py for qwen3-30b-a3b, 12 of its 48 layers          [issue 17]
 #   trainer   benchmarks/trainer_gpu.py (detection + prepare alone)
@@ -64,6 +69,9 @@ for stage in ${STAGES:-tests publish apply world2}; do
     publish_torch) run publish_w1_torch 180 python3 benchmarks/publish_gpu.py --backend torch --codecs chunked:gpu --out "$OUT/torch" ${PUBLISH_ARGS:-} ;;
     world2)  run publish_w2 ${WORLD_LIMIT:-420} python3 benchmarks/publish_gpu.py --world 2 --codecs compact,chunked:gpu --out "$OUT" ${PUBLISH_ARGS:-} ;;
     world4)  run publish_w4 ${WORLD_LIMIT:-420} python3 benchmarks/publish_gpu.py --world 4 --codecs chunked:gpu --out "$OUT" ${PUBLISH_ARGS:-} ;;
+    worlds)  run publish_worlds ${WORLDS_LIMIT:-600} python3 benchmarks/publish_gpu.py --world 1,2,4 --codecs chunked:gpu --steps 3 --warmup 1 --out "$OUT" ${PUBLISH_ARGS:-} ;;
+    tp2)     run stage_tp ${TP_LIMIT:-420} python3 benchmarks/stage_tp.py --models qwen3-8b,qwen3-30b-a3b --tp 1,2 --out "$OUT" ${TP_ARGS:-}
+             run stage_tp_parts ${TP_LIMIT:-420} python3 benchmarks/stage_tp.py --models qwen3-8b --tp 1,2 --parts 2 --out "$OUT/parts" ${TP_ARGS:-} ;;
     apply)   run apply_gpu ${APPLY_LIMIT:-420} python3 benchmarks/apply_gpu.py --models qwen3-8b,qwen3-30b-a3b --densities 0.01,0.03 --out "$OUT" ${APPLY_ARGS:-} ;;
     trainer) run trainer_gpu 120 python3 benchmarks/trainer_gpu.py --out "$OUT" ;;
     detect)  run detect_gpu 300 python3 benchmarks/detect_gpu.py --out "$OUT" ${DETECT_ARGS:-} ;;

@@ -25,9 +25,14 @@ re-read); the live checksum of the engine is checked against the publisher's at 
 
     python benchmarks/publish_gpu.py --out DIR                  # one GPU, Qwen3-8B shape, 1%
     python benchmarks/publish_gpu.py --world 2 --out DIR        # FSDP2 on 2 GPUs of one host
-    python benchmarks/publish_gpu.py --smoke                    # tiny shapes on CPU (gloo), seconds
+    python benchmarks/publish_gpu.py --world 1,2,4 --out DIR    # W=1, then 2, then 4 ranks: one table
+    python benchmarks/publish_gpu.py --smoke                    # tiny shapes on CPU (gloo, W=1,2,4)
 
-Prints a short table last; writes DIR/publish_gpu[_w2].json and .log.
+With several world sizes the last table has one row per (W, codec): what a version of W parts costs
+the server (one engine on GPU 0, as for W=1): `open` (the store's open of the W part files), staging
+and its phases (read, h2d, inflate: nvCOMP; decode: the fused planes decode), the changed elements
+decoded, and step end -> live. Issue 25: W=2 and W=4 no slower than W=1, open under 10 ms at any W.
+Prints a short table last; writes DIR/publish_gpu[_w<W>].json and .log.
 """
 
 from __future__ import annotations
@@ -338,6 +343,7 @@ def _publish_run(cfg, codec_name, store_dir, module, layout, targets, engine, st
                 live_ms=(t_live - t_step) * 1e3,
                 link_10g_ms=2 * rec.bytes / LINK_BYTES_PER_S * 1e3,
                 **{f"st_{k}_ms": x for k, x in staged.timings.items() if k != "total"},
+                decoded=staged.decoded,
             )
             del staged
         if i >= cfg.warmup:
@@ -370,7 +376,9 @@ def summarize(results: list[dict], codec_cfg: str, cfg: Config) -> dict:
     if "skipped" in run:
         return {"codec": codec_cfg, "skipped": run["skipped"]}
     rows = run["rows"]
-    keys = sorted({k for r in rows for k in r if k.endswith(("_ms", "_mb")) or k in ("bytes", "density")})
+    keys = sorted(
+        {k for r in rows for k in r if k.endswith(("_ms", "_mb")) or k in ("bytes", "density", "decoded", "nnz")}
+    )
     s = {k: med([r[k] for r in rows if k in r]) for k in keys}
     s.update(codec=codec_cfg, world=cfg.world, params=r0["params"], lr=r0["lr"], step_ms=med(r0["plain_step_ms"]))
     s["added_ms"] = s["step_publish_ms"] - s["step_ms"]
@@ -428,6 +436,35 @@ def report(results: list[dict], cfg: Config, card: str, log: list[str]) -> list[
     return summaries
 
 
+WORLD_PHASES = ("read", "h2d", "inflate", "decode", "translate", "gather", "partials", "plan")
+
+
+def by_world(summaries: list[dict], card: str, log: list[str]) -> None:
+    """One table over the world sizes run: per (W, codec), the server's open, staging by phase, the
+    changed elements decoded and step end -> live (medians of the timed steps, ms)."""
+    log.append("")
+    log.append(f"# {card}: the server's side of a version of W parts (one engine), by world size; ms")
+    head = ["W", "codec", "open", "stage", *WORLD_PHASES, "decoded", "live"]
+    log.append(" ".join(f"{h:>9}" for h in head))
+    rows = [s for w in summaries for s in w["summary"] if "skipped" not in s]
+    for s in rows:
+        cells = [str(s["world"]), s["codec"], f"{s['open_ms']:.1f}", f"{s['stage_ms']:.1f}"]
+        cells += [f"{s.get(f'st_{p}_ms', 0.0):.1f}" for p in WORLD_PHASES]
+        cells += [f"{s.get('decoded', float('nan')):.0f}", f"{s['live_ms']:.1f}"]
+        log.append(" ".join(f"{c:>9}" for c in cells))
+    for codec in dict.fromkeys(s["codec"] for s in rows):
+        one = next((s for s in rows if s["codec"] == codec and s["world"] == 1), None)
+        if one is None:
+            continue
+        for s in rows:
+            if s["codec"] == codec and s["world"] > 1:
+                log.append(
+                    f"  {codec} W={s['world']}: stage {s['stage_ms'] / one['stage_ms']:.2f}x W=1, live "
+                    f"{s['live_ms'] / one['live_ms']:.2f}x W=1 (issue 25: <= 1), open {s['open_ms']:.1f} ms "
+                    f"(issue 25: < 10)"
+                )
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="qwen3-8b", choices=sorted({**QWEN3, **QWEN3_MOE}))
@@ -441,7 +478,9 @@ def main() -> int:
     ap.add_argument("--density", type=float, default=0.01)
     ap.add_argument("--steps", type=int, default=6, help="timed steps per loop")
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--world", type=int, default=1, help="ranks (FSDP2 over NCCL, one GPU each)")
+    ap.add_argument(
+        "--world", default="1", help="ranks (FSDP2 over NCCL, one GPU each); several (1,2,4): one after the other"
+    )
     ap.add_argument("--threads", type=int, default=min(16, os.cpu_count() or 1), help="zstd packing threads")
     ap.add_argument("--chunk-elems", type=int, default=1 << 28)
     ap.add_argument("--backend", choices=["triton", "triton-chunked", "torch"], default=None, help="detection backend")
@@ -470,7 +509,7 @@ def main() -> int:
         f"# command: python {' '.join(sys.argv)}",
     ]
     print("\n".join(log), flush=True)
-    worlds = [1, 2] if args.smoke else [args.world]
+    worlds = [1, 2, 4] if args.smoke else [int(w) for w in args.world.split(",")]
     summaries = []
     base = "/dev/shm" if os.path.isdir("/dev/shm") and not args.smoke else tempfile.gettempdir()
     for world in worlds:
@@ -513,9 +552,13 @@ def main() -> int:
         if any(x.get("checksum_ok") is False for x in summary):
             print("MISMATCH: the engine's live checksum differs from the publisher's", file=sys.stderr)
             return 1
+    if len(worlds) > 1:
+        n0 = len(log)
+        by_world(summaries, card, log)
+        print("\n".join(log[n0:]), flush=True)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-        name = "publish_gpu" + ("_smoke" if args.smoke else "" if args.world == 1 else f"_w{args.world}")
+        name = "publish_gpu" + ("_smoke" if args.smoke else "" if worlds == [1] else f"_w{'-'.join(map(str, worlds))}")
         with open(os.path.join(args.out, name + ".json"), "w") as f:
             json.dump({"command": " ".join(sys.argv), "log": log, "runs": summaries}, f, indent=1, default=str)
         with open(os.path.join(args.out, name + ".log"), "w") as f:

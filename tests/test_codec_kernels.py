@@ -170,7 +170,7 @@ def test_stream_encoder_on_triton_writes_the_same_file():
         stream.add(batch.positions[a:b], batch.seg[a:b], batch.new[a:b], batch.old[a:b])
     got = stream.finish(batch.counts).pack()
     assert got.enc == ref.enc
-    for key in chunked.PAYLOAD_PARTS:
+    for key, _, _ in chunked.PAYLOAD_LAYOUT:  # every part, each chunk's first position included
         assert torch.equal(got.payload[key], ref.payload[key]), key
 
 

@@ -13,7 +13,7 @@ import torch
 
 from vllm_delta import codec as codecs
 from vllm_delta.apply.layout import DeviceLayout, Layout
-from vllm_delta.apply.staging import Decoder, changed_items
+from vllm_delta.apply.staging import Decoder, FileSet, _piece_items, changed_items
 from vllm_delta.bits import int_view
 from vllm_delta.checksums import MASK64, combine, partial_terms, positional_sum, tensor_sum, to_hex
 from vllm_delta.errors import FormatError, IntegrityError, PositionError, VersionExistsError
@@ -191,8 +191,14 @@ def test_staging_reads_pieces(store):
     for v in (1, 2, 3):
         with store.open(v) as vf:
             items = changed_items(vf, dl)[2]
-            names = [it.name for it in items]
-            assert names == sorted(names, key=list(SHAPES).index)  # a tensor's pieces are adjacent
+            if isinstance(items, FileSet):  # format 3: every part's pieces, each part's in layout order
+                assert len(items.files) == 2  # every piece of every part, as the per-piece reader sees them
+                assert sum(len(f) for f in items.files) == len(_piece_items(vf, dl)[2])
+                for f in items.files:
+                    assert f.names == sorted(f.names, key=list(SHAPES).index)
+            else:
+                names = [it.name for it in items]
+                assert names == sorted(names, key=list(SHAPES).index)  # a tensor's pieces are adjacent
             old, new = weights(v - 1), weights(v)
             for chunk in decoder.decode(v, vf.header.codec or "", items, 2, {}):
                 for t_idx, p in zip(chunk.t_idx.tolist(), chunk.p.tolist()):

@@ -18,6 +18,7 @@ hashes included); it needs only torch and numpy.
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import Iterable, Mapping
 from typing import Protocol
 
@@ -150,8 +151,12 @@ def to_hex(value: int) -> str:
 
 
 def is_hex(value: object) -> bool:
-    """Whether `value` is a checksum as files and records store it: 16 lower-case hex digits."""
-    return isinstance(value, str) and len(value) == 16 and all(c in "0123456789abcdef" for c in value)
+    """Whether `value` is a checksum as files and records store it: 16 lower-case hex digits (a
+    regular expression: a header checks one per tensor, per part file)."""
+    return isinstance(value, str) and _HEX16.fullmatch(value) is not None
+
+
+_HEX16 = re.compile(r"[0-9a-f]{16}")
 
 
 def from_hex(text: str) -> int:

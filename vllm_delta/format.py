@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from json.encoder import encode_basestring_ascii as _quote
 from typing import Any, Literal, NamedTuple, TypeGuard, get_args
 
+import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save, save_file
@@ -798,6 +799,8 @@ class Version:
         if indices != list(range(len(self.parts))) or counts != {len(self.parts)}:
             raise FormatError(f"parts {indices} of {sorted(counts)}: expected 0..{len(self.parts) - 1}", version=v)
         same = ("format_version", "version", "kind", "base", "base_checksum", "codec", "checksum")
+        head = TensorTable.of(first.tensors)
+        names = head.names
         for p in self.parts[1:]:
             h = p.header
             for key in same:
@@ -807,32 +810,72 @@ class Version:
                         f"part 0 has {getattr(first, key)!r}",
                         version=v,
                     )
-            if h.tensors.keys() != first.tensors.keys():
-                odd = sorted(set(h.tensors) ^ set(first.tensors))[0]
-                raise FormatError("parts list different tensors", version=v, tensor=odd)
-            for name, e in h.tensors.items():
-                f = first.tensors[name]
-                if (e.shape, e.dtype, e.checksum) != (f.shape, f.dtype, f.checksum):
-                    raise FormatError("parts disagree on the tensor's shape, dtype or checksum", version=v, tensor=name)
-        self._owners: dict[str, list[tuple[int, int, VersionFile]]] = {}
-        tensors = {}
-        for name, entry in first.tensors.items():
-            owners = sorted(((*rows, p) for p in self.parts if (rows := p.rows(name)) is not None), key=lambda o: o[:2])
-            covered = 0
-            for r0, r1, _ in owners:
-                if r0 < covered:
-                    raise FormatError(f"parts overlap at rows {r0}..{min(r1, covered)}", version=v, tensor=name)
-                if first.kind == "anchor" and r0 > covered:
-                    raise FormatError(f"no part holds rows {covered}..{r0}", version=v, tensor=name)
-                covered = r1
-            if first.kind == "anchor" and covered != num_rows(entry.shape):
-                raise FormatError(f"no part holds rows {covered}..{num_rows(entry.shape)}", version=v, tensor=name)
-            self._owners[name] = owners
-            nnz = sum(p.header.tensors[name].nnz for p in self.parts)
-            tensors[name] = TensorEntry(shape=list(entry.shape), dtype=entry.dtype, checksum=entry.checksum, nnz=nnz)
-        total = sum_of_parts(info.checksum for info in infos if info is not None)
-        if total != first.checksum:
-            raise FormatError(f"the parts' checksums add up to {total}, not {first.checksum}", version=v)
+            table = TensorTable.of(h.tensors)
+            if table.names != names:  # the same tensors (writers list them in one order)
+                if set(table.names) != set(names):
+                    odd = sorted(set(table.names) ^ set(names))[0]
+                    raise FormatError("parts list different tensors", version=v, tensor=odd)
+                order = [table.index(n) for n in names]
+                table = TensorTable(
+                    list(names),
+                    [table.shapes[i] for i in order],
+                    [table.dtypes[i] for i in order],
+                    [table.checksums[i] for i in order],
+                    [table.nnz[i] for i in order],
+                    [table.encs[i] for i in order],
+                )
+                h.tensors = table
+            # column by column (lists compare in C); the odd tensor looked for only on failure
+            if table.shapes != head.shapes or table.dtypes != head.dtypes or table.checksums != head.checksums:
+                name = next(
+                    n
+                    for i, n in enumerate(names)
+                    if (table.shapes[i], table.dtypes[i], table.checksums[i])
+                    != (head.shapes[i], head.dtypes[i], head.checksums[i])
+                )
+                raise FormatError("parts disagree on the tensor's shape, dtype or checksum", version=v, tensor=name)
+        # Every part's rows of every tensor as arrays [parts, tensors] ((0, 0): not owned), checked at once:
+        # no per-tensor work per part beyond reading its header (what W ranks' parts of ~19K tensors need).
+        w, t = len(self.parts), len(names)
+        self._names = {n: i for i, n in enumerate(names)}
+        rows = np.zeros((w, t, 2), dtype=np.int64)
+        for k, p in enumerate(self.parts):
+            assert p.header.part is not None
+            owned = p.header.part.rows
+            rows[k] = np.array([owned.get(n) or (0, 0) for n in names], dtype=np.int64).reshape(t, 2)
+        self._rows = rows
+        self._order = np.argsort(rows[:, :, 0], axis=0, kind="stable")  # per tensor, its parts by first row
+        r0 = np.take_along_axis(rows[:, :, 0], self._order, axis=0)
+        r1 = np.take_along_axis(rows[:, :, 1], self._order, axis=0)
+        held = r1 > r0
+        covered = np.maximum.accumulate(np.where(held, r1, 0), axis=0)  # rows covered by the parts up to each
+        before = np.vstack([np.zeros((1, t), dtype=np.int64), covered[:-1]])
+        overlap = held & (r0 < before)
+        if overlap.any():
+            k, i = (int(x[0]) for x in np.nonzero(overlap))
+            at = int(r0[k, i])
+            raise FormatError(
+                f"parts overlap at rows {at}..{min(int(r1[k, i]), int(before[k, i]))}", version=v, tensor=names[i]
+            )
+        if first.kind == "anchor":
+            total = np.array([num_rows(e.shape) for e in first.tensors.values()], dtype=np.int64)
+            gap = held & (r0 > before)
+            missing = gap.any(axis=0) | (covered[-1] != total)
+            if missing.any():
+                i = int(np.flatnonzero(missing)[0])
+                ks = np.flatnonzero(gap[:, i])
+                a, b = (int(before[ks[0], i]), int(r0[ks[0], i])) if ks.size else (int(covered[-1, i]), int(total[i]))
+                raise FormatError(f"no part holds rows {a}..{b}", version=v, tensor=names[i])
+        nnz = np.zeros(t, dtype=np.int64)
+        for p in self.parts:
+            nnz += np.fromiter((e.nnz for e in p.header.tensors.values()), dtype=np.int64, count=t)
+        tensors = {
+            name: TensorEntry(shape=list(e.shape), dtype=e.dtype, checksum=e.checksum, nnz=n)
+            for (name, e), n in zip(first.tensors.items(), nnz.tolist())
+        }
+        total_sum = sum_of_parts(info.checksum for info in infos if info is not None)
+        if total_sum != first.checksum:
+            raise FormatError(f"the parts' checksums add up to {total_sum}, not {first.checksum}", version=v)
         self.header = VersionHeader(
             version=v,
             kind=first.kind,
@@ -846,6 +889,16 @@ class Version:
             extra=dict(first.extra),
         )
 
+    def owners(self, name: str) -> list[tuple[int, int, VersionFile]]:
+        """The parts holding rows of `name`, in row order: (first row, end row, part)."""
+        i = self._names[name]
+        out = []
+        for k in self._order[:, i].tolist():
+            r0, r1 = (int(x) for x in self._rows[k, i])
+            if r1 > r0:
+                out.append((r0, r1, self.parts[k]))
+        return out
+
     @property
     def version(self) -> int:
         return self.header.version
@@ -853,13 +906,13 @@ class Version:
     def pieces(self, name: str) -> list[Piece]:
         if self.header.kind != "delta":
             raise FormatError("an anchor has no pieces: read it with dense()", version=self.version, tensor=name)
-        return [piece for _, _, p in self._owners[name] for piece in p.pieces(name)]
+        return [piece for _, _, p in self.owners(name) for piece in p.pieces(name)]
 
     def dense(self, name: str) -> torch.Tensor:
         """An anchor's tensor: memory-mapped when one part holds it whole, else assembled from the rows."""
         if self.header.kind != "anchor":
             raise FormatError("a delta has no dense tensors", version=self.version, tensor=name)
-        owners = self._owners[name]
+        owners = self.owners(name)
         if len(owners) == 1:
             return owners[0][2].stored(name)
         return torch.cat([p.stored(name) for _, _, p in owners], dim=0)

@@ -170,6 +170,7 @@ class StageResult:
     stage_ms: Millis = 0.0
     nnz: int | None = omit_none()
     bytes: int | None = omit_none()
+    decoded_per_rank: list[int] | None = omit_none()  # changed elements each rank decoded (engine by engine under DP)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -208,6 +209,7 @@ class UpdateResult:
     prefetched: bool | None = omit_none()
     elements_written: int | None = omit_none()  # summed over ranks
     staged_bytes: int | None = omit_none()  # summed over ranks
+    decoded_per_rank: list[int] | None = omit_none()  # changed elements each rank decoded (engine by engine under DP)
     timings: dict[str, float] | None = omit_none()  # staging stages of rank 0, ms
     inflight: InflightAnswer | None = omit_none()  # mode "inflight": what the engine core did
 

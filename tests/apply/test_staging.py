@@ -282,8 +282,8 @@ def _chunked_version_file(tmp_path, tensors):
 
 
 def test_one_file_chunked_versions_stage_from_arrays_like_items(tmp_path):
-    """`changed_items` reads a one-file format-3 version straight into FilePieces (no per-tensor
-    objects, what a mixture of experts needs); they decode as the per-piece Items do."""
+    """`changed_items` reads a one-file format-3 version straight into a FileSet of FilePieces (no
+    per-tensor objects, what a mixture of experts needs); they decode as the per-piece Items do."""
     from vllm_delta.apply import staging
     from vllm_delta.apply.layout import DeviceLayout, Layout
 
@@ -291,8 +291,8 @@ def test_one_file_chunked_versions_stage_from_arrays_like_items(tmp_path):
     vf, shapes = _chunked_version_file(tmp_path, tensors)
     dl = DeviceLayout(Layout.identity({**shapes, "untouched": (9,)}), torch.device("cpu"))
     fast = staging.changed_items(vf, dl)[2]
-    assert isinstance(fast, staging.FilePieces) and fast.names == [n for n, *_ in tensors]
-    slow = staging._piece_items(vf, dl)[2]  # what multi-part versions take
+    assert isinstance(fast, staging.FileSet) and [f.names for f in fast.files] == [[n for n, *_ in tensors]]
+    slow = staging._piece_items(vf, dl)[2]  # what versions of formats 1 and 2 take
     assert isinstance(slow, list)
     assert staging.item_indices(fast) == staging.item_indices(slow)
     got = {}
@@ -317,7 +317,7 @@ def test_malformed_piece_metadata_in_a_one_file_version_names_the_tensor(tmp_pat
     vf.header.tensors["sparse"] = dataclasses.replace(vf.header.tensors["sparse"], enc={"start": 0})  # no "at"
     dl = DeviceLayout(Layout.identity(shapes), torch.device("cpu"))
     fast = staging.changed_items(vf, dl)[2]
-    assert isinstance(fast, staging.FilePieces)
+    assert isinstance(fast, staging.FileSet)
     slow = staging._piece_items(vf, dl)[2]
     assert isinstance(slow, list)  # the per-piece path
     for items in (fast, slow):

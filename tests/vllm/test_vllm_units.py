@@ -220,10 +220,12 @@ def test_update_result_answers():
         elements_written=9,
         staged_bytes=120,
         timings={"total": 1.0},
+        decoded_per_rank=[5, 4],
     )
     out = to_wire(full)
     assert out["pause_ms"] == 1.235 and out["previous_version"] is None and out["prefetched"] is True
     assert out["reanchored"] is False and out["timings"] == {"total": 1.0} and out["staged_bytes"] == 120
+    assert out["decoded_per_rank"] == [5, 4] and from_wire(UpdateResult, out).decoded_per_rank == [5, 4]
 
 
 def test_loader_options(monkeypatch):

@@ -44,11 +44,13 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from .. import codec as codecs
 from ..bits import INT_DTYPE, wrap_add
 from ..checksums import MASK64, partial_terms, positional_sum
+from ..codec.decoding import Runs
 from ..errors import NotSuccessorError, ShapeMismatchError, UnsupportedModelError
 from ..format import TensorEntry, VersionHeader, VersionLike
 from . import scatter as scatter_ops
@@ -68,6 +70,7 @@ class StagedUpdate:
     old_bits: list[torch.Tensor] = field(default_factory=list)  # the rollback buffer, plan order
     partials: dict[str, int] = field(default_factory=dict)  # Σ w(p)(new - old) over owned elements
     nnz: int = 0  # local elements written
+    decoded: int = 0  # changed elements decoded (this rank's share of the versions' chunks)
     bytes: int = 0  # staged device bytes (plans + new + old values)
     timings: dict[str, float] = field(default_factory=dict)  # ms per staging phase, and "total"
     written: bool = False
@@ -163,6 +166,7 @@ class ApplyEngine:
         self._state = 0
         self._warm: set[tuple[torch.dtype, torch.dtype]] = set()
         self._fits: dict[str, tuple[str, list[int]]] = {}  # tensors whose header entry fits the model
+        self._fitting: tuple[tuple[str, ...], list[str], list[list[int]]] | None = None  # the last table that fit
 
     # -- checksums -------------------------------------------------------------------------
     def live_sums(self, names: Iterable[str] | None = None) -> dict[str, int]:
@@ -212,12 +216,17 @@ class ApplyEngine:
         """Every tensor of a version fits the model (name, shape, dtype): ShapeMismatchError or
         UnsupportedModelError naming the first that does not. A tensor seen with the same shape and
         dtype before is not checked again (a mixture of experts lists ~20K tensors per version)."""
+        entries = list(header.tensors.values())
+        table = (tuple(header.tensors), [e.dtype for e in entries], [e.shape for e in entries])
+        if table == self._fitting:  # the tensor table of a version checked before: three C-level compares
+            return
         seen = self._fits
         for name, entry in header.tensors.items():
             if seen.get(name) == (entry.dtype, entry.shape):
                 continue
             self._check_entry(header, name, entry)
             seen[name] = (entry.dtype, list(entry.shape))
+        self._fitting = table
 
     def _stream_ctx(self) -> contextlib.AbstractContextManager[object]:
         return torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
@@ -244,7 +253,9 @@ class ApplyEngine:
         )
         with self._stage_lock, self._stream_ctx():
             run = _Run(self, staged)
+            self._decoder.decoded = 0
             self._stage_changes(run, files)
+            staged.decoded = self._decoder.decoded
             t0 = time.perf_counter()
             self._finish(run)
             self._sync_stream()
@@ -318,13 +329,13 @@ class ApplyEngine:
         width: int,
         t_idx: torch.Tensor,
         p: torch.Tensor,
-        runs: list[tuple[int, int]],
+        runs: Runs,
         source: Chunk | torch.Tensor,
     ) -> None:
         """`source`: a decoded Chunk (new bits from its values or diffs) or a tensor of new bits."""
         t0 = time.perf_counter()
-        tensors = [t for t, m in runs if m]
-        sels = self.dlayout.translate(t_idx, p, tensors)
+        runs = runs.nonempty()
+        sels = self.dlayout.translate(t_idx, p, runs.tensors)
         t0 = run.span("translate", t0)
         if not sels:
             return
@@ -350,7 +361,7 @@ class ApplyEngine:
         self,
         run: _Run,
         sels: list[Selection],
-        runs: list[tuple[int, int]],
+        runs: Runs,
         p: torch.Tensor,
         new: torch.Tensor,
         live: torch.Tensor,
@@ -371,11 +382,10 @@ class ApplyEngine:
         if not everything:
             term.masked_fill_(~owned if owned is not None else torch.ones_like(term, dtype=torch.bool), 0)
         # Elements of a tensor are consecutive: per-tensor sums from prefix sums at run ends (no atomics).
-        runs = [(t, m) for t, m in runs if m]
-        meta = torch.tensor([t for t, _ in runs] + list(itertools.accumulate(m for _, m in runs)), dtype=torch.int64)
-        meta = meta.to(p.device, non_blocking=True)
-        ends = torch.cumsum(term, 0)[meta[len(runs) :] - 1]
-        run.sums.index_add_(0, meta[: len(runs)], torch.cat([ends[:1], ends[1:] - ends[:-1]]))
+        k = runs.tensors.size
+        meta = torch.from_numpy(np.concatenate([runs.tensors, np.cumsum(runs.counts)])).to(p.device, non_blocking=True)
+        ends = torch.cumsum(term, 0)[meta[k:] - 1]
+        run.sums.index_add_(0, meta[:k], torch.cat([ends[:1], ends[1:] - ends[:-1]]))
 
     def _plan(self, run: _Run, width: int, sels: list[Selection], new: torch.Tensor, live: torch.Tensor) -> None:
         """Every segment holding an element gets it; rollback bits are read through that segment."""

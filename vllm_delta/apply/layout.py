@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
+from ..codec.decoding import Runs
 from ..errors import UnsupportedModelError
 
 
@@ -231,14 +232,25 @@ class DeviceLayout:
         self.cols_t = torch.tensor(cols, dtype=torch.int64, device=device)
         slots = max([len(s) for s in layout.segments.values()] + [1])
         self.tables = [SegmentTable(layout, self.names, k, device) for k in range(slots)]
+        # The positions each tensor's segments hold lie in [need_lo, need_hi) (empty: none): a rank's
+        # rows of a tensor split by rows, every row of one split by columns. Staging hands them to the
+        # decoder, which skips the chunks of other ranks' rows.
+        self.need_lo = np.zeros(len(self.names), dtype=np.int64)
+        self.need_hi = np.zeros(len(self.names), dtype=np.int64)
+        for i, name in enumerate(self.names):
+            segs = [s for s in layout.segments.get(name, ()) if s.rows and s.cols]
+            if segs:
+                self.need_lo[i] = min(s.row0 * cols[i] + s.col0 for s in segs)
+                self.need_hi[i] = max((s.row0 + s.rows - 1) * cols[i] + s.col0 + s.cols for s in segs)
+        self.caches: dict[str, dict[Any, Any]] = {}  # what depends only on this layout (staging's tables)
 
-    def split_global(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, int]]]:
-        """Sorted global ids -> (tensor index, position, runs of (tensor index, count))."""
+    def split_global(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Runs]:
+        """Sorted global ids -> (tensor index, position, runs of the tensors)."""
         t_idx = torch.searchsorted(self.starts_t, ids, right=True) - 1
         uniq, counts = torch.unique_consecutive(t_idx, return_counts=True)
-        return t_idx, ids - self.starts_t[t_idx], list(zip(uniq.tolist(), counts.tolist()))
+        return t_idx, ids - self.starts_t[t_idx], Runs(uniq.cpu().numpy(), counts.cpu().numpy())
 
-    def translate(self, t_idx: torch.Tensor, p: torch.Tensor, tensors: list[int]) -> list[Selection]:
+    def translate(self, t_idx: torch.Tensor, p: torch.Tensor, tensors: Sequence[int] | np.ndarray) -> list[Selection]:
         """One Selection per segment slot that any of `tensors` (the chunk's tensor indices) uses."""
         out = []
         ts = np.asarray(tensors, dtype=np.int64)

@@ -101,7 +101,7 @@ class FusedPlan:
 
     fused: ClassVar[bool] = True
     targets: list[torch.Tensor | None]  # flat integer views of the live tensors (None: unused here)
-    bounds: list[tuple[int, int, int]]  # (target index, first slot, end slot)
+    bounds: np.ndarray  # int64 [runs, 3]: (target index, first slot, end slot) of each run
     base: torch.Tensor  # flat integer view of the target at the lowest address
     block: int
     block_base: torch.Tensor  # int64 per block: element offset from `base`
@@ -134,7 +134,7 @@ class FusedPlan:
     def local_elements(self) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
         """Per run: (target index, target-local offsets, indices into the plan-ordered bit arrays).
         The same view as GroupedPlan's."""
-        for t, s, e in self.bounds:
+        for t, s, e in self.bounds.tolist():
             rel = self.rel[s:e].to(torch.int64)
             bb = torch.repeat_interleave(self.block_base[s // self.block : e // self.block], self.block)
             ok = rel >= 0
@@ -148,12 +148,14 @@ class FusedPlan:
 
     def first_block(self) -> FusedPlan:
         """The plan's first block alone (a kernel warm-up that writes back what the block reads)."""
-        return replace(
-            self, bounds=[], block_base=self.block_base[:1], rel=self.rel[: self.block], slots=self.slots[:0], count=0
-        )
+        rel, slots = self.rel[: self.block], self.slots[:0]
+        return replace(self, bounds=_NO_RUNS, block_base=self.block_base[:1], rel=rel, slots=slots, count=0)
 
 
 ScatterPlan = GroupedPlan | FusedPlan
+
+
+_NO_RUNS = np.zeros((0, 3), dtype=np.int64)
 
 
 def flat_bits(t: torch.Tensor) -> torch.Tensor:
@@ -280,7 +282,7 @@ def fused_plan(
     if not n:
         return FusedPlan(
             targets=flats,
-            bounds=[],
+            bounds=_NO_RUNS,
             base=base,
             block=block,
             block_base=offs.new_zeros(0),
@@ -299,7 +301,7 @@ def fused_plan(
     padded_h = -(-lengths_h // block) * block  # runs in whole blocks (arrays: a MoE has ~2 runs per expert)
     pad_starts_h = np.cumsum(padded_h) - padded_h
     n_slots = int(padded_h.sum())
-    bounds = list(zip(ids_h.tolist(), pad_starts_h.tolist(), (pad_starts_h + padded_h).tolist()))
+    bounds = np.stack([ids_h, pad_starts_h, pad_starts_h + padded_h], axis=1).astype(np.int64)
     small = torch.from_numpy(np.concatenate([pad_starts_h - starts_h, lengths_h]))
     small = small.to(device, non_blocking=True)
     slots = torch.arange(n, dtype=torch.int64, device=device)
@@ -380,14 +382,14 @@ def cat_plans(plans: list[FusedPlan]) -> FusedPlan:
     bounds, slots, at = [], [], 0
     targets = list(first.targets)
     for p in plans:
-        bounds += [(t, s + at, e + at) for t, s, e in p.bounds]
+        bounds.append(p.bounds + np.array([0, at, at], dtype=np.int64))
         slots.append(p.slots + at)
         at += p.size
         targets = [a if a is not None else b for a, b in zip(targets, p.targets)]
     tbase = [max(vals) for vals in zip(*(p.target_base for p in plans))]
     return FusedPlan(
         targets=targets,
-        bounds=bounds,
+        bounds=np.concatenate(bounds),
         base=first.base,
         block=first.block,
         block_base=block_base,

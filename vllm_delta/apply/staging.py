@@ -3,13 +3,16 @@
 Staging owns what is the same for every codec; the codec's decoder (codec/decoding.py, found
 through the codec registry by the header's codec name) owns what is its own:
 
-* staging: which pieces this rank needs (`changed_items`, from the engine's layout: a one-file
-  format-3 version read straight off its header into arrays, `FilePieces`, with no per-tensor
-  objects: a mixture of experts lists ~19K tensors), host memory (pinned buffers, reused threads,
-  reading a file's bytes into them in parallel pieces), the order work runs in (every unit's host
-  work queued at once on the thread pool, running ahead of the device, which takes the units in
-  order on the caller's stream: the engine's side stream), per-phase timings, and the Chunks handed
-  to the engine;
+* staging: which pieces this rank needs (`changed_items`, from the engine's layout: a format-3
+  version, one file or every part of a multi-part one, read straight off its headers into arrays,
+  `FilePieces` of one `FileSet`, with no per-tensor objects: a mixture of experts lists ~19K tensors;
+  what depends only on the header's tensor set and the layout, `TensorTable`, is computed once and
+  reused by every later version), the positions of each tensor this rank holds (so that a decoder
+  can skip the chunks of other ranks' rows), host memory (pinned buffers, reused threads, reading
+  files' bytes into them in parallel pieces), the order work runs in (every unit's host work queued
+  at once on the thread pool, running ahead of the device, which takes the units in order on the
+  caller's stream: the engine's side stream), per-phase timings, the count of changed elements
+  decoded, and the Chunks handed to the engine;
 * the codec: its units and their host work (decompression, copies), the device decode, every
   integrity check and the errors naming version, tensor and chunk.
 """
@@ -18,16 +21,16 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from ..codec import get_decoder
-from ..codec.decoding import Chunk, Fetch, FilePieces, Item, Pieces
-from ..format import DTYPES, STREAMS_FORMAT_VERSION, VersionLike
+from ..codec.decoding import Chunk, Fetch, FilePieces, FileSet, Item, Pieces
+from ..format import DTYPES, STREAMS_FORMAT_VERSION, Version, VersionFile, VersionHeader, VersionLike, row_size
 from .layout import DeviceLayout
 
 CHUNK_ELEMS = 1 << 23  # changed elements decoded per device chunk (bounds temporary memory)
@@ -35,13 +38,24 @@ READ_PIECE_BYTES = 4 << 20  # compressed bytes copied into pinned memory per tas
 
 Items = Pieces  # a version's changed tensors of one element width (codec/decoding.py)
 
-__all__ = ["CHUNK_ELEMS", "Chunk", "Decoder", "FilePieces", "Item", "Items", "changed_items", "item_indices"]
+__all__ = [
+    "CHUNK_ELEMS",
+    "Chunk",
+    "Decoder",
+    "FilePieces",
+    "FileSet",
+    "Item",
+    "Items",
+    "TensorTable",
+    "changed_items",
+    "item_indices",
+]
 
 
 def item_indices(items: Items) -> list[int]:
     """The layout indices of the tensors `items` changes."""
-    if isinstance(items, FilePieces):
-        return [int(i) for i in items.index.tolist()]
+    if isinstance(items, FileSet):
+        return [int(i) for i in items.indices]
     return [it.index for it in items]
 
 
@@ -51,8 +65,9 @@ def _threads() -> int:
 
 
 class Decoder:
-    """Decodes versions for one engine: a thread pool, pinned buffers, per-phase timings. Each
-    `decode` lends a codec's decoder a `_Host` (codec.decoding.StagingHost)."""
+    """Decodes versions for one engine: a thread pool, pinned buffers, per-phase timings, the
+    changed elements decoded (`decoded`, summed over decodes until reset). Each `decode` lends a
+    codec's decoder a `_Host` (codec.decoding.StagingHost)."""
 
     def __init__(self, device: torch.device, chunk_elems: int = CHUNK_ELEMS, threads: int | None = None):
         self.device = device
@@ -60,6 +75,7 @@ class Decoder:
         self.n_threads = threads or _threads()
         self._pool: ThreadPoolExecutor | None = None
         self.host_bytes = 0  # pinned / host staging bytes of the last decode
+        self.decoded = 0  # changed elements decoded since the last reset (what the plans' units hold)
 
     @property
     def pool(self) -> ThreadPoolExecutor:
@@ -79,13 +95,14 @@ class Decoder:
 
     def decode(self, version: int, codec: str, items: Items, width: int, timings: dict[str, float]) -> Iterator[Chunk]:
         """Yield Chunks covering `items` (changed pieces of one element width, in layout order)."""
-        if not isinstance(items, FilePieces):
+        if not isinstance(items, FileSet):
             items = [it for it in items if it.nnz]
         if not len(items):
             return
         host = _Host(self, timings)
         self.host_bytes = 0
         plan = get_decoder(codec, {"version": version}).plan(version, items, width, host)
+        self.decoded += plan.elements
         fetches: list[Fetch] = []
         try:
             fetches.extend(plan.fetch(unit) for unit in plan.units)  # the host work runs ahead of the device
@@ -125,19 +142,19 @@ class _Host:
         self._decoder.host_bytes += n * out.element_size()
         return out
 
-    def read(self, src: np.ndarray, a: int, b: int) -> Fetch:
-        """Bytes src[a:b] into pinned memory, in pieces on the pool's threads (the read: page cache
-        or disk; numpy copies without the GIL, so the pieces run in parallel)."""
-        buf = self.buffer(b - a, torch.uint8)
+    def read(self, ranges: Sequence[tuple[np.ndarray, int, int]]) -> Fetch:
+        """Bytes src[a:b] of each range (files' memory maps) end to end in one pinned buffer, in pieces
+        on the pool's threads (the read: page cache or disk; numpy copies without the GIL, so the
+        pieces run in parallel)."""
+        buf = self.buffer(sum(b - a for _, a, b in ranges), torch.uint8)
         dst = buf.numpy()
         pool = self._decoder.pool
-        return Fetch(
-            [
-                pool.submit(_copy_into, dst, src, s - a, s, min(b, s + READ_PIECE_BYTES))
-                for s in range(a, b, READ_PIECE_BYTES)
-            ],
-            buf,
-        )
+        futures, at = [], 0
+        for src, a, b in ranges:
+            for s in range(a, b, READ_PIECE_BYTES):
+                futures.append(pool.submit(_copy_into, dst, src, at + s - a, s, min(b, s + READ_PIECE_BYTES)))
+            at += b - a
+        return Fetch(futures, buf)
 
     def submit(self, fn: Callable[[], None]) -> Future[None]:
         return self._decoder.pool.submit(fn)
@@ -154,18 +171,33 @@ class _Host:
 
 
 def changed_items(vf: VersionLike, layout: DeviceLayout) -> dict[int, Items]:
-    """A delta's changed tensors that this layout holds any of, by element width, in layout order:
-    one Item per piece, the pieces of one tensor adjacent and in position order (a one-file
-    format-3 version: FilePieces, arrays read straight off the header)."""
-    h = vf.header
-    file_payload = getattr(vf, "file_payload", None)
-    if h.format_version == STREAMS_FORMAT_VERSION and h.part is None and file_payload is not None:
-        return _file_pieces(vf, layout, file_payload())
-    return _piece_items(vf, layout)
+    """A delta's changed tensors that this layout holds any of, by element width, in layout order.
+    A format-3 version (one file, or every part of a multi-part version): a FileSet, one FilePieces
+    per file read straight off its header into arrays, each piece with the positions this layout
+    holds of its tensor (`need_lo`/`need_hi`). Other formats: one Item per piece, the pieces of one
+    tensor adjacent and in position order."""
+    files = _stream_files(vf)
+    if files is None:
+        return _piece_items(vf, layout)
+    by_width: dict[int, list[FilePieces]] = {}
+    for f in files:
+        for width, pieces in _file_pieces(f, layout).items():
+            by_width.setdefault(width, []).append(pieces)
+    return {width: FileSet(pieces) for width, pieces in sorted(by_width.items())}
+
+
+def _stream_files(vf: VersionLike) -> list[VersionFile] | None:
+    """The files of a format-3 version (one, or its parts in order); None for other formats."""
+    if vf.header.format_version != STREAMS_FORMAT_VERSION or vf.header.kind != "delta":
+        return None
+    files = vf.parts if isinstance(vf, Version) else [vf]
+    if not all(isinstance(f, VersionFile) for f in files):
+        return None  # a stand-in of the reader's API (tests): piece by piece
+    return files
 
 
 def _piece_items(vf: VersionLike, layout: DeviceLayout) -> dict[int, Items]:
-    """`changed_items` piece by piece (`vf.pieces`): multi-part versions and formats 1 and 2."""
+    """`changed_items` piece by piece (`vf.pieces`): formats 1 and 2."""
     h = vf.header
     by_width: dict[int, list[Item]] = {}
     segments, index = layout.layout.segments, layout.index
@@ -184,34 +216,82 @@ def _piece_items(vf: VersionLike, layout: DeviceLayout) -> dict[int, Items]:
     return out
 
 
-def _file_pieces(vf: VersionLike, layout: DeviceLayout, payload: Mapping[str, torch.Tensor]) -> dict[int, Items]:
-    """`changed_items` of a one-file format-3 version, one pass over its header entries into arrays
+@dataclass(frozen=True)
+class TensorTable:
+    """What staging needs of a header's tensor table that depends only on its tensor set and the
+    layout (a version changes positions and values, never the set of tensors): per header entry, in
+    header order, its layout index (-1: the layout holds none of it), element width, size and row
+    size, and the positions the layout holds of it. Built once per tensor set and layout
+    (`of`), then every version's header is read into arrays with no per-tensor work but its own
+    fields (nnz, codec metadata)."""
+
+    names: np.ndarray  # object: the header's tensor names, in header order
+    index: np.ndarray  # int64
+    width: np.ndarray  # int64: bytes per element (the header's dtype)
+    numel: np.ndarray  # int64
+    row: np.ndarray  # int64: elements per row of dim 0 (a part owns rows)
+    need_lo: np.ndarray  # int64: the layout holds positions in [need_lo, need_hi) of the tensor
+    need_hi: np.ndarray
+
+    @classmethod
+    def of(cls, header: VersionHeader, layout: DeviceLayout) -> TensorTable:
+        """The table of `header`'s tensor set on `layout`, remembered on the layout for later versions."""
+        names = tuple(header.tensors)
+        cache = layout.caches.setdefault("tensor_tables", {})
+        table: TensorTable | None = cache.get(names)
+        if table is None:
+            entries = list(header.tensors.values())
+            held = layout.layout.segments
+            index = np.array([layout.index[n] if held.get(n) else -1 for n in names], dtype=np.int64)
+            at = np.maximum(index, 0)
+            table = cls(
+                names=np.array(names, dtype=object),
+                index=index,
+                width=np.array([_WIDTH[e.dtype] for e in entries], dtype=np.int64),
+                numel=np.array([e.numel for e in entries], dtype=np.int64),
+                row=np.array([row_size(e.shape) for e in entries], dtype=np.int64),
+                need_lo=np.where(index >= 0, layout.need_lo[at], 0),
+                need_hi=np.where(index >= 0, layout.need_hi[at], 0),
+            )
+            if len(cache) >= 4:  # a server sees one tensor set; a few in tests
+                cache.clear()
+            cache[names] = table
+        return table
+
+
+def _file_pieces(vf: VersionFile, layout: DeviceLayout) -> dict[int, FilePieces]:
+    """One format-3 file's changed pieces that the layout holds, by width, as arrays in layout order
     (the pieces' `enc` are handed to the codec's decoder as they are: it checks them)."""
     h = vf.header
-    segments, index = layout.layout.segments, layout.index
-    rows: dict[int, tuple[list[str], list[Any], list[tuple[int, int, int]]]] = {}
-    for name, entry in h.tensors.items():
-        if entry.nnz and segments.get(name):
-            names, encs, vals = rows.setdefault(_WIDTH[entry.dtype], ([], [], []))
-            names.append(name)
-            encs.append(entry.enc)
-            vals.append((index[name], entry.nnz, entry.numel))
-    out: dict[int, Items] = {}
-    for width, (names, encs, vals) in rows.items():
-        table = np.array(vals, dtype=np.int64).reshape(-1, 3)
-        order = np.argsort(table[:, 0], kind="stable")
-        table = table[order]
-        picked = order.tolist()
-        out[width] = FilePieces(
+    table = TensorTable.of(h, layout)
+    entries = list(h.tensors.values())
+    nnz = np.fromiter((e.nnz for e in entries), dtype=np.int64, count=len(entries))
+    start, stop = np.zeros_like(nnz), table.numel
+    if h.part is not None:  # a part: the rows it owns (a tensor it does not own has nnz 0)
+        rows = h.part.rows
+        bounds = np.array([rows.get(n) or (0, 0) for n in table.names], dtype=np.int64).reshape(-1, 2)
+        start, stop = bounds[:, 0] * table.row, bounds[:, 1] * table.row
+    keep = np.flatnonzero((nnz > 0) & (table.index >= 0))
+    out: dict[int, FilePieces] = {}
+    if not keep.size:
+        return out
+    payload = vf.file_payload()
+    widths = table.width[keep]
+    for width in sorted(set(widths.tolist())):
+        sel = keep[widths == width]
+        sel = sel[np.argsort(table.index[sel], kind="stable")]
+        out[int(width)] = FilePieces(
             payload=payload,
             file_enc=h.enc,
-            names=[names[i] for i in picked],
-            encs=[encs[i] for i in picked],
-            index=table[:, 0],
-            numel=table[:, 2],
-            nnz=table[:, 1],
-            start=np.zeros(len(picked), dtype=np.int64),
-            stop=layout.numels[table[:, 0]],
+            names=table.names[sel].tolist(),
+            encs=[entries[i].enc for i in sel.tolist()],
+            index=table.index[sel],
+            numel=table.numel[sel],
+            nnz=nnz[sel],
+            start=start[sel],
+            stop=stop[sel],
+            need_lo=table.need_lo[sel],
+            need_hi=table.need_hi[sel],
         )
     return out
 

@@ -38,7 +38,7 @@ from .base import (
     position_dtype,
     segment_ids,
 )
-from .decoding import Chunk, CodecDecoder, DecodePlan, Fetch, FilePieces, Item, Pieces, StagingHost
+from .decoding import Chunk, CodecDecoder, DecodePlan, Fetch, FilePieces, FileSet, Item, Pieces, Runs, StagingHost
 from .registry import DEFAULT_CODEC, get_codec, get_decoder, names, register_codec
 
 if TYPE_CHECKING:  # imported on first use at run time (__getattr__ below)
@@ -126,6 +126,7 @@ __all__ = [
     "FilePack",
     "FilePayload",
     "FilePieces",
+    "FileSet",
     "HostCopy",
     "Item",
     "PassEncoder",
@@ -133,6 +134,7 @@ __all__ = [
     "RawCodec",
     "RawDecoder",
     "Sections",
+    "Runs",
     "StagingHost",
     "StreamEncoder",
     "check_piece",

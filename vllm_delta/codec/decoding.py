@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 import numpy as np
 import torch
@@ -67,8 +67,8 @@ class Item:
 class FilePieces:
     """The changed pieces of one file of a file-level codec (format 3) that a layout holds, as
     arrays in layout order: what staging a mixture of experts needs (~19K tensors per version) with
-    no per-tensor objects. Built straight from a one-file version's header (staging) or from Items
-    sharing one payload (`of_items`: multi-part versions, tests)."""
+    no per-tensor objects. Built straight from a version file's header (staging) or from Items
+    sharing one payload (`of_items`: tests)."""
 
     payload: Mapping[str, torch.Tensor]  # the file's streams
     file_enc: Any  # the file's codec metadata (the header's `enc`)
@@ -79,6 +79,8 @@ class FilePieces:
     nnz: np.ndarray  # int64
     start: np.ndarray  # int64: its positions lie in [start, stop)
     stop: np.ndarray
+    need_lo: np.ndarray | None = None  # int64: the layout needs its positions in [need_lo, need_hi)
+    need_hi: np.ndarray | None = None  # (a rank's rows of the tensor); None: all of [start, stop)
 
     def __len__(self) -> int:
         return len(self.names)
@@ -100,12 +102,32 @@ class FilePieces:
         )
 
 
-Pieces = list[Item] | FilePieces  # a version's changed pieces of one element width, in layout order
+@dataclass
+class FileSet:
+    """A version's changed pieces of a file-level codec, file by file: one file, or every part of a
+    multi-part version (in part order). A decoder reads them as one sequence of chunks."""
+
+    files: list[FilePieces]
+
+    def __len__(self) -> int:
+        return sum(len(f) for f in self.files)
+
+    @property
+    def indices(self) -> np.ndarray:
+        """The layout indices of the tensors the files change (int64, sorted, distinct)."""
+        if len(self.files) == 1:
+            return self.files[0].index  # one piece per tensor, in layout order
+        if not self.files:
+            return np.zeros(0, dtype=np.int64)
+        return np.unique(np.concatenate([f.index for f in self.files]))
+
+
+Pieces = list[Item] | FileSet  # a version's changed pieces of one element width, in layout order
 
 
 def piece_list(pieces: Pieces, codec: str, version: int) -> list[Item]:
-    """The pieces of a per-tensor codec (a FilePieces belongs to a file-level codec: CodecError)."""
-    if isinstance(pieces, FilePieces):
+    """The pieces of a per-tensor codec (a FileSet belongs to a file-level codec: CodecError)."""
+    if isinstance(pieces, FileSet):
         raise CodecError(f"pieces of a format-3 file named codec {codec!r}", version=version)
     return pieces
 
@@ -113,12 +135,29 @@ def piece_list(pieces: Pieces, codec: str, version: int) -> list[Item]:
 def files_of(pieces: Pieces) -> list[FilePieces]:
     """The pieces of a file-level codec, by file (the pieces of one file share its payload dict,
     format.VersionFile), each file's in the order given."""
-    if isinstance(pieces, FilePieces):
-        return [pieces] if len(pieces) else []
+    if isinstance(pieces, FileSet):
+        return [f for f in pieces.files if len(f)]
     files: dict[int, list[Item]] = {}
     for it in pieces:
         files.setdefault(id(it.parts), []).append(it)
     return [FilePieces.of_items(items) for items in files.values()]
+
+
+class Runs(NamedTuple):
+    """Consecutive elements by tensor: run r is `counts[r]` elements of tensor `tensors[r]` (layout
+    order), in element order (int64 arrays: a chunk of a mixture of experts holds thousands)."""
+
+    tensors: np.ndarray
+    counts: np.ndarray
+
+    @classmethod
+    def of(cls, pairs: Sequence[tuple[int, int]]) -> Runs:
+        arr = np.array(pairs, dtype=np.int64).reshape(-1, 2)
+        return cls(arr[:, 0].copy(), arr[:, 1].copy())
+
+    def nonempty(self) -> Runs:
+        keep = self.counts > 0
+        return self if keep.all() else Runs(self.tensors[keep], self.counts[keep])
 
 
 @dataclass
@@ -129,11 +168,12 @@ class Chunk:
     p: torch.Tensor  # int64: row-major position in its tensor (sorted within a tensor)
     diffs: torch.Tensor | None  # int16/int32 (element width): new - old bits, mod 2^bits
     values: torch.Tensor | None  # int16/int32: absolute new bits
-    runs: list[tuple[int, int]]  # (tensor index, element count), in element order
+    runs: Runs  # the elements by tensor, in element order
 
     @property
-    def tensors(self) -> list[int]:
-        return [t for t, n in self.runs if n]
+    def tensors(self) -> np.ndarray:
+        """The layout indices of the tensors with elements here, in element order."""
+        return self.runs.tensors[self.runs.counts > 0]
 
     @property
     def n(self) -> int:
@@ -178,9 +218,9 @@ class StagingHost(Protocol):
         """Host memory for `n` elements (pinned when the device is a GPU), counted as staging's."""
         ...
 
-    def read(self, src: np.ndarray, a: int, b: int) -> Fetch:
-        """Bytes src[a:b] (a file's memory map) copied into a fresh host buffer (`data`), in pieces
-        on the pool."""
+    def read(self, ranges: Sequence[tuple[np.ndarray, int, int]]) -> Fetch:
+        """Bytes src[a:b] of each (src, a, b) (files' memory maps), end to end in one fresh host
+        buffer (`data`), copied in pieces on the pool."""
         ...
 
     def submit(self, fn: Callable[[], None]) -> Future[None]:
@@ -202,6 +242,13 @@ class DecodePlan(Protocol[Unit]):
 
     @property
     def units(self) -> Sequence[Unit]: ...
+
+    @property
+    def elements(self) -> int:
+        """Changed elements the units decode (a rank skipping chunks of other ranks' rows decodes
+        fewer than the pieces hold; elements of pieces the layout does not hold but that share a
+        decoded chunk count: they are decoded too)."""
+        ...
 
     def fetch(self, unit: Unit) -> Fetch:
         """Queue the unit's host work (decompression into host memory, or a copy of its bytes)."""
@@ -243,6 +290,7 @@ class _PiecePlan:
     def __init__(self, codec: Codec, version: int, items: list[Item], width: int, host: StagingHost):
         self.codec, self.version, self.width, self.host = codec, version, width, host
         self.units = items
+        self.elements = sum(it.nnz for it in items)
         self.sections: dict[int, Sections] = {}  # by id of the unit, once unpacked
 
     def fetch(self, unit: Item) -> Fetch:
@@ -266,4 +314,4 @@ class _PiecePlan:
         elif ch.diffs is not None:
             diffs = ch.diffs.to(torch.int64).to(INT_DTYPE[self.width])
         self.host.mark("decode")
-        yield Chunk(t_idx=t_idx, p=pos, diffs=diffs, values=vals, runs=[(unit.index, int(pos.numel()))])
+        yield Chunk(t_idx=t_idx, p=pos, diffs=diffs, values=vals, runs=Runs.of([(unit.index, int(pos.numel()))]))

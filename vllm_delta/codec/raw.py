@@ -29,7 +29,7 @@ from .base import (
     position_dtype,
     segment_ids,
 )
-from .decoding import Chunk, Fetch, Item, Pieces, StagingHost, ctx_of, piece_list
+from .decoding import Chunk, Fetch, Item, Pieces, Runs, StagingHost, ctx_of, piece_list
 
 
 class RawCodec:
@@ -107,6 +107,7 @@ class _RawPlan:
 
     def __init__(self, version: int, items: list[Item], width: int, host: StagingHost):
         self.version, self.items, self.width, self.host = version, items, width, host
+        self.elements = sum(it.nnz for it in items)
         codec = RawCodec()
         self.sections = [
             codec.unpack(it.parts, it.enc, numel=it.numel, nnz=it.nnz, dtype=it.dtype, ctx=ctx_of(version, it.name))
@@ -156,9 +157,8 @@ class _RawPlan:
                     check_piece(pos_d[s:e], items[k].start, items[k].end, ctx)
                 raise PositionError("invalid positions", version=self.version, tensor=items[group[0]].name)
             self.host.mark("decode")
-            yield Chunk(
-                t_idx=t_idx, p=p, diffs=None, values=val_d[a:b], runs=[(items[k].index, items[k].nnz) for k in group]
-            )
+            runs = Runs.of([(items[k].index, items[k].nnz) for k in group])
+            yield Chunk(t_idx=t_idx, p=p, diffs=None, values=val_d[a:b], runs=runs)
 
 
 def _groups(sizes: list[int], limit: int) -> list[list[int]]:

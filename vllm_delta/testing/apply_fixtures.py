@@ -20,9 +20,9 @@ import torch
 from vllm_delta import codec as codecs
 from vllm_delta.apply.layout import Layout, Segment, hf_2d
 from vllm_delta.bits import bit_view
-from vllm_delta.checksums import positional_sum, tensor_sum
-from vllm_delta.format import VersionHeader, write
-from vllm_delta.writer import encode_anchor, encode_delta
+from vllm_delta.checksums import combine, positional_sum, tensor_sum, to_hex
+from vllm_delta.format import PartInfo, VersionHeader, num_rows, row_size, write
+from vllm_delta.writer import PreparedTensor, assemble_delta, encode_anchor, encode_delta
 
 # -- model shapes -----------------------------------------------------------------------------------
 
@@ -155,9 +155,112 @@ def qwen3_moe_layout(spec: Qwen3MoeSpec) -> tuple[dict[str, tuple[int, ...]], La
     return targets, Layout(targets=list(targets), hf_shapes=hf, segments=segs)
 
 
-def model_layout(spec: Qwen3Spec | Qwen3MoeSpec) -> tuple[dict[str, tuple[int, ...]], Layout]:
-    """The layout of either model family."""
+def model_layout(
+    spec: Qwen3Spec | Qwen3MoeSpec, tp: int = 1, rank: int = 0
+) -> tuple[dict[str, tuple[int, ...]], Layout]:
+    """The layout of either model family on one rank of `tp` tensor-parallel ranks."""
+    if tp > 1:
+        return tp_layout(spec, tp, rank)
     return qwen3_moe_layout(spec) if isinstance(spec, Qwen3MoeSpec) else qwen3_layout(spec)
+
+
+def tp_layout(spec: Qwen3Spec | Qwen3MoeSpec, tp: int, rank: int) -> tuple[dict[str, tuple[int, ...]], Layout]:
+    """(target shapes, Layout) of rank `rank` of `tp` tensor-parallel ranks, split the way vLLM splits
+    Qwen3 (what vllm/worker/probe.py finds on a real server): the vocabulary (padded to a multiple of
+    64) by rows for the embedding and the head; q, k, v (by heads: k and v replicated when there are
+    fewer KV heads than ranks, each rank holding head rank·kv/tp), gate and up (and every expert's) by
+    rows; o_proj and down_proj (and every expert's down) by columns; norms and the router replicated.
+    A replicated element is owned (counted in checksums) by the lowest rank holding it."""
+    h, hd, v = spec.hidden, spec.head_dim, spec.vocab
+    if spec.heads % tp:
+        raise ValueError(f"{spec.heads} heads do not split over {tp} ranks")
+    nq = spec.heads * hd // tp  # q rows per rank
+    kv_split = spec.kv_heads >= tp
+    if kv_split and spec.kv_heads % tp:
+        raise ValueError(f"{spec.kv_heads} KV heads do not split over {tp} ranks")
+    kv_head = rank * spec.kv_heads // tp  # the KV head a rank holds when they are replicated
+    kv_owner = not kv_split and rank == kv_head * tp // spec.kv_heads  # lowest rank holding that head
+    nkv = spec.kv_heads * hd // tp if kv_split else hd
+    kv_row0 = rank * nkv if kv_split else kv_head * hd
+    inter = spec.moe_intermediate if isinstance(spec, Qwen3MoeSpec) else spec.intermediate
+    if inter % tp:
+        raise ValueError(f"intermediate size {inter} does not split over {tp} ranks")
+    i_ = inter // tp
+    per = -(-(-(-v // 64) * 64) // tp)  # vocab rows per rank (padded)
+    v0, v1 = min(v, rank * per), min(v, (rank + 1) * per)
+    targets: dict[str, tuple[int, ...]] = {}
+    hf: dict[str, tuple[int, ...]] = {}
+    segs: dict[str, list[Segment]] = {}
+
+    def target(name: str, shape: tuple[int, ...]) -> int:
+        targets[name] = shape
+        return len(targets) - 1
+
+    def rows(name: str, shape: tuple[int, ...], t: int, row0: int, n: int, offset: int = 0, owner: bool = True) -> None:
+        hf[name] = shape
+        cols = hf_2d(shape)[1]
+        segs[name] = [Segment(t, row0, n, 0, cols, offset, cols, 1, owner)]
+
+    def columns(name: str, shape: tuple[int, ...], t: int, col0: int, n: int, offset: int = 0) -> None:
+        hf[name] = shape
+        r = hf_2d(shape)[0]
+        segs[name] = [Segment(t, 0, r, col0, n, offset, n)]
+
+    def replicated(name: str, shape: tuple[int, ...]) -> None:
+        rows(name, shape, target(name, shape), 0, hf_2d(shape)[0], owner=rank == 0)
+
+    rows("model.embed_tokens.weight", (v, h), target("model.embed_tokens.weight", (per, h)), v0, v1 - v0)
+    for layer in range(spec.layers):
+        pre = f"model.layers.{layer}."
+        qkv = target(pre + "self_attn.qkv_proj.weight", (nq + 2 * nkv, h))
+        rows(pre + "self_attn.q_proj.weight", (spec.heads * hd, h), qkv, rank * nq, nq)
+        for name, at in (("k_proj", nq), ("v_proj", nq + nkv)):
+            owner = kv_split or kv_owner
+            rows(pre + f"self_attn.{name}.weight", (spec.kv_heads * hd, h), qkv, kv_row0, nkv, at * h, owner)
+        o = target(pre + "self_attn.o_proj.weight", (h, nq))
+        columns(pre + "self_attn.o_proj.weight", (h, spec.heads * hd), o, rank * nq, nq)
+        replicated(pre + "self_attn.q_norm.weight", (hd,))
+        replicated(pre + "self_attn.k_norm.weight", (hd,))
+        if isinstance(spec, Qwen3MoeSpec):
+            e = spec.experts
+            replicated(pre + "mlp.gate.weight", (e, h))
+            w13 = target(pre + "mlp.experts.w13_weight", (e, 2 * i_, h))
+            w2 = target(pre + "mlp.experts.w2_weight", (e, h, i_))
+            for x in range(e):
+                ex = f"{pre}mlp.experts.{x}."
+                rows(ex + "gate_proj.weight", (inter, h), w13, rank * i_, i_, x * 2 * i_ * h)
+                rows(ex + "up_proj.weight", (inter, h), w13, rank * i_, i_, (x * 2 + 1) * i_ * h)
+                columns(ex + "down_proj.weight", (h, inter), w2, rank * i_, i_, x * h * i_)
+        else:
+            gu = target(pre + "mlp.gate_up_proj.weight", (2 * i_, h))
+            rows(pre + "mlp.gate_proj.weight", (inter, h), gu, rank * i_, i_)
+            rows(pre + "mlp.up_proj.weight", (inter, h), gu, rank * i_, i_, i_ * h)
+            down = target(pre + "mlp.down_proj.weight", (h, i_))
+            columns(pre + "mlp.down_proj.weight", (h, inter), down, rank * i_, i_)
+        replicated(pre + "input_layernorm.weight", (h,))
+        replicated(pre + "post_attention_layernorm.weight", (h,))
+    replicated("model.norm.weight", (h,))
+    if not spec.tied:
+        rows("lm_head.weight", (v, h), target("lm_head.weight", (per, h)), v0, v1 - v0)
+    return targets, Layout(targets=list(targets), hf_shapes=hf, segments=segs)
+
+
+def targets_of(
+    layout: Layout, shapes: dict[str, tuple[int, ...]], hf: dict[str, torch.Tensor], device=None
+) -> dict[str, torch.Tensor]:
+    """A rank's targets (by the layout's target names, `shapes` theirs) holding the HF tensors `hf`
+    written through the layout's segments; what no segment holds (vocab padding) is zero."""
+    out = {n: torch.zeros(s, dtype=next(iter(hf.values())).dtype, device=device) for n, s in shapes.items()}
+    flats = [out[n].reshape(-1) for n in layout.targets]
+    for name, segs in layout.segments.items():
+        rows, cols = hf_2d(layout.hf_shapes[name])
+        src = hf[name].reshape(rows, cols)
+        for seg in segs:
+            box = flats[seg.target].as_strided(
+                (seg.rows, seg.cols), (seg.dst_row_stride, seg.dst_col_stride), seg.dst_offset
+            )
+            box.copy_(src[seg.row0 : seg.row0 + seg.rows, seg.col0 : seg.col0 + seg.cols])
+    return out
 
 
 def hf_view(layout: Layout, targets: list[torch.Tensor], name: str) -> torch.Tensor:
@@ -333,6 +436,53 @@ def write_delta(
     return header
 
 
+def write_delta_parts(
+    paths: list[str],
+    *,
+    version: int,
+    base: int,
+    new: dict[str, torch.Tensor],
+    changes: dict,
+    chunk_elems: int | None = None,
+) -> list[VersionHeader]:
+    """A multi-part chunked delta (format 3 parts, what `len(paths)` sharded publishers write): part
+    k owns rows [k·R/W, (k+1)·R/W) of dim 0 of every tensor (the rows FSDP2's Shard(0) gives, uneven
+    at the end). `new`: the tensors at this version (their sums make the header's and the parts'
+    checksums); `changes`: {name: (positions, new bits, old bits)} (random_changes)."""
+    c: codecs.Codec = codecs.get_codec("chunked")
+    if chunk_elems:
+        c = codecs.ChunkedCodec(chunk_elems=chunk_elems, slice_elems=4 * chunk_elems)
+    w = len(paths)
+    sums = hf_sums(new)
+    checksum = to_hex(combine(sums.items()))
+    out = []
+    for k, path in enumerate(paths):
+        prepared, rows, own = {}, {}, {}
+        for name, t in new.items():
+            shape = tuple(t.shape)
+            nrows, size = num_rows(shape), row_size(shape)
+            per = -(-nrows // w)
+            r0, r1 = min(nrows, k * per), min(nrows, (k + 1) * per)
+            nnz, sections = 0, None
+            if r1 > r0:
+                rows[name] = [r0, r1]
+                a, b = r0 * size, r1 * size
+                own[name] = positional_sum(bit_view(t).reshape(-1)[a:b], a)
+                pos, nb, ob = changes.get(name, (torch.zeros(0, dtype=torch.int64),) * 3)
+                keep = (pos >= a) & (pos < b)
+                if bool(keep.any()):
+                    nnz = int(keep.sum())
+                    sections = c.prepare(pos[keep], nb[keep], ob[keep], t.numel(), a)
+            prepared[name] = PreparedTensor(shape, t.dtype, sums[name], nnz, sections)
+        part = PartInfo(index=k, count=w, checksum=to_hex(combine(own.items())), rows=rows)
+        header, payload = assemble_delta(
+            version=version, base=base, base_checksum="0" * 16, codec=c, tensors=prepared, checksum=checksum, part=part
+        )
+        write(path, header, payload)
+        out.append(header)
+    return out
+
+
 def write_anchor(path: str, version: int, tensors: dict[str, torch.Tensor]) -> VersionHeader:
     header, payload = encode_anchor(version, tensors, hf_sums(tensors))
     write(path, header, {n: t.cpu() for n, t in payload.items()})
@@ -358,10 +508,13 @@ __all__ = [
     "positional_sum",
     "qwen3_layout",
     "qwen3_moe_layout",
+    "targets_of",
+    "tp_layout",
     "random_changes",
     "random_positions",
     "realistic_diffs",
     "reference_apply",
     "write_anchor",
+    "write_delta_parts",
     "write_delta",
 ]

@@ -40,24 +40,50 @@ CtxOfSpan = Callable[[int], Ctx]  # span index -> where an error about it happen
 class Spans:
     """Tensors' (or pieces') elements in a file, as arrays sorted by `at`, none empty: tensor i holds
     elements [at[i], end[i]), its gap chain starts at start[i] and its positions lie in
-    [start[i], stop[i]); `key[i]` is the caller's name for it (an index into its own list)."""
+    [start[i], stop[i]); the reader needs its positions in [lo[i], hi[i]) (its rank's rows: a part
+    of [start, stop), or all of it); `key[i]` is the caller's name for it (an index into its own list)."""
 
     at: np.ndarray
     end: np.ndarray
     start: np.ndarray
     stop: np.ndarray
     key: np.ndarray
+    lo: np.ndarray
+    hi: np.ndarray
 
     @classmethod
-    def of(cls, at: ArrayLike, nnz: ArrayLike, start: ArrayLike, stop: ArrayLike, key: ArrayLike) -> Spans:
+    def of(
+        cls,
+        at: ArrayLike,
+        nnz: ArrayLike,
+        start: ArrayLike,
+        stop: ArrayLike,
+        key: ArrayLike,
+        lo: ArrayLike | None = None,
+        hi: ArrayLike | None = None,
+    ) -> Spans:
+        """`lo`/`hi`: the positions needed (None: every position, [start, stop))."""
         arrays = [np.asarray(x, dtype=np.int64).reshape(-1) for x in (at, nnz, start, stop, key)]
+        arrays.append(arrays[2] if lo is None else np.asarray(lo, dtype=np.int64).reshape(-1))
+        arrays.append(arrays[3] if hi is None else np.asarray(hi, dtype=np.int64).reshape(-1))
         keep = arrays[1] > 0
-        at_, nnz_, start_, stop_, key_ = (x[keep] for x in arrays)
+        at_, nnz_, start_, stop_, key_, lo_, hi_ = (x[keep] for x in arrays)
         order = np.argsort(at_, kind="stable")
-        return cls(at_[order], (at_ + nnz_)[order], start_[order], stop_[order], key_[order])
+        return cls(at_[order], (at_ + nnz_)[order], start_[order], stop_[order], key_[order], lo_[order], hi_[order])
 
     def __len__(self) -> int:
         return int(self.at.size)
+
+    def shifted(self, elems: int, keys: int) -> Spans:
+        """The same spans `elems` elements later, their keys `keys` higher (files read as one sequence)."""
+        return Spans(self.at + elems, self.end + elems, self.start, self.stop, self.key + keys, self.lo, self.hi)
+
+    @classmethod
+    def concat(cls, parts: list[Spans]) -> Spans:
+        """Spans of consecutive ranges of elements, in order."""
+        if len(parts) == 1:
+            return parts[0]
+        return cls(*(np.concatenate([getattr(p, f) for p in parts]) for f in _SPAN_FIELDS))
 
     def check(self, n: int, ctx_of: CtxOfSpan) -> None:
         """Inside the file's n elements, not overlapping, starts within range (CodecError)."""
@@ -72,30 +98,77 @@ class Spans:
                 ctx_of(i),
             )
 
-    def chunks(self, chunk_elems: int, n_chunks: int) -> tuple[np.ndarray, np.ndarray]:
-        """(which chunks hold elements of any span, the first span holding elements of each chunk)."""
-        first_k, last_k = self.at // chunk_elems, (self.end - 1) // chunk_elems
-        marks = np.zeros(n_chunks + 1, dtype=np.int64)
-        np.add.at(marks, first_k, 1)
-        np.add.at(marks, last_k + 1, -1)
-        needed = np.cumsum(marks)[:n_chunks] > 0
+    def chunks(
+        self, chunk_elems: int, n_chunks: int, first: np.ndarray | None = None, ctx_of: CtxOfSpan | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(which chunks hold elements of positions the spans need, the first span holding elements of
+        each chunk). Without `first` (files written before it) a span needing any position needs all
+        its chunks (its gap chain runs through them); with `first` (each chunk's first position) a
+        chunk is needed where a span's positions in it, bounded by the first positions of the chunk
+        and of the next, meet the span's needed range: the chunks of other ranks' rows are skipped.
+        `first` is checked against the spans (CodecError naming a tensor through `ctx_of`)."""
+        e = chunk_elems
+        first_k, last_k = self.at // e, (self.end - 1) // e
+        wanted = (self.lo < self.hi) & (self.lo < self.stop) & (self.hi > self.start)
         owner = np.full(n_chunks, -1, dtype=np.int64)
         # spans are sorted: the first span covering a chunk is the smallest index whose range reaches it
-        for_chunk = np.searchsorted(self.end, np.arange(n_chunks, dtype=np.int64) * chunk_elems, side="right")
+        for_chunk = np.searchsorted(self.end, np.arange(n_chunks, dtype=np.int64) * e, side="right")
         hit = for_chunk < len(self)
         owner[hit] = for_chunk[hit]
+        if first is None:
+            marks = np.zeros(n_chunks + 1, dtype=np.int64)
+            np.add.at(marks, first_k[wanted], 1)
+            np.add.at(marks, last_k[wanted] + 1, -1)
+            return np.cumsum(marks)[:n_chunks] > 0, owner
+        # one row per (span, chunk it has elements in): ~ spans + chunks rows
+        per = last_k - first_k + 1
+        span = np.repeat(np.arange(len(self), dtype=np.int64), per)
+        k = np.repeat(first_k, per) + (np.arange(span.size, dtype=np.int64) - np.repeat(np.cumsum(per) - per, per))
+        holds_first = self.at[span] <= k * e  # the span holds the chunk's first element
+        holds_next = (k + 1) * e < self.end[span]  # ... and the next chunk's
+        start, stop = self.start[span], self.stop[span]
+        f = first[k]
+        nxt = first[np.minimum(k + 1, n_chunks - 1)]
+        for bad, exc_type, what in (
+            (holds_first & ((f < start) | (f >= stop)), PositionError, "out of its tensor's range"),
+            (holds_first & holds_next & (nxt < f + e), CodecError, "not below the next chunk's by its elements"),
+        ):
+            if bad.any():
+                i = int(np.flatnonzero(bad)[0])
+                msg = f"chunk {int(k[i])}: its first position {int(f[i])} (`first`) is {what}"
+                raise err(exc_type, msg, ctx_of(int(span[i])) if ctx_of is not None else {})
+        p_lo = np.where(holds_first, f, start)  # the span's positions in the chunk lie in [p_lo, p_hi)
+        p_hi = np.where(holds_next, nxt, stop)
+        need = wanted[span] & (p_lo < self.hi[span]) & (p_hi > self.lo[span])
+        needed = np.zeros(n_chunks, dtype=bool)
+        needed[k[need]] = True
         return needed, owner
 
 
+_SPAN_FIELDS = ("at", "end", "start", "stop", "key", "lo", "hi")
+
+
 class Carry:
-    """A gap chain running from one decoded run of chunks into the next: the span and its last position."""
+    """A gap chain running from one decoded run of chunks into the next: the span and its last
+    position (`last`, a device scalar), or, where the run before was skipped, the position of the
+    run's first element (`first`: the file's `first` entry of its first chunk)."""
 
     def __init__(self) -> None:
         self.span = -1
         self.last: torch.Tensor | None = None
+        self.first: int | None = None
 
     def clear(self) -> None:
-        self.span, self.last = -1, None
+        self.span, self.last, self.first = -1, None, None
+
+    def resume(self, span: int, first: int) -> None:
+        """The next run starts inside `span`, at position `first` (the chunks before it were skipped)."""
+        self.span, self.last, self.first = span, None, first
+
+    def copy(self) -> Carry:
+        out = Carry()
+        out.span, out.last, out.first = self.span, self.last, self.first
+        return out
 
 
 class Decoded(NamedTuple):
@@ -124,10 +197,10 @@ def decode_planes(
     if chosen not in PLANES_BACKENDS or (chosen == "triton" and not kernels.available(dev)):
         raise ValueError(f"planes backend {chosen!r} does not run on {dev}")
     i0 = int(np.searchsorted(spans.end, elem0, side="right"))
-    if i0 < len(spans) and spans.at[i0] < elem0 and (carry.span != i0 or carry.last is None):
+    continued = carry.last is not None or carry.first is not None
+    if i0 < len(spans) and spans.at[i0] < elem0 and (carry.span != i0 or not continued):
         raise err(CodecError, "a tensor's elements continue a run that was not decoded", ctx_of(i0))
-    saved = Carry()
-    saved.span, saved.last = carry.span, carry.last
+    saved = carry.copy()
     try:
         out, checks = _decode(v, elem0, spans, carry, _Checks(eager=False), chosen)
     except Exception as exc:
@@ -135,7 +208,7 @@ def decode_planes(
             raise
         KERNEL_FAILED.add(str(dev))  # a kernel that does not build here: the torch path from now on
         log.warning("vllm-delta: the Triton decoder failed on %s, decoding with torch: %s", dev, exc)
-        carry.span, carry.last = saved.span, saved.last
+        carry.span, carry.last, carry.first = saved.span, saved.last, saved.first
         out, checks = _decode(v, elem0, spans, carry, _Checks(eager=False), "torch")
     if checks.flag is not None and bool(checks.flag):  # the one synchronization
         _decode(
@@ -285,8 +358,11 @@ def _decode(
     small = torch.from_numpy(np.stack([rel_at, counts, spans.start[i0:i1] - 1, spans.start[i0:i1], spans.stop[i0:i1]]))
     at_t, cnt_t, base, lo_t, hi_t = small.to(dev, non_blocking=nb)
     if spans.at[i0] < elem0:  # began in an earlier run: continue its gap chain (decode_planes checked it)
-        assert carry.last is not None
-        base[0] = carry.last
+        if carry.last is not None:
+            base[0] = carry.last
+        else:  # the run before was skipped: the first element is at `carry.first`
+            assert carry.first is not None
+            base[0] = c[0].neg() + carry.first
     local = segment_ids(cnt_t, total)
     if int(rel_at[0]) == 0 and int(rel_end[-1]) == n and bool((rel_at[1:] == rel_end[:-1]).all()):
         sel = None  # the spans cover the run: every element is kept
@@ -298,8 +374,24 @@ def _decode(
     before = torch.where(at_t > 0, c[(at_t - 1).clamp(min=0)], torch.zeros_like(at_t))
     positions = cc.sub_(before[local]).add_(base[local])
     check.positions((positions < lo_t[local]) | (positions >= hi_t[local]), positions, local, sel, i0)
+    if v.first is not None:  # each chunk's first element decoded where the file's `first` says
+        check(_first_differs(v, positions, sel), CodecError, "its first position differs from the file's `first`")
     if spans.end[i1 - 1] > elem0 + n:  # the last span continues in the next run
-        carry.span, carry.last = i1 - 1, positions[-1:].clone().reshape(())
+        carry.span, carry.last, carry.first = i1 - 1, positions[-1:].clone().reshape(()), None
     else:
         carry.clear()
     return Decoded(positions, d, local.add_(i0), i0, counts), check
+
+
+def _first_differs(v: PlaneViews, positions: torch.Tensor, sel: torch.Tensor | None) -> torch.Tensor:
+    """Per chunk of the run: its first element was decoded (it belongs to a span) at a position other
+    than the file's `first` entry (bool [chunks])."""
+    assert v.first is not None
+    e = v.chunk_elems
+    starts = torch.arange(0, v.n, e, device=positions.device, dtype=torch.int64)
+    if sel is None:
+        return positions[starts] != v.first
+    if not sel.numel():
+        return torch.zeros(starts.numel(), dtype=torch.bool, device=positions.device)
+    at = torch.searchsorted(sel, starts).clamp_(max=sel.numel() - 1)
+    return (sel[at] == starts) & (positions[at] != v.first)

@@ -62,11 +62,12 @@ def encode_planes(
     slice_elems = max(chunk_elems, slice_elems // chunk_elems * chunk_elems)
     dev = batch.positions.device
     chosen = backend or default_backend(dev)
+    planes: Planes | None = None
     if chosen == "triton":
         if not kernels.available(dev):
             raise ValueError(f"the Triton encoder does not run on {dev}")
         try:
-            return _encode_triton(batch, chunk_elems, slice_elems, context)
+            planes = _encode_triton(batch, chunk_elems, slice_elems, context)
         except Exception as exc:  # noqa: BLE001 - a kernel that does not build here: the torch path
             if backend is not None:
                 raise
@@ -74,7 +75,12 @@ def encode_planes(
             log.warning("vllm-delta: the Triton encoder failed on %s, encoding with torch: %s", dev, exc)
     elif chosen != "torch":
         raise ValueError(f"planes backend must be one of {PLANES_BACKENDS}, not {chosen!r}")
-    return _encode_torch(batch, chunk_elems, slice_elems, context)
+    if planes is None:
+        planes = _encode_torch(batch, chunk_elems, slice_elems, context)
+    # each chunk's first position (the payload's `first`): what lets a reader start a tensor's gap
+    # chain at any chunk, so a rank skips the chunks that hold none of its rows
+    planes.first = batch.positions[::chunk_elems].to(torch.int64).clone()
+    return planes
 
 
 def _slice_terms(
@@ -211,6 +217,7 @@ def planes_to_host(planes: Planes, host: HostCopy) -> Planes:
         n_mag_esc=host.add(planes.n_mag_esc),
         gap_esc=host.add(planes.gap_esc),
         mag_esc=host.add(planes.mag_esc),
+        first=host.add(planes.first) if planes.first is not None else None,
     )
 
 

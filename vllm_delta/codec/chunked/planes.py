@@ -26,13 +26,15 @@ COL_BIG, COL_GAP_ESC, COL_MAG_ESC, COL_HASH = N_PLANES, N_PLANES + 1, N_PLANES +
 INDEX_WIDTH = N_PLANES + 4  # per chunk: 5 frame sizes, big elements, gap escapes, mag escapes, hash
 SLICE_ELEMS = 1 << 22  # elements turned into planes at a time on the device (bounds temporaries)
 MAX_CHUNK_ELEMS = 1 << 24
-PAYLOAD_PARTS = ("blob", "index", "gap_esc", "mag_esc")  # file-level payload keys (`::<part>`)
+PAYLOAD_PARTS = ("blob", "index", "gap_esc", "mag_esc")  # file-level payload keys (`::<part>`) every file has
+FIRST_PART = "first"  # optional (written since issue 26): each chunk's first position, for skipping chunks
 # the payload's parts in the order they are written: name, dtype, dimensions
 PAYLOAD_LAYOUT: list[tuple[str, torch.dtype, int]] = [
     ("blob", torch.uint8, 1),
     ("index", torch.int64, 2),
     ("gap_esc", torch.int64, 1),
     ("mag_esc", torch.int64, 1),
+    (FIRST_PART, torch.int64, 1),
 ]
 PlanesBackend = Literal["torch", "triton"]  # planes on the device: the fused kernels, or the torch reference
 PLANES_BACKENDS: tuple[PlanesBackend, ...] = get_args(PlanesBackend)
@@ -92,14 +94,18 @@ class PlaneLayout:
 
     def frames(self, n_big: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(offset, raw size) of every frame in the buffer, [chunks, 5] each, chunk-major."""
-        e = self.chunk_elems
-        k = np.arange(self.chunks, dtype=np.int64)
         elems = self.elems()
-        lo, hi, sign, big, mag = self.starts
-        offsets = np.stack([lo + k * e, hi + k * e, sign + k * (e // 8), big + k * (e // 8), mag + k * e], axis=1)
         bits = -(-elems // 8)
         sizes = np.stack([elems, elems, bits, bits, np.asarray(n_big, dtype=np.int64)], axis=1)
-        return offsets, sizes
+        return self.frame_offsets(), sizes
+
+    def frame_offsets(self) -> np.ndarray:
+        """Where each chunk's five frames start in the buffer, [chunks, 5]: chunk k at k·E elements
+        of every plane, whatever the sizes of the chunks before it."""
+        e = self.chunk_elems
+        k = np.arange(self.chunks, dtype=np.int64)
+        lo, hi, sign, big, mag = self.starts
+        return np.stack([lo + k * e, hi + k * e, sign + k * (e // 8), big + k * (e // 8), mag + k * e], axis=1)
 
 
 # -- planes on the device --------------------------------------------------------------------------
@@ -117,6 +123,7 @@ class Planes:
     n_mag_esc: torch.Tensor
     gap_esc: torch.Tensor
     mag_esc: torch.Tensor
+    first: torch.Tensor | None = None  # int64 [chunks]: the position (in its tensor) of each chunk's first element
 
     @property
     def device(self) -> torch.device:
@@ -178,15 +185,21 @@ class PlaneViews(NamedTuple):
     n_mag_esc: torch.Tensor
     gap_esc: torch.Tensor  # int64
     mag_esc: torch.Tensor
+    first: torch.Tensor | None = None  # int64 [chunks]: each chunk's first position (checked when given)
 
     @property
     def n(self) -> int:
         return int(self.lo.numel())
 
-    def sub(self, j0: int, j1: int, esc: tuple[tuple[int, int], tuple[int, int]]) -> PlaneViews:
-        """Chunks [j0, j1) of this run; `esc`: their (gap, mag) escape table ranges in this run's tables."""
+    def sub(
+        self, j0: int, j1: int, esc: tuple[tuple[int, int], tuple[int, int]], last: int | None = None
+    ) -> PlaneViews:
+        """Chunks [j0, j1) of this run; `esc`: their (gap, mag) escape table ranges in this run's tables;
+        `last`: the elements of chunk j1 - 1 when it is short (default: whole, or the run's end)."""
         e = self.chunk_elems
         a, b = j0 * e, min(self.n, j1 * e)
+        if last is not None:
+            b = min(b, (j1 - 1) * e + last)
         (ga, gb), (ma, mb) = esc
         return PlaneViews(
             chunk_elems=e,
@@ -200,7 +213,39 @@ class PlaneViews(NamedTuple):
             n_mag_esc=self.n_mag_esc[j0:j1],
             gap_esc=self.gap_esc[ga:gb],
             mag_esc=self.mag_esc[ma:mb],
+            first=self.first[j0:j1] if self.first is not None else None,
         )
+
+
+def views_over(
+    buf: torch.Tensor,
+    layout: PlaneLayout,
+    index: np.ndarray,
+    escapes: tuple[torch.Tensor, torch.Tensor],
+    device: torch.device,
+    first: np.ndarray | None = None,
+) -> PlaneViews:
+    """The planes of a run of chunks over `buf` (laid out by `layout`, on `device`), with the chunks'
+    counts (`index`: their rows of a file's index, [chunks, 9]), their (gap, value) escape tables and,
+    when given, their first positions, copied to `device`."""
+    nb = device.type == "cuda"
+    lo, hi, sign, big, mag = layout.starts
+    n, bits, e = layout.n, layout.bit_bytes, layout.chunk_elems
+    counts = torch.from_numpy(np.ascontiguousarray(index[:, COL_BIG : COL_MAG_ESC + 1].T)).to(device, non_blocking=nb)
+    return PlaneViews(
+        chunk_elems=e,
+        lo=buf[lo : lo + n],
+        hi=buf[hi : hi + n],
+        sign=buf[sign : sign + bits],
+        big=buf[big : big + bits],
+        mag=buf[mag : mag + layout.chunks * e].view(layout.chunks, e),
+        n_big=counts[0],
+        n_gap_esc=counts[1],
+        n_mag_esc=counts[2],
+        gap_esc=escapes[0].to(device, non_blocking=nb),
+        mag_esc=escapes[1].to(device, non_blocking=nb),
+        first=torch.from_numpy(first.copy()).to(device, non_blocking=nb) if first is not None else None,
+    )
 
 
 def plane_views(planes: Planes) -> PlaneViews:

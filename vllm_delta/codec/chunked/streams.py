@@ -6,14 +6,14 @@ decompressed on the host (zstandard), and a piece's place in the streams (`piece
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 import torch
 import zstandard
 
-from ...checksums import chunk_hash_np, chunk_hashes_np
+from ...checksums import chunk_hash_np
 from ...errors import CodecError, DeltaError
 from ..base import Ctx, err
 from .planes import (
@@ -21,6 +21,7 @@ from .planes import (
     COL_GAP_ESC,
     COL_HASH,
     COL_MAG_ESC,
+    FIRST_PART,
     FRAME_ALIGN,
     INDEX_WIDTH,
     MAX_CHUNK_ELEMS,
@@ -29,9 +30,9 @@ from .planes import (
     PLANES,
     PlaneLayout,
     PlaneViews,
+    views_over,
 )
 
-CtxOfChunk = Callable[[int], Ctx]  # chunk index -> where an error about it happened
 _TLS = threading.local()
 
 
@@ -101,6 +102,13 @@ class FileStreams:
                 f"the index counts {int(self.gap_esc_at[-1])}/{int(self.mag_esc_at[-1])}",
                 ctx,
             )
+        # Optional (files written before issue 26 lack it): each chunk's first position in its tensor.
+        self.first: np.ndarray | None = None
+        first = payload.get(FIRST_PART)
+        if first is not None:
+            if first.dtype != torch.int64 or first.shape != (k,):
+                raise err(CodecError, f"chunk positions `first` of shape {list(first.shape)}, expected [{k}]", ctx)
+            self.first = first.numpy()
 
     @property
     def n(self) -> int:
@@ -148,75 +156,13 @@ class FileStreams:
                 raise err(CodecError, f"chunk {k}: {PLANES[f]} frame holds {len(data)} B, expected {size}", ctx)
             out[offsets[f] : offsets[f] + size] = np.frombuffer(data, dtype=np.uint8)
 
-    def verify_run(self, k0: int, k1: int, ctx_of_chunk: CtxOfChunk) -> None:
-        """Chunks [k0, k1) hash to their index entries (host, vectorized: one pass over their words)."""
-        a, b = int(self.chunk_starts[k0]), int(self.chunk_starts[k1])
-        got = chunk_hashes_np(self.blob.numpy()[a:b], self.chunk_bytes[k0:k1])
-        bad = np.flatnonzero(got != self.index[k0:k1, COL_HASH])
-        if bad.size:
-            k = k0 + int(bad[0])
-            raise self.corrupt(k, ctx_of_chunk(k))
-
-    def decompress_run(self, run: tuple[int, int], out: np.ndarray, ctx_of_chunk: CtxOfChunk, threads: int) -> None:
-        """Verify chunks run = [k0, k1) and decompress all their frames into `out` (their
-        `range_layout`) with zstandard's own threads (one call, the GIL released throughout)."""
-        k0, k1 = run
-        self.verify_run(k0, k1, ctx_of_chunk)
-        offsets, sizes = self.range_layout(k0, k1).frames(self.index[k0:k1, COL_BIG])
-        used = sizes.reshape(-1) > 0
-        a = int(self.chunk_starts[k0])
-        src = np.stack(
-            [(self.blob_offsets[k0:k1] - a).reshape(-1)[used], self.index[k0:k1, :N_PLANES].reshape(-1)[used]], 1
-        )
-        data = self.blob.numpy()[a : int(self.chunk_starts[k1])].tobytes()
-        want = sizes.reshape(-1)[used]
-        try:
-            frames = zstandard.BufferWithSegments(data, src.astype(np.uint64).tobytes())
-            got = _dctx().multi_decompress_to_buffer(
-                frames, decompressed_sizes=want.astype(np.uint64).tobytes(), threads=max(1, threads)
-            )
-        except zstandard.ZstdError:  # find and name the frame: one chunk at a time
-            for k in range(k0, k1):
-                self.decompress_into(k, run, out, ctx_of_chunk(k))
-            raise err(CodecError, f"chunks {k0}..{k1 - 1} do not decompress", ctx_of_chunk(k0)) from None
-        for i, dst in enumerate(offsets.reshape(-1)[used].tolist()):
-            seg = got[i]
-            if len(seg) != want[i]:
-                k = k0 + int(np.flatnonzero(used)[i]) // N_PLANES
-                raise err(
-                    CodecError, f"chunk {k}: a frame holds {len(seg)} B, expected {int(want[i])}", ctx_of_chunk(k)
-                )
-            out[dst : dst + len(seg)] = np.frombuffer(seg, dtype=np.uint8)  # type: ignore[call-overload]
-
     def views(self, k0: int, k1: int, buf: torch.Tensor, device: torch.device | None = None) -> PlaneViews:
         """The planes of chunks [k0, k1) over `buf` (their `range_layout`, filled by
         `decompress_into` or nvCOMP), with their counts and escape tables (on `device`, default buf's)."""
-        dev = device or buf.device
-        nb = dev.type == "cuda"
-        lay = self.range_layout(k0, k1)
-        lo, hi, sign, big, mag = lay.starts
-        n, bits = lay.n, lay.bit_bytes
-        idx = torch.from_numpy(np.ascontiguousarray(self.index[k0:k1, COL_BIG : COL_MAG_ESC + 1].T)).to(
-            dev, non_blocking=nb
-        )
         ga, gb = int(self.gap_esc_at[k0]), int(self.gap_esc_at[k1])
         ma, mb = int(self.mag_esc_at[k0]), int(self.mag_esc_at[k1])
-        return PlaneViews(
-            chunk_elems=self.chunk_elems,
-            lo=buf[lo : lo + n],
-            hi=buf[hi : hi + n],
-            sign=buf[sign : sign + bits],
-            big=buf[big : big + bits],
-            mag=buf[mag : mag + lay.chunks * lay.chunk_elems].view(lay.chunks, lay.chunk_elems),
-            n_big=idx[0],
-            n_gap_esc=idx[1],
-            n_mag_esc=idx[2],
-            gap_esc=self.gap_esc[ga:gb].to(dev, non_blocking=nb),
-            mag_esc=self.mag_esc[ma:mb].to(dev, non_blocking=nb),
-        )
-
-    def escape_offsets(self, k0: int, k1: int) -> tuple[int, int]:
-        return int(self.gap_esc_at[k1] - self.gap_esc_at[k0]), int(self.mag_esc_at[k1] - self.mag_esc_at[k0])
+        escapes = (self.gap_esc[ga:gb], self.mag_esc[ma:mb])
+        return views_over(buf, self.range_layout(k0, k1), self.index[k0:k1], escapes, device or buf.device)
 
 
 def piece_at(meta: Any, numel: int, ctx: Ctx) -> tuple[int, int]:

@@ -19,7 +19,7 @@ import torch
 from ..base import Batch, BatchSections, HostCopy, MemorySink, PayloadSink, Sections
 from . import gpu
 from .encode import compress_cpu, encode_planes, planes_to_host
-from .planes import INDEX_WIDTH, Planes, PlanesBackend
+from .planes import FIRST_PART, INDEX_WIDTH, Planes, PlanesBackend
 
 log = logging.getLogger(__name__)
 
@@ -178,9 +178,13 @@ class ChunkedBatch(BatchSections):
         self._write_escapes(sink)
 
     def _write_escapes(self, sink: PayloadSink) -> None:
-        for key in ("gap_esc", "mag_esc"):
-            tables = [getattr(p, key).cpu() for p in self.parts]
-            sink.append(key, torch.cat(tables) if tables else torch.zeros(0, dtype=torch.int64))
+        """The escape tables, then each chunk's first position (`first`)."""
+        for key in ("gap_esc", "mag_esc", FIRST_PART):
+            tables = [getattr(p, key) for p in self.parts]
+            if any(t is None for t in tables):
+                raise ValueError(f"planes without their chunks' {key} (made by encode_planes, they have it)")
+            host = [t.cpu() for t in tables if t is not None]
+            sink.append(key, torch.cat(host) if host else torch.zeros(0, dtype=torch.int64))
 
 
 def _index(rows: list[np.ndarray]) -> torch.Tensor:

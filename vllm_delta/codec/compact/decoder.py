@@ -25,7 +25,7 @@ import torch
 import zstandard
 
 from ...bits import INT_DTYPE
-from ..decoding import Chunk, Fetch, Item, Pieces, StagingHost, ctx_of, piece_list
+from ..decoding import Chunk, Fetch, Item, Pieces, Runs, StagingHost, ctx_of, piece_list
 from .frames import Frame, FrameOrder, decode_frames, decompress_frame, parse_frames
 
 _TLS = threading.local()
@@ -68,7 +68,7 @@ class _Plan:
                 self.jobs.append(_FrameJob(k, offset, f, elem, ge_at, de_at))
                 offset, elem = offset + f.nbytes, elem + f.elems
                 ge_at, de_at = ge_at + f.gap_escapes, de_at + f.diff_escapes
-        self.total = elem
+        self.total = self.elements = elem
         self.planes_t = host.buffer(3 * self.total, torch.uint8)
         self.ge_t = host.buffer(ge_at, torch.int64)
         self.de_t = host.buffer(de_at, INT_DTYPE[width])
@@ -157,7 +157,7 @@ class _Plan:
                 runs[-1] = (t, runs[-1][1] + job.frame.elems)
             else:
                 runs.append((t, job.frame.elems))
-        return Chunk(t_idx=t_idx, p=p, diffs=d, values=None, runs=runs)
+        return Chunk(t_idx=t_idx, p=p, diffs=d, values=None, runs=Runs.of(runs))
 
 
 def _dctx() -> zstandard.ZstdDecompressor:

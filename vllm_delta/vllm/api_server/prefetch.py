@@ -36,6 +36,7 @@ class Prefetched:
             stage_ms=self.staged.stage_ms,
             nnz=self.plan.nnz,
             bytes=self.plan.bytes,
+            decoded_per_rank=[s.decoded for s in self.staged.summaries],
         )
 
 

@@ -283,6 +283,7 @@ def update_result(
         prefetched=prefetched,
         elements_written=sum(s.nnz for s in summaries),
         staged_bytes=sum(s.bytes for s in summaries),
+        decoded_per_rank=[s.decoded for s in summaries],
         timings=summaries[0].timings,
         inflight=applied.inflight.answer() if applied.inflight is not None else None,
     )

@@ -91,6 +91,7 @@ class StageSummary:
     bytes: int  # staged device bytes
     stage_ms: float
     timings: dict[str, float] = field(default_factory=dict)  # ms per staging phase
+    decoded: int = 0  # changed elements this rank decoded (the chunks holding its rows: its share)
     # The rank in its world (the ranks that together hold one copy of the weights: two_phase.worlds).
     rank: int = 0
     world_size: int = 1

@@ -28,6 +28,7 @@ class FallbackStage:
 
     changes: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     partials: dict[str, int] = field(default_factory=dict)
+    decoded: int = 0  # changed elements decoded (every piece of the fallback tensors, whole)
 
     @property
     def nnz(self) -> int:
@@ -56,7 +57,8 @@ class FallbackApplier:
     def stage(self, files: list[VersionLike]) -> FallbackStage:
         out = FallbackStage()
         for name in self.reasons:
-            image = self._image(name, files)
+            image, decoded = self._image(name, files)
+            out.decoded += decoded
             if image is None:
                 continue
             old = int_view(self.shadows[name]).reshape(-1)
@@ -70,9 +72,9 @@ class FallbackApplier:
             )
         return out
 
-    def _image(self, name: str, files: list[VersionLike]) -> torch.Tensor | None:
-        """The tensor after `files` (in order), or None if they leave it unchanged."""
-        image = None
+    def _image(self, name: str, files: list[VersionLike]) -> tuple[torch.Tensor | None, int]:
+        """(the tensor after `files` (in order), or None if they leave it unchanged; changed elements decoded)."""
+        image, decoded = None, 0
         for vf in files:
             h = vf.header
             e = h.tensors.get(name)
@@ -106,7 +108,8 @@ class FallbackApplier:
                 )
                 codecs.check_piece(changes.positions, piece.start, piece.stop, ctx)
                 flat[changes.positions] = changes.new_bits(flat[changes.positions])
-        return image
+                decoded += piece.nnz
+        return image, decoded
 
     def write(self, staged: FallbackStage) -> None:
         self._patch(staged, new=True)

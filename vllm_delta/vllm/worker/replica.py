@@ -324,6 +324,7 @@ class DeltaReplica:
             bytes=t.staged.bytes,
             stage_ms=t.stage_ms,
             timings=dict(t.staged.timings),
+            decoded=t.staged.decoded + t.fallback.decoded,
             rank=self.rank,
             world_size=self.world_size,
         )
