@@ -1,4 +1,4 @@
-"""The engine-core side of in-flight updates (engine_core/reserved.py) on real vLLM scheduler objects, in this
+"""The engine-core side of in-flight updates (engine_core/calls.py) on real vLLM scheduler objects, in this
 process: no engine runs. A real `Scheduler` (KVCacheManager, BlockPool, Requests with block hashes)
 is built from the tiny Llama's config; the workers are a fake executor that scripts each rank's reply.
 
@@ -358,7 +358,7 @@ def test_prompt_provenance_of_a_recomputed_prompt(vllm_objects):
     core = make_core(vllm_objects)
     req = running(core, vllm_objects, "cmpl-a-0", PROMPT)
     assert prompt_spans(core, "cmpl-a-0") == [("3", 0, 40)]
-    assert "error" not in enginecore.commit_between_steps(core, ticket="t", version=4, mode="keep")
+    assert "error" not in enginecore.write_between_steps(core, ticket="t", version=4, mode="keep")
     assert core.scheduler.reset_prefix_cache(reset_running_requests=True)
     assert req.num_computed_tokens == 0
     core.scheduler.schedule()

@@ -23,8 +23,8 @@ import pytest
 
 from vllm_delta.server_api import RETURN_WEIGHT_VERSIONS, from_wire, is_engine_paused, to_wire
 from vllm_delta.vllm.api_server.spans import AttributionMiddleware, SpanPolicy, SpanStore, wrap_generate
+from vllm_delta.vllm.engine_core import calls as enginecore
 from vllm_delta.vllm.engine_core import provenance
-from vllm_delta.vllm.engine_core import reserved as enginecore
 from vllm_delta.vllm.shared.messages import PromptVersions
 
 pytestmark = [pytest.mark.vllm, pytest.mark.vllm_objects]
@@ -101,7 +101,7 @@ def provenance_across_a_commit(engine) -> PromptVersions:
     core.scheduler.add_request(req)
     core.scheduler.schedule()
     core.scheduler.schedule()
-    reply = enginecore.commit_between_steps(core, ticket="t", version=4, mode="inflight")
+    reply = enginecore.write_between_steps(core, ticket="t", version=4, mode="inflight")
     assert "error" not in reply, reply
     core.scheduler.schedule()
     assert req.num_computed_tokens == len(PROMPT)

@@ -43,7 +43,7 @@ def test_register_installs_every_hook():
     from vllm.v1.worker.gpu_worker import Worker
 
     from vllm_delta.vllm import plugin
-    from vllm_delta.vllm.engine_core import provenance, reserved
+    from vllm_delta.vllm.engine_core import calls, provenance
     from vllm_delta.vllm.shared import rpc
 
     plugin.register()
@@ -57,7 +57,7 @@ def test_register_installs_every_hook():
         (BlockPool, "cache_full_blocks"),
         (BlockPool, "cache_partial_block"),
     ):
-        assert getattr(getattr(cls, attr), reserved.PATCHED_ATTR, False), (cls, attr)
+        assert getattr(getattr(cls, attr), calls.PATCHED_ATTR, False), (cls, attr)
     assert getattr(Scheduler.schedule, provenance.PATCHED_ATTR, False)
     assert getattr(EngineCore.set_weight_version, provenance.PATCHED_ATTR, False)
     assert getattr(KVCacheManager.get_computed_blocks, provenance.PATCHED_ATTR, False)

@@ -182,8 +182,9 @@ async def write_through_engine_core(api: ApiProcess, staged: Staged, options: Wr
     """Write a staged, verified update on every rank of every engine core: one engine-core call per engine
     (rpc.WRITE_ALL), inside a pause (mode keep | wait | abort: every engine paused), or between two engine
     steps with no pause (mode "inflight"; InflightRefusedError, 409, where an engine cannot take it
-    safely). An engine with EPLB refuses in every mode (EplbRefusedError, 409: shared/eplb.py). A rank that fails rolls back every rank of its engine, and then every other engine is
-    rolled back too (rpc.ROLLBACK_ALL; CommitFailedError, 500): nothing has changed anywhere then."""
+    safely). An engine with EPLB refuses in every mode (EplbRefusedError, 409: shared/eplb.py). A rank
+    that fails rolls back every rank of its engine, and then every other engine is rolled back too
+    (rpc.ROLLBACK_ALL; CommitFailedError, 500): nothing has changed anywhere then."""
     api.deadline.clear()  # the pause is not cut short: the writes and a rollback run to the end
     update = staged.update
     args = rpc.WriteAllArgs(update.ticket, update.target, update.method, options.fault, options.mode)
