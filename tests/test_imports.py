@@ -14,6 +14,10 @@ import ast
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.vllm_objects  # make check-vllm-next runs them against the newest vLLM
+
 PACKAGE = "vllm_delta"
 ROOT = Path(__file__).resolve().parent.parent / PACKAGE
 

@@ -13,6 +13,8 @@ import pytest
 
 import vllm_delta
 
+pytestmark = pytest.mark.vllm_objects  # make check-vllm-next runs them against the newest vLLM
+
 # What each name must do when called in a fresh interpreter. `root` is a temporary directory.
 USES = {
     "Publisher": """

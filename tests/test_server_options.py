@@ -17,6 +17,7 @@ from vllm_delta.vllm.shared.options import (
     StoreSpec,
     options_table,
     server_options,
+    weight_versions_policy,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -57,12 +58,12 @@ def test_each_key_is_spelled_once_in_the_server_package():
                         spelled[key].append(f"{path.relative_to(ROOT)}:{node.lineno}")
     options = "vllm_delta/vllm/shared/options.py"
     assert {k: len(v) for k, v in spelled.items() if len(v) != 1 or not v[0].startswith(options)} == {}, spelled
-    assert len(LOADER_KEYS) == len(set(LOADER_KEYS)) == 18
+    assert len(LOADER_KEYS) == len(set(LOADER_KEYS)) == 19
 
 
 def test_defaults_and_a_full_config():
     assert FollowOptions() == FollowOptions(False, 2.0, "keep", 64, False, 10.0, None)
-    assert ServiceOptions() == ServiceOptions(5.0, 0.0)
+    assert ServiceOptions() == ServiceOptions(5.0, 0.0, "requested")
     spec = StoreSpec("/s")
     assert (spec.storage_options, spec.timeout_s, spec.update_timeout_s, spec.cache_max_bytes) == (
         {},
@@ -83,13 +84,14 @@ def test_defaults_and_a_full_config():
             "delta_fallback": ["w"],
             "delta_min_version_wait_s": 0,
             "delta_audit_s": 600,
+            "delta_weight_versions": "always",
             "delta_poll_s": None,  # null: the default
         }
     )
     assert opts.store == StoreSpec("s3://b/run", {"anon": True}, "/c", 5.0, 30.0, 1_000_000_000)
     assert isinstance(opts.store.cache_max_bytes, int)
     assert (opts.version, opts.validate, opts.fallback) == (7, False, ("w",))
-    assert opts.service == ServiceOptions(0.0, 600.0) and opts.follow == FollowOptions()
+    assert opts.service == ServiceOptions(0.0, 600.0, "always") and opts.follow == FollowOptions()
 
 
 BAD = {
@@ -111,6 +113,7 @@ BAD = {
     "delta_replica_id": "../etc",
     "delta_min_version_wait_s": 3601,
     "delta_audit_s": True,
+    "delta_weight_versions": "sometimes",
 }
 
 
@@ -126,6 +129,8 @@ def test_every_bad_value_is_an_error_naming_its_key():
         FollowOptions(poll_s=0)
     with pytest.raises(ValueError, match="delta_audit_s"):
         ServiceOptions(audit_s=-1)
+    with pytest.raises(ValueError, match="delta_weight_versions"):
+        ServiceOptions(weight_versions="never")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="delta_update_timeout_s"):
         StoreSpec("/s", update_timeout_s=0)
 
@@ -141,6 +146,7 @@ def test_the_environment_path(monkeypatch):
         "VLLM_DELTA_CACHE_MAX_BYTES",
         "VLLM_DELTA_MIN_VERSION_WAIT_S",
         "VLLM_DELTA_AUDIT_S",
+        "VLLM_DELTA_WEIGHT_VERSIONS",
     }
     for name in env:
         monkeypatch.delenv(name, raising=False)
@@ -156,3 +162,21 @@ def test_the_environment_path(monkeypatch):
     monkeypatch.setenv("VLLM_DELTA_UPDATE_TIMEOUT_S", "0")
     with pytest.raises(ValueError, match="delta_update_timeout_s"):
         server_options("auto", {})
+
+
+def test_the_spans_policy_with_and_without_a_store(monkeypatch):
+    """`delta_weight_versions` from the server's options; without a store, VLLM_DELTA_WEIGHT_VERSIONS alone
+    (a server with the plugin and no store still attributes its completions)."""
+    for opt in declared(LoaderOptions):
+        monkeypatch.delenv(opt.env_name, raising=False)
+    assert weight_versions_policy(None) == "requested"
+    monkeypatch.setenv("VLLM_DELTA_WEIGHT_VERSIONS", "always")
+    assert weight_versions_policy(None) == "always"
+    options = server_options("delta", {"delta_store": "/s"})
+    assert options is not None and weight_versions_policy(options) == "requested"  # the extra config wins
+    monkeypatch.setenv("VLLM_DELTA_STORE", "/data/run")
+    options = server_options("auto", {})
+    assert options is not None and weight_versions_policy(options) == "always"  # read with the store's
+    monkeypatch.setenv("VLLM_DELTA_WEIGHT_VERSIONS", "sometimes")
+    with pytest.raises(ValueError, match="delta_weight_versions"):
+        weight_versions_policy(None)

@@ -1,24 +1,34 @@
 """Which policy versions produced a completion: the client side of `choices[i].weight_versions`.
 
-A vLLM server with the vllm-delta plugin adds to every finished choice of /v1/completions and
-/v1/chat/completions (the non-streaming body, and the streamed chunk that carries `finish_reason`):
+A request to /v1/completions or /v1/chat/completions that sets `"return_weight_versions": true`
+(vLLM 0.33's flag; `request_weight_versions(body)` sets it) gets, on every finished choice (the
+non-streaming body, and the streamed chunk that carries `finish_reason`), vLLM's spans:
 
-    "weight_versions": [[7, 0, 25], [8, 25, 120]]
+    "weight_versions": [{"version": "7", "start": 0, "end": 25}, {"version": "8", "start": 25, "end": 120}]
 
-spans of [version, start, end): output tokens start..end-1 were sampled from logits computed with the
-weights of that version. Versions are store version numbers (ints); a label that is not one (vLLM's
-"default" before any version is known, or a label set through vLLM's own RL API) stays a string.
-The same spans are kept by the server for a while under GET /v1/delta/timeline?id=<response id>.
+output tokens start..end-1 were sampled from logits computed with the weights labelled `version`
+(vLLM 0.33 writes them itself; a vllm-delta server writes the same objects on vLLM 0.32, and keeps them
+exact across its in-flight updates). A vllm-delta server adds the prompt's provenance beside them,
+in SGLang's sense and the same objects:
 
-    from vllm_delta.attribution import attribution_of
+    "prefill_weight_versions": [{"version": "7", "start": 0, "end": 128}, {"version": "8", "start": 128, "end": 150}]
+
+the KV of prompt positions start..end-1 was computed with those weights (a prefix-cache hit keeps
+the version that computed the cached blocks). Older vllm-delta servers sent `[[7, 0, 25], ...]`
+lists unasked: both forms are read. Versions parse to store version numbers (ints); a label that is
+not one ("default" before any version is known, a label set through vLLM's own RL API) stays a string.
+The output spans are kept by the server for a while under GET /v1/delta/timeline?id=<response id>.
+
+    from vllm_delta.attribution import attribution_of, prompt_attribution_of
     a = attribution_of(response["choices"][0])
     a.first_version, a.last_version      # 7, 8
     a.switches                           # [25]: token 25 was the first one sampled on version 8
     a.version_at(30)                     # 8
+    prompt_attribution_of(response["choices"][0]).versions   # [7, 8]
 
 With in-flight updates (`"mode": "inflight"`), tokens after a switch attend to KV that earlier
-versions computed (the prompt's and the earlier tokens'): the spans say which weights produced each
-token's logits, not which weights produced every key and value it attended to.
+versions computed (the prompt's and the earlier tokens'): `weight_versions` says which weights produced
+each token's logits, `prefill_weight_versions` which produced the prompt's keys and values.
 
 This module needs no vLLM (a trainer imports it).
 """
@@ -32,6 +42,15 @@ from typing import Any, NamedTuple
 from . import wire
 
 Version = int | str
+
+RETURN_WEIGHT_VERSIONS = "return_weight_versions"  # the request flag (vLLM 0.33's)
+WEIGHT_VERSIONS = "weight_versions"  # choices[i]: output-token spans (vLLM's key)
+PREFILL_WEIGHT_VERSIONS = "prefill_weight_versions"  # choices[i]: prompt-position spans (SGLang's key)
+
+
+def request_weight_versions(body: dict[str, Any]) -> dict[str, Any]:
+    """A completion or chat request body that asks for the spans (a copy; the body is not changed)."""
+    return {**body, RETURN_WEIGHT_VERSIONS: True}
 
 
 def version_label(version: int | None) -> str:
@@ -47,12 +66,16 @@ def parse_label(label: str | int) -> Version:
 
 
 class Span(NamedTuple):
-    """Output tokens [start, end) were sampled on `version`. On the wire (wire.py) the array
-    `[version, start, end]`; `{"version", "start", "end"}` is read too (vLLM 0.33's own form)."""
+    """Output tokens [start, end) were sampled on `version`. `to_json` writes vLLM's object; read from
+    that object or from the `[version, start, end]` array of older servers (wire.py's NamedTuple form)."""
 
     version: Version
     start: int
     end: int
+
+    def to_json(self) -> dict[str, Any]:
+        """vLLM's schema: {"version": label (a string), "start", "end"}."""
+        return {"version": str(self.version), "start": self.start, "end": self.end}
 
 
 @dataclass(frozen=True)
@@ -106,16 +129,15 @@ class Attribution:
         """One version per output token (e.g. to pick the behaviour policy per token)."""
         return [s.version for s in self.spans for _ in range(s.start, s.end)]
 
-    def to_json(self) -> list[list[Any]]:
-        """The spans as the server sends them: `[[version, start, end], ...]`."""
-        plain: list[list[Any]] = wire.encode(self.spans)
-        return plain
+    def to_json(self) -> list[dict[str, Any]]:
+        """The spans in vLLM's schema: `[{"version": "7", "start": 0, "end": 25}, ...]`."""
+        return [s.to_json() for s in self.spans]
 
 
 def parse_spans(raw: Iterable[Sequence[Any] | Mapping[str, Any]]) -> Attribution:
-    """Spans as the server sends them ([version, start, end] lists; {"version", "start", "end"}
-    mappings are accepted too). Raises ValueError if one is malformed or they do not tile the tokens
-    from 0 in order."""
+    """Spans as servers send them: vLLM's {"version", "start", "end"} objects, or the [version, start,
+    end] lists of older vllm-delta servers. Raises ValueError if one is malformed or they do not tile
+    the tokens from 0 in order."""
     try:
         spans = [wire.decode(Span, item) for item in raw]
     except TypeError as exc:
@@ -124,17 +146,37 @@ def parse_spans(raw: Iterable[Sequence[Any] | Mapping[str, Any]]) -> Attribution
     expected = 0
     for s in spans:
         if s.start != expected or s.end < s.start:
-            raise ValueError(f"weight_versions spans do not tile the output tokens: {wire.encode(spans)}")
+            raise ValueError(f"weight_versions spans do not tile the output tokens: {[s.to_json() for s in spans]}")
         expected = s.end
     return Attribution(tuple(spans))
 
 
 def attribution_of(choice: Mapping[str, Any]) -> Attribution | None:
-    """The attribution of one response choice (a dict of `response["choices"]`, or the streamed choice
-    that carried `finish_reason`); None when the server sent none (not a vllm-delta server, beam search,
-    or the choice has not finished)."""
-    raw = choice.get("weight_versions")
+    """The attribution of one response choice's output tokens (a dict of `response["choices"]`, or the
+    streamed choice that carried `finish_reason`); None when the server sent none (the request did not
+    ask, a server without spans, beam search, or the choice has not finished)."""
+    raw = choice.get(WEIGHT_VERSIONS)
     return None if raw is None else parse_spans(raw)
 
 
-__all__ = ["Attribution", "Span", "Version", "attribution_of", "parse_label", "parse_spans", "version_label"]
+def prompt_attribution_of(choice: Mapping[str, Any]) -> Attribution | None:
+    """Which versions computed the KV of the choice's prompt positions (`prefill_weight_versions`);
+    None when the server sent none."""
+    raw = choice.get(PREFILL_WEIGHT_VERSIONS)
+    return None if raw is None else parse_spans(raw)
+
+
+__all__ = [
+    "PREFILL_WEIGHT_VERSIONS",
+    "RETURN_WEIGHT_VERSIONS",
+    "WEIGHT_VERSIONS",
+    "Attribution",
+    "Span",
+    "Version",
+    "attribution_of",
+    "parse_label",
+    "parse_spans",
+    "prompt_attribution_of",
+    "request_weight_versions",
+    "version_label",
+]

@@ -99,6 +99,13 @@ class InflightRefusedError(DeltaError):
     http_status = 409
 
 
+class EplbRefusedError(DeltaError):
+    """The server runs with expert-parallel load balancing (`--enable-eplb`): vLLM moves expert weights
+    between physical slots at run time, the plugin's layout is probed once, so no update is taken."""
+
+    http_status = 409
+
+
 class StalenessTimeoutError(DeltaError):
     """`Publisher(max_staleness=K, min_replicas=R)`: too few replicas caught up in time."""
 

@@ -21,16 +21,20 @@ from dataclasses import dataclass, fields
 from typing import Any, Literal, TypeVar, get_args
 
 from . import wire
+from .attribution import PREFILL_WEIGHT_VERSIONS as PREFILL_WEIGHT_VERSIONS
+from .attribution import RETURN_WEIGHT_VERSIONS as RETURN_WEIGHT_VERSIONS
+from .attribution import WEIGHT_VERSIONS as WEIGHT_VERSIONS
 from .errors import BadRequestError, short
 from .wire import Millis, omit_none
 
 PauseMode = Literal["keep", "wait", "abort"]  # vLLM's pause modes
-UpdateMode = Literal["keep", "wait", "abort", "inflight"]  # "inflight": no pause (engine_core/reserved.py)
+UpdateMode = Literal["keep", "wait", "abort", "inflight"]  # "inflight": no pause (engine_core/calls.py)
 Method = Literal["delta", "vllm"]  # our scatter | vLLM's load_checkpoint_weight_patches (vllm_path.py)
 Operation = Literal["update", "stage"]
 # Why the label changed; "rollback": an engine's writes undone because another engine failed (data parallelism)
 LabelCause = Literal["keep", "wait", "abort", "inflight", "startup", "pause", "rollback"]
-VerifyTrigger = Literal["startup", "request", "audit"]  # what recomputed the live checksum
+# What recomputed the live checksum; "outside": one of vLLM's own routes wrote the weights (a reset)
+VerifyTrigger = Literal["startup", "request", "audit", "outside"]
 
 UPDATE_MODES: tuple[UpdateMode, ...] = get_args(UpdateMode)
 PAUSE_MODES: tuple[PauseMode, ...] = get_args(PauseMode)
@@ -401,6 +405,43 @@ class Readiness:
     reason: str | None = omit_none()  # why not ready
 
 
+# -- attribution on vLLM's OpenAI routes (api_server/spans.py; clients: vllm_delta.attribution, which
+# names the request flag and the two keys: RETURN_WEIGHT_VERSIONS, WEIGHT_VERSIONS, PREFILL_WEIGHT_VERSIONS)
+# Where a prompt position's KV came from outside this engine's own steps (none today: a KV connector
+# turns prompt provenance off), its label.
+UNKNOWN_LABEL = "unknown"
+
+# vLLM 0.33 refuses new generation requests while paused in mode wait or abort (0.32 queued them): the
+# engine core finishes them with RequestError(code="engine_paused", "Generation is paused. Please retry
+# after it resumes.", retryable), which the server answers as a RetryableRequestError: HTTP 503
+# {"error": {"message", "type": "ServiceUnavailableError", "code": 503}}, or that error as an event of
+# a stream. The word "engine_paused" itself stays inside vLLM, so the message tells it.
+ENGINE_PAUSED = "engine_paused"
+PAUSED_MESSAGE = "generation is paused"
+
+
+def is_engine_paused(status: Any, body: Any) -> bool:
+    """Whether an answer is vLLM's retryable "generation is paused" refusal: `status` is the HTTP status
+    (or a streamed error event's `code`), `body` the JSON answer or event."""
+    if status != 503 or not isinstance(body, dict):
+        return False
+    error = body.get("error")
+    if not isinstance(error, dict):
+        return False
+    return ENGINE_PAUSED in str(error.get("code")) or PAUSED_MESSAGE in str(error.get("message", "")).lower()
+
+
+@dataclass(frozen=True)
+class WeightSpan:
+    """vLLM's `WeightVersionSpan` as JSON (SGLang's spans have the same fields): tokens [start, end)
+    ran on the weights labelled `version` (a store version number as a string, e.g. "7"; "default"
+    before any)."""
+
+    version: str
+    start: int
+    end: int
+
+
 # -- GET /v1/delta/timeline (also the engine core's reply to rpc.ENGINE_TIMELINE) -------------------
 @dataclass(frozen=True, kw_only=True)
 class HistoryEntry:
@@ -424,10 +465,10 @@ class HistoryEntry:
 
 @dataclass(frozen=True)
 class ChoiceSpans:
-    """The spans of one choice of a response: [[version, start, end], ...] (api_server attribution)."""
+    """The output-token spans of one choice of a response, in vLLM's schema (api_server/spans.py)."""
 
     index: int
-    weight_versions: list[list[Any]]
+    weight_versions: list[WeightSpan]
 
 
 @dataclass(frozen=True, kw_only=True)

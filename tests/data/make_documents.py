@@ -29,7 +29,7 @@ import torch
 from safetensors import safe_open
 from test_parts import commit, write_parts  # tests/test_parts.py: multi-part versions without a process group
 
-from vllm_delta import Publisher
+from vllm_delta import Publisher, wire
 from vllm_delta.attribution import parse_spans
 from vllm_delta.mirror import Mirror, MirrorOptions
 from vllm_delta.mirror.lease import Lease
@@ -121,7 +121,7 @@ def main(out: str) -> None:
                     fh.write(text)
     spans = [[7, 0, 25], [8, 25, 30], ["default", 30, 32]]
     with open(os.path.join(out, "attribution.json"), "w") as f:
-        f.write(json.dumps(parse_spans(spans).to_json()))
+        f.write(json.dumps(wire.encode(list(parse_spans(spans).spans))))  # 5ffad64 wrote the arrays
 
 
 if __name__ == "__main__":

@@ -16,7 +16,13 @@ from typing import Any
 
 from vllm_helpers import LONG_PROMPT
 
-from vllm_delta.attribution import attribution_of, parse_label
+from vllm_delta.attribution import (
+    Attribution,
+    attribution_of,
+    parse_label,
+    prompt_attribution_of,
+    request_weight_versions,
+)
 from vllm_delta.testing.client import StreamedCompletion, StreamingClient, metric_total
 from vllm_delta.testing.server import VllmServer
 
@@ -24,19 +30,32 @@ PREEMPTIONS = "vllm:num_preemptions_total"
 
 
 def greedy(server: VllmServer, prompts, max_tokens: int = 16) -> list[dict[str, Any]]:
-    """Greedy completions: text, cached prompt tokens (--enable-prompt-tokens-details), spans."""
+    """Greedy completions: text, cached prompt tokens (--enable-prompt-tokens-details), output spans and
+    prompt spans (asked with `return_weight_versions`), both as [version, start, end] lists."""
     out = []
     for p in prompts:
         body = {"model": server.model, "prompt": p, "max_tokens": max_tokens, "temperature": 0.0}
-        r = server.post("/v1/completions", body, timeout=120)
+        r = server.post("/v1/completions", request_weight_versions(body), timeout=120)
         assert r.status_code == 200, r.text
         data = r.json()
         details = data["usage"].get("prompt_tokens_details") or {}
         choice = data["choices"][0]
+        output, prompt = attribution_of(choice), prompt_attribution_of(choice)
         out.append(
-            {"text": choice["text"], "cached": details.get("cached_tokens"), "spans": choice.get("weight_versions")}
+            {
+                "text": choice["text"],
+                "cached": details.get("cached_tokens"),
+                "prompt_tokens": data["usage"]["prompt_tokens"],
+                "spans": None if output is None else listed(output),
+                "prefill": None if prompt is None else listed(prompt),
+            }
         )
     return out
+
+
+def listed(attribution: Attribution) -> list[list[Any]]:
+    """Spans as [version, start, end] lists, store versions as ints (what expected_spans gives)."""
+    return [[s.version, s.start, s.end] for s in attribution.spans]
 
 
 def preemptions(server: VllmServer) -> float:
@@ -146,7 +165,7 @@ def check_attribution(report: LoadReport) -> int:
         if expected is None:
             assert len(attribution.spans) == 1 and attribution.first_version in live, req
         else:
-            assert req.weight_versions == expected, (req.id, req.weight_versions, expected)
+            assert listed(attribution) == expected, (req.id, req.weight_versions, expected)
             straddled += attribution.mixed
     return straddled
 

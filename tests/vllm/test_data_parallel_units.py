@@ -293,6 +293,39 @@ def test_an_inflight_refusal_on_one_engine_is_409_and_undoes_the_others(objs):
     assert ranks[1].calls == []  # refused before writing
 
 
+@pytest.mark.parametrize("mode", ["keep", "inflight"])
+def test_eplb_is_refused_by_every_engine_core(objs, mode):
+    """A server with EPLB (shared/eplb.py): every engine core refuses its WRITE_ALL before any rank is
+    called; where only one engine's config says so (the check is each engine's own), the others' writes
+    are undone and the refusal names that engine."""
+    import copy
+
+    from vllm_delta.errors import EplbRefusedError
+
+    def with_eplb(core):
+        core.vllm_config = copy.deepcopy(core.vllm_config)
+        core.vllm_config.parallel_config.enable_eplb = True
+
+    for n in (1, 2):  # one engine (no data parallelism) and two: the same 409
+        ranks = [WorkerRanks(2) for _ in range(n)]
+        cores = engines(objs, ranks)
+        for core in cores:
+            with_eplb(core)
+        with pytest.raises(EplbRefusedError, match="--enable-eplb"):
+            write(objs, cores, mode)
+        assert [w.calls for w in ranks] == [[]] * n and [w.held for w in ranks] == [[3, 3]] * n
+        assert [c._weight_version for c in cores] == ["3"] * n and [history(c) for c in cores] == [[]] * n
+
+    ranks = [WorkerRanks(2) for _ in range(3)]
+    cores = engines(objs, ranks)
+    with_eplb(cores[1])
+    with pytest.raises(EplbRefusedError, match="engine 1.*--enable-eplb"):
+        write(objs, cores, mode)
+    assert [w.held for w in ranks] == [[3, 3]] * 3 and [c._weight_version for c in cores] == ["3"] * 3
+    assert ranks[1].calls == []  # refused before writing
+    assert history(cores[0]) == history(cores[2]) == [(mode, "4"), ("rollback", "3")]
+
+
 def test_one_engine_answers_as_before(objs):
     ranks = [WorkerRanks(2, fail_write=[1])]
     cores = engines(objs, ranks)

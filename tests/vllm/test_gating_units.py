@@ -19,7 +19,7 @@ from vllm_delta.server_api import MAX_VERSION, min_version_of, to_wire, version_
 from vllm_delta.vllm.api_server.gating import HELD_HEADER, VersionGate, VersionGateMiddleware
 from vllm_delta.vllm.api_server.live import LiveChecksum
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.vllm_objects]  # objects only: make check-vllm-next runs them
 
 
 # -- parsing ---------------------------------------------------------------------------------------
@@ -379,7 +379,12 @@ def test_vllms_own_weight_routes_make_status_re_read_the_workers(tmp_path):
         await svc.startup()
         gate_app = App()
         marks = []
-        mw = PastThePluginMiddleware(gate_app, lambda scope: (marks.append(scope["path"]), svc.past_the_plugin()))
+
+        def mark(scope, reset):
+            marks.append((scope["path"], reset))
+            svc.past_the_plugin(weights_reset=reset)
+
+        mw = PastThePluginMiddleware(gate_app, mark)
         assert (await call(mw, b"{}", path="/v1/completions"))[0] == 200
         assert marks == []  # not one of vLLM's weight routes
         # vLLM's native RL API moves the workers to version 5 past the plugin.
@@ -387,13 +392,41 @@ def test_vllms_own_weight_routes_make_status_re_read_the_workers(tmp_path):
         engine.recorded = to_hex(combine(engine.sums.items()))
         engine.calls.clear()
         assert (await call(mw, b'{"update_info": {}}', path="/update_weights"))[0] == 200
-        assert marks == ["/update_weights"]
+        assert marks == [("/update_weights", False)]
         st = await svc.status()  # re-reads once, sees another version, recomputes the live sums
         assert (st.version, st.checksum) == (5, engine.recorded)
         assert svc.gate.served == 5
         engine.calls.clear()
         await svc.status()
         assert engine.calls == []  # and then answers from memory again
+        # vLLM's /update_weight_version relabels: marked (a re-read), the sums kept (nothing was written).
+        assert (await call(mw, b'{"new_version": "x"}', path="/update_weight_version"))[0] == 200
+        assert marks[-1] == ("/update_weight_version", False)
+        st = await svc.status()
+        assert engine.calls == ["delta_status"] and st.checksum == engine.recorded and st.verification.ok
+        # /weight_checker computing checksums writes nothing ...
+        engine.calls.clear()
+        assert (await call(mw, b'{"action": "checksum"}', path="/weight_checker", chunks=3))[0] == 200
+        assert marks[-1] == ("/weight_checker", False) and gate_app.bodies[-1] == b'{"action": "checksum"}'
+        await svc.status()
+        assert engine.calls == ["delta_status"]
+        # ... its reset zeroes the weights with the workers' record unchanged: the live sums are forgotten
+        # and the next status recomputes them, and says the weights are not the version's any more.
+        engine.sums = {"w": 0}
+        engine.calls.clear()
+        assert (await call(mw, b'{"action": "reset"}', path="/weight_checker", chunks=2))[0] == 200
+        assert marks[-1] == ("/weight_checker", True)
+        st = await svc.status()
+        assert engine.calls == ["delta_status", "delta_status"]  # the re-read, then the recomputation
+        assert st.version == 5 and st.version_checksum == engine.recorded
+        assert st.checksum == to_hex(combine([("w", 0)])) != engine.recorded
+        v = st.verification
+        assert v is not None and v.trigger == "outside" and not v.ok and v.mismatched == ["w"]
+        assert (await svc.status()).verification == v and engine.calls == ["delta_status", "delta_status"]  # once
+        # An update now stages against what the weights are (a re-anchor restores the version), not the record.
+        served, _ = await svc.ranks.read()
+        assert svc.checks.off_version_sums(served) == {"w": 0}
+        assert await svc._staged_against(served) == {"w": 0}
         await svc.stop()
 
     asyncio.run(scenario())

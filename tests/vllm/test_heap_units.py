@@ -8,9 +8,13 @@ import linecache
 import os
 import tracemalloc
 
+import pytest
+
 import vllm_delta
 from vllm_delta.vllm.api_server import spans
 from vllm_delta.vllm.shared import heap
+
+pytestmark = pytest.mark.vllm_objects  # objects only: make check-vllm-next runs them
 
 
 def _line_of(path: str, text: str) -> int:
@@ -22,7 +26,7 @@ def test_a_block_allocated_below_a_pass_through_line_is_vllms():
     marked = heap._marked_lines(os.path.dirname(vllm_delta.__file__))
     middleware = inspect.getsourcefile(spans.AttributionMiddleware)
     assert middleware is not None
-    call = _line_of(middleware, "await self.app(scope, receive, send_wrapper)")
+    call = _line_of(middleware, "await self.app(scope, receiving, send_wrapper)")
     record = _line_of(middleware, "store.record(out.request_id")
     assert (middleware, call) in marked and (middleware, record) not in marked
     vllm_frame = ("/site-packages/vllm/entrypoints/openai/serving.py", 10)

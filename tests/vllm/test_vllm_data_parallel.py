@@ -8,7 +8,9 @@ its store in mode "inflight"):
   `?verify=true` answer per engine (each engine's live checksum recomputed: the trainer's);
   `/v1/delta/ready` is 200, and 503 for a version no engine has;
 * a completion routed to either engine (vLLM's `X-data-parallel-rank` header; separate prefix caches
-  prove the routing) carries that engine's version in `weight_versions`;
+  prove the routing), asking with `return_weight_versions`, carries that engine's version in
+  `weight_versions` and its prompt's provenance in `prefill_weight_versions` (vLLM's span objects;
+  the prompt spans are asked of every engine, each answers for the requests it ran);
 * pushes: every version (a re-anchor back to 0, then 1..6) reaches both engines, checked by each
   engine's recomputed live checksum and by greedy outputs equal on both engines;
 * one engine failing: a staging fault on engine 1 writes nothing anywhere; a write fault on engine 1
@@ -30,10 +32,10 @@ import time
 import pytest
 import requests
 from craft import publish_delta
-from inflight_helpers import expected_spans
+from inflight_helpers import expected_spans, listed
 from vllm_helpers import LONG_PROMPT, private_store
 
-from vllm_delta.attribution import attribution_of
+from vllm_delta.attribution import attribution_of, request_weight_versions
 from vllm_delta.store import DeltaStore
 from vllm_delta.testing.client import StreamingClient
 from vllm_delta.testing.models import PROMPTS
@@ -69,13 +71,31 @@ def server(llama_run, store):
 
 
 def complete(server, prompt, engine: int, max_tokens: int = 16) -> dict:
+    """A greedy completion on one engine, asking for its spans (`return_weight_versions`): the output's and
+    the prompt's (`prefill_weight_versions`), as vLLM's span objects."""
     body = {"model": server.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
-    r = requests.post(server.base_url + "/v1/completions", json=body, headers={RANK_HEADER: str(engine)}, timeout=120)
+    r = requests.post(
+        server.base_url + "/v1/completions",
+        json=request_weight_versions(body),
+        headers={RANK_HEADER: str(engine)},
+        timeout=120,
+    )
     assert r.status_code == 200, r.text
     data = r.json()
     choice = data["choices"][0]
     cached = (data["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
-    return {"text": choice["text"], "spans": choice.get("weight_versions"), "cached": cached}
+    return {
+        "text": choice["text"],
+        "spans": choice.get("weight_versions"),
+        "prefill": choice.get("prefill_weight_versions"),
+        "prompt_tokens": data["usage"]["prompt_tokens"],
+        "cached": cached,
+    }
+
+
+def spans(version, *bounds) -> list[dict]:
+    """vLLM's span objects: spans(6, 0, 16) == [{"version": "6", "start": 0, "end": 16}]."""
+    return [{"version": str(version), "start": a, "end": b} for a, b in zip(bounds, bounds[1:])]
 
 
 def greedy_on_each_engine(server, prompts=PROMPTS[:2]) -> list[list[str]]:
@@ -120,10 +140,14 @@ def test_dp_follow_mode_takes_every_engine_to_the_newest_version(server, llama_r
 
 def test_dp_completions_on_each_engine_carry_its_version(server):
     first = complete(server, LONG_PROMPT, 0)
-    assert first["spans"] == [[6, 0, 16]]
-    assert complete(server, LONG_PROMPT, 0)["cached"] == 128  # engine 0 cached the prompt's first block
+    assert first["spans"] == spans(6, 0, 16)
+    n = first["prompt_tokens"]
+    assert first["prefill"] == spans(6, 0, n)  # the prompt's KV: computed at version 6 (asked of every engine)
+    again = complete(server, LONG_PROMPT, 0)
+    assert again["cached"] == 128 and again["prefill"] == spans(6, 0, n)  # a hit on engine 0's blocks of 6
     other = complete(server, LONG_PROMPT, 1)
-    assert other["cached"] == 0 and other["spans"] == [[6, 0, 16]]  # engine 1: its own cache, same version
+    assert other["cached"] == 0 and other["spans"] == spans(6, 0, 16)  # engine 1: its own cache, same version
+    assert other["prefill"] == spans(6, 0, n)  # engine 1's own provenance, found through every engine's
     assert other["text"] == first["text"]
 
 
@@ -209,7 +233,7 @@ def check_spans(server, clients) -> int:
             assert attribution.num_tokens == len(req.tokens), req
             expected = expected_spans(f"{req.id}-0", len(req.tokens), histories[engine])
             if expected is not None:
-                assert req.weight_versions == expected, (engine, req.id, req.weight_versions, expected)
+                assert listed(attribution) == expected, (engine, req.id, req.weight_versions, expected)
                 straddled += attribution.mixed
     return straddled
 
@@ -261,7 +285,7 @@ def test_dp_inflight_updates_while_both_engines_stream(server, store):
     assert server.get("/v1/delta/ready?min_version=8").status_code == 200
     texts = greedy_on_each_engine(server)
     assert texts[0] == texts[1]
-    assert [complete(server, PROMPTS[0], e)["spans"] for e in range(ENGINES)] == [[[8, 0, 16]]] * ENGINES
+    assert [complete(server, PROMPTS[0], e)["spans"] for e in range(ENGINES)] == [spans(8, 0, 16)] * ENGINES
 
 
 def test_dp_a_weight_changed_on_one_engine_is_named(server, store):

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import pytest
 import requests
 
-from vllm_delta.attribution import attribution_of
+from vllm_delta.attribution import RETURN_WEIGHT_VERSIONS, attribution_of
 from vllm_delta.testing.models import PROMPTS, TinyModelSpec
 from vllm_delta.testing.runs import LiveRun
 from vllm_delta.testing.s3 import S3Server
@@ -134,6 +134,7 @@ def generate(
         "temperature": 0.0,
         "ignore_eos": True,
         "stream": stream,
+        RETURN_WEIGHT_VERSIONS: True,
     }
     if chat:
         body["messages"] = [{"role": "user", "content": PROMPTS[1]}]
@@ -321,7 +322,7 @@ def test_a_downgrade_under_a_running_bounded_request_is_refused(box):
     assert answer.status_code == 409, answer.text
     assert answer.json()["error"]["type"] == "VersionBoundConflictError" and "running request" in answer.text
     assert spans is not None and attribution_of({"weight_versions": spans}).versions == [served]
-    assert spans[-1][2] == 480  # it ran to its end
+    assert spans[-1]["end"] == 480  # it ran to its end (vLLM's span objects)
     st = serving(srv, run, served)
     assert st["last_failure"]["type"] == "VersionBoundConflictError" and st["last_failure"]["status"] == 409
 
@@ -337,6 +338,7 @@ def _rollback_under_a_bounded_request(srv: VllmServer, served: int) -> tuple[req
         "ignore_eos": True,
         "stream": True,
         "min_weight_version": served,
+        RETURN_WEIGHT_VERSIONS: True,
     }
     answer = None
     spans = None

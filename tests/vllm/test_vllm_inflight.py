@@ -2,14 +2,18 @@
 of test_vllm_server.py), driven over HTTP. Tests run in file order against the same server:
 
 * the weight-version label is the served version from start-up on; completions (plain and chat,
-  streamed and not) carry `choices[i].weight_versions`;
+  streamed and not) that ask (`return_weight_versions`) carry `choices[i].weight_versions` and
+  `prefill_weight_versions` in vLLM's span objects, which vLLM 0.33's own response models accept where
+  that vLLM is installed (tests/vllm_next); those that don't are vLLM's own bytes;
 * 12 in-flight updates (deltas, a newer anchor, a re-anchor back, the `vllm` write method) while 4
   clients stream: nothing fails or is preempted, the live checksum equals the trainer's after each,
   greedy completions started right after each update equal those of a fresh engine at that version
   (`llama_fresh`, one of them a prompt whose first KV block was cached before the update), and every
   streamed completion's spans equal what the engine's update timeline implies;
-* the prefix cache: blocks cached before an update never serve a new request, blocks a running
-  request completes after it (mixed KV) are never inserted, blocks computed after it are;
+* the prefix cache: blocks cached before an update never serve a new request (their prompt
+  provenance says the new version: recomputed), blocks a running request completes after it (mixed
+  KV) are never inserted, blocks computed after it are; the running request's prompt keeps the
+  version that computed it;
 * a failed in-flight commit rolls back, changes no label and keeps the prefix cache.
 """
 
@@ -21,7 +25,7 @@ import pytest
 from inflight_helpers import check_attribution, greedy, preemptions, updates_under_load
 from vllm_helpers import FRESH_PROMPTS, LONG_PROMPT, private_store
 
-from vllm_delta.attribution import attribution_of
+from vllm_delta.attribution import attribution_of, request_weight_versions
 from vllm_delta.testing.client import StreamingClient
 from vllm_delta.testing.models import PROMPTS
 from vllm_delta.testing.server import VllmServer
@@ -60,38 +64,54 @@ def engine_prefix_state(server) -> dict:
     return r.json()["results"][0]
 
 
+def spans(version, *bounds):
+    """vLLM's span objects: spans(0, 0, 5) == [{"version": "0", "start": 0, "end": 5}]."""
+    return [{"version": str(version), "start": a, "end": b} for a, b in zip(bounds, bounds[1:])]
+
+
 def test_outputs_carry_the_served_version_from_start_up(server):
     tl = server.get("/v1/delta/timeline").json()
     assert tl["label"] == "0" and tl["history"][0]["mode"] == "startup"
     body = {"model": server.model, "prompt": PROMPTS[0], "max_tokens": 5, "temperature": 0.0, "ignore_eos": True}
-    choice = server.post("/v1/completions", body).json()["choices"][0]
-    assert choice["weight_versions"] == [[0, 0, 5]]
-    # Two prompts, n=2: choice k is output k % 2 of prompt k // 2.
-    many = server.post("/v1/completions", {**body, "prompt": list(PROMPTS[:2]), "n": 2, "temperature": 1.0}).json()
+    asked = request_weight_versions(body)
+    r = server.post("/v1/completions", asked)
+    choice = r.json()["choices"][0]
+    n_prompt = r.json()["usage"]["prompt_tokens"]
+    assert choice["weight_versions"] == spans(0, 0, 5)
+    assert choice["prefill_weight_versions"] == spans(0, 0, n_prompt)
+    # Not asked: vLLM 0.32's own body (no spans at all).
+    plain = server.post("/v1/completions", body).json()["choices"][0]
+    assert "weight_versions" not in plain and "prefill_weight_versions" not in plain
+    # Two prompts, n=2: choice k is output k % 2 of prompt k // 2 (engine requests "<k>_cmpl-...-<p>").
+    many = server.post("/v1/completions", {**asked, "prompt": list(PROMPTS[:2]), "n": 2, "temperature": 1.0}).json()
     assert [c["index"] for c in many["choices"]] == [0, 1, 2, 3]
-    assert all(c["weight_versions"] == [[0, 0, 5]] for c in many["choices"])
+    assert all(c["weight_versions"] == spans(0, 0, 5) for c in many["choices"])
+    prefills = [c["prefill_weight_versions"] for c in many["choices"]]
+    assert all(p is not None and p[0]["version"] == "0" and len(p) == 1 for p in prefills), prefills
+    assert prefills[0] == prefills[1] and prefills[2] == prefills[3]  # the same prompt per pair
     chat = {"model": server.model, "messages": [{"role": "user", "content": PROMPTS[1]}], "max_tokens": 4}
-    r = server.post("/v1/chat/completions", {**chat, "ignore_eos": True})
+    r = server.post("/v1/chat/completions", request_weight_versions({**chat, "ignore_eos": True}))
     assert r.status_code == 200, r.text
-    assert r.json()["choices"][0]["weight_versions"] == [[0, 0, 4]]
+    assert r.json()["choices"][0]["weight_versions"] == spans(0, 0, 4)
+    assert r.json()["choices"][0]["prefill_weight_versions"] == spans(0, 0, r.json()["usage"]["prompt_tokens"])
     assert int(r.headers["content-length"]) == len(r.content)
     # Streamed chat: the chunk with finish_reason carries the spans.
     import requests
 
     finals = []
-    with requests.post(
-        server.base_url + "/v1/chat/completions", json={**chat, "stream": True, "ignore_eos": True}, stream=True
-    ) as resp:
+    streamed = request_weight_versions({**chat, "stream": True, "ignore_eos": True})
+    with requests.post(server.base_url + "/v1/chat/completions", json=streamed, stream=True) as resp:
         for line in resp.iter_lines():
             if line.startswith(b"data: {"):
                 for c in json.loads(line[6:])["choices"]:
                     if c.get("finish_reason"):
                         finals.append(c)
-    assert [c["weight_versions"] for c in finals] == [[[0, 0, 4]]]
-    # The timeline answers by response id too.
+    assert [c["weight_versions"] for c in finals] == [spans(0, 0, 4)]
+    assert [c["prefill_weight_versions"][0]["version"] for c in finals] == ["0"]
+    # The timeline answers by response id too (the output spans, in the same objects).
     rid = server.post("/v1/completions", body).json()["id"]
     tl = server.get(f"/v1/delta/timeline?id={rid}").json()
-    assert tl["choices"] == [{"index": 0, "weight_versions": [[0, 0, 5]]}] and tl["commits"] == []
+    assert tl["choices"] == [{"index": 0, "weight_versions": spans(0, 0, 5)}] and tl["commits"] == []
 
 
 def test_inflight_updates_while_clients_stream(server, llama_run, llama_fresh):
@@ -159,11 +179,16 @@ def _prefix_attempt(server, llama_run) -> bool:
         after = greedy(server, [LONG_PROMPT, LONG_PROMPT])
         assert [a["cached"] for a in after] == [0, 128]
         assert [a["spans"][0][0] for a in after] == [target, target]
+        # Their prompts' KV: recomputed on the new weights (the taint rules dropped the old block), then
+        # read from the block computed so: the new version for every position, never the old one.
+        assert [a["prefill"] for a in after] == [[[target, 0, a["prompt_tokens"]]] for a in after]
     finally:
         r.stop(timeout=120, finish_current=True)
     assert not r.errors and len(r.completed) == 1
     done = r.completed[0]
-    assert done.weight_versions == [[base, 0, switch], [target, switch, 200]]
+    assert done.weight_versions == spans(base, 0, switch) + spans(target, switch, 200)
+    # R rode through the update: its prompt's KV was computed before it, on the old weights.
+    assert done.prefill_weight_versions == spans(base, 0, len(r_prompt))
     # R's first block (prompt + 120 tokens) filled after the update: it must not be in the cache.
     probe = r_prompt + done.tokens[:130]
     assert [g["cached"] for g in greedy(server, [probe, probe], max_tokens=1)] == [0, 128]
@@ -183,6 +208,7 @@ def test_failed_inflight_commit_rolls_back_and_keeps_the_prefix_cache(server, ll
     assert tl["label"] == str(base) and tl["history"] == history  # the label never moved
     after = greedy(server, [LONG_PROMPT])[0]
     assert after["cached"] == 128 and after["spans"][0][0] == base  # nothing was dropped
+    assert after["prefill"] == [[base, 0, after["prompt_tokens"]]]
     # The same version applies cleanly afterwards.
     res = server.update(base + 1, mode="inflight")
     assert res["inflight"]["label"] == str(base + 1)

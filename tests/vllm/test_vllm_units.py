@@ -20,7 +20,7 @@ from vllm_delta.vllm.shared.options import LoaderOptions, server_store, split_ex
 from vllm_delta.vllm.shared.plan import plan_update
 from vllm_delta.vllm.worker.probe import CopyRecord, ProbeResult, finalize_layout, record_to_segment
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.vllm_objects]  # objects only: make check-vllm-next runs them
 
 
 # -- successor rule ------------------------------------------------------------------------------
@@ -474,3 +474,36 @@ def test_a_server_started_at_latest_loads_no_version_marked_bad(tmp_path):
     store.mark_bad(0, "diverged")
     with pytest.raises(VersionNotFoundError, match="no usable version"):
         start_version()
+
+
+@pytest.mark.parametrize("raw", [b"null", b"[]", b'[{"version": 1}]', b"3", b"-1.5", b'"latest"', b"true"])
+def test_a_body_that_is_not_an_object_is_400_on_every_post_route(raw, monkeypatch):
+    """null, arrays, numbers, strings and booleans as a whole body: 400 on every /v1/delta/* POST (the
+    real endpoint plugin's routes in a FastAPI app; the service is never reached)."""
+    from fastapi import FastAPI
+    from starlette.testclient import TestClient
+
+    from vllm_delta.vllm.api_server import endpoints
+
+    monkeypatch.setenv("VLLM_DELTA_TEST_FAULTS", "1")  # mounts the test route too
+
+    class NoService:
+        def __getattr__(self, name):
+            def reached(*args, **kwargs):
+                raise AssertionError(f"a malformed body reached the service ({name})")
+
+            return reached
+
+    app = FastAPI()
+    endpoints.DeltaEndpointPlugin().attach_router(app)
+    setattr(app.state, endpoints.STATE_KEY, NoService())
+    posts = sorted(
+        r.path for r in app.routes if r.path.startswith(endpoints.PREFIX) and "POST" in getattr(r, "methods", ())
+    )
+    assert posts == ["/v1/delta/stage", "/v1/delta/test/heap", "/v1/delta/update_weights"]
+    with TestClient(app) as client:
+        for path in posts:
+            r = client.post(path, content=raw, headers={"Content-Type": "application/json"})
+            assert r.status_code == 400, (path, r.status_code, r.text)
+            assert r.json()["error"]["type"] == "BadRequestError"
+            assert "must be a JSON object" in r.json()["error"]["message"]

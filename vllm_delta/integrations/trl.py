@@ -18,21 +18,25 @@ part), makes the servers live on it (`RolloutSyncOptions.mode`: "push" asks them
 "follow" waits until their followers did), and checks each server's live checksum against the
 trainer's bf16 weights (`integrations/rollout_sync.py`).
 
-Every completion a vllm-delta server returns carries the versions that produced it
-(`choices[i].weight_versions`, vllm_delta.attribution). The client checks them: completions from
-any other version than the one just synced (a server rolled back, a second publisher on the store,
-a server without the plugin) raise `AttributionError` on every rank before the trainer scores them.
+The client asks every completion for the versions that produced it (`"return_weight_versions": true`,
+vLLM 0.33's flag, which a vllm-delta server honours on vLLM 0.32 too; `choices[i].weight_versions`,
+vllm_delta.attribution) and checks them: completions from any other version than the one just synced
+(a server rolled back, a second publisher on the store, a server without the plugin) raise
+`AttributionError` on every rank before the trainer scores them. vLLM 0.33 answers a generation request
+with a retryable 503 (`engine_paused`) while it is paused in mode `wait` or `abort`: the client retries
+it until its `connection_timeout` has passed.
 
 What it relies on in TRL 1.16: `GRPOTrainer.__init__` building `VLLMGeneration` only when
 `args.use_vllm` (so the trainer is built with it off and `DeltaVLLMGeneration` is attached after,
 with the same arguments TRL passes), `VLLMGeneration._init_vllm`/`sync_weights`/`generate`, and
-`VLLMClient._get`/`_post` (every HTTP call of its generation goes through them).
+`VLLMClient._get`/`_post` and its `session` (every HTTP call of its generation goes through them).
 """
 
 from __future__ import annotations
 
 import inspect
 import logging
+import time
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -42,13 +46,15 @@ from trl import GRPOTrainer
 from trl.generation.vllm_client import VLLMClient
 from trl.generation.vllm_generation import VLLMGeneration
 
-from ..attribution import attribution_of
+from ..attribution import attribution_of, request_weight_versions
+from ..server_api import is_engine_paused
 from .rollout_sync import RolloutSync, RolloutSyncError, RolloutSyncOptions, SyncRecord, default_group
 
 log = logging.getLogger(__name__)
 
 TESTED_TRL = ("1.16.0",)  # the TRL versions this integration was tested with (docs/DEPLOY.md, "TRL")
 COMPLETION_ROUTES = ("/v1/completions", "/v1/chat/completions")
+PAUSED_RETRY_S = 0.1  # between retries of a request vLLM refused while paused (503 engine_paused)
 
 
 def warn_if_untested() -> None:
@@ -75,10 +81,13 @@ class DeltaVLLMClient(VLLMClient):
 
     def __init__(self, base_url: str, *, connection_timeout: float = 240.0, api_key: str | None = None):
         self._api_key = api_key
+        self.paused_wait_s = connection_timeout  # how long a request refused while paused is retried
+        self.paused_retries = 0
         self.expected: int | None = None
         self.attributed: Counter[int | str] = Counter()  # completions per producing version
         self._violation: str | None = None
         super().__init__(base_url=base_url, connection_timeout=connection_timeout)
+        self._generation = _session_leaving_503(self.session)
 
     def init_communicator(self, device: Any = 0) -> None:
         raise RuntimeError("vllm-delta syncs weights through its store: there is no NCCL communicator to open")
@@ -96,10 +105,26 @@ class DeltaVLLMClient(VLLMClient):
         return super()._get(url, **self._with_auth(kwargs))
 
     def _post(self, url: str, **kwargs: Any) -> dict:
-        response = super()._post(url, **self._with_auth(kwargs))
-        if url.endswith(COMPLETION_ROUTES):
-            self._check(url, response)
+        if not url.endswith(COMPLETION_ROUTES):
+            return super()._post(url, **self._with_auth(kwargs))
+        if isinstance(kwargs.get("json"), dict):
+            kwargs["json"] = request_weight_versions(kwargs["json"])
+        response = self._post_while_paused(url, **self._with_auth(kwargs))
+        self._check(url, response)
         return response
+
+    def _post_while_paused(self, url: str, **kwargs: Any) -> dict:
+        """TRL's `_post`, retrying vLLM's 503 `engine_paused` until `paused_wait_s` has passed."""
+        give_up = time.monotonic() + self.paused_wait_s
+        while True:
+            response = self._generation.post(url, **kwargs)
+            if response.status_code != 503 or time.monotonic() >= give_up or not is_engine_paused(503, _json(response)):
+                break
+            self.paused_retries += 1
+            time.sleep(PAUSED_RETRY_S)
+        if response.status_code != 200:
+            raise Exception(f"Request failed: {response.status_code}, {response.text}")  # as TRL's _post
+        return response.json()
 
     def _with_auth(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         if self._api_key:
@@ -124,6 +149,28 @@ class DeltaVLLMClient(VLLMClient):
     def _note(self, message: str) -> None:
         if self._violation is None:
             self._violation = message
+
+
+def _session_leaving_503(trl_session: Any) -> Any:
+    """A session for generation requests with the retries of TRL's own session, but for a 503: TRL's
+    retries it blindly (5 times, backing off 2 s, 4 s, 8 s, ...); here the body decides (a paused
+    engine is retried until the deadline, anything else is the answer)."""
+    import requests
+    from requests.adapters import HTTPAdapter
+
+    session = requests.Session()
+    retry = trl_session.get_adapter("http://").max_retries
+    forced = frozenset(retry.status_forcelist or ()) - {503}
+    for scheme in ("http://", "https://"):
+        session.mount(scheme, HTTPAdapter(max_retries=retry.new(status_forcelist=forced)))
+    return session
+
+
+def _json(response: Any) -> Any:
+    try:
+        return response.json()
+    except ValueError:
+        return None
 
 
 class DeltaVLLMGeneration(VLLMGeneration):

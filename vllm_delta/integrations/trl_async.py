@@ -13,14 +13,16 @@ Two of TRL's extension points, TRL unmodified:
   TRL hands rank 0 full tensors (it gathers FSDP2 shards itself), so rank 0 publishes alone.
   With `RolloutSyncOptions(mode="follow", wait_live=False)` the trainer does not wait for the
   servers at all; the ledger gate (`max_staleness`, `min_replicas`) can bound their lag.
-* The rollout worker's loop class (`AsyncRolloutWorker._loop_cls`): `DeltaRolloutLoop` reads every
-  completion's `weight_versions` and tags each sample with the oldest version that produced any of
+* The rollout worker's loop class (`AsyncRolloutWorker._loop_cls`): `DeltaRolloutLoop` asks every
+  completion for its spans (`"return_weight_versions": true`, vLLM 0.33's flag), reads its
+  `weight_versions` and tags each sample with the oldest version that produced any of
   its tokens, in TRL's numbering (`model_version`), instead of the version the worker believed live
   when it sent the request. TRL's staleness filter (`max_staleness`: samples older than that many
   syncs are dropped) then works on what really produced the sample, whether the servers follow the
   store with a lag or update in flight. A completion attributed to a version this trainer has not
   published, or carrying no attribution, fails the worker (the trainer raises; nothing is trained
-  on it).
+  on it). A completion request vLLM 0.33 refuses while paused in mode `wait` or `abort` (503
+  `engine_paused`) is retried within the request's timeout.
 
 In-flight updates (a server following with `"delta_follow_mode": "inflight"`): a completion may
 span two versions. TRL's loss needs, per token, the log-probability of the policy that sampled it
@@ -34,25 +36,29 @@ begins (`base`): TRL's sync m publishes store version base + m.
 
 What it relies on in TRL 1.16 (experimental): `AsyncGRPOTrainer(weight_transfer=...)`,
 `AsyncRolloutWorker._loop_cls`/`_loop_kwargs`/`_child_ready_timeout`, and the loop's
-`_post`/`_generate_one`/`_score_group`. Running it needs what TRL's async trainer needs: a CUDA device
-(its tree attention is a FlashAttention-3 kernel fetched from the Hub, and it looks the device's
-peak FLOPs up through CUDA).
+`_post`/`_retry`/`session`/`vllm_server_url`/`_generate_one`/`_score_group`. Running it needs what
+TRL's async trainer needs: a CUDA device (its tree attention is a FlashAttention-3 kernel fetched from
+the Hub, and it looks the device's peak FLOPs up through CUDA).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import logging
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import aiohttp
 import torch
 from trl.experimental.async_grpo import AsyncGRPOTrainer
 from trl.experimental.async_grpo.async_rollout_worker import AsyncRolloutWorker, RolloutSample, _AsyncRolloutLoop
 
-from ..attribution import Attribution, attribution_of
+from ..attribution import Attribution, attribution_of, request_weight_versions
+from ..server_api import is_engine_paused
 from .rollout_sync import RolloutSync, RolloutSyncError, RolloutSyncOptions, SyncRecord
-from .trl import AttributionError, warn_if_untested
+from .trl import PAUSED_RETRY_S, AttributionError, warn_if_untested
 
 log = logging.getLogger(__name__)
 
@@ -137,11 +143,38 @@ class DeltaRolloutLoop(_AsyncRolloutLoop):
         self._versions: dict[int, int] = {}  # id(a rollout's training rows) -> its TRL version
 
     async def _post(self, path: str, payload: dict, timeout: float, max_retries: int = 3) -> dict:
-        content = await super()._post(path, payload, timeout, max_retries)
+        if not path.endswith("/completions"):
+            return await super()._post(path, payload, timeout, max_retries)
+        payload = request_weight_versions(payload)
+        content = await self._retry(
+            lambda: self._post_while_paused(path, payload, timeout), label=f"POST {path}", max_attempts=max_retries
+        )
         found = _ATTRIBUTIONS.get()
-        if found is not None and path.endswith("/completions"):
+        if found is not None:
             found.extend(attribution_of(choice) for choice in content.get("choices", ()))
         return content
+
+    async def _post_while_paused(self, path: str, payload: dict, timeout: float) -> dict:
+        """TRL's POST, retrying vLLM's 503 `engine_paused` until `timeout` has passed (TRL's own `_retry`
+        around it retries transport errors)."""
+        give_up = time.monotonic() + timeout
+        session = self.session
+        assert session is not None, "TRL opens the loop's session before it posts"
+        while True:
+            async with session.post(
+                f"{self.vllm_server_url}{path}", json=payload, timeout=aiohttp.ClientTimeout(total=timeout)
+            ) as response:
+                if response.status == 503 and time.monotonic() < give_up:
+                    try:
+                        body = await response.json(content_type=None)
+                    except ValueError:
+                        body = None
+                    if is_engine_paused(503, body):
+                        await asyncio.sleep(PAUSED_RETRY_S)
+                        continue
+                response.raise_for_status()
+                content = await response.json()
+                return content if content else {}
 
     async def _generate_one(self, prompt: Any, tool_dict: Any, tools: Any, group_id: int = 0) -> Any:
         found: list[Attribution | None] = []

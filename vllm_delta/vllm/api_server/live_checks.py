@@ -11,7 +11,10 @@ recomputed from every rank's parameters (a full pass, `Ranks.live_state`):
                             was not probed yet, or after an update past the plugin): outside the update
                             lock, kept only if no update started meanwhile (what was read could be torn)
     after vLLM's own routes (vllm_routes.py) the ranks are re-read once before the next status, and
-                            soon in the background; a different version forgets the live sums
+                            soon in the background; a different version forgets the live sums. After
+                            a route that wrote the weights with the ranks' record unchanged (vLLM's
+                            /weight_checker reset) the next status recomputes (trigger "outside"),
+                            naming the tensors that changed
 
 A recomputation is compared with what was kept current; a mismatch is logged, counted on /metrics
 and shown in status (`verification`).
@@ -49,6 +52,7 @@ class LiveChecks:
         self._learning = asyncio.Lock()  # recomputations outside the update lock, one at a time
         self._audit: asyncio.Task[None] | None = None
         self._stale = False  # vLLM's own routes may have changed the weights: re-read once
+        self._reverify = False  # one of them wrote the weights, the ranks' record unchanged: recompute once
         self._resyncing: asyncio.Task[None] | None = None
 
     def current(self) -> tuple[str | None, float | None]:
@@ -64,6 +68,9 @@ class LiveChecks:
             await self._resync()
         if verify:
             await self.verify("request")
+        elif self._reverify and not self.operations.busy:
+            self._reverify = False
+            await self.verify("outside")
         elif (
             not self.live.known_for(self.ranks.served.version)
             and not self.operations.busy
@@ -115,6 +122,19 @@ class LiveChecks:
             self.recomputed(served, copies, "startup", (time.perf_counter() - t0) * 1e3)
         return served
 
+    def off_version_sums(self, served: WorkerStatus) -> Sums | None:
+        """The live sums when the last verification found the weights are not the served version's any
+        more (something wrote them past the plugin, e.g. vLLM's /weight_checker reset), else None. An
+        update stages against them: a re-anchor then restores the version, verified against what the
+        weights really are, without a restart."""
+        v = self.verification
+        if served.version is None or v is None or v.ok or v.version != served.version:
+            return None
+        if not self.live.known_for(served.version):
+            return None
+        assert self.live.sums is not None
+        return dict(self.live.sums)
+
     def recomputed(
         self, served: WorkerStatus, live: Sums | list[LiveCopy], trigger: VerifyTrigger, ms: float
     ) -> Verification:
@@ -140,10 +160,14 @@ class LiveChecks:
         return v
 
     # -- after vLLM's own weight routes -------------------------------------------------------------
-    def past_the_plugin(self) -> None:
+    def past_the_plugin(self, *, weights_reset: bool = False) -> None:
         """One of vLLM's own routes may have changed the weights (vllm_routes.py): re-read what the ranks
-        serve before the next status answers, and soon in the background (so the gate learns it)."""
+        serve before the next status answers, and soon in the background (so the gate learns it). After a
+        reset (the weights written, the ranks' record unchanged) the next status also recomputes the live
+        sums (a verification: the tensors that changed are named)."""
         self._stale = True
+        if weights_reset:
+            self._reverify = True
         if self._resyncing is None or self._resyncing.done():
             self._resyncing = asyncio.get_running_loop().create_task(self._resync_quietly(), name="vllm-delta-resync")
 

@@ -15,18 +15,32 @@ logger starts). Labels carry error class names and status codes only: `/metrics`
     vllm_delta_update_bytes, _update_changed_elements          histograms (applied updates)
     vllm_delta_cache_bytes                        gauge: the download cache of the server's store
     vllm_delta_live_checksum_verifications_total{trigger,outcome}   recomputations of the live checksum:
-                                                  startup | request | audit; ok | mismatch
+                                                  startup | request | audit | outside; ok | mismatch
     vllm_delta_live_checksum_mismatch             gauge: 1 while the last recomputation found a mismatch
     vllm_delta_min_version_requests_total{outcome}   requests with a min_weight_version: ran (at once) |
                                                   held (waited, then ran) | refused (409) | malformed (400)
     vllm_delta_engines_disagree                   gauge: 1 while the data-parallel engines serve different
                                                   versions (as last read)
+
+Beside them, every update and prefetch is observed through vLLM's own RL series (vLLM 0.32 and 0.33,
+`vllm/entrypoints/rl/online/metrics.py`), so a dashboard built on vLLM's series sees them:
+
+    vllm:rl_weight_update_operation_duration_seconds{operation}   histogram: "update" (an update,
+                                                  pushed or followed, any mode: vLLM's label for
+                                                  /update_weights, whose meaning it shares) | "stage"
+                                                  (a prefetch: no vLLM operation means that)
+    vllm:rl_weight_update_operations_in_flight{operation}          gauge
+
+vLLM creates those collectors lazily, after its stat logger started (which unregisters `vllm:*`), and
+so does `vllm_operation`: on the first update, never at import.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
+from collections.abc import Iterator
 from typing import Any, Literal, get_args
 
 log = logging.getLogger(__name__)
@@ -125,3 +139,30 @@ def metrics() -> Metrics | None:
                 _unavailable = True
                 log.warning("vllm-delta: no Prometheus metrics: %s", exc)
         return _metrics
+
+
+# Our operation -> the `operation` label of vLLM's RL series (the same word where the meaning is vLLM's).
+VLLM_OPERATIONS = {"update": "update", "stage": "stage"}
+_vllm_unavailable = False
+
+
+@contextlib.contextmanager
+def vllm_operation(operation: str) -> Iterator[None]:
+    """Observe one update or prefetch through vLLM's `vllm:rl_weight_update_*` series (its own
+    collectors, created on first use as vLLM does); without them (an older vLLM) nothing is observed.
+    Never raises for the metrics."""
+    global _vllm_unavailable
+    record: Any = None
+    if not _vllm_unavailable:
+        try:
+            from vllm.entrypoints.rl.online.metrics import weight_operation_metrics
+
+            record = weight_operation_metrics().record(VLLM_OPERATIONS.get(operation, operation))
+        except Exception as exc:  # noqa: BLE001 - metrics must never break an update
+            _vllm_unavailable = True
+            log.warning("vllm-delta: vLLM's vllm:rl_weight_update_* series are unavailable: %s", exc)
+    if record is None:
+        yield
+        return
+    with record:
+        yield

@@ -38,6 +38,7 @@ from ...format import VersionHeader
 from ...server_api import (
     AppliedUpdate,
     Method,
+    Operation,
     Readiness,
     ServerStatus,
     StageRequest,
@@ -47,6 +48,7 @@ from ...server_api import (
     UpdateResult,
 )
 from ..shared.cache_keep import CacheKeeper
+from ..shared.eplb import refuse_eplb
 from ..shared.messages import WorkerStatus
 from ..shared.options import FollowOptions, ServiceOptions, StoreSpec
 from ..shared.plan import UpdatePlan, plan_update
@@ -108,7 +110,7 @@ class DeltaService:
         opened = functools.cache(lambda: store or spec.open())
         live = LiveChecksum()  # the live sums over all ranks, kept current at every update
         ranks = Ranks(api, opened, gate, live, functools.cache(lambda: CacheKeeper(opened(), spec.cache_max_bytes)))
-        operations = Operations(api.deadline)
+        operations = Operations(api.deadline, functools.partial(_refuse_on_eplb, api.vllm_config))
         return cls(api, opened, operations, ranks, LiveChecks(live, ranks, operations), PrefetchSlot(api.workers))
 
     @property
@@ -195,7 +197,13 @@ class DeltaService:
         return await self.api.deadline.in_thread(functools.partial(plan_update, *args))
 
     def _steps(self, served: WorkerStatus, plan: UpdatePlan) -> WorkerUpdate:
-        return WorkerUpdate(self.api, self.store, served, plan, self.ranks.served_sums)
+        return WorkerUpdate(self.api, self.store, served, plan, self._staged_against)
+
+    async def _staged_against(self, served: WorkerStatus) -> Sums:
+        """The sums staged partials add to: the served version's recorded sums (Ranks.served_sums), or the
+        live ones when the last verification found the weights are not that version's (LiveChecks)."""
+        live = self.checks.off_version_sums(served)
+        return live if live is not None else await self.ranks.served_sums(served)
 
     @staticmethod
     def _new_update(plan: UpdatePlan, method: Method, fault: str | None) -> Update:
@@ -232,7 +240,10 @@ class DeltaService:
     # -- follow mode ----------------------------------------------------------------------------------
     def start_follower(self, options: FollowOptions) -> Follower:
         """A Follower whose every update goes through this service, started as a task of the running
-        event loop; its state is part of status(). `stop_follower` ends it."""
+        event loop; its state is part of status(). `stop_follower` ends it. Following on a server with
+        EPLB is refused (the server does not start: shared/eplb.py)."""
+        if options.follow:
+            refuse_eplb(self.api.vllm_config, "to follow the store")
 
         async def apply(version: int) -> float | None:
             result = await self.follow_update(version, options.mode)
@@ -299,10 +310,14 @@ class DeltaService:
     def start_audit(self, period_s: float) -> None:
         self.checks.start_audit(period_s)
 
-    def past_the_plugin(self) -> None:
-        self.checks.past_the_plugin()
+    def past_the_plugin(self, *, weights_reset: bool = False) -> None:
+        self.checks.past_the_plugin(weights_reset=weights_reset)
 
     async def stop(self) -> None:
         """Stop the follower, the audit and a re-read in progress (the app shuts down)."""
         await self.checks.stop()
         await self.stop_follower()
+
+
+def _refuse_on_eplb(vllm_config: Any, operation: Operation) -> None:
+    refuse_eplb(vllm_config, "weight updates" if operation == "update" else "staging a version")

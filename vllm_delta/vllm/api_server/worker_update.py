@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ...checksums import Sums
-from ...errors import CommitFailedError, DeltaError, InflightRefusedError, RollbackFailedError
+from ...errors import CommitFailedError, DeltaError, EplbRefusedError, InflightRefusedError, RollbackFailedError
 from ...format import VersionHeader
 from ...server_api import PAUSE_MODES, UpdateRequest, UpdateResult
 from ..shared import rpc
@@ -66,6 +66,11 @@ class ApiProcess:
     engine_core: rpc.EngineCore
     spec: StoreSpec
     deadline: Deadline
+
+    @property
+    def vllm_config(self) -> Any:
+        """vLLM's config of the engine (None for a stand-in engine without one)."""
+        return getattr(self.engine, "vllm_config", None)
 
     @property
     def engines(self) -> int:
@@ -177,8 +182,9 @@ async def write_through_engine_core(api: ApiProcess, staged: Staged, options: Wr
     """Write a staged, verified update on every rank of every engine core: one engine-core call per engine
     (rpc.WRITE_ALL), inside a pause (mode keep | wait | abort: every engine paused), or between two engine
     steps with no pause (mode "inflight"; InflightRefusedError, 409, where an engine cannot take it
-    safely). A rank that fails rolls back every rank of its engine, and then every other engine is
-    rolled back too (rpc.ROLLBACK_ALL; CommitFailedError, 500): nothing has changed anywhere then."""
+    safely). An engine with EPLB refuses in every mode (EplbRefusedError, 409: shared/eplb.py). A rank
+    that fails rolls back every rank of its engine, and then every other engine is rolled back too
+    (rpc.ROLLBACK_ALL; CommitFailedError, 500): nothing has changed anywhere then."""
     api.deadline.clear()  # the pause is not cut short: the writes and a rollback run to the end
     update = staged.update
     args = rpc.WriteAllArgs(update.ticket, update.target, update.method, options.fault, options.mode)
@@ -202,10 +208,14 @@ async def write_through_engine_core(api: ApiProcess, staged: Staged, options: Wr
     return Applied(staged, (time.perf_counter() - t0) * 1e3, max(e.apply_ms for e in engines))
 
 
+# What an engine core refuses before writing anything (409): the update is refused, not failed
+REFUSALS: dict[str, type[DeltaError]] = {cls.__name__: cls for cls in (InflightRefusedError, EplbRefusedError)}
+
+
 async def _write_every_engine(api: ApiProcess, args: rpc.WriteAllArgs) -> list[WrittenAll]:
     """two_phase.write_all over the engine cores: every engine writes all its ranks; if one failed, every
-    engine is rolled back. Raises what the first failure was (InflightRefusedError: nothing written,
-    409), CommitFailedError (500) or RollbackFailedError (500: every engine stops scheduling)."""
+    engine is rolled back. Raises what the first failure was (a refusal, REFUSALS: nothing written, 409),
+    CommitFailedError (500) or RollbackFailedError (500: every engine stops scheduling)."""
     engines = rpc.EngineWrites(api.engine_core, args)
     outcome = await write_all(engines, args.ticket, method=args.method, fault=args.fault, after_writes=list)
     if isinstance(outcome, AllWritten):
@@ -213,11 +223,11 @@ async def _write_every_engine(api: ApiProcess, args: rpc.WriteAllArgs) -> list[W
     many = " on every engine" if api.engines > 1 else ""
     if isinstance(outcome, AllRolledBack):
         first = outcome.error
-        refused = first is not None and first.type == InflightRefusedError.__name__
-        if not many and first is not None and (refused or first.type == CommitFailedError.__name__):
-            raise (InflightRefusedError if refused else CommitFailedError)(first.message)  # one engine: as it was
-        if refused:  # 409 (the follower falls back to keep): what another engine wrote is undone
-            raise InflightRefusedError(f"{outcome.failure} (no engine keeps any writes of this update)")
+        refusal = REFUSALS.get(first.type) if first is not None else None
+        if not many and first is not None and (refusal is not None or first.type == CommitFailedError.__name__):
+            raise (refusal or CommitFailedError)(first.message)  # one engine: as it was
+        if refusal is not None:  # 409 (in flight, the follower falls back to keep): what another engine wrote is undone
+            raise refusal(f"{outcome.failure} (no engine keeps any writes of this update)")
         raise CommitFailedError(f"update to version {args.version} failed and was rolled back{many}: {outcome.failure}")
     if args.mode not in PAUSE_MODES:  # the engines not stopped by their own failure keep stepping: stop them
         with contextlib.suppress(Exception):

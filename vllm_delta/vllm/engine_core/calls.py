@@ -7,6 +7,7 @@ process reaches it through the public `EngineClient.collective_rpc`: the plugin 
 `EngineCore.collective_rpc` and answers the reserved names (rpc.ENGINE_CORE_CALLS) itself instead of
 forwarding them to the workers. In that one call (`write_between_steps`, around two_phase.write_all):
 
+    refuse      every mode: no write on a server with EPLB (shared/eplb.py), none after a failed rollback
     preflight   mode "inflight" only: refuse what cannot be made safe (409 + reason): KV /
                 encoder-cache / aux-output connectors, multimodal encoder caches, data parallelism,
                 an unknown scheduler
@@ -52,8 +53,11 @@ from ...attribution import parse_label, version_label
 from ...errors import CommitFailedError, InflightRefusedError, RollbackFailedError
 from ...server_api import PAUSE_MODES, HistoryEntry, Timeline
 from ..shared import rpc
+from ..shared.eplb import refuse_eplb
 from ..shared.messages import LabelSet, PrefixCleared, PrefixState, RolledBackAll, Written, WrittenAll
 from ..shared.two_phase import AllRolledBack, AllWritten, run_sync, write_all
+from . import provenance
+from .provenance import external_id
 
 log = logging.getLogger(__name__)
 
@@ -186,12 +190,6 @@ def holding_kv(scheduler: Any) -> list[Any]:
     return [r for r in scheduler.requests.values() if r.num_computed_tokens > 0]
 
 
-def external_id(engine_request_id: str) -> str:
-    """The id the API process passed to generate(): vLLM appends "-<8 random chars>" (input_processor)."""
-    head, sep, tail = engine_request_id.rpartition("-")
-    return head if sep and len(tail) == 8 else engine_request_id
-
-
 # -- the writes ------------------------------------------------------------------------------------
 def _stop_scheduling(core: Any, st: EngineState, why: str) -> None:
     from vllm.v1.core.sched.interface import PauseState
@@ -207,8 +205,8 @@ def _write_all(core: Any, args: rpc.WriteAllArgs) -> WrittenAll:
     """The reserved call WRITE_ALL (engine-core thread, between two steps): two_phase.write_all over the
     workers, then, as its after-writes step, the prefix-cache invalidation (mode "inflight") and the
     label. In a pause mode the API process paused first and resets the prefix cache itself.
-    Raises InflightRefusedError (409: nothing was written), CommitFailedError (500: every rank rolled
-    back) or RollbackFailedError (500: scheduling stopped, later writes refused)."""
+    Raises InflightRefusedError or EplbRefusedError (409: nothing was written), CommitFailedError (500:
+    every rank rolled back) or RollbackFailedError (500: scheduling stopped, later writes refused)."""
     t0 = time.perf_counter()
     st = state_of(core)
     inflight = args.mode not in PAUSE_MODES
@@ -237,10 +235,11 @@ def _write_all(core: Any, args: rpc.WriteAllArgs) -> WrittenAll:
 
 
 def _refuse_unsafe(core: Any, st: EngineState, inflight: bool) -> None:
-    """Before anything is written: no write after a failed rollback; no in-flight update this engine
-    cannot make safe (preflight)."""
+    """Before anything is written: no write after a failed rollback; none with EPLB on (shared/eplb.py);
+    no in-flight update this engine cannot make safe (preflight)."""
     if st.inconsistent is not None:
         raise RollbackFailedError(f"a rollback failed earlier, ranks may disagree: {st.inconsistent}")
+    refuse_eplb(getattr(core, "vllm_config", None), "weight updates")  # every mode: expert slots move under EPLB
     if not inflight:
         return
     try:
@@ -389,6 +388,7 @@ def _set_label(core: Any, st: EngineState, label: str, in_flight: int = 0) -> No
     """`in_flight` batches were dispatched before this point: they keep the labels they ran under."""
     earlier = list(st.held)[:in_flight]
     st.held = deque(earlier + [core._weight_version] * (in_flight - len(earlier)))
+    provenance.set_label(core, label)  # the requests holding KV compute their next positions under it
     core._weight_version = label
 
 
@@ -443,8 +443,10 @@ rollback_between_steps = rpc.serve(rpc.ROLLBACK_ALL, _rollback_all)
 set_label = rpc.serve(rpc.SET_LABEL, _set_label_by_hand)
 engine_timeline = rpc.serve(rpc.ENGINE_TIMELINE, _timeline)
 prefix_state = rpc.serve(rpc.PREFIX_STATE, _prefix_state)
+prompt_versions = rpc.serve(rpc.PROMPT_VERSIONS, provenance.lookup)
 RESERVED: dict[str, Callable[..., Any]] = {
-    f.__name__: f for f in (write_between_steps, rollback_between_steps, set_label, engine_timeline, prefix_state)
+    f.__name__: f
+    for f in (write_between_steps, rollback_between_steps, set_label, engine_timeline, prefix_state, prompt_versions)
 }
 assert set(RESERVED) == {c.name for c in rpc.ENGINE_CORE_CALLS}, "every engine-core call is served"
 
@@ -461,6 +463,7 @@ def patch_engine_core(engine_core_cls: Any) -> None:
     def collective_rpc(
         self: Any, method: Any, timeout: float | None = None, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
+        provenance.attach(self)  # the scheduler learns its core (its label) before any change
         if isinstance(method, str) and method in RESERVED:
             if args:
                 return [rpc.error_reply(TypeError(f"{method} takes keyword arguments only"))]
@@ -471,6 +474,7 @@ def patch_engine_core(engine_core_cls: Any) -> None:
 
     @functools.wraps(orig_attach)
     def _attach_weight_version(self: Any, outputs: Any) -> Any:
+        provenance.attach(self)
         st = state_of(self)
         st.steps += 1
         if st.held:
@@ -498,7 +502,9 @@ def patch_block_pool(block_pool_cls: Any) -> None:
     def cache_full_blocks(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
         if getattr(request, TAINT_ATTR, False):
             return None
-        return orig_full(self, request, *args, **kwargs)
+        out = orig_full(self, request, *args, **kwargs)
+        provenance.blocks_cached(self, request, args, kwargs)  # the inserted blocks' prompt provenance
+        return out
 
     @functools.wraps(orig_partial)
     def cache_partial_block(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
@@ -520,3 +526,4 @@ def install() -> None:
 
     patch_engine_core(EngineCore)
     patch_block_pool(BlockPool)
+    provenance.install()  # prompt provenance (lookups, label changes, insertions)

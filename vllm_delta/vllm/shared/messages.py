@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ...errors import WorkerError, http_status
-from ...server_api import Coverage, InflightAnswer
+from ...server_api import Coverage, InflightAnswer, WeightSpan
 from ...wire import HexSums
 
 
@@ -249,3 +249,11 @@ class PrefixState:
     tainted: list[str]
     async_scheduling: bool
     batch_queue: int | None
+
+
+@dataclass(frozen=True)
+class PromptVersions:
+    """rpc.PROMPT_VERSIONS: the prompt spans (which label computed the KV of each prompt position) of
+    the requests asked for, by the id the API process knows them by (engine_core/provenance.py)."""
+
+    spans: dict[str, list[WeightSpan]]

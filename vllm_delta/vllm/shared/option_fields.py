@@ -139,6 +139,15 @@ def start_version(key: str, value: Any) -> int | str:
     raise ValueError(f'{key} must be "latest" or a version number, not {value!r}')
 
 
+def one_of(values: tuple[str, ...]) -> Check:
+    def check(key: str, value: Any) -> Any:
+        if value not in values:
+            raise ValueError(f"{key} must be one of {', '.join(values)}, not {value!r}")
+        return value
+
+    return check
+
+
 def update_mode(key: str, value: Any) -> UpdateMode:
     if value not in UPDATE_MODES:
         raise ValueError(f"{key} must be one of {', '.join(UPDATE_MODES)}, not {value!r}")

@@ -12,7 +12,8 @@ the two) come from those declarations. A bad value is a ValueError naming the ke
 Where the keys come from: `--model-loader-extra-config` when the load format is "delta"; else, so that
 a server started from a plain checkpoint can still take store versions, the environment: the options
 declared with `env` as `VLLM_<KEY>` (VLLM_DELTA_STORE, VLLM_DELTA_STORAGE_OPTIONS as JSON, ...).
-Follow mode is set in the extra config only.
+Follow mode is set in the extra config only. `VLLM_DELTA_WEIGHT_VERSIONS` applies without a store too
+(`weight_versions_policy`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import json
 import os
 import tempfile
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from ...server_api import UpdateMode
 from .option_fields import (
@@ -33,6 +34,7 @@ from .option_fields import (
     group,
     mapping,
     names,
+    one_of,
     option,
     option_factory,
     options_table,
@@ -153,11 +155,14 @@ class FollowOptions:
 
 MAX_WAIT_S = 3600.0  # a request held longer than an hour is a mistake, not a policy
 MAX_AUDIT_S = 7 * 86400.0
+SpansPolicy = Literal["requested", "always"]
+SPANS_POLICIES: tuple[SpansPolicy, ...] = get_args(SpansPolicy)
+SPANS_KEY = "delta_weight_versions"
 
 
 @dataclass(frozen=True)
 class ServiceOptions:
-    """The API process's own knobs (service.py, gating.py)."""
+    """The API process's own knobs (service.py, gating.py, spans.py)."""
 
     min_version_wait_s: float = option(
         "delta_min_version_wait_s",
@@ -176,9 +181,30 @@ class ServiceOptions:
         default_doc="`0` (off)",
         env=float,
     )
+    weight_versions: SpansPolicy = option(
+        SPANS_KEY,
+        "requested",
+        "which completion and chat requests get `weight_versions` and `prefill_weight_versions` filled: "
+        "`requested` (those that set `return_weight_versions`, vLLM 0.33's flag) or `always` (for clients "
+        'that cannot send it); "Attribution" below',
+        one_of(SPANS_POLICIES),
+        env=str,
+    )
 
     def __post_init__(self) -> None:
         check_fields(self)
+
+
+def weight_versions_policy(options: ServerOptions | None) -> SpansPolicy:
+    """Which completion requests get `weight_versions` / `prefill_weight_versions` filled (api_server/spans.py):
+    the server's option, or without a store the environment's (a server with the plugin and no store
+    still attributes its completions). A bad value is a ValueError naming the key."""
+    if options is not None:
+        return options.service.weight_versions
+    opt = next(o for o in declared(ServiceOptions) if o.key == SPANS_KEY)
+    raw = os.environ.get(opt.env_name)
+    policy: SpansPolicy = from_extra(ServiceOptions, {opt.key: raw} if raw else {}).weight_versions
+    return policy
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,8 @@ else spells its name:
     ROLLBACK     undo the writes                                SET_LABEL       the weight-version label
     RELEASE      drop a staged update                           ENGINE_TIMELINE the label history
                                                                 PREFIX_STATE    prefix-cache counts
+                                                                PROMPT_VERSIONS which label computed
+                                                                                each prompt's KV
 
 The caller's side is a typed client over a transport: `Workers` (one method per worker call, every
 rank's reply as `Replies`) and `EngineCore` (one reply per engine core). Two transports carry them:
@@ -44,10 +46,11 @@ from typing import Any, Generic, Protocol, TypeVar
 from ...errors import (
     CommitFailedError,
     DeltaError,
+    EplbRefusedError,
     InflightRefusedError,
     RollbackFailedError,
 )
-from ...server_api import LabelCause, Method, Timeline, UpdateMode, from_wire, to_wire
+from ...server_api import LabelCause, Method, Timeline, UpdateMode, WeightSpan, from_wire, to_wire
 from .heap import HeapAction
 from .messages import (
     ErrorPayload,
@@ -56,6 +59,7 @@ from .messages import (
     LabelSet,
     PrefixState,
     Probed,
+    PromptVersions,
     RankSums,
     Released,
     RolledBack,
@@ -144,6 +148,11 @@ class RollbackAllArgs(Args):
 
 
 @dataclass(frozen=True)
+class PromptIdsArgs(Args):
+    ids: list[str]  # generate() ids (n > 1: "<k>_<id>"), without vLLM's random suffix
+
+
+@dataclass(frozen=True)
 class TestWriteArgs(Args):
     engine: int = 0  # the data-parallel engine whose rank 0 changes a weight
 
@@ -180,6 +189,7 @@ ROLLBACK_ALL = Call("delta_rollback_all", RollbackAllArgs, RolledBackAll)
 SET_LABEL = Call("delta_set_label", LabelArgs, LabelSet)
 ENGINE_TIMELINE = Call("delta_engine_timeline", NoArgs, Timeline)
 PREFIX_STATE = Call("delta_prefix_state", NoArgs, PrefixState)
+PROMPT_VERSIONS = Call("delta_prompt_versions", PromptIdsArgs, PromptVersions)
 
 WORKER_CALLS: tuple[Call[Any, Any], ...] = (
     STATUS,
@@ -192,7 +202,14 @@ WORKER_CALLS: tuple[Call[Any, Any], ...] = (
     ROLLBACK,
     RELEASE,
 )
-ENGINE_CORE_CALLS: tuple[Call[Any, Any], ...] = (WRITE_ALL, ROLLBACK_ALL, SET_LABEL, ENGINE_TIMELINE, PREFIX_STATE)
+ENGINE_CORE_CALLS: tuple[Call[Any, Any], ...] = (
+    WRITE_ALL,
+    ROLLBACK_ALL,
+    SET_LABEL,
+    ENGINE_TIMELINE,
+    PREFIX_STATE,
+    PROMPT_VERSIONS,
+)
 
 # Test hook, a worker method only with VLLM_DELTA_TEST_FAULTS=1 (reached through vLLM's dev-mode
 # /collective_rpc, past the plugin's API process): flip one live bit, to prove that a verification
@@ -384,7 +401,7 @@ class Workers:
 
 # Errors of the engine core's calls that keep their class in the API process (their HTTP answer names it).
 _ENGINE_ERRORS: dict[str, type[DeltaError]] = {
-    cls.__name__: cls for cls in (InflightRefusedError, CommitFailedError, RollbackFailedError)
+    cls.__name__: cls for cls in (InflightRefusedError, EplbRefusedError, CommitFailedError, RollbackFailedError)
 }
 
 
@@ -422,6 +439,14 @@ class EngineCore:
     async def timelines(self) -> list[Timeline]:
         """Every engine core's label history, in engine order."""
         return await self._all(ENGINE_TIMELINE, NoArgs())
+
+    async def prompt_versions(self, ids: list[str]) -> dict[str, list[WeightSpan]]:
+        """The prompt spans of these requests, from whichever engine core ran each (an engine answers only
+        the ids it holds; with data parallelism a request runs on one engine)."""
+        found: dict[str, list[WeightSpan]] = {}
+        for reply in await self._all(PROMPT_VERSIONS, PromptIdsArgs(list(ids))):
+            found.update(reply.spans)
+        return found
 
 
 class EngineWrites:

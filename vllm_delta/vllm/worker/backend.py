@@ -32,6 +32,7 @@ from ...format import VersionHeader, VersionLike
 from ...server_api import Method
 from ..shared import rpc
 from ..shared.cache_keep import PRUNE_FAILED, CacheKeeper
+from ..shared.eplb import refuse_eplb
 from ..shared.messages import RolledBack, StageSummary, Written
 from ..shared.options import StoreSpec, server_store
 from ..shared.plan import UpdatePlan, plan_update
@@ -78,6 +79,7 @@ class DeltaWeightTransferEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateI
         self.spec: StoreSpec | None = server_store(load.load_format, load.model_loader_extra_config)
 
     def init_transfer_engine(self, init_info: DeltaInitInfo) -> None:
+        refuse_eplb(self.vllm_config, "the weight-transfer backend delta")
         if init_info.store:
             self.spec = StoreSpec(init_info.store, dict(init_info.storage_options or {}))
 
@@ -91,6 +93,7 @@ class DeltaWeightTransferEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateI
         pass
 
     def receive_weights(self, update_info: DeltaUpdateInfo) -> None:
+        refuse_eplb(self.vllm_config, "weight updates through the weight-transfer backend delta")
         if self.spec is None:
             raise ValueError("no store: start with --load-format delta or pass init_info {'store': URI}")
         store = open_store(self.spec)

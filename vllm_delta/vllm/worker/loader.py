@@ -27,6 +27,7 @@ from ...checksums import combine, to_hex
 from ...errors import ChecksumMismatchError, DeltaError, ShapeMismatchError, VersionNotFoundError
 from ...reconstruct import iter_version, open_chain, replay_tensor
 from ..postprocess.derived import install_hook
+from ..shared.eplb import refuse_eplb
 from ..shared.options import LoaderOptions, split_extra_config
 from .replica import REPLICA_ATTR, DeltaReplica, Served
 
@@ -106,6 +107,7 @@ class DeltaModelLoader(DefaultModelLoader):
             ) from exc
 
     def load_model(self, vllm_config, model_config, prefix: str = "") -> torch.nn.Module:
+        refuse_eplb(vllm_config, "to start with --load-format delta")  # before any file is read
         model = super().load_model(vllm_config, model_config, prefix=prefix)
         files = self._chain()
         header = files[-1].header
