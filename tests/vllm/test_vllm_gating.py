@@ -41,6 +41,10 @@ SPEC = TinyModelSpec(arch="llama", num_heads=2, num_kv_heads=1, vocab_size=500)
 BEHIND = 12  # versions in the store when the server starts at version 0
 WAIT_S = 6.0  # delta_min_version_wait_s
 POLL_S = 0.5
+# The server's store caches (parsed records, verified copies) hold this many entries instead of 64
+# (VLLM_DELTA_CACHE_ENTRIES), so that the heap test's warm-up, which must outlast every bounded structure
+# filling one entry per update, takes 15 updates instead of 70.
+CACHE_ENTRIES = 8
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
 
 
@@ -79,7 +83,7 @@ def box(tmp_path_factory) -> Iterator[Box]:
             version=0,
             extra_loader_config=config,
             dev_mode=True,  # POST /collective_rpc reaches the test-only worker write
-            env={"VLLM_DELTA_TEST_FAULTS": "1"},
+            env={"VLLM_DELTA_TEST_FAULTS": "1", "VLLM_DELTA_CACHE_ENTRIES": str(CACHE_ENTRIES)},
             extra_args=["--chat-template", str(template)],
             max_model_len=512,
             startup_timeout=900,
@@ -427,7 +431,7 @@ def test_verify_catches_a_weight_changed_behind_the_plugins_back(box):
 
 
 # -- flat memory -----------------------------------------------------------------------------------
-WARMUP = 70  # > the bounded structures' sizes that fill one entry per update (records per store: 64)
+WARMUP = 15  # > CACHE_ENTRIES: past the bounded structures' warm-up
 MEASURED = 30
 OURS_PER_UPDATE = 1024  # bytes: issue 19's bound on what our code keeps per update after warm-up
 

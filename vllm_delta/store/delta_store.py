@@ -48,7 +48,7 @@ from ..errors import (
 )
 from ..format import Version, VersionFile, VersionLike
 from . import replicas
-from .cache import DownloadCache
+from .cache import DownloadCache, cache_entries
 from .fs import (
     DEFAULT_TIMEOUT_S,
     StoreFS,
@@ -81,7 +81,7 @@ from .writes import VersionWrites
 
 log = logging.getLogger(__name__)
 
-RECORD_CACHE = 64  # parsed records kept per store; least recently used go first
+RECORD_CACHE = cache_entries()  # parsed records kept per store; least recently used go first
 
 
 class DeltaStore(VersionWrites):
