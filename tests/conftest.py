@@ -35,6 +35,35 @@ def server_pool(request):
         pool.close()
 
 
+def pytest_configure(config):
+    _triton_interpreter_without_dead_overflow_checks()
+
+
+def _triton_interpreter_without_dead_overflow_checks() -> None:
+    """Under TRITON_INTERPRET=1 (`make test` runs the Triton kernels on the CPU), skip the interpreter's
+    integer-overflow sanitizer when it cannot report anything: it computes every integer add, sub and
+    mul again in int64 and compares, then hands the result to `device_assert`, which does nothing unless
+    the kernel runs with debug=True (triton/language/semantic.py). Dead work, about a third of the
+    interpreter's time in the detection kernels' tests; with debug=True nothing changes."""
+    import dataclasses
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    builder = getattr(interpreter, "interpreter_builder", None)  # the one the interpreted kernels use
+    options = getattr(builder, "options", None)
+    if not dataclasses.is_dataclass(options) or not {"debug", "sanitize_overflow"} <= {
+        f.name for f in dataclasses.fields(options)
+    }:
+        return  # another Triton: leave it as it is
+    if not options.debug:
+        builder.options = dataclasses.replace(options, sanitize_overflow=False)
+
+
 def pytest_collection_modifyitems(session, config, items):
     """Run the modules that use the same pooled server fixture consecutively (each module's tests keep
     their file order; the other modules keep theirs)."""

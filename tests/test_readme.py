@@ -13,10 +13,11 @@ import shlex
 import subprocess
 import sys
 
+import pytest
 import torch
 from readme_snippets import one_snippet, run_python, snippets
 
-from vllm_delta import DeltaStore
+from vllm_delta import DeltaStore, Publisher
 from vllm_delta.cli import main as cli_main
 from vllm_delta.testing.models import TinyModelSpec
 from vllm_delta.testing.training import build_master_model, train_steps
@@ -34,6 +35,15 @@ PYTHON_SNIPPETS = {
         "integrations/test_trl.py::test_the_readme_trl_snippet_builds_a_trainer_for_this_server"
     ),
 }
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    """Tiny models: one torch thread (a second OpenMP thread only spins on a shared 2-core machine)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 def test_every_python_snippet_has_a_test():
@@ -56,7 +66,7 @@ def _trainer_namespace(num_steps: int) -> dict:
 
 
 def test_trainer_side_snippet(tmp_path):
-    snippet = one_snippet("python", "with Publisher(")
+    snippet = one_snippet("python", "checkpoint_tensors(model)")
     ran = run_python(snippet, _trainer_namespace(3), {"file:///data/run1": f"file://{tmp_path}/run1"})
     printed = [line.split() for line in ran.stdout.splitlines()]
     assert [p[:2] for p in printed] == [["0", "anchor"], ["1", "delta"], ["2", "delta"]], ran.stdout
@@ -72,7 +82,7 @@ def test_publisher_options_snippet(s3_server):
     uri = s3_server.uri("readme-options")
     ran = run_python(
         snippet,
-        {"torch": torch, "S3_OPTIONS": s3_server.storage_options},
+        {"torch": torch, "Publisher": Publisher, "S3_OPTIONS": s3_server.storage_options},  # Publisher: the block above
         {'"s3://bucket/run1"': repr(uri), "storage_options={...}": "storage_options=S3_OPTIONS"},
     )
     pub = ran.value  # the snippet's one expression: the Publisher it builds
@@ -137,9 +147,10 @@ def test_store_commands(tmp_path, capsys):
         "coverage",
     ]
     store = str(tmp_path / "run1")
-    ran = run_python(one_snippet("python", "with Publisher("), _trainer_namespace(3), {"file:///data/run1": store})
+    trainer = one_snippet("python", "checkpoint_tensors(model)")
+    ran = run_python(trainer, _trainer_namespace(3), {"file:///data/run1": store})
     assert ran.value == DeltaStore(store).record(2).checksum
-    subs = {"/data/run1": store, "42": "2", "./step42": str(tmp_path / "step2")}
+    subs = {"/data/run1": store, "./step42": str(tmp_path / "step2"), "42": "2"}  # in this order
     inspect_all, inspect_latest, materialize, retain, mark_bad, mirror, _coverage = lines
 
     code, out = _cli(capsys, inspect_all, subs)
