@@ -19,6 +19,7 @@ from vllm_helpers import (
     QWEN_LRS,
     QWEN_MOE,
     QWEN_TIED,
+    close_engine_host,
     later_users,
     private_store,
     run_engine_script,
@@ -27,6 +28,13 @@ from vllm_helpers import (
 from vllm_delta.testing.pool import ServerSpec
 from vllm_delta.testing.runs import PublishedRun, publish_run
 from vllm_delta.testing.server import VllmServer
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _engine_host():
+    """The engine host run_engine_script starts on first use, stopped when the session ends."""
+    yield
+    close_engine_host()
 
 
 @pytest.fixture(scope="session")
