@@ -94,6 +94,7 @@ def test_publisher_options_snippet(s3_server):
     assert DeltaStore(uri, s3_server.storage_options).record(0).checksum == info.checksum
 
 
+@pytest.mark.slow  # two torchrun ranks importing torch and transformers
 def test_sharded_trainer_snippet(tmp_path):
     """The FSDP2 script under the command its first line gives (torchrun, 2 ranks, gloo), then the claim
     the README makes right after it: `vllm-delta inspect` lists versions 0-3 with 2 parts each."""
