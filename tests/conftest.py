@@ -1,16 +1,14 @@
 """Shared fixtures. A real S3-compatible server (rclone serve s3 on 127.0.0.1) for the whole session;
 one torch thread in this process beside vLLM servers (tests marked `vllm`); the session's pool of vLLM
-servers (vllm_delta/testing/pool.py), and the modules that share a pooled server run back to back."""
+servers (vllm_delta/testing/pool.py, tests/pooled.py): the modules that share a pooled server run back
+to back, and the next module's pooled server starts while the module before it runs."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from pooled import pooled_fixtures, prestart_next
 
-# Module-scoped fixtures that hand out a server of the session's pool (tests/vllm/conftest.py): the
-# modules using one of them run one after the other, so that its server is started once and stopped
-# after its last user.
-POOLED_SERVER_FIXTURES = ("llama_server",)
 POOL = pytest.StashKey["object"]()
 
 
@@ -65,23 +63,31 @@ def _triton_interpreter_without_dead_overflow_checks() -> None:
 
 
 def pytest_collection_modifyitems(session, config, items):
-    """Run the modules that use the same pooled server fixture consecutively (each module's tests keep
-    their file order; the other modules keep theirs)."""
+    """The modules that use a pooled server fixture (tests/pooled.py) run one after the other, from where
+    the first of them would run, those sharing a fixture back to back: each one's server then starts
+    while the module before it runs (`prestart_next`). Each module's tests keep their file order; the
+    other modules keep theirs."""
     modules: dict[str, list] = {}
     for item in items:
         modules.setdefault(item.nodeid.split("::")[0], []).append(item)
-    uses = {
-        name: {f for item in its for f in getattr(item, "fixturenames", ()) if f in POOLED_SERVER_FIXTURES}
-        for name, its in modules.items()
-    }
+    uses = {name: {f for item in its for f in pooled_fixtures(item)} for name, its in modules.items()}
+    block: list[str] = []
+    for name in modules:
+        if uses[name] and name not in block:
+            block.append(name)
+            for fixture in sorted(uses[name]):
+                block += [m for m in modules if m not in block and fixture in uses[m]]
     order: list[str] = []
     for name in modules:
-        if name in order:
-            continue
-        order.append(name)
-        for fixture in sorted(uses[name]):
-            order += [m for m in modules if m not in order and fixture in uses[m]]
+        if not uses[name]:
+            order.append(name)
+        elif not any(m in order for m in block):
+            order += block
     items[:] = [item for name in order for item in modules[name]]
+
+
+def pytest_runtest_setup(item):
+    prestart_next(item)
 
 
 def pytest_terminal_summary(terminalreporter, config):
@@ -89,8 +95,8 @@ def pytest_terminal_summary(terminalreporter, config):
 
     if VllmServer.starts:
         pool = config.stash.get(POOL, None)
-        reused = f", {pool.reused} reuses of a pooled server" if pool is not None else ""
-        terminalreporter.write_line(f"vLLM server start-ups in this session: {VllmServer.starts}{reused}")
+        pooled = f" (pool: {pool.summary()})" if pool is not None else ""
+        terminalreporter.write_line(f"vLLM server start-ups in this session: {VllmServer.starts}{pooled}")
 
 
 @pytest.fixture(autouse=True)

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
 import requests
 import torch
 import trl_workers as W
+from pooled import pooled_server
 from safetensors.torch import save_file
 
 from vllm_delta import DeltaStore, Publisher, checksum
@@ -33,6 +33,7 @@ from vllm_delta.integrations.rollout_sync import (
 )
 from vllm_delta.integrations.trl import AttributionError, DeltaGRPOTrainer, DeltaVLLMClient, DeltaVLLMGeneration
 from vllm_delta.testing.models import build_tokenizer, hf_state_dict, save_tiny_model
+from vllm_delta.testing.pool import ServerSpec
 from vllm_delta.testing.server import VllmServer, free_port
 from vllm_delta.testing.sharded import run_ranks
 from vllm_delta.testing.training import bf16_image, build_master_model
@@ -52,24 +53,38 @@ class Rollout:
     initial: torch.nn.Module
 
 
-@pytest.fixture(scope="module")
-def rollout(tmp_path_factory) -> Iterator[Rollout]:
+@pytest.fixture(scope="session")
+def trl_start(tmp_path_factory) -> tuple[str, str, str, torch.nn.Module]:
+    """The rollout server's model directory and store (version 0: the weights it starts from)."""
     root = str(tmp_path_factory.mktemp("trl"))
     model = build_master_model(W.SPEC, seed=0)
     model_dir = save_tiny_model(model, os.path.join(root, "model"), weights=False)
     store = os.path.join(root, "store")
-    with Publisher(store) as pub:  # version 0: the weights the server starts from
+    with Publisher(store) as pub:
         pub.publish(model, version=0)
+    return root, model_dir, store, model
+
+
+def trl_server_plan(trl_start):
+    _, model_dir, store, _ = trl_start
     follow = {"delta_follow": True, "delta_poll_s": 0.5, "delta_report": True, "delta_replica_id": "trl-rollout"}
-    with VllmServer(
+    spec = ServerSpec.of(
         model_dir,
         store=store,
         version=0,
         extra_loader_config=follow,
         extra_args=["--logprobs-mode", "processed_logprobs"],  # what TRL's importance sampling wants
-        log_path=os.path.join(root, "server.log"),
-    ) as server:
-        yield Rollout(root, model_dir, store, server, model)
+    )
+    return spec, None
+
+
+trl_server = pooled_server("trl_server", trl_server_plan)  # started ahead, while the module before runs
+
+
+@pytest.fixture(scope="module")
+def rollout(trl_start, trl_server) -> Rollout:
+    root, model_dir, store, model = trl_start
+    return Rollout(root, model_dir, store, trl_server, model)
 
 
 def served(rollout: Rollout) -> tuple[int, str]:

@@ -8,7 +8,10 @@ session's pool (tests/conftest.py, vllm_delta/testing/pool.py), to keep the wall
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
+from pooled import pooled_server
 from vllm_helpers import (
     CHAT_TEMPLATE,
     FRESH_PROMPTS,
@@ -20,7 +23,6 @@ from vllm_helpers import (
     QWEN_MOE,
     QWEN_TIED,
     close_engine_host,
-    later_users,
     private_store,
     run_engine_script,
 )
@@ -73,8 +75,7 @@ def llama_store(llama_run, tmp_path_factory) -> str:
     return private_store(llama_run, str(tmp_path_factory.mktemp("llama_server_store")))
 
 
-@pytest.fixture(scope="module")
-def llama_server(request, server_pool, llama_run, llama_store, tmp_path_factory):
+def llama_server_plan(llama_run, llama_store, tmp_path_factory) -> tuple[ServerSpec, Callable[[VllmServer], None]]:
     """One TP=1 server of the tiny Llama for the modules that use it (started once, reused through the
     pool): at version 0 of `llama_store`, with an API key, vLLM's native weight-transfer backend, dev mode
     (/collective_rpc, /pause), the plugin's test hooks, prompt-token details and a plain chat template.
@@ -100,9 +101,7 @@ def llama_server(request, server_pool, llama_run, llama_store, tmp_path_factory)
         st = srv.status()
         assert (st["version"], st["checksum"], st["staged"]) == (0, llama_run.checksums[0], [])
 
-    srv = server_pool.acquire(spec, reset=back_to_version_0)
-    yield srv
-    if later_users(request, "llama_server"):
-        server_pool.release(srv)
-    else:
-        server_pool.discard(srv)
+    return spec, back_to_version_0
+
+
+llama_server = pooled_server("llama_server", llama_server_plan)

@@ -25,13 +25,14 @@ import shutil
 import pytest
 import torch
 from craft import publish_anchor, publish_delta_adding
+from pooled import pooled_server
 from vllm_helpers import QWEN_MOE, private_store, run_engine_script
 
 from vllm_delta.cli import main as cli_main
 from vllm_delta.reconstruct import materialize
 from vllm_delta.store import DeltaStore
 from vllm_delta.testing.models import PROMPTS, build_model, hf_state_dict
-from vllm_delta.testing.server import VllmServer
+from vllm_delta.testing.pool import ServerSpec
 
 pytestmark = pytest.mark.vllm
 
@@ -124,18 +125,32 @@ served: dict[int, list[str]] = {}
 fresh: dict[str, object] = {}  # what the server answered when freshly started at version 3
 
 
-@pytest.fixture(scope="module")
-def store(moe_run, tmp_path_factory) -> str:
+@pytest.fixture(scope="session")
+def moe_tp2_store(moe_run, tmp_path_factory) -> str:
     return private_store(moe_run, str(tmp_path_factory.mktemp("moe_tp2_store")))
 
 
+def moe_server_plan(moe_run, moe_tp2_store):
+    return ServerSpec.of(
+        moe_run.model_dir, store=moe_tp2_store, version=3, tensor_parallel_size=2, api_key=API_KEY
+    ), None
+
+
+moe_server = pooled_server("moe_server", moe_server_plan)  # started ahead, while the module before runs
+
+
 @pytest.fixture(scope="module")
-def server(moe_run, store):
-    with VllmServer(moe_run.model_dir, store=store, version=3, tensor_parallel_size=2, api_key=API_KEY) as srv:
-        fresh["checksum"] = srv.status()["checksum"]
-        fresh["outputs"] = srv.completions(PROMPTS)
-        srv.update(0, allow_reanchor=True)  # the tests start at version 0 (the anchor, written in place)
-        yield srv
+def store(moe_tp2_store) -> str:
+    return moe_tp2_store
+
+
+@pytest.fixture(scope="module")
+def server(moe_server):
+    srv = moe_server
+    fresh["checksum"] = srv.status()["checksum"]
+    fresh["outputs"] = srv.completions(PROMPTS)
+    srv.update(0, allow_reanchor=True)  # the tests start at version 0 (the anchor, written in place)
+    return srv
 
 
 def test_tp2_every_version(server, moe_run):

@@ -8,11 +8,12 @@ anchor and updates through every later version; its live checksum equals the tra
 from __future__ import annotations
 
 import pytest
+from pooled import pooled_server
 from vllm_helpers import QWEN_TIED
 
 from vllm_delta.store import DeltaStore
 from vllm_delta.testing.models import PROMPTS
-from vllm_delta.testing.server import VllmServer
+from vllm_delta.testing.pool import ServerSpec
 from vllm_delta.testing.sharded import publish_sharded_run
 from vllm_delta.trainer import PublisherOptions, ShardingOptions
 
@@ -21,8 +22,8 @@ pytestmark = pytest.mark.vllm
 LRS = [1e-6, 1e-6, 1e-6, 1e-6, 3e-3]  # RL-like steps, then a large one (outputs move)
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
+@pytest.fixture(scope="session")
+def sharded_run(tmp_path_factory):
     return publish_sharded_run(
         str(tmp_path_factory.mktemp("sharded")),
         QWEN_TIED,
@@ -35,9 +36,20 @@ def run(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(run):
-    with VllmServer(run.model_dir, store=run.store, version=0) as srv:
-        yield srv
+def run(sharded_run):
+    return sharded_run
+
+
+def sharded_server_plan(sharded_run):
+    return ServerSpec.of(sharded_run.model_dir, store=sharded_run.store, version=0), None
+
+
+sharded_server = pooled_server("sharded_server", sharded_server_plan)  # started ahead, while the module before runs
+
+
+@pytest.fixture(scope="module")
+def server(sharded_server):
+    return sharded_server
 
 
 def test_the_store_is_multi_part(run):

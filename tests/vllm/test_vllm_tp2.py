@@ -14,9 +14,10 @@ from __future__ import annotations
 import pytest
 from craft import publish_delta
 from inflight_helpers import check_attribution, greedy, updates_under_load
+from pooled import pooled_server
 from vllm_helpers import FRESH_PROMPTS, LONG_PROMPT, private_store
 
-from vllm_delta.testing.server import VllmServer
+from vllm_delta.testing.pool import ServerSpec
 
 pytestmark = pytest.mark.vllm
 
@@ -24,26 +25,38 @@ outputs: dict[int, list[str]] = {}
 fresh: dict[str, object] = {}  # what the server answered when freshly started at version 5
 
 
-@pytest.fixture(scope="module")
-def store(qwen_run, tmp_path_factory) -> str:
+@pytest.fixture(scope="session")
+def tp2_store(qwen_run, tmp_path_factory) -> str:
     return private_store(qwen_run, str(tmp_path_factory.mktemp("tp2_store")))
 
 
-@pytest.fixture(scope="module")
-def server(qwen_run, store):
-    srv = VllmServer(
+def tp2_server_plan(qwen_run, tp2_store):
+    spec = ServerSpec.of(
         qwen_run.model_dir,
-        store=store,
+        store=tp2_store,
         version=5,
         tensor_parallel_size=2,
         env={"VLLM_DELTA_TEST_FAULTS": "1"},
         extra_args=["--enable-prompt-tokens-details"],
     )
-    with srv:
-        fresh["checksum"] = srv.status()["checksum"]
-        fresh["outputs"] = srv.completions(FRESH_PROMPTS)
-        srv.update(0, allow_reanchor=True)  # the tests start at version 0 (the anchor, written in place)
-        yield srv
+    return spec, None
+
+
+tp2_server = pooled_server("tp2_server", tp2_server_plan)  # started ahead, while the module before runs
+
+
+@pytest.fixture(scope="module")
+def store(tp2_store) -> str:
+    return tp2_store
+
+
+@pytest.fixture(scope="module")
+def server(tp2_server):
+    srv = tp2_server
+    fresh["checksum"] = srv.status()["checksum"]
+    fresh["outputs"] = srv.completions(FRESH_PROMPTS)
+    srv.update(0, allow_reanchor=True)  # the tests start at version 0 (the anchor, written in place)
+    return srv
 
 
 def assert_serving(server, run, version: int) -> None:

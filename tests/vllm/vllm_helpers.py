@@ -149,10 +149,3 @@ def run_engine_script(args: dict, timeout: float = 600, env: dict[str, str] | No
     if not _host:
         _host.append(EngineHost())
     return _host[0].run(args, engine_env(env), timeout)
-
-
-def later_users(request, fixture: str) -> bool:
-    """Whether a test that runs after the module of `request` (a module-scoped fixture's) uses `fixture`."""
-    items = request.session.items
-    mine = [i for i, item in enumerate(items) if item.module is request.module]
-    return any(fixture in getattr(item, "fixturenames", ()) for item in items[max(mine) + 1 :])

@@ -9,6 +9,7 @@ modules whose servers would be started with the same arguments share one:
     ...
     pool.release(srv)        # back to the pool, still running: the next acquire of `spec` reuses it
     pool.discard(srv)        # stopped (a test killed or damaged it)
+    pool.prestart(spec)      # started in the background now, for an acquire to come
     pool.close()             # every server stopped
 
 `reset` runs on a reused server before it is handed out: it puts the server back where a fresh start
@@ -16,7 +17,8 @@ would have it (through the plugin's own endpoints, e.g. a rollback to the first 
 server that fails its health check or its reset is stopped and replaced by a fresh one.
 
 Servers the pool holds and nobody uses are stopped once more than `max_idle` are idle, least recently
-used first; `stop(spec)` stops one whose last user is done (the test session knows: tests/conftest.py).
+used first (never one started ahead and not yet acquired); `stop(spec)` stops one whose last user is
+done (the test session knows: tests/pooled.py).
 """
 
 from __future__ import annotations
@@ -101,6 +103,9 @@ class _Entry:
     server: VllmServer
     busy: bool = False
     uses: int = 0
+    reserved: bool = False  # started ahead of its user: never evicted before it is acquired
+    ready: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
 
 
 class ServerPool:
@@ -109,12 +114,23 @@ class ServerPool:
         self._entries: list[_Entry] = []  # least recently used first
         self._lock = threading.Lock()
         self.started: list[ServerSpec] = []  # every start-up, in order
-        self.reused = 0
+        self.reused = 0  # acquires answered by a server another user had
+        self.prestarted = 0  # acquires answered by a server started ahead for them
 
     # -- handing servers out ------------------------------------------------------------------
     def acquire(self, spec: ServerSpec, *, reset: Callable[[VllmServer], None] | None = None) -> VllmServer:
-        """A running server for `spec`: an idle one of the pool (after `reset`), or a new one."""
+        """A running server for `spec`: one started ahead for it (`prestart`), an idle one of the pool
+        (after `reset`), or a new one."""
         entry = self._take_idle(spec)
+        if entry is not None and entry.uses == 1 and entry.reserved:
+            entry.ready.wait()
+            entry.reserved = False
+            if entry.error is None:
+                self.prestarted += 1
+                return entry.server  # fresh: nothing to reset
+            log.warning("the vLLM server started ahead for %s failed (%s): starting it again", spec.model, entry.error)
+            self._remove(entry)
+            entry = None
         if entry is not None:
             try:
                 if entry.server.get("/health", timeout=10).status_code != 200:
@@ -133,6 +149,27 @@ class ServerPool:
             self.started.append(spec)
             self._entries.append(_Entry(spec, server, busy=True, uses=1))
         return server
+
+    def prestart(self, spec: ServerSpec) -> bool:
+        """Start a server for `spec` in the background, for an `acquire` to come (unless the pool has
+        one for it already). A failed start is raised by that `acquire`'s own new start."""
+        with self._lock:
+            if any(e.spec == spec and (e.reserved or not e.busy) for e in self._entries):
+                return False
+            entry = _Entry(spec, spec.server(), reserved=True)
+            self._entries.append(entry)
+            self.started.append(spec)
+
+        def start() -> None:
+            try:
+                entry.server.start()
+            except BaseException as exc:  # noqa: BLE001 - kept for the acquire that comes for it
+                entry.error = exc
+            finally:
+                entry.ready.set()
+
+        threading.Thread(target=start, name=f"prestart {spec.model}", daemon=True).start()
+        return True
 
     def release(self, server: VllmServer) -> None:
         """Back to the pool, running. A server whose process is gone is dropped."""
@@ -173,6 +210,8 @@ class ServerPool:
         with self._lock:
             entries, self._entries = self._entries, []
         for entry in entries:
+            if entry.reserved:  # still starting, maybe: let it finish, then stop it
+                entry.ready.wait(timeout=entry.spec.startup_timeout)
             entry.server.stop()
 
     # -- bookkeeping ----------------------------------------------------------------------------
@@ -204,13 +243,16 @@ class ServerPool:
 
     def _evict(self, keep: int) -> None:
         with self._lock:
-            idle = [e for e in self._entries if not e.busy]
+            idle = [e for e in self._entries if not e.busy and not e.reserved]
             doomed = idle[: max(0, len(idle) - max(0, keep))]
         for entry in doomed:
             self._remove(entry)
 
     def summary(self) -> str:
-        return f"{len(self.started)} vLLM server start-ups, {self.reused} reuses of a pooled server"
+        return (
+            f"{len(self.started)} start-ups by the pool, {self.prestarted} of them ahead of their module, "
+            f"{self.reused} reuses of a server another module had"
+        )
 
 
 __all__ = ["ServerPool", "ServerSpec"]
