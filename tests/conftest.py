@@ -99,6 +99,17 @@ def pytest_terminal_summary(terminalreporter, config):
         terminalreporter.write_line(f"vLLM server start-ups in this session: {VllmServer.starts}{pooled}")
 
 
+@pytest.fixture
+def one_torch_thread():
+    """Tiny tensors: one torch thread (on a shared 2-core machine a second OpenMP thread only spins)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.fixture(autouse=True)
 def one_torch_thread_beside_vllm(request):
     """Tests marked `vllm` share the CPU with vLLM servers whose OpenMP threads are bound to every core
@@ -106,12 +117,5 @@ def one_torch_thread_beside_vllm(request):
     spins against the server's: on 2 cores one tiny AdamW step plus a publish took 13 s beside a
     streaming server with 2 torch threads here, 0.15 s with 1. Tests not marked `vllm` keep torch's
     default."""
-    if request.node.get_closest_marker("vllm") is None:
-        yield
-        return
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
+    if request.node.get_closest_marker("vllm") is not None:
+        request.getfixturevalue("one_torch_thread")

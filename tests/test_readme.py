@@ -25,6 +25,8 @@ from vllm_delta.testing.training import build_master_model, train_steps
 SPEC = TinyModelSpec(arch="qwen3", num_heads=2, num_kv_heads=1, vocab_size=500)
 
 # The first line of every Python block of the README, and where it runs. A new block needs a test.
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 PYTHON_SNIPPETS = {
     "from vllm_delta import Publisher, checkpoint_tensors, checksum": "test_readme.py::test_trainer_side_snippet",
     "from vllm_delta.trainer import DetectOptions, PublisherOptions, ShardingOptions, StoreOptions, UploadOptions": (
@@ -35,15 +37,6 @@ PYTHON_SNIPPETS = {
         "integrations/test_trl.py::test_the_readme_trl_snippet_builds_a_trainer_for_this_server"
     ),
 }
-
-
-@pytest.fixture(autouse=True)
-def _one_torch_thread():
-    """Tiny models: one torch thread (a second OpenMP thread only spins on a shared 2-core machine)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def test_every_python_snippet_has_a_test():

@@ -26,7 +26,7 @@ import pytest
 import torch
 from craft import publish_anchor, publish_delta_adding
 from pooled import pooled_server
-from vllm_helpers import QWEN_MOE, private_store, run_engine_script
+from vllm_helpers import QWEN_MOE, fresh_then_version_0, private_store, run_engine_script
 
 from vllm_delta.cli import main as cli_main
 from vllm_delta.reconstruct import materialize
@@ -131,9 +131,8 @@ def moe_tp2_store(moe_run, tmp_path_factory) -> str:
 
 
 def moe_server_plan(moe_run, moe_tp2_store):
-    return ServerSpec.of(
-        moe_run.model_dir, store=moe_tp2_store, version=3, tensor_parallel_size=2, api_key=API_KEY
-    ), None
+    spec = ServerSpec.of(moe_run.model_dir, store=moe_tp2_store, version=3, tensor_parallel_size=2, api_key=API_KEY)
+    return spec, None
 
 
 moe_server = pooled_server("moe_server", moe_server_plan)  # started ahead, while the module before runs
@@ -146,11 +145,8 @@ def store(moe_tp2_store) -> str:
 
 @pytest.fixture(scope="module")
 def server(moe_server):
-    srv = moe_server
-    fresh["checksum"] = srv.status()["checksum"]
-    fresh["outputs"] = srv.completions(PROMPTS)
-    srv.update(0, allow_reanchor=True)  # the tests start at version 0 (the anchor, written in place)
-    return srv
+    fresh.update(fresh_then_version_0(moe_server, PROMPTS))
+    return moe_server
 
 
 def test_tp2_every_version(server, moe_run):

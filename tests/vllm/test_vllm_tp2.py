@@ -15,7 +15,7 @@ import pytest
 from craft import publish_delta
 from inflight_helpers import check_attribution, greedy, updates_under_load
 from pooled import pooled_server
-from vllm_helpers import FRESH_PROMPTS, LONG_PROMPT, private_store
+from vllm_helpers import FRESH_PROMPTS, LONG_PROMPT, fresh_then_version_0, private_store
 
 from vllm_delta.testing.pool import ServerSpec
 
@@ -52,11 +52,8 @@ def store(tp2_store) -> str:
 
 @pytest.fixture(scope="module")
 def server(tp2_server):
-    srv = tp2_server
-    fresh["checksum"] = srv.status()["checksum"]
-    fresh["outputs"] = srv.completions(FRESH_PROMPTS)
-    srv.update(0, allow_reanchor=True)  # the tests start at version 0 (the anchor, written in place)
-    return srv
+    fresh.update(fresh_then_version_0(tp2_server, FRESH_PROMPTS))
+    return tp2_server
 
 
 def assert_serving(server, run, version: int) -> None:

@@ -149,3 +149,11 @@ def run_engine_script(args: dict, timeout: float = 600, env: dict[str, str] | No
     if not _host:
         _host.append(EngineHost())
     return _host[0].run(args, engine_env(env), timeout)
+
+
+def fresh_then_version_0(server, prompts) -> dict:
+    """What a freshly started server answers (its live checksum, greedy completions of `prompts`), before
+    it is rolled back to version 0, where a module's tests begin (the anchor, written in place)."""
+    fresh = {"checksum": server.status()["checksum"], "outputs": server.completions(prompts)}
+    server.update(0, allow_reanchor=True)
+    return fresh
