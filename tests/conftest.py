@@ -86,8 +86,8 @@ def pytest_collection_modifyitems(session, config, items):
     items[:] = [item for name in order for item in modules[name]]
 
 
-def pytest_runtest_setup(item):
-    prestart_next(item)
+def pytest_runtest_call(item):
+    prestart_next(item)  # once the test's own fixtures are up: its server never waits behind the next one
 
 
 def pytest_terminal_summary(terminalreporter, config):

@@ -1,25 +1,25 @@
 """Pooled vLLM servers for test modules (imported by name: tests/ is on sys.path).
 
-    llama_server = pooled_server("llama_server", build)      # in a conftest or a test module
+    llama_server = pooled_server("llama_server", plan)      # in a conftest or a test module
 
 declares a module-scoped fixture `llama_server`: a server of the session's pool (server_pool,
-vllm_delta/testing/pool.py) built by `build(**session_fixtures) -> (ServerSpec, reset or None)`,
-whose parameters name session-scoped fixtures only. So the session can
+vllm_delta/testing/pool.py) as `plan(tmp_path_factory) -> (ServerSpec, reset or None)` describes it.
+A plan builds what the server needs (published runs, stores) through `once` (vllm_helpers.py), so the
+session fixtures and the plans share them, and it can run from any test. So the session can
 
-* share it: modules using the same fixture get the same server (the pool's `reset` puts a reused
-  one back where a fresh one would be), and run back to back (tests/conftest.py orders them);
-* start it ahead: at the first test of a module, the server of the next module that uses a pooled
-  fixture starts in the background (`prestart_next`), so that its start-up (mostly one process
-  importing vLLM and torch at a time) overlaps the tests before it;
+* share a server: modules using the same fixture get the same server (the pool's `reset` puts a
+  reused one back where a fresh one would be), and run back to back (tests/conftest.py orders them);
+* start it ahead: during the first test of a module, the server of the module that runs next starts
+  in the background (`prestart_next`), so that its start-up (mostly one process importing vLLM and
+  torch at a time) overlaps the tests before it;
 * stop it after its last user.
 """
 
 from __future__ import annotations
 
-import inspect
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import pytest
 
@@ -27,28 +27,21 @@ from vllm_delta.testing.pool import ServerSpec
 from vllm_delta.testing.server import VllmServer
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 Reset = Callable[[VllmServer], None]
-Build = Callable[..., tuple[ServerSpec, Reset | None]]
+Plan = Callable[[Any], tuple[ServerSpec, Reset | None]]  # tmp_path_factory -> the server, its reset
+
+REGISTRY: dict[str, Plan] = {}
 
 
-@dataclass(frozen=True)
-class Pooled:
-    name: str
-    build: Build
-    params: tuple[str, ...]
-
-
-REGISTRY: dict[str, Pooled] = {}
-
-
-def pooled_server(name: str, build: Build):
+def pooled_server(name: str, plan: Plan):
     """The module-scoped fixture `name` (assign it to that name in a conftest or test module)."""
-    pooled = REGISTRY[name] = Pooled(name, build, tuple(inspect.signature(build).parameters))
+    REGISTRY[name] = plan
 
     @pytest.fixture(scope="module", name=name)
-    def fixture(request, server_pool):
-        spec, reset = plan(pooled, request.getfixturevalue)
+    def fixture(request, server_pool, tmp_path_factory):
+        spec, reset = plan(tmp_path_factory)
         srv = server_pool.acquire(spec, reset=reset)
         yield srv
         if later_users(request, name):
@@ -57,10 +50,6 @@ def pooled_server(name: str, build: Build):
             server_pool.discard(srv)
 
     return fixture
-
-
-def plan(pooled: Pooled, value: Callable[[str], object]) -> tuple[ServerSpec, Reset | None]:
-    return pooled.build(**{p: value(p) for p in pooled.params})
 
 
 def later_users(request, fixture: str) -> bool:
@@ -75,9 +64,9 @@ def pooled_fixtures(item) -> set[str]:
 
 
 def prestart_next(item) -> None:
-    """At the first test of a module: start the pooled servers of the module that runs next (those this
-    module does not use itself), through the next module's own view of the session fixtures. Only the
-    next module's: a server started further ahead would sit idle, holding its memory, for longer."""
+    """During the first test of a module: start the pooled servers of the module that runs next (those
+    this module does not use itself). Only the next module's: a server started further ahead would sit
+    idle, holding its memory, for longer."""
     items = item.session.items
     index = items.index(item)
     if index and items[index - 1].module is item.module:
@@ -90,10 +79,22 @@ def prestart_next(item) -> None:
     if not names:
         return
     pool = item._request.getfixturevalue("server_pool")
+    tmp_path_factory = item._request.getfixturevalue("tmp_path_factory")
     for name in names:
         try:
-            spec, _ = plan(REGISTRY[name], nxt._request.getfixturevalue)
+            spec, _ = REGISTRY[name](tmp_path_factory)
         except Exception as exc:  # noqa: BLE001 - the module's own fixture raises it where it belongs
             log.warning("cannot start %s ahead: %s", name, exc)
             continue
         pool.prestart(spec)
+
+
+def once(key: str, make: Callable[[], T]) -> T:
+    """`make()`'s value, made once per session (a published run, a store): what a session fixture and
+    a plan that runs before its module both need."""
+    if key not in _ONCE:
+        _ONCE[key] = make()
+    return _ONCE[key]
+
+
+_ONCE: dict[str, Any] = {}

@@ -19,7 +19,7 @@ import pytest
 import requests
 import torch
 import trl_workers as W
-from pooled import pooled_server
+from pooled import once, pooled_server
 from safetensors.torch import save_file
 
 from vllm_delta import DeltaStore, Publisher, checksum
@@ -53,20 +53,23 @@ class Rollout:
     initial: torch.nn.Module
 
 
-@pytest.fixture(scope="session")
 def trl_start(tmp_path_factory) -> tuple[str, str, str, torch.nn.Module]:
-    """The rollout server's model directory and store (version 0: the weights it starts from)."""
-    root = str(tmp_path_factory.mktemp("trl"))
-    model = build_master_model(W.SPEC, seed=0)
-    model_dir = save_tiny_model(model, os.path.join(root, "model"), weights=False)
-    store = os.path.join(root, "store")
-    with Publisher(store) as pub:
-        pub.publish(model, version=0)
-    return root, model_dir, store, model
+    """The rollout server's model directory and store (version 0: the weights it starts from), once."""
+
+    def make() -> tuple[str, str, str, torch.nn.Module]:
+        root = str(tmp_path_factory.mktemp("trl"))
+        model = build_master_model(W.SPEC, seed=0)
+        model_dir = save_tiny_model(model, os.path.join(root, "model"), weights=False)
+        store = os.path.join(root, "store")
+        with Publisher(store) as pub:
+            pub.publish(model, version=0)
+        return root, model_dir, store, model
+
+    return once("trl_start", make)
 
 
-def trl_server_plan(trl_start):
-    _, model_dir, store, _ = trl_start
+def trl_server_plan(tmp_path_factory):
+    _, model_dir, store, _ = trl_start(tmp_path_factory)
     follow = {"delta_follow": True, "delta_poll_s": 0.5, "delta_report": True, "delta_replica_id": "trl-rollout"}
     spec = ServerSpec.of(
         model_dir,
@@ -82,8 +85,8 @@ trl_server = pooled_server("trl_server", trl_server_plan)  # started ahead, whil
 
 
 @pytest.fixture(scope="module")
-def rollout(trl_start, trl_server) -> Rollout:
-    root, model_dir, store, model = trl_start
+def rollout(tmp_path_factory, trl_server) -> Rollout:
+    root, model_dir, store, model = trl_start(tmp_path_factory)
     return Rollout(root, model_dir, store, trl_server, model)
 
 

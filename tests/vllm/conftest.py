@@ -15,20 +15,17 @@ from pooled import pooled_server
 from vllm_helpers import (
     CHAT_TEMPLATE,
     FRESH_PROMPTS,
-    LLAMA,
     LLAMA_API_KEY,
-    LLAMA_LRS,
-    MOE_LRS,
-    QWEN_LRS,
-    QWEN_MOE,
-    QWEN_TIED,
     close_engine_host,
-    private_store,
+    llama_run_of,
+    moe_run_of,
+    private_store_of,
+    qwen_run_of,
     run_engine_script,
 )
 
 from vllm_delta.testing.pool import ServerSpec
-from vllm_delta.testing.runs import PublishedRun, publish_run
+from vllm_delta.testing.runs import PublishedRun
 from vllm_delta.testing.server import VllmServer
 
 
@@ -41,17 +38,17 @@ def _engine_host():
 
 @pytest.fixture(scope="session")
 def llama_run(tmp_path_factory) -> PublishedRun:
-    return publish_run(str(tmp_path_factory.mktemp("llama")), LLAMA, steps=6, anchor_every=4, lr=LLAMA_LRS, seed=1)
+    return llama_run_of(tmp_path_factory)
 
 
 @pytest.fixture(scope="session")
 def qwen_run(tmp_path_factory) -> PublishedRun:
-    return publish_run(str(tmp_path_factory.mktemp("qwen")), QWEN_TIED, steps=5, anchor_every=3, lr=QWEN_LRS, seed=2)
+    return qwen_run_of(tmp_path_factory)
 
 
 @pytest.fixture(scope="session")
 def moe_run(tmp_path_factory) -> PublishedRun:
-    return publish_run(str(tmp_path_factory.mktemp("moe")), QWEN_MOE, steps=3, anchor_every=3, lr=MOE_LRS, seed=3)
+    return moe_run_of(tmp_path_factory)
 
 
 @pytest.fixture(scope="session")
@@ -69,23 +66,24 @@ def llama_fresh(llama_run) -> dict:
 
 
 @pytest.fixture(scope="session")
-def llama_store(llama_run, tmp_path_factory) -> str:
+def llama_store(tmp_path_factory) -> str:
     """A copy of llama_run's store for the pooled `llama_server`: its users add crafted versions (7 and up)
     to it; versions 0-6 stay the run's."""
-    return private_store(llama_run, str(tmp_path_factory.mktemp("llama_server_store")))
+    return private_store_of("llama_server_store", llama_run_of(tmp_path_factory), tmp_path_factory)
 
 
-def llama_server_plan(llama_run, llama_store, tmp_path_factory) -> tuple[ServerSpec, Callable[[VllmServer], None]]:
+def llama_server_plan(tmp_path_factory) -> tuple[ServerSpec, Callable[[VllmServer], None]]:
     """One TP=1 server of the tiny Llama for the modules that use it (started once, reused through the
     pool): at version 0 of `llama_store`, with an API key, vLLM's native weight-transfer backend, dev mode
     (/collective_rpc, /pause), the plugin's test hooks, prompt-token details and a plain chat template.
     A module gets it at version 0: a reused server is rolled back to version 0 through the plugin's own
     update endpoint (every commit verified against the trainer's checksums)."""
+    llama_run = llama_run_of(tmp_path_factory)
     template = tmp_path_factory.getbasetemp() / "llama_chat_template.jinja"
     template.write_text(CHAT_TEMPLATE)
     spec = ServerSpec.of(
         llama_run.model_dir,
-        store=llama_store,
+        store=private_store_of("llama_server_store", llama_run, tmp_path_factory),
         version=0,
         api_key=LLAMA_API_KEY,
         weight_transfer=True,

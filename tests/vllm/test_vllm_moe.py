@@ -26,7 +26,7 @@ import pytest
 import torch
 from craft import publish_anchor, publish_delta_adding
 from pooled import pooled_server
-from vllm_helpers import QWEN_MOE, fresh_then_version_0, private_store, run_engine_script
+from vllm_helpers import QWEN_MOE, fresh_then_version_0, moe_run_of, private_store_of, run_engine_script
 
 from vllm_delta.cli import main as cli_main
 from vllm_delta.reconstruct import materialize
@@ -125,22 +125,19 @@ served: dict[int, list[str]] = {}
 fresh: dict[str, object] = {}  # what the server answered when freshly started at version 3
 
 
-@pytest.fixture(scope="session")
-def moe_tp2_store(moe_run, tmp_path_factory) -> str:
-    return private_store(moe_run, str(tmp_path_factory.mktemp("moe_tp2_store")))
-
-
-def moe_server_plan(moe_run, moe_tp2_store):
-    spec = ServerSpec.of(moe_run.model_dir, store=moe_tp2_store, version=3, tensor_parallel_size=2, api_key=API_KEY)
-    return spec, None
+def moe_server_plan(tmp_path_factory):
+    moe_run = moe_run_of(tmp_path_factory)
+    store = private_store_of("moe_tp2_store", moe_run, tmp_path_factory)
+    return ServerSpec.of(moe_run.model_dir, store=store, version=3, tensor_parallel_size=2, api_key=API_KEY), None
 
 
 moe_server = pooled_server("moe_server", moe_server_plan)  # started ahead, while the module before runs
 
 
 @pytest.fixture(scope="module")
-def store(moe_tp2_store) -> str:
-    return moe_tp2_store
+def store(moe_run, tmp_path_factory) -> str:
+    """The server's store (a copy of moe_run's): the tests add crafted versions 4 and up."""
+    return private_store_of("moe_tp2_store", moe_run, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ anchor and updates through every later version; its live checksum equals the tra
 from __future__ import annotations
 
 import pytest
-from pooled import pooled_server
+from pooled import once, pooled_server
 from vllm_helpers import QWEN_TIED
 
 from vllm_delta.store import DeltaStore
@@ -22,26 +22,29 @@ pytestmark = pytest.mark.vllm
 LRS = [1e-6, 1e-6, 1e-6, 1e-6, 3e-3]  # RL-like steps, then a large one (outputs move)
 
 
-@pytest.fixture(scope="session")
-def sharded_run(tmp_path_factory):
-    return publish_sharded_run(
-        str(tmp_path_factory.mktemp("sharded")),
-        QWEN_TIED,
-        world=2,
-        lr=LRS,
-        seed=3,
-        anchor_every=4,
-        options=PublisherOptions(sharding=ShardingOptions(timeout_s=120)),
+def sharded_run_of(tmp_path_factory):
+    return once(
+        "sharded_run",
+        lambda: publish_sharded_run(
+            str(tmp_path_factory.mktemp("sharded")),
+            QWEN_TIED,
+            world=2,
+            lr=LRS,
+            seed=3,
+            anchor_every=4,
+            options=PublisherOptions(sharding=ShardingOptions(timeout_s=120)),
+        ),
     )
 
 
 @pytest.fixture(scope="module")
-def run(sharded_run):
-    return sharded_run
+def run(tmp_path_factory):
+    return sharded_run_of(tmp_path_factory)
 
 
-def sharded_server_plan(sharded_run):
-    return ServerSpec.of(sharded_run.model_dir, store=sharded_run.store, version=0), None
+def sharded_server_plan(tmp_path_factory):
+    run = sharded_run_of(tmp_path_factory)
+    return ServerSpec.of(run.model_dir, store=run.store, version=0), None
 
 
 sharded_server = pooled_server("sharded_server", sharded_server_plan)  # started ahead, while the module before runs

@@ -15,7 +15,7 @@ import pytest
 from craft import publish_delta
 from inflight_helpers import check_attribution, greedy, updates_under_load
 from pooled import pooled_server
-from vllm_helpers import FRESH_PROMPTS, LONG_PROMPT, fresh_then_version_0, private_store
+from vllm_helpers import FRESH_PROMPTS, LONG_PROMPT, fresh_then_version_0, private_store_of, qwen_run_of
 
 from vllm_delta.testing.pool import ServerSpec
 
@@ -25,15 +25,11 @@ outputs: dict[int, list[str]] = {}
 fresh: dict[str, object] = {}  # what the server answered when freshly started at version 5
 
 
-@pytest.fixture(scope="session")
-def tp2_store(qwen_run, tmp_path_factory) -> str:
-    return private_store(qwen_run, str(tmp_path_factory.mktemp("tp2_store")))
-
-
-def tp2_server_plan(qwen_run, tp2_store):
+def tp2_server_plan(tmp_path_factory):
+    qwen_run = qwen_run_of(tmp_path_factory)
     spec = ServerSpec.of(
         qwen_run.model_dir,
-        store=tp2_store,
+        store=private_store_of("tp2_store", qwen_run, tmp_path_factory),
         version=5,
         tensor_parallel_size=2,
         env={"VLLM_DELTA_TEST_FAULTS": "1"},
@@ -46,8 +42,9 @@ tp2_server = pooled_server("tp2_server", tp2_server_plan)  # started ahead, whil
 
 
 @pytest.fixture(scope="module")
-def store(tp2_store) -> str:
-    return tp2_store
+def store(qwen_run, tmp_path_factory) -> str:
+    """The server's store (a copy of qwen_run's): the tests add crafted versions 6 and up."""
+    return private_store_of("tp2_store", qwen_run, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

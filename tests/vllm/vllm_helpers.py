@@ -13,8 +13,10 @@ import tempfile
 import threading
 import time
 
+from pooled import once
+
 from vllm_delta.testing.models import PROMPTS, WORDS, TinyModelSpec
-from vllm_delta.testing.runs import PublishedRun
+from vllm_delta.testing.runs import PublishedRun, publish_run
 
 HERE = os.path.dirname(__file__)
 
@@ -39,6 +41,28 @@ CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
 # second request with it reads cached KV. Fresh engines answer it too (conftest.llama_fresh).
 LONG_PROMPT = " ".join((WORDS * 2)[3:133])
 FRESH_PROMPTS = [*PROMPTS, LONG_PROMPT]
+
+
+# The session's published runs (conftest's fixtures of the same names, and the pooled servers' plans).
+def _run(tmp_path_factory, name: str, spec, **kwargs) -> PublishedRun:
+    return once(name, lambda: publish_run(str(tmp_path_factory.mktemp(name)), spec, **kwargs))
+
+
+def llama_run_of(tmp_path_factory) -> PublishedRun:
+    return _run(tmp_path_factory, "llama", LLAMA, steps=6, anchor_every=4, lr=LLAMA_LRS, seed=1)
+
+
+def qwen_run_of(tmp_path_factory) -> PublishedRun:
+    return _run(tmp_path_factory, "qwen", QWEN_TIED, steps=5, anchor_every=3, lr=QWEN_LRS, seed=2)
+
+
+def moe_run_of(tmp_path_factory) -> PublishedRun:
+    return _run(tmp_path_factory, "moe", QWEN_MOE, steps=3, anchor_every=3, lr=MOE_LRS, seed=3)
+
+
+def private_store_of(name: str, run: PublishedRun, tmp_path_factory) -> str:
+    """A copy of `run`'s store that one user may damage, made once per session under `name`."""
+    return once(name, lambda: private_store(run, str(tmp_path_factory.mktemp(name))))
 
 
 def private_store(run: PublishedRun, dest: str) -> str:
