@@ -11,9 +11,10 @@ server are single-threaded. So one core mostly idles while either runs alone.
   OpenMP thread (so torch there never spins against a server's OpenMP threads): lint, the tests
   without a server, then the benchmarks' smoke runs. One vLLM lane: servers never start side by side
   beyond what a module does itself.
-* `--lanes 3`: as 2, with the vLLM modules split in two lanes; the second binds its TP=1 servers'
-  engines to core 1 (VLLM_CPU_OMP_THREADS_BIND), the first leaves vLLM's default (core 0). Up to
-  two modules' servers run at once: more memory, and timing-sensitive tests share the cores.
+* `--lanes 3`: as 2, with the vLLM modules split in two lanes; the second (TP=1 servers only) binds
+  its servers' engines to core 1 (VLLM_CPU_OMP_THREADS_BIND), the first leaves vLLM's default (TP=1 on
+  core 0, TP=2 on both). Up to two modules' servers run at once: more memory, and timing-sensitive
+  tests share the cores.
 
 Each lane's pytest writes a JUnit XML; the N slowest tests over all lanes are printed last. The exit
 status is the first non-zero one of the lanes.
@@ -44,15 +45,14 @@ SMOKES = [
     ({}, [PY, "benchmarks/publish_gpu.py", "--smoke"]),
     ({}, [PY, "benchmarks/detect_gpu.py", "--smoke"]),
 ]
-# The vLLM modules of the second lane with --lanes 3: the multi-server and TP=2 modules and TRL, about
-# half of the vLLM lane's time (the rest stays in the first).
+# The vLLM modules of the second lane with --lanes 3, about half of the vLLM lane's time: TP=1 servers
+# only (the lane binds them to core 1; the TP=2 modules stay in the first lane, on both cores).
 SECOND_VLLM_LANE = (
+    "tests/integrations/test_trl.py",
+    "tests/test_examples.py",
     "tests/vllm/test_fleet.py",
     "tests/vllm/test_regions.py",
-    "tests/vllm/test_vllm_tp2.py",
-    "tests/vllm/test_vllm_moe.py",
     "tests/vllm/test_vllm_sharded.py",
-    "tests/integrations/test_trl.py",
 )
 
 
