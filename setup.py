@@ -34,7 +34,7 @@ def _torch_cuda_major() -> str | None:
     return match.group(1) if match else None
 
 
-# nvCOMP for the chunked codec's GPU path (vllm_delta/codec/gpu.py; imported lazily, never needed
+# nvCOMP for the chunked codec's GPU path (vllm_delta/codec/chunked/gpu.py; imported lazily, never needed
 # on CPU machines). `gpu` picks the wheel of the installed torch's CUDA when this setup runs on the
 # target machine (pip install from source, editable installs); `gpu-cu12` / `gpu-cu13` name it.
 NVCOMP = {"12": ["nvidia-nvcomp-cu12>=5"], "13": ["nvidia-nvcomp-cu13>=6"]}

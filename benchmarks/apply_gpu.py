@@ -47,7 +47,8 @@ from vllm_delta.apply import scatter as S  # noqa: E402
 from vllm_delta.apply.engine import ApplyEngine  # noqa: E402
 from vllm_delta.bits import bit_view  # noqa: E402
 from vllm_delta.checksums import MASK64  # noqa: E402
-from vllm_delta.codec import chunked, gpu  # noqa: E402
+from vllm_delta.codec import chunked  # noqa: E402
+from vllm_delta.codec.chunked import gpu  # noqa: E402
 from vllm_delta.format import VersionFile  # noqa: E402
 from vllm_delta.testing.apply_fixtures import (  # noqa: E402
     QWEN3,
@@ -265,10 +266,10 @@ def run_config(spec, layout, targets, hf, engine, density, args, device, tmpdir,
     before = bits_of(targets) if args.full_check else None
     pauses = []
     for _ in range(args.reps):
-        pauses.append(engine.commit(staged))
+        pauses.append(engine.write(staged))
         engine.rollback(staged)
     row["pause_ms"] = statistics.median(pauses)
-    engine.commit(staged)
+    engine.write(staged)
     if args.full_check:
         expect = [t.clone() for t in targets]
         for t, b in zip(expect, before):
@@ -330,7 +331,7 @@ def run_config(spec, layout, targets, hf, engine, density, args, device, tmpdir,
     if args.full_check:
         check(same(bits_of(targets), bits_of(expect)), f"{spec.name} {density}: index_copy != reference")
     del per_target
-    engine.commit(staged), engine.rollback(staged)  # back to the base bits (commit checks the state)
+    engine.write(staged), engine.rollback(staged)  # back to the base bits (commit checks the state)
 
     # (b) vLLM's NaN-mask sparse patch path
     check(_fingerprint(changes) == fingerprint, f"{spec.name} {density}: change set intact after index_copy")
@@ -349,7 +350,7 @@ def run_config(spec, layout, targets, hf, engine, density, args, device, tmpdir,
     if args.full_check:
         check(same(bits_of(targets), bits_of(expect)), f"{spec.name} {density}: nanmask != reference")
     del patches
-    engine.commit(staged), engine.rollback(staged)
+    engine.write(staged), engine.rollback(staged)
     if args.full_check:
         check(same(bits_of(targets), before), f"{spec.name} {density}: restored after baselines")
 

@@ -8,7 +8,7 @@ bf16 tensors, gaps with the density's mean, AdamW-like differences), on one GPU:
   the trainer's detection hands them over (passes of `--pass-changes`, `StreamEncoder`);
 * compress: every frame with nvCOMP, at several frames per call (`gpu.FRAMES_PER_CALL`);
 * write: `ChunkedBatch.write_to` into memory (compress + compact + hash + device-to-host copy), at
-  several sizes of the copies (`chunked.COPY_PIECE_BYTES`), from one part and from the trainer's
+  several sizes of the copies (`chunked.write.COPY_PIECE_BYTES`), from one part and from the trainer's
   passes (merged), and into a file on /dev/shm (format.PayloadWriter, 16 writer threads);
 * inflate: nvCOMP decompression of the file's frames, at several chunks per call;
 * decode: the planes back to gaps and differences, Triton kernel against torch, 128 chunks a run.
@@ -36,8 +36,9 @@ sys.path.insert(0, os.path.dirname(HERE))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from vllm_delta.codec import chunked, gpu  # noqa: E402
+from vllm_delta.codec import chunked  # noqa: E402
 from vllm_delta.codec.base import Batch, MemorySink, segment_ids  # noqa: E402
+from vllm_delta.codec.chunked import gpu, write  # noqa: E402
 from vllm_delta.format import PayloadWriter, VersionHeader  # noqa: E402
 from vllm_delta.testing.apply_fixtures import apply_diffs, realistic_diffs  # noqa: E402
 
@@ -138,11 +139,11 @@ def main() -> int:
             )
         gpu.FRAMES_PER_CALL = saved
         prepared = chunked.ChunkedBatch(c, batch.counts, batch.starts, [planes])
-        saved_piece = chunked.COPY_PIECE_BYTES
+        saved_piece = write.COPY_PIECE_BYTES
         for mb in (2, 8, 32):
-            chunked.COPY_PIECE_BYTES = mb << 20
+            write.COPY_PIECE_BYTES = mb << 20
             note("write", f"memory, {mb} MB copies", timed(lambda: prepared.write_to(MemorySink()), args.reps))
-        chunked.COPY_PIECE_BYTES = saved_piece
+        write.COPY_PIECE_BYTES = saved_piece
 
         def streamed() -> chunked.ChunkedBatch:
             s = c.stream([0] * 400)

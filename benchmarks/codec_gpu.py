@@ -42,7 +42,8 @@ import torch  # noqa: E402
 from vllm_delta import codec as codecs  # noqa: E402
 from vllm_delta.apply.layout import DeviceLayout, Layout  # noqa: E402
 from vllm_delta.apply.staging import Decoder, changed_items  # noqa: E402
-from vllm_delta.codec import chunked, gpu  # noqa: E402
+from vllm_delta.codec import chunked  # noqa: E402
+from vllm_delta.codec.chunked import gpu  # noqa: E402
 from vllm_delta.format import VersionFile  # noqa: E402
 from vllm_delta.testing.apply_fixtures import (  # noqa: E402
     QWEN3,

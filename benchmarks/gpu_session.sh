@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# One lent-GPU call: `STAGES="tests publish apply" bash benchmarks/gpu_session.sh` from the repository
-# root. Stages (each bounded by its own timeout, logs under $OUT):
+# One lent-GPU call: `STAGES="tests publish apply world2" bash benchmarks/gpu_session.sh` from the
+# repository root (those four are the default: the sharded path always runs). Stages (each in its own
+# process group, bounded by its own timeout; one that times out gets SIGABRT and prints every
+# process's Python stacks into its log under $OUT):
 #   tests     pytest -m gpu tests/apply tests/trainer tests/test_codec_gpu.py tests/test_codec_kernels.py (kernels,
 #             engine, detection, the chunked codec's nvCOMP path against its CPU path, its Triton kernels
 #             against its torch reference)
@@ -8,7 +10,9 @@
 #   codec     benchmarks/codec_gpu.py qwen3-8b + qwen3-30b-a3b: the codecs alone, old path beside new [issue 17]
 #   publish   benchmarks/publish_gpu.py W=1                                          [issues 9, 17]
 #   publish_torch  benchmarks/publish_gpu.py W=1 with the torch detection path        [issue 9]
-#   world2    benchmarks/publish_gpu.py --world 2 (FSDP2 over NCCL; a 2-GPU machine)   [issue 9]
+#   world2    benchmarks/publish_gpu.py --world 2 (FSDP2 over NCCL; a 2-GPU machine)   [issues 9, 25]
+#             two publishers one after the other (compact, then chunked:gpu): the hang of issue 25
+#   world4    the same at --world 4 (a 4-GPU machine)                                    [issue 25]
 #   apply     benchmarks/apply_gpu.py qwen3-8b + qwen3-30b-a3b at 1% and 3%, staging per path [issues 11, 17]
 #   moe       benchmarks/publish_gpu.py for qwen3-30b-a3b, 12 of its 48 layers          [issue 17]
 #   trainer   benchmarks/trainer_gpu.py (detection + prepare alone)
@@ -29,14 +33,28 @@ print(datetime.datetime.now(datetime.timezone.utc).isoformat(), [torch.cuda.get_
       "torch", torch.__version__, "triton", triton.__version__, "zstandard", zstandard.__version__, "cpus", os.cpu_count())
 PY
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,driver_version --format=csv 2>&1 | tee -a "$OUT/env.log"
-run() {  # name timeout command...
+# Every Python process prints its stacks on SIGABRT (spawned ranks inherit the variable).
+export PYTHONFAULTHANDLER=1
+# NVLink multicast stays off (KINDS.md): a program that uses it can take the host's GPUs out of service.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+run() {  # name timeout command...: in its own process group; past the timeout every process of the
+  # group gets SIGABRT (each prints its Python stacks into the stage's log: a hang shows where), then SIGKILL
   local name=$1 limit=$2; shift 2
   local t0=$(date +%s)
-  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
-  echo "== $name: exit $? in $(( $(date +%s) - t0 )) s"
+  setsid "$@" > "$OUT/$name.log" 2>&1 &
+  local pid=$!
+  ( sleep "$limit"
+    if kill -0 "$pid" 2>/dev/null; then
+      echo "== $name: TIMED OUT after $limit s: SIGABRT to its process group (stacks above)" >> "$OUT/$name.log"
+      kill -ABRT -- "-$pid" 2>/dev/null; sleep 15; kill -KILL -- "-$pid" 2>/dev/null
+    fi ) &
+  local dog=$!
+  wait "$pid"; local rc=$?
+  kill "$dog" 2>/dev/null; wait "$dog" 2>/dev/null
+  echo "== $name: exit $rc in $(( $(date +%s) - t0 )) s"
   tail -n ${TAIL:-25} "$OUT/$name.log"
 }
-for stage in ${STAGES:-tests publish apply}; do
+for stage in ${STAGES:-tests publish apply world2}; do
   case $stage in
     tests)   run pytest_gpu ${TESTS_LIMIT:-200} python3 -m pytest -q -m gpu tests/apply tests/trainer tests/test_codec_gpu.py tests/test_codec_kernels.py --maxfail=20 -p no:cacheprovider ;;
     calls)   run codec_calls ${CALLS_LIMIT:-200} python3 benchmarks/codec_calls.py --out "$OUT" ${CALLS_ARGS:-} ;;
@@ -44,7 +62,8 @@ for stage in ${STAGES:-tests publish apply}; do
     moe)     run publish_moe ${MOE_LIMIT:-300} python3 benchmarks/publish_gpu.py --model qwen3-30b-a3b --layers 12 --steps 4 --out "$OUT/moe" ${MOE_ARGS:-} ;;
     publish) run publish_w1 ${PUBLISH_LIMIT:-330} python3 benchmarks/publish_gpu.py --out "$OUT" ${PUBLISH_ARGS:-} ;;
     publish_torch) run publish_w1_torch 180 python3 benchmarks/publish_gpu.py --backend torch --codecs chunked:gpu --out "$OUT/torch" ${PUBLISH_ARGS:-} ;;
-    world2)  run publish_w2 420 python3 benchmarks/publish_gpu.py --world 2 --codecs compact,chunked:gpu --out "$OUT" ${PUBLISH_ARGS:-} ;;
+    world2)  run publish_w2 ${WORLD_LIMIT:-420} python3 benchmarks/publish_gpu.py --world 2 --codecs compact,chunked:gpu --out "$OUT" ${PUBLISH_ARGS:-} ;;
+    world4)  run publish_w4 ${WORLD_LIMIT:-420} python3 benchmarks/publish_gpu.py --world 4 --codecs chunked:gpu --out "$OUT" ${PUBLISH_ARGS:-} ;;
     apply)   run apply_gpu ${APPLY_LIMIT:-420} python3 benchmarks/apply_gpu.py --models qwen3-8b,qwen3-30b-a3b --densities 0.01,0.03 --out "$OUT" ${APPLY_ARGS:-} ;;
     trainer) run trainer_gpu 120 python3 benchmarks/trainer_gpu.py --out "$OUT" ;;
     detect)  run detect_gpu 300 python3 benchmarks/detect_gpu.py --out "$OUT" ${DETECT_ARGS:-} ;;

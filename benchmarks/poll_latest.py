@@ -92,7 +92,7 @@ def fill(root: str, versions: int, *, head: bool) -> None:
             f.write(rec.to_json())
     if head:
         with open(os.path.join(root, HEAD_NAME), "wb") as f:
-            f.write(StoreHead(versions - 1, checksum, time.time()).to_json())
+            f.write(StoreHead(versions - 1, checksum, time.time()).to_json().encode())
 
 
 def old_tree(rev: str, dest: str) -> str:

@@ -52,7 +52,8 @@ from torch import nn  # noqa: E402
 
 from vllm_delta.apply.engine import ApplyEngine  # noqa: E402
 from vllm_delta.checksums import combine, to_hex  # noqa: E402
-from vllm_delta.codec import chunked, gpu  # noqa: E402
+from vllm_delta.codec import chunked  # noqa: E402
+from vllm_delta.codec.chunked import gpu  # noqa: E402
 from vllm_delta.store import DeltaStore  # noqa: E402
 from vllm_delta.testing.apply_fixtures import QWEN3, QWEN3_MOE, model_layout  # noqa: E402
 from vllm_delta.trainer import DetectOptions, Publisher, PublisherOptions, ShardingOptions, UploadOptions  # noqa: E402
@@ -152,6 +153,7 @@ class Config:
     chunk_elems: int
     backend: str | None
     smoke: bool
+    engine_gpu: int | None = None  # the engine's card (default: rank 0's)
 
 
 def _sync(dev: torch.device) -> None:
@@ -212,9 +214,12 @@ def run_rank(rank: int, world: int, cfg: Config) -> dict:
     group = dist.group.WORLD if world > 1 else None
     tempfile.tempdir = os.path.dirname(cfg.store)  # the publisher's temp files: renamed into the store
     targets: list[torch.Tensor] = []
+    # The engine (rank 0's process) on its own card where one is free (--engine-gpu): a whole 30B-A3B's
+    # fp32 master shards, snapshot and the engine's bf16 targets do not fit one card together.
+    eng_dev = dev if cfg.engine_gpu is None or dev.type != "cuda" else torch.device("cuda", cfg.engine_gpu)
     if rank == 0:
-        targets = [torch.zeros(s, dtype=torch.bfloat16, device=dev) for s in target_shapes.values()]
-    engine = ApplyEngine(dict(zip(target_shapes, targets)), layout, dev) if rank == 0 else None
+        targets = [torch.zeros(s, dtype=torch.bfloat16, device=eng_dev) for s in target_shapes.values()]
+    engine = ApplyEngine(dict(zip(target_shapes, targets)), layout, eng_dev) if rank == 0 else None
 
     def step() -> None:
         opt.step()
@@ -286,7 +291,7 @@ def _publish_run(cfg, codec_name, store_dir, module, layout, targets, engine, st
     pub.flush()
     if engine is not None:
         with store.open(v) as vf:
-            engine.commit(engine.stage([vf]))
+            engine.write(engine.stage([vf]))
     rows = []
     for i in range(cfg.warmup + cfg.steps):
         v += 1
@@ -323,7 +328,7 @@ def _publish_run(cfg, codec_name, store_dir, module, layout, targets, engine, st
             t_open = time.perf_counter()
             staged = engine.stage([vf])
             t_stage = time.perf_counter()
-            engine.commit(staged)
+            engine.write(staged)
             t_live = time.perf_counter()
             vf.close()
             row.update(
@@ -442,6 +447,13 @@ def main() -> int:
     ap.add_argument("--backend", choices=["triton", "triton-chunked", "torch"], default=None, help="detection backend")
     ap.add_argument("--store", default=None, help="store directory (default: a fresh one in /dev/shm or /tmp)")
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
+    ap.add_argument(
+        "--engine-gpu",
+        type=int,
+        default=None,
+        help="the engine's card (default: rank 0's; a free card for models "
+        "whose training state and engine do not fit one card together)",
+    )
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU, W=1 then W=2 (gloo); checks only")
     args = ap.parse_args()
     if args.smoke:
@@ -476,6 +488,7 @@ def main() -> int:
             chunk_elems=args.chunk_elems if not args.smoke else 5000,
             backend=args.backend,
             smoke=args.smoke,
+            engine_gpu=args.engine_gpu,
         )
         try:
             if world == 1:

@@ -334,12 +334,12 @@ def test_encoding_path_is_logged_once(caplog):
     """Without nvCOMP (or with CPU tensors) the CPU path runs, and says so in one log line."""
     import logging
 
-    from vllm_delta.codec import gpu
+    from vllm_delta.codec.chunked import gpu
 
     gpu.reset()
     batch, _ = _batch(SPECS[:2])
     c = codec.ChunkedCodec(chunk_elems=128)
-    with caplog.at_level(logging.INFO, logger="vllm_delta.codec.gpu"):
+    with caplog.at_level(logging.INFO, logger="vllm_delta.codec.chunked.gpu"):
         for _ in range(3):
             c.pack_file([(str(t), s) for t, s in enumerate(c.prepare_batch(batch).split()) if s is not None])
     lines = [r.getMessage() for r in caplog.records if "chunked codec encodes" in r.getMessage()]

@@ -12,7 +12,8 @@ from vllm_delta import codec as codecs
 from vllm_delta.apply.engine import ApplyEngine
 from vllm_delta.apply.layout import Layout
 from vllm_delta.apply.staging import Decoder, Item
-from vllm_delta.codec import chunked, gpu
+from vllm_delta.codec import chunked
+from vllm_delta.codec.chunked import gpu
 from vllm_delta.errors import CodecError
 from vllm_delta.testing.apply_fixtures import apply_diffs, realistic_diffs
 
@@ -245,7 +246,7 @@ def test_missing_nvcomp_means_the_cpu_path(monkeypatch, caplog):
     be, why = gpu.backend(torch.device("cuda"))
     assert be is None and "not installed" in why
     changes = [c for c in _changes(seed=4) if c[3].element_size() == 2][:3]
-    with caplog.at_level(logging.INFO, logger="vllm_delta.codec.gpu"):
+    with caplog.at_level(logging.INFO, logger="vllm_delta.codec.chunked.gpu"):
         out = _file(changes, "gpu")
         got, timings = _stage(_items(changes, out), torch.device("cuda"), 2)
     msgs = [r.getMessage() for r in caplog.records]

@@ -1,4 +1,4 @@
-"""The chunked codec's Triton kernels (codec/kernels.py) against its torch reference, bit for bit.
+"""The chunked codec's Triton kernels (codec/chunked/kernels.py) against its torch reference, bit for bit.
 
 On the CPU the kernels run under TRITON_INTERPRET=1 (the Makefile's test target sets it; the tests
 skip without it or without Triton); `pytest -m gpu` runs the same comparisons on CUDA at sizes that
@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_delta.codec import chunked, kernels
+from vllm_delta.codec import chunked
 from vllm_delta.codec.base import Batch, segment_ids
+from vllm_delta.codec.chunked import kernels
 
 CPU = torch.device("cpu")
 needs_kernels = pytest.mark.skipif(

@@ -1,3 +1,4 @@
+import dataclasses
 import json
 import os
 
@@ -103,7 +104,7 @@ def test_delta_header_needs_base_and_codec():
 def test_anchor_shape_mismatch(tmp_path):
     tensors = {"w": torch.zeros(4, 8, dtype=torch.bfloat16)}
     header = anchor_header(tensors, 1)
-    header.tensors["w"].shape = [8, 4]
+    header.tensors["w"] = dataclasses.replace(header.tensors["w"], shape=[8, 4])
     p = str(tmp_path / "s.safetensors")
     save_file(tensors, p, metadata={"format": FORMAT_NAME, "format_version": "1", "header": header.to_json()})
     with pytest.raises(ShapeMismatchError, match="tensor 'w'"):

@@ -19,10 +19,10 @@ ROOT = Path(__file__).resolve().parent.parent / PACKAGE
 
 # Lowest first. A module may import modules of its own layer (if that makes no cycle) or lower ones.
 LAYERS: list[tuple[str, ...]] = [
-    ("errors", "bits", "attribution"),  # leaves
+    ("errors", "bits"),  # leaves
     ("checksums",),  # the checksum definition
-    ("wire",),  # the generic dataclass <-> plain values codec
-    ("server_api",),  # the HTTP contract of a server: request and answer bodies (clients and plugin)
+    ("wire",),  # the generic dataclass <-> plain values codec, and the store's JSON documents
+    ("server_api", "attribution"),  # the HTTP contract of a server: bodies (clients and plugin); attribution
     ("format", "codec"),  # the wire: version files, codecs
     ("writer", "store.records", "store.replicas"),  # building versions; commit records and replica reports
     ("store.marks",),  # bad-version marks and the rule that reads them (on records)
@@ -31,8 +31,10 @@ LAYERS: list[tuple[str, ...]] = [
         "store.cache",
         "store.retention",
         "store.polling",
+        "store.record_reader",
+        "store.mark_folder",
         "store.writes",
-    ),  # filesystem access, download cache, retention, latest(), writing
+    ),  # filesystem access, download cache, retention, latest(), reading records, marks, writing
     ("store.delta_store", "store"),  # DeltaStore, and the package that exports it
     ("store.ledger", "reconstruct"),  # the fleet view; replay and materialize
     ("trainer", "apply", "mirror"),  # the publishing side; the apply engine (plain tensors, no vLLM); regions
@@ -154,6 +156,21 @@ def test_the_store_never_imports_the_ledger():
     graph = import_graph(module_files())
     for m in ("vllm_delta.store", "vllm_delta.store.delta_store", "vllm_delta.store.retention"):
         assert "vllm_delta.store.ledger" not in graph[m]
+
+
+def test_the_api_server_never_imports_the_workers_or_the_apply_engine():
+    """The API process drives the workers over RPC only (vllm/shared/rpc.py): nothing of the worker side
+    (vllm/worker/) nor the apply engine (apply/) runs or is imported there."""
+    graph = import_graph(module_files())
+    forbidden = (f"{PACKAGE}.vllm.worker", f"{PACKAGE}.apply")
+    found = [
+        f"{m} imports {t}"
+        for m, targets in sorted(graph.items())
+        if m.startswith(f"{PACKAGE}.vllm.api_server")
+        for t in sorted(targets)
+        if any(t == f or t.startswith(f + ".") for f in forbidden)
+    ]
+    assert not found, "the API server reaches past RPC:\n" + "\n".join(found)
 
 
 def test_the_checks_find_what_they_look_for(tmp_path):

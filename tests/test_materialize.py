@@ -1,5 +1,6 @@
 """materialize / replay and the `vllm-delta` CLI on real stores."""
 
+import dataclasses
 import json
 import os
 
@@ -106,7 +107,8 @@ def test_checksum_mismatch_writes_nothing(run, tmp_path):
     def flip_one_value(header, payload):
         name = next(n for n, e in header.tensors.items() if e.nnz)
         # re-encode is not needed: claim a different resulting checksum for the tensor
-        header.tensors[name].checksum = f"{(int(header.tensors[name].checksum, 16) + 1) % (1 << 64):016x}"
+        wrong = f"{(int(header.tensors[name].checksum, 16) + 1) % (1 << 64):016x}"
+        header.tensors[name] = dataclasses.replace(header.tensors[name], checksum=wrong)
         assert payload_key(FILE_PAYLOAD, "blob") in payload or payload_key(name, "blob") in payload
 
     store = _copy_store_with(root, tmp_path, 2, flip_one_value)

@@ -461,11 +461,11 @@ class StoreContract:
                 filled.mark_bad(5, reason)  # type: ignore[arg-type]
         assert self.listing(filled, "bad") == ["0000000004.json"]
         # a mark left by an earlier run of the store (another checksum) blocks nothing
-        self.pipe(filled, "bad/0000000002.json", BadMark(2, "0" * 16, "old run", 0.0, "x").to_json())
+        self.pipe(filled, "bad/0000000002.json", BadMark(2, "0" * 16, "old run", 0.0, "x").to_json().encode())
         assert blocked_by(filled.chain(2), filled.marks()) is None
         # garbage is skipped with a warning, never hiding the other marks
         self.pipe(filled, "bad/0000000001.json", b"not json")
-        self.pipe(filled, "bad/0000000000.json", BadMark(5, "0" * 16, "wrong name", 0.0, "x").to_json())
+        self.pipe(filled, "bad/0000000000.json", BadMark(5, "0" * 16, "wrong name", 0.0, "x").to_json().encode())
         self.pipe(filled, "bad/notes.txt", b"x")
         with caplog.at_level(logging.WARNING):
             assert sorted(filled.marks()) == [2, 4]
@@ -490,12 +490,12 @@ class StoreContract:
         # A head that lags (its writer died between the record and the head): the forward check.
         lagging = writer.head()
         publish_history(writer, history, str(tmp_path), [(4, 3)])
-        self.pipe(writer, "head.json", lagging.to_json())  # type: ignore[union-attr]
+        self.pipe(writer, "head.json", lagging.to_json().encode())  # type: ignore[union-attr]
         assert reader.latest() == 4
         assert folders == [] and reader.poller.counts.full_listings == listed, "a poll listed the versions"
         # Lagging on a gap in the numbering: the next full listing finds it.
         publish_history(writer, history, str(tmp_path), [(10, None)])
-        self.pipe(writer, "head.json", lagging.to_json())  # type: ignore[union-attr]
+        self.pipe(writer, "head.json", lagging.to_json().encode())  # type: ignore[union-attr]
         assert reader.latest() == 4
         reader.poller.full_listing_s = 0.0
         assert reader.latest() == 10
@@ -504,7 +504,7 @@ class StoreContract:
         # full listing, and the right answer.
         listed = reader.poller.counts.full_listings
         for version, check in ((10, "0" * 16), (20, writer.record(10).checksum)):
-            self.pipe(writer, "head.json", StoreHead(version, check, time.time()).to_json())
+            self.pipe(writer, "head.json", StoreHead(version, check, time.time()).to_json().encode())
             assert reader.latest() == 10
         assert reader.poller.counts.full_listings == listed + 2
         # A head never moves back: committing an older version leaves it at the newest.

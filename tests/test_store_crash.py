@@ -6,7 +6,7 @@ server.
 
 Starting a Python that imports torch takes seconds, so a "zygote" process imports everything once
 and forks one publisher per round; the test kills that child by pid. The publisher's store waits a
-little before each commit (`SlowCommitStore`), which widens the window between "data uploaded" and
+little before each commit (`SlowCommitWriter`), which widens the window between "data uploaded" and
 "record written" so that random kills land in it often; the store code itself is unchanged.
 """
 
@@ -31,6 +31,7 @@ from test_store import History  # noqa: E402
 
 from vllm_delta.store import TMP_PREFIX, DeltaStore  # noqa: E402
 from vllm_delta.store.records import DATA_NAME_RE as _DATA_NAME  # noqa: E402
+from vllm_delta.store.writes import VersionWriter  # noqa: E402
 
 pytestmark = pytest.mark.slow  # crash rounds in subprocesses: make test-fast leaves them out
 
@@ -43,22 +44,18 @@ ERRORS = "publisher-errors.log"
 
 
 def make_slow_store(uri: str, options: dict) -> DeltaStore:
-    """A real DeltaStore that announces each commit on stdout and then waits before writing the record."""
+    """A real DeltaStore whose writer announces each commit on stdout and then waits before writing the
+    record."""
 
-    class SlowCommitStore(DeltaStore):
-        def _commit_local_record(self, rec, token):
-            self._announce(rec)
-            super()._commit_local_record(rec, token)
-
-        def _commit_remote_record(self, rec):
-            self._announce(rec)
-            super()._commit_remote_record(rec)
-
-        def _announce(self, rec):
+    class SlowCommitWriter(VersionWriter):
+        def _commit_record(self, rec, token):
             print(f"commit {os.getpid()} {rec.version}", flush=True)  # its data is in the store by now
             time.sleep(COMMIT_DELAY_S)
+            super()._commit_record(rec, token)
 
-    return SlowCommitStore(uri, options)
+    store = DeltaStore(uri, options)
+    store.writer = SlowCommitWriter(store.io, store.record_reader)
+    return store
 
 
 def publisher(store: DeltaStore, history: History, start: int, seed: int, work_dir: str) -> None:
@@ -135,7 +132,7 @@ def leftovers(store: DeltaStore) -> int:
     named = {os.path.basename(r.file) for r in store.records()}
     count = 0
     for folder in ("data", "versions"):
-        for name in (os.path.basename(e["name"]) for e in store._ls(folder)):
+        for name in (os.path.basename(e["name"]) for e in store.io.ls(folder)):
             if name.startswith(TMP_PREFIX) or (_DATA_NAME.match(name) and name not in named):
                 count += 1
     return count

@@ -8,6 +8,7 @@ The S3 server here is this module's own (rclone serve s3 on 127.0.0.1): the test
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import json
 import os
@@ -373,7 +374,8 @@ def test_non_hex_checksums_are_format_errors(tmp_path, history):
     path = os.path.join(store.root, rec.file)
     vf = VersionFile(path)
     header = vf.header
-    header.tensors[next(iter(header.tensors))].checksum = "not-hex-at-all!!"
+    first = next(iter(header.tensors))
+    header.tensors[first] = dataclasses.replace(header.tensors[first], checksum="not-hex-at-all!!")
     with pytest.raises(FormatError, match="hex"):
         header.validate()
 

@@ -27,7 +27,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
+
+from . import wire
 
 Version = int | str
 
@@ -44,16 +46,13 @@ def parse_label(label: str | int) -> Version:
     return int(label) if label.isdigit() else label
 
 
-@dataclass(frozen=True)
-class Span:
-    """Output tokens [start, end) were sampled on `version`."""
+class Span(NamedTuple):
+    """Output tokens [start, end) were sampled on `version`. On the wire (wire.py) the array
+    `[version, start, end]`; `{"version", "start", "end"}` is read too (vLLM 0.33's own form)."""
 
     version: Version
     start: int
     end: int
-
-    def to_json(self) -> list[Any]:
-        return [self.version, self.start, self.end]
 
 
 @dataclass(frozen=True)
@@ -108,23 +107,24 @@ class Attribution:
         return [s.version for s in self.spans for _ in range(s.start, s.end)]
 
     def to_json(self) -> list[list[Any]]:
-        return [s.to_json() for s in self.spans]
+        """The spans as the server sends them: `[[version, start, end], ...]`."""
+        plain: list[list[Any]] = wire.encode(self.spans)
+        return plain
 
 
 def parse_spans(raw: Iterable[Sequence[Any] | Mapping[str, Any]]) -> Attribution:
     """Spans as the server sends them ([version, start, end] lists; {"version", "start", "end"}
-    mappings are accepted too). Raises ValueError if they do not tile the tokens from 0 in order."""
-    spans = []
-    for item in raw:
-        if isinstance(item, Mapping):
-            version, start, end = item["version"], item["start"], item["end"]
-        else:
-            version, start, end = item
-        spans.append(Span(parse_label(version), int(start), int(end)))
+    mappings are accepted too). Raises ValueError if one is malformed or they do not tile the tokens
+    from 0 in order."""
+    try:
+        spans = [wire.decode(Span, item) for item in raw]
+    except TypeError as exc:
+        raise ValueError(f"malformed weight_versions span: {exc}") from None
+    spans = [s._replace(version=parse_label(s.version)) for s in spans]
     expected = 0
     for s in spans:
         if s.start != expected or s.end < s.start:
-            raise ValueError(f"weight_versions spans do not tile the output tokens: {[sp.to_json() for sp in spans]}")
+            raise ValueError(f"weight_versions spans do not tile the output tokens: {wire.encode(spans)}")
         expected = s.end
     return Attribution(tuple(spans))
 

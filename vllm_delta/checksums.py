@@ -189,16 +189,20 @@ class _Header(Protocol):
     def tensors(self) -> Mapping[str, _Entry]: ...
 
 
-def verify_partials(current: Mapping[str, int], partials: Iterable[Mapping[str, int]], expected: _Header) -> None:
+def verify_partials(
+    current: Mapping[str, int], partials: Iterable[Mapping[str, int]], expected: _Header, *, engine: int | None = None
+) -> None:
     """Check that the current per-tensor sums plus every rank's staged partials give the per-tensor
     checksums `expected` (the target version's header) records. Raises ChecksumMismatchError naming
-    the first tensor that disagrees; nothing has been written at this point."""
+    the first tensor that disagrees (and `engine`, the data-parallel engine whose ranks staged them,
+    when there are several); nothing has been written at this point."""
     have = add_sums([current, *partials])
+    where = f"engine {engine}: " if engine is not None else ""
     for name, entry in expected.tensors.items():
         got = have.get(name, 0)
         if got != int(entry.checksum, 16):
             raise ChecksumMismatchError(
-                f"staged result would have checksum {to_hex(got)}, the publisher recorded {entry.checksum}",
+                f"{where}staged result would have checksum {to_hex(got)}, the publisher recorded {entry.checksum}",
                 version=expected.version,
                 tensor=name,
             )

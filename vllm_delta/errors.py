@@ -183,6 +183,15 @@ class PublishError(DeltaError):
     """A background upload failed; the message names the version."""
 
 
+class RankTimeoutError(PublishError):
+    """Ranks of a sharded publisher did not arrive at an exchange within the deadline
+    (`ShardingOptions.timeout_s`): a rank died, hangs, or publishes on another schedule."""
+
+    def __init__(self, message: str, *, missing: list[int]):
+        super().__init__(message)
+        self.missing = missing
+
+
 class ShardingError(DeltaError, ValueError):
     """The ranks of a sharded publisher disagree (version number, tensor set, shard layout). Raised
     on every rank, naming the tensor and the ranks; nothing of the version is published."""
@@ -197,6 +206,11 @@ class RollbackFailedError(DeltaError):
     stops scheduling and refuses later commits: restart the server."""
 
 
+class EnginesDisagreeError(DeltaError):
+    """The data-parallel engine cores of one server serve different versions (a rollback that failed, or a
+    write past the plugin): updates are refused until the server is restarted."""
+
+
 class InjectedFaultError(DeltaError):
     """The test hook's fault ("fault": "commit@<rank>" with VLLM_DELTA_TEST_FAULTS=1), after the writes."""
 
@@ -204,8 +218,10 @@ class InjectedFaultError(DeltaError):
 class WorkerError(DeltaError):
     """An error a worker rank reported across the RPC boundary, with the HTTP status it maps to."""
 
-    def __init__(self, message: str, *, status: int = 500, rank: int | None = None, type_name: str = "Error"):
-        super().__init__(f"rank {rank}: {type_name}: {message}" if rank is not None else f"{type_name}: {message}")
+    def __init__(self, message: str, *, status: int = 500, rank: int | str | None = None, type_name: str = "Error"):
+        # rank: a worker rank's number, or who answered in words ("engine 1 rank 0", "engine 1")
+        who = f"rank {rank}" if isinstance(rank, int) else rank
+        super().__init__(f"{who}: {type_name}: {message}" if who is not None else f"{type_name}: {message}")
         self.http_status = status
         self.rank = rank
         self.type_name = type_name

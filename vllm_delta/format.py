@@ -18,21 +18,27 @@ version as one: readers see the same API (`header`, `pieces`, `dense`) for one f
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import mmap
 import os
+import re
 import struct
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Executor, Future
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
+from json.encoder import encode_basestring_ascii as _quote
 from typing import Any, Literal, NamedTuple, TypeGuard, get_args
 
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save, save_file
 
+from . import wire
 from .checksums import is_hex, sum_of_parts
 from .errors import FormatError, ShapeMismatchError
+from .wire import Closed, Number, omit_none, omit_when
 
 FORMAT_NAME = "vllm-delta"
 FORMAT_VERSION = 1  # one-file versions
@@ -79,7 +85,7 @@ def row_size(shape: list[int] | tuple[int, ...]) -> int:
 
 
 @dataclass
-class TensorEntry:
+class TensorEntry(Closed):
     shape: list[int]
     dtype: str  # "BF16" | "F16" | "F32"
     checksum: str  # per-tensor positional sum of the whole tensor at this version (16 hex digits)
@@ -98,8 +104,216 @@ class TensorEntry:
         return DTYPES[self.dtype]
 
 
+_ENTRY_KEYS = frozenset(("shape", "dtype", "checksum", "nnz", "enc"))
+_ENTRY_REQUIRED = frozenset(("shape", "dtype", "checksum"))
+_HEX16 = re.compile(r"[0-9a-f]{16}")
+
+
+class TensorTable(Mapping[str, TensorEntry]):
+    """A header's tensors: one column per field, the entries made on demand.
+
+    A header lists every tensor of the model (a mixture of experts: tens of thousands), and every
+    reader parses it and every publish writes it. As columns it is read from JSON, checked and written
+    back with a handful of list passes instead of an object and a generic decode per tensor (issue 25:
+    per-tensor Python on the publish-to-live path); `table[name]` and iteration still give
+    `TensorEntry`s (made afresh: changing one changes nothing; `table[name] = entry` replaces one).
+    """
+
+    __slots__ = ("names", "shapes", "dtypes", "checksums", "nnz", "encs", "_index")
+
+    def __init__(
+        self,
+        names: list[str],
+        shapes: list[list[int]],
+        dtypes: list[str],
+        checksums: list[str],
+        nnz: list[int],
+        encs: list[dict[str, Any]],
+    ):
+        if not len(names) == len(shapes) == len(dtypes) == len(checksums) == len(nnz) == len(encs):
+            raise ValueError("a tensor table's columns differ in length")
+        self.names, self.shapes, self.dtypes = names, shapes, dtypes
+        self.checksums, self.nnz, self.encs = checksums, nnz, encs
+        self._index: dict[str, int] | None = None
+
+    @classmethod
+    def of(cls, entries: Mapping[str, TensorEntry]) -> TensorTable:
+        if isinstance(entries, TensorTable):
+            return entries
+        values = list(entries.values())
+        return cls(
+            list(entries),
+            [e.shape for e in values],
+            [e.dtype for e in values],
+            [e.checksum for e in values],
+            [e.nnz for e in values],
+            [e.enc for e in values],
+        )
+
+    # -- the plain form (wire.py) ----------------------------------------------------------------
+    def to_plain(self) -> dict[str, dict[str, Any]]:
+        return {
+            n: {"checksum": c, "dtype": d, "enc": e, "nnz": k, "shape": s}
+            for n, s, d, c, k, e in zip(self.names, self.shapes, self.dtypes, self.checksums, self.nnz, self.encs)
+        }
+
+    @classmethod
+    def from_plain(cls, data: Any, where: Any) -> TensorTable:
+        """The table of a parsed header; anything but well-formed entries goes through the generic
+        decoder (wire.decode_as), whose error names the tensor and the field."""
+        if type(data) is dict:
+            entries = list(data.values())
+            if all(type(e) is dict and _ENTRY_REQUIRED <= e.keys() <= _ENTRY_KEYS for e in entries):
+                shapes = [e["shape"] for e in entries]
+                dtypes = [e["dtype"] for e in entries]
+                checksums = [e["checksum"] for e in entries]
+                nnz = [e.get("nnz", 0) for e in entries]
+                encs = [e.get("enc", _NO_ENC) for e in entries]
+                if (
+                    all(type(s) is list for s in shapes)
+                    and all(type(d) is int for s in shapes for d in s)
+                    and all(type(x) is str for x in dtypes)
+                    and all(type(x) is str for x in checksums)
+                    and all(type(k) is int for k in nnz)
+                    and all(type(e) is dict for e in encs)
+                ):
+                    return cls(
+                        list(data), shapes, dtypes, checksums, nnz, [dict(e) if e is _NO_ENC else e for e in encs]
+                    )
+        return cls.of(wire.decode_as(dict[str, TensorEntry], data, where))
+
+    def to_json(self) -> str:
+        """The table as `json.dumps(self.to_plain(), sort_keys=True, separators=(",", ":"))` writes it,
+        made as text: columns of exact ints and strings are formatted directly (checked column by
+        column first); a value of any other type sends the table through json.dumps."""
+        names, shapes = self.names, self.shapes
+        if not (
+            all(type(x) is str for x in names)
+            and all(type(x) is str for x in self.dtypes)
+            and all(type(x) is str for x in self.checksums)
+            and all(type(x) is int for x in self.nnz)
+            and all(type(d) is int for s in shapes for d in s)
+        ):
+            return json.dumps(self.to_plain(), separators=_SEPARATORS, sort_keys=True)
+        quoted = list(map(_quote, names))
+        dtypes = list(map(_quote, self.dtypes))
+        checksums = list(map(_quote, self.checksums))
+        encs = list(map(_enc_text, self.encs))
+        dims = [",".join(map(str, s)) for s in shapes]
+        nnz = self.nnz
+        order = sorted(range(len(names)), key=names.__getitem__)
+        return (
+            "{"
+            + ",".join(
+                f'{quoted[i]}:{{"checksum":{checksums[i]},"dtype":{dtypes[i]},"enc":{encs[i]},'
+                f'"nnz":{nnz[i]},"shape":[{dims[i]}]}}'
+                for i in order
+            )
+            + "}"
+        )
+
+    def shape_map(self) -> dict[str, tuple[int, ...]]:
+        """name -> shape (what a layout is probed with)."""
+        return dict(zip(self.names, map(tuple, self.shapes)))
+
+    # -- checks ----------------------------------------------------------------------------------
+    def numels(self) -> list[int]:
+        return [math.prod(s) for s in self.shapes]
+
+    def check(self, version: int) -> None:
+        """Every entry well formed (FormatError naming the first bad tensor): columns at C speed, the
+        bad tensor looked for only when a column fails."""
+        numels = self.numels()
+        if (
+            all(map(_HEX16.fullmatch, self.checksums))
+            and set(self.dtypes) <= DTYPES.keys()
+            and all(d >= 0 for s in self.shapes for d in s)
+            and all(map(_nnz_fits, self.nnz, numels))
+        ):
+            return
+        for name, t in self.items():
+            if not is_hex(t.checksum):
+                raise FormatError("the checksum must be 16 lower-case hex digits", version=version, tensor=name)
+            if t.dtype not in DTYPES:
+                raise FormatError(f"unsupported dtype {t.dtype!r}", version=version, tensor=name)
+            if not all(isinstance(d, int) and d >= 0 for d in t.shape) or not 0 <= t.nnz <= t.numel:
+                raise FormatError(f"bad shape {t.shape} or nnz {t.nnz}", version=version, tensor=name)
+
+    # -- Mapping ---------------------------------------------------------------------------------
+    def index(self, name: str) -> int:
+        """The position of `name` in the columns (KeyError if absent)."""
+        if self._index is None:
+            self._index = {n: i for i, n in enumerate(self.names)}
+        return self._index[name]
+
+    def __getitem__(self, name: str) -> TensorEntry:
+        i = self.index(name)
+        return TensorEntry(self.shapes[i], self.dtypes[i], self.checksums[i], self.nnz[i], self.encs[i])
+
+    def __setitem__(self, name: str, entry: TensorEntry) -> None:
+        """Replace (or add) one tensor's entry: tests that craft a bad header, and nothing on a hot path."""
+        i = self.index(name) if name in self else None
+        cols = (self.shapes, self.dtypes, self.checksums, self.nnz, self.encs)
+        vals = (entry.shape, entry.dtype, entry.checksum, entry.nnz, entry.enc)
+        if i is None:
+            self.names.append(name)
+            self._index = None
+            for col, val in zip(cols, vals):
+                col.append(val)  # type: ignore[attr-defined]
+        else:
+            for col, val in zip(cols, vals):
+                col[i] = val  # type: ignore[index]
+
+    def __contains__(self, name: object) -> bool:
+        if self._index is None:
+            self._index = {n: i for i, n in enumerate(self.names)}
+        return name in self._index
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, TensorTable) and self.names == other.names:
+            return (
+                self.shapes == other.shapes
+                and self.dtypes == other.dtypes
+                and self.checksums == other.checksums
+                and self.nnz == other.nnz
+                and self.encs == other.encs
+            )
+        return isinstance(other, Mapping) and dict(self.items()) == dict(other.items())
+
+    __hash__ = None  # type: ignore[assignment]  # a mapping
+
+    def __repr__(self) -> str:
+        return f"TensorTable({len(self)} tensors)"
+
+
+_NO_ENC: dict[str, Any] = {}  # marks a missing `enc` (each entry gets its own empty dict)
+_EMPTY_TABLE = TensorTable([], [], [], [], [], [])
+_TABLE_MARK = "\x00vllm-delta tensor table\x00"  # where VersionHeader.to_json puts the table's text
+_TABLE_MARK_JSON = json.dumps(_TABLE_MARK)
+_SEPARATORS = (",", ":")
+
+
+def _enc_text(enc: dict[str, Any]) -> str:
+    """One entry's `enc` as json.dumps(sort_keys) writes it; the chunked codec's {at, start} directly."""
+    if len(enc) == 2 and type(enc.get("at")) is int and type(enc.get("start")) is int:
+        return f'{{"at":{enc["at"]},"start":{enc["start"]}}}'
+    if not enc:
+        return "{}"
+    return json.dumps(enc, separators=_SEPARATORS, sort_keys=True)
+
+
+def _nnz_fits(nnz: int, numel: int) -> bool:
+    return 0 <= nnz <= numel
+
+
 @dataclass
-class PartInfo:
+class PartInfo(Closed):
     """What a part file (format version 2) says about itself."""
 
     index: int  # 0 <= index < count
@@ -109,57 +323,66 @@ class PartInfo:
 
 
 @dataclass
-class VersionHeader:
+class VersionHeader(Closed):
+    """The `header` of a version file's metadata: a JSON object through the wire codec (wire.py), keys
+    sorted, no spaces. A header with a key this reader does not know is refused (a newer format)."""
+
     version: int
     kind: VersionKind
-    tensors: dict[str, TensorEntry]
+    tensors: TensorTable  # a dict of TensorEntry is taken too (made a table)
     checksum: str  # whole-model checksum at this version
     base: int | None = None  # deltas: the version they apply to
     base_checksum: str | None = None  # deltas: whole-model checksum of the base
     codec: str | None = None  # deltas
     format_version: int = FORMAT_VERSION
-    created: float = 0.0
+    created: Number = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
-    part: PartInfo | None = None  # part files only
-    enc: dict[str, Any] = field(default_factory=dict)  # format 3: the file-level codec's metadata
+    part: PartInfo | None = omit_none()  # part files only (one-file headers are exactly format 1)
+    # format 3: the file-level codec's metadata (absent from formats 1 and 2: what their readers know)
+    enc: dict[str, Any] = omit_when(lambda h: h.format_version < STREAMS_FORMAT_VERSION, default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.tensors, TensorTable):
+            self.tensors = TensorTable.of(self.tensors)
 
     @property
     def nnz(self) -> int:
-        return sum(t.nnz for t in self.tensors.values())
+        return sum(self.tensors.nnz)
 
     @property
     def numel(self) -> int:
-        return sum(t.numel for t in self.tensors.values())
+        return sum(self.tensors.numels())
 
     def to_json(self) -> str:
-        doc = asdict(self)
-        if self.part is None:
-            del doc["part"]  # one-file headers are exactly format 1
-        if self.format_version < STREAMS_FORMAT_VERSION:
-            del doc["enc"]  # headers of formats 1 and 2 are exactly what their readers know
-        return json.dumps(doc, separators=(",", ":"), sort_keys=True)
+        """Keys sorted, no spaces. The tensor table is written as text by the table itself (the same
+        bytes `json.dumps` makes of its plain form, without a dict per tensor) into the rest."""
+        doc = wire.encode(dataclasses.replace(self, tensors=_EMPTY_TABLE))
+        doc["tensors"] = _TABLE_MARK
+        text = json.dumps(doc, separators=(",", ":"), sort_keys=True)
+        head, mark, tail = text.rpartition(_TABLE_MARK_JSON)
+        if not mark or _TABLE_MARK_JSON in head:  # a field of the header holds the mark's text: no shortcut
+            return json.dumps(wire.encode(self), separators=(",", ":"), sort_keys=True)
+        return head + self.tensors.to_json() + tail
 
     @classmethod
     def from_json(cls, text: str, *, where: str = "") -> VersionHeader:
         try:
             raw = json.loads(text)
-            fv = raw.get("format_version")
-            if fv not in READ_FORMAT_VERSIONS:
+            fv = raw.get("format_version") if isinstance(raw, dict) else None
+            if isinstance(fv, bool) or fv not in READ_FORMAT_VERSIONS:
                 raise FormatError(
                     f"unknown format version {fv!r} in {where or 'header'} (this reader knows "
                     f"{', '.join(map(str, READ_FORMAT_VERSIONS))})",
-                    version=raw.get("version"),
+                    version=raw.get("version") if isinstance(raw, dict) else None,
                 )
             if fv != STREAMS_FORMAT_VERSION and (fv == PART_FORMAT_VERSION) != ("part" in raw):
                 raise FormatError(f"format version {fv} {'needs' if fv == 2 else 'has no'} a part description")
             if fv != STREAMS_FORMAT_VERSION and "enc" in raw:
                 raise FormatError(f"format version {fv} has no file-level codec metadata")
-            tensors = {name: TensorEntry(**entry) for name, entry in raw.pop("tensors").items()}
-            part = raw.pop("part", None)
-            header = cls(tensors=tensors, part=PartInfo(**part) if part is not None else None, **raw)
+            header = wire.decode(cls, raw)
         except FormatError:
             raise
-        except (ValueError, TypeError, KeyError, AttributeError) as exc:
+        except (ValueError, TypeError) as exc:
             raise FormatError(f"malformed version header in {where or 'file'}: {exc}") from None
         header.validate()
         return header
@@ -176,13 +399,7 @@ class VersionHeader:
             raise FormatError("format version 3 is a delta with its file-level codec metadata", version=v)
         if not is_hex(self.checksum) or not (self.base_checksum is None or is_hex(self.base_checksum)):
             raise FormatError("checksum and base_checksum must be 16 lower-case hex digits", version=v)
-        for name, t in self.tensors.items():
-            if not is_hex(t.checksum):
-                raise FormatError("the checksum must be 16 lower-case hex digits", version=v, tensor=name)
-            if t.dtype not in DTYPES:
-                raise FormatError(f"unsupported dtype {t.dtype!r}", version=v, tensor=name)
-            if not all(isinstance(d, int) and d >= 0 for d in t.shape) or not 0 <= t.nnz <= t.numel:
-                raise FormatError(f"bad shape {t.shape} or nnz {t.nnz}", version=v, tensor=name)
+        self.tensors.check(v)
         if self.part is not None:
             self._validate_part(self.part)
 
@@ -619,7 +836,7 @@ class Version:
         self.header = VersionHeader(
             version=v,
             kind=first.kind,
-            tensors=tensors,
+            tensors=TensorTable.of(tensors),
             checksum=first.checksum,
             base=first.base,
             base_checksum=first.base_checksum,

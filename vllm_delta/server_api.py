@@ -28,16 +28,28 @@ PauseMode = Literal["keep", "wait", "abort"]  # vLLM's pause modes
 UpdateMode = Literal["keep", "wait", "abort", "inflight"]  # "inflight": no pause (engine_core/reserved.py)
 Method = Literal["delta", "vllm"]  # our scatter | vLLM's load_checkpoint_weight_patches (vllm_path.py)
 Operation = Literal["update", "stage"]
-LabelCause = Literal["keep", "wait", "abort", "inflight", "startup", "pause"]  # why the label changed
+# Why the label changed; "rollback": an engine's writes undone because another engine failed (data parallelism)
+LabelCause = Literal["keep", "wait", "abort", "inflight", "startup", "pause", "rollback"]
 VerifyTrigger = Literal["startup", "request", "audit"]  # what recomputed the live checksum
 
 UPDATE_MODES: tuple[UpdateMode, ...] = get_args(UpdateMode)
 PAUSE_MODES: tuple[PauseMode, ...] = get_args(PauseMode)
 METHODS: tuple[Method, ...] = get_args(Method)
 
-# Test hook: with VLLM_DELTA_TEST_FAULTS=1 an update may name a fault ("commit@<rank>") that makes
-# that rank fail right after its writes, to prove the cross-rank rollback on a real server.
+# Test hook: with VLLM_DELTA_TEST_FAULTS=1 an update may name a fault that makes one rank fail, to prove
+# the rollback across ranks and engines on a real server: "commit@<rank>" right after its writes,
+# "stage@<rank>" while staging (nothing written anywhere); "<step>@<rank>" is that rank of every
+# engine, "<step>@<engine>:<rank>" that rank of one data-parallel engine only.
 FAULTS_ENV = "VLLM_DELTA_TEST_FAULTS"
+FaultStep = Literal["stage", "commit"]
+
+
+def fault_hits(fault: str | None, step: FaultStep, engine: int, rank: int) -> bool:
+    """The test hook's `fault` names this step on this rank of this engine (never without FAULTS_ENV=1)."""
+    if fault is None or os.environ.get(FAULTS_ENV) != "1" or not fault.startswith(f"{step}@"):
+        return False
+    return fault[len(step) + 1 :] in (str(rank), f"{engine}:{rank}")
+
 
 Json = dict[str, Any]
 M = TypeVar("M")
@@ -317,9 +329,32 @@ class Verification:
     expected: str | None  # the checksum kept current until then (None: none was known)
     mismatched: list[str]  # tensors whose sums differ (the first MISMATCHED_NAMES, sorted)
     ms: Millis  # how long the recomputation took
+    # Data parallelism: the checksum recomputed from each engine's copy of the weights (null with one
+    # engine). Engines that share their copy (MoE engines split the experts) show the same one. Any
+    # engine whose copy differs makes `ok` false and names its tensors in `mismatched`; `checksum` is
+    # then the first such engine's.
+    engines: list[EngineChecksum] | None = omit_none()
+
+
+@dataclass(frozen=True)
+class EngineChecksum:
+    engine: int  # vLLM's data-parallel rank
+    checksum: str
 
 
 MISMATCHED_NAMES = 16
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineServed:
+    """One data-parallel engine core in GET /v1/delta/status `engines`: what its ranks said they serve at
+    the last read (start-up, each update, a verification). With several engines they always agree
+    unless something went wrong (`engines_disagree` says what)."""
+
+    engine: int  # vLLM's data-parallel rank
+    ranks: int  # its worker ranks
+    version: int | None
+    version_checksum: str | None  # what that version's header records
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -344,6 +379,11 @@ class ServerStatus:
     last_failure: Failure | None = None
     follow: FollowStatus | None = None
     verification: Verification | None = None  # the last recomputation (its `ok` stays false until one passes)
+    # Data parallelism (`--data-parallel-size N`): every engine core's served version (null with one
+    # engine); `engines_disagree` says how they differ when they do (then `version` is the lowest any
+    # engine serves, the server is not ready and every update is refused: restart it).
+    engines: list[EngineServed] | None = omit_none()
+    engines_disagree: str | None = omit_none()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -397,6 +437,7 @@ class CommitSwitch:
     engine_step: int
     time: float
     switch: dict[str, int]
+    engine: int | None = omit_none()  # data parallelism: the engine core the commit ran on
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -412,3 +453,5 @@ class Timeline:
     id: str | None = omit_none()
     choices: list[ChoiceSpans] | None = omit_none()
     commits: list[CommitSwitch] | None = omit_none()
+    # Data parallelism: every engine core's own timeline, in engine order (the top level is engine 0's)
+    engines: list[Timeline] | None = omit_none()

@@ -33,7 +33,7 @@ from .format import (
     STREAMS_FORMAT_VERSION,
     PartInfo,
     PayloadWriter,
-    TensorEntry,
+    TensorTable,
     VersionHeader,
     payload_key,
     write,
@@ -147,20 +147,19 @@ def _delta_header(
     file_enc: dict[str, Any],
     format_version: int,
 ) -> VersionHeader:
-    entries = {
-        name: TensorEntry(
-            shape=list(t.shape),
-            dtype=DTYPE_NAMES[t.dtype],
-            checksum=to_hex(t.checksum),
-            nnz=t.nnz,
-            enc=tensor_enc.get(name, {}),
-        )
-        for name, t in tensors.items()
-    }
+    names, values = list(tensors), list(tensors.values())
+    table = TensorTable(  # columns: no object per tensor (a model of tens of thousands of tensors)
+        names,
+        [list(t.shape) for t in values],
+        [DTYPE_NAMES[t.dtype] for t in values],
+        [to_hex(t.checksum) for t in values],
+        [t.nnz for t in values],
+        [tensor_enc.get(name) or {} for name in names],
+    )
     return VersionHeader(
         version=of.version,
         kind="delta",
-        tensors=entries,
+        tensors=table,
         checksum=of.checksum or to_hex(combine((n, t.checksum) for n, t in tensors.items())),
         base=of.base,
         base_checksum=of.base_checksum,
@@ -265,10 +264,14 @@ def encode_anchor(
     header = VersionHeader(
         version=version,
         kind="anchor",
-        tensors={
-            n: TensorEntry(shape=list(t.shape), dtype=DTYPE_NAMES[t.dtype], checksum=to_hex(sums[n]), nnz=t.numel())
-            for n, t in tensors.items()
-        },
+        tensors=TensorTable(
+            list(tensors),
+            [list(t.shape) for t in tensors.values()],
+            [DTYPE_NAMES[t.dtype] for t in tensors.values()],
+            [to_hex(sums[n]) for n in tensors],
+            [t.numel() for t in tensors.values()],
+            [{} for _ in tensors],
+        ),
         checksum=to_hex(combine(sums.items())),
         created=created,
     )
@@ -288,19 +291,19 @@ def encode_anchor_part(
 ) -> tuple[VersionHeader, dict[str, torch.Tensor]]:
     """One part of a sharded anchor: every tensor's shape and whole-tensor checksum (`sums`), and the
     rows this part owns (`slices`, under the tensors' names; `part.rows` says which rows)."""
-    entries = {}
-    for name, shape in shapes.items():
-        owned = slices.get(name)
-        entries[name] = TensorEntry(
-            shape=[int(d) for d in shape],
-            dtype=DTYPE_NAMES[dtype],
-            checksum=to_hex(sums[name]),
-            nnz=int(owned.numel()) if owned is not None else 0,
-        )
+    names = list(shapes)
+    table = TensorTable(
+        names,
+        [[int(d) for d in shape] for shape in shapes.values()],
+        [DTYPE_NAMES[dtype]] * len(names),
+        [to_hex(sums[name]) for name in names],
+        [int(s.numel()) if (s := slices.get(name)) is not None else 0 for name in names],
+        [{} for _ in names],
+    )
     header = VersionHeader(
         version=version,
         kind="anchor",
-        tensors=entries,
+        tensors=table,
         checksum=checksum,
         created=created,
         format_version=PART_FORMAT_VERSION,

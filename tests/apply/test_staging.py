@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
+import logging
+import re
 
+import numpy as np
 import pytest
 import torch
+import zstandard
 
 from vllm_delta import codec as codecs
 from vllm_delta.apply.staging import Decoder, Item
-from vllm_delta.codec.chunked import FileStreams
+from vllm_delta.codec.chunked import FileStreams, gpu
 from vllm_delta.errors import CodecError, IntegrityError, PositionError
 from vllm_delta.testing.apply_fixtures import apply_diffs, realistic_diffs
 
@@ -73,12 +78,12 @@ def _file_items(tensors, chunk_elems=128):
     ]
 
 
-def _decode(items, codec, device, chunk_elems=100, threads=3):
+def _decode(items, codec, device, chunk_elems=100, threads=3, timings=None):
     dec = Decoder(device, chunk_elems=chunk_elems, threads=threads)
     out = {}
     for width in (2, 4):
         group = [it for it in items if it.dtype.itemsize == width]
-        for ch in dec.decode(7, codec, group, width, {}):
+        for ch in dec.decode(7, codec, group, width, {} if timings is None else timings):
             for t in ch.t_idx.unique().tolist():
                 m = ch.t_idx == t
                 pos, vals = ch.p[m], (ch.diffs if ch.diffs is not None else ch.values)[m]
@@ -276,7 +281,7 @@ def _chunked_version_file(tmp_path, tensors):
     return fmt.VersionFile(path), shapes
 
 
-def test_one_file_chunked_versions_stage_from_arrays_like_items(tmp_path, monkeypatch):
+def test_one_file_chunked_versions_stage_from_arrays_like_items(tmp_path):
     """`changed_items` reads a one-file format-3 version straight into FilePieces (no per-tensor
     objects, what a mixture of experts needs); they decode as the per-piece Items do."""
     from vllm_delta.apply import staging
@@ -287,8 +292,7 @@ def test_one_file_chunked_versions_stage_from_arrays_like_items(tmp_path, monkey
     dl = DeviceLayout(Layout.identity({**shapes, "untouched": (9,)}), torch.device("cpu"))
     fast = staging.changed_items(vf, dl)[2]
     assert isinstance(fast, staging.FilePieces) and fast.names == [n for n, *_ in tensors]
-    monkeypatch.setattr(staging, "_file_pieces", lambda *a: None)
-    slow = staging.changed_items(vf, dl)[2]
+    slow = staging._piece_items(vf, dl)[2]  # what multi-part versions take
     assert isinstance(slow, list)
     assert staging.item_indices(fast) == staging.item_indices(slow)
     got = {}
@@ -306,12 +310,98 @@ def test_malformed_piece_metadata_in_a_one_file_version_names_the_tensor(tmp_pat
     from vllm_delta.apply import staging
     from vllm_delta.apply.layout import DeviceLayout, Layout
 
+    """Read straight off the header (FilePieces) or piece by piece (Items), the codec's decoder
+    checks each piece's metadata and names the tensor."""
     tensors = [t for t in _tensors(6) if t[3].dtype == torch.int16]
     vf, shapes = _chunked_version_file(tmp_path, tensors)
-    vf.header.tensors["sparse"].enc = {"start": 0}  # no "at"
+    vf.header.tensors["sparse"] = dataclasses.replace(vf.header.tensors["sparse"], enc={"start": 0})  # no "at"
     dl = DeviceLayout(Layout.identity(shapes), torch.device("cpu"))
-    items = staging.changed_items(vf, dl)[2]
-    assert isinstance(items, list)  # the per-piece path, which checks each tensor's metadata
-    with pytest.raises(CodecError, match="lacks 'at'") as exc:
-        list(Decoder(torch.device("cpu"), threads=1).decode(7, "chunked", items, 2, {}))
-    assert exc.value.tensor == "sparse"
+    fast = staging.changed_items(vf, dl)[2]
+    assert isinstance(fast, staging.FilePieces)
+    slow = staging._piece_items(vf, dl)[2]
+    assert isinstance(slow, list)  # the per-piece path
+    for items in (fast, slow):
+        with pytest.raises(CodecError, match="lacks 'at'") as exc:
+            list(Decoder(torch.device("cpu"), threads=1).decode(7, "chunked", items, 2, {}))
+        assert exc.value.tensor == "sparse"
+
+
+class _StandInZstd:
+    """A stand-in for nvCOMP's zstd (codec/chunked/gpu.GpuZstd), made of zstandard on the CPU: no
+    GPU here, and the chunked decoder's GPU path (hash check before inflating, one call per run,
+    sizes checked after, the CPU fallback on a failure) is control flow that must hold without one.
+    The real backend runs in tests/test_codec_gpu.py (`pytest -m gpu`)."""
+
+    version = "stand-in"
+
+    def __init__(self, fail: str | None = None):
+        self.fail, self.calls = fail, 0
+
+    def decompress(self, src, offsets, sizes, dst, dst_offsets, dst_sizes):
+        self.calls += 1
+        if self.fail == "raise":
+            raise RuntimeError("stand-in: out of memory")
+        raw, got = src.numpy(), []
+        for a, n, d, m in zip(offsets.tolist(), sizes.tolist(), dst_offsets.tolist(), dst_sizes.tolist()):
+            data = zstandard.ZstdDecompressor().decompress(raw[a : a + n].tobytes(), max_output_size=m)
+            dst[d : d + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            got.append(len(data) - (1 if self.fail == "short" else 0))
+        return np.array(got, dtype=np.int64)
+
+
+@pytest.mark.parametrize("fail", [None, "raise", "short", "corrupt"])
+def test_chunked_gpu_path_control_flow_with_a_stand_in_backend(monkeypatch, caplog, fail):
+    """The GPU path of the chunked staging decoder, its backend stood in for (see _StandInZstd):
+    it decodes what the CPU path decodes and times "inflate"; a backend failure falls back to the
+    CPU path with a warning, same result; a short frame or a corrupt chunk is a CodecError naming
+    the version, a tensor and the chunk."""
+    tensors = _tensors(seed=4)
+    items = _file_items(tensors)
+    ref = _decode(items, "chunked", torch.device("cpu"), chunk_elems=256)
+    if fail == "corrupt":
+        items = _corrupt_chunked(items, "byte")
+    backend = _StandInZstd(fail if fail in ("raise", "short") else None)
+    monkeypatch.setattr(gpu, "backend", lambda device: (backend, ""))
+    timings: dict[str, float] = {}
+    if fail in ("short", "corrupt"):
+        with pytest.raises(CodecError) as exc:
+            _decode(items, "chunked", torch.device("cpu"), chunk_elems=256, threads=2)
+        want = "frame decompressed to" if fail == "short" else "chunk 3 .*corrupt"
+        assert exc.value.version == 7 and exc.value.tensor in {it.name for it in items}
+        assert re.search(want, str(exc.value)), str(exc.value)
+        assert backend.calls == (0 if fail == "corrupt" else 1)  # a chunk's hash is checked before inflating
+        return
+    with caplog.at_level(logging.WARNING, logger="vllm_delta.codec.chunked.decoder"):
+        got = _decode(items, "chunked", torch.device("cpu"), chunk_elems=256, threads=2, timings=timings)
+    assert backend.calls >= 1
+    assert sorted(got) == sorted(ref)
+    for t, (p, d) in ref.items():
+        assert torch.equal(got[t][0], p) and torch.equal(got[t][1], d)
+    warned = [r.getMessage() for r in caplog.records if "GPU decode of version 7 failed" in r.getMessage()]
+    assert ("inflate" in timings) == (fail is None)
+    assert bool(warned) == (fail == "raise")
+
+
+def test_a_codec_registered_without_a_decoder_stages_piece_by_piece():
+    """The registry: a codec registered without a staging decoder is staged through its own
+    unpack/finish, one piece at a time (PieceDecoder), to the same changes as the raw codec's own
+    decoder; a name is registered once; an unknown name is a CodecError naming the version."""
+    from vllm_delta.codec import registry
+    from vllm_delta.codec.decoding import PieceDecoder
+
+    name = "raw-piece-by-piece"
+    if name not in registry.names():
+        registry.register_codec(name, codecs.RawCodec)
+    assert isinstance(registry.get_decoder(name), PieceDecoder)
+    assert not isinstance(registry.get_decoder("raw"), PieceDecoder)
+    with pytest.raises(ValueError, match="already registered"):
+        registry.register_codec(name, codecs.RawCodec)
+    items = _items(_tensors(), "raw")
+    cpu = torch.device("cpu")
+    got, want = _decode(items, name, cpu), _decode(items, "raw", cpu)
+    assert sorted(got) == sorted(want) == [it.index for it in items]
+    for t, (p, v) in want.items():
+        assert torch.equal(got[t][0], p) and torch.equal(got[t][1], v)
+    with pytest.raises(CodecError, match="unknown codec 'lz5'") as exc:
+        _decode(items, "lz5", cpu)
+    assert exc.value.version == 7

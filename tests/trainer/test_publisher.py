@@ -179,12 +179,18 @@ def test_retention_keeps_recent_anchors(tmp_path):
     assert_same_bits(tensors, bf16_image(model))
 
 
-def test_s3_store(tmp_path, s3_server):
-    uri = s3_server.uri("publisher-test")
+@pytest.mark.parametrize("spelling", ["storage_options=", "StoreOptions"])
+def test_s3_store(tmp_path, s3_server, spelling):
+    """The fsspec options reach the store in either spelling: `Publisher(uri, storage_options=...)` (as
+    DeltaStore, pandas and datasets take them) or `options=PublisherOptions(store=StoreOptions(...))`."""
+    uri = s3_server.uri(f"publisher-test-{len(spelling)}")
     model = build_master_model(SPEC, seed=11)
-    with Publisher(
-        uri, anchor_every=3, options=PublisherOptions(store=StoreOptions(storage_options=s3_server.storage_options))
-    ) as pub:
+    if spelling == "StoreOptions":
+        kw = {"options": PublisherOptions(store=StoreOptions(storage_options=s3_server.storage_options))}
+    else:
+        kw = {"storage_options": s3_server.storage_options}
+    with Publisher(uri, anchor_every=3, **kw) as pub:
+        assert pub.store.storage_options == s3_server.storage_options
         pub.publish(model)
         for _ in train_steps(model, 3, seed=11):
             pub.publish(model)

@@ -40,8 +40,11 @@ from vllm_delta.trainer.uploader import Uploader
 # -- options ---------------------------------------------------------------------------------------
 
 
-def test_publisher_takes_at_most_eight_parameters():
-    assert len(inspect.signature(Publisher.__init__).parameters) <= 8
+def test_publisher_takes_at_most_nine_parameters():
+    """self, uri, and the everyday keywords (anchor_every, codec, group, max_staleness, min_replicas,
+    storage_options: the fsspec convention users know from DeltaStore, pandas and datasets); the rest
+    comes in `options`."""
+    assert len(inspect.signature(Publisher.__init__).parameters) <= 9
 
 
 @pytest.mark.parametrize(
@@ -67,8 +70,28 @@ def test_bad_publisher_settings_create_nothing(tmp_path):
         Publisher(str(root), max_staleness=2, options=PublisherOptions(staleness=StalenessPolicy(max_staleness=1)))
     with pytest.raises(ValueError, match="detection backends"):
         Publisher(str(root), options=PublisherOptions(detect=DetectOptions(backend="cuda-magic")))
+    with pytest.raises(ValueError, match="storage_options given twice"):
+        Publisher(
+            str(root),
+            storage_options={"auto_mkdir": True},
+            options=PublisherOptions(store=StoreOptions(storage_options={"auto_mkdir": True})),
+        )
+    with pytest.raises(ValueError, match="storage_options are for a URI"):
+        Publisher(DeltaStore(str(root)), storage_options={"auto_mkdir": True})
     assert set(threading.enumerate()) <= threads  # no upload thread was started
     assert DeltaStore(str(root)).versions() == []
+
+
+def test_storage_options_reach_the_store_in_either_spelling(tmp_path):
+    uri = str(tmp_path / "s")
+    for pub in (
+        Publisher(uri, storage_options={"auto_mkdir": True}),
+        Publisher(uri, options=PublisherOptions(store=StoreOptions(storage_options={"auto_mkdir": True}))),
+    ):
+        with pub:
+            assert pub.store.storage_options == {"auto_mkdir": True} and pub.store.fs.auto_mkdir is True
+    with Publisher(uri) as pub:  # fsspec's default
+        assert pub.store.storage_options == {} and pub.store.fs.auto_mkdir is False
 
 
 def test_staleness_keywords_are_the_short_form_of_the_policy():

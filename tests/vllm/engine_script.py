@@ -95,7 +95,7 @@ def stage_commit(llm, store: dict, ticket: str, versions: list[int], method: str
             break
         assert time.monotonic() < deadline, "staging did not finish"
         time.sleep(0.01)
-    return llm.collective_rpc("delta_commit", kwargs=dict(ticket=ticket, method=method))[0]
+    return llm.collective_rpc("delta_write", kwargs=dict(ticket=ticket, method=method))[0]
 
 
 def task_fresh(args: dict) -> dict:
@@ -199,7 +199,7 @@ def task_mla(args: dict) -> dict:
 
 def task_plain_checkpoint(args: dict) -> dict:
     """An engine loaded from a plain HF directory (a materialized version): outputs, then the layout
-    probe (`delta_prepare`, as the first update or status would run it) and the live checksum."""
+    probe (`delta_probe`, as the first update or status would run it) and the live checksum."""
     from vllm import LLM
 
     os.environ["VLLM_DELTA_STORE"] = args["store"]
@@ -208,7 +208,7 @@ def task_plain_checkpoint(args: dict) -> dict:
     )
     res = {"outputs": greedy(llm, args["prompts"])}
     store = {"uri": args["store"], "storage_options": {}, "cache_dir": args["cache_dir"]}
-    res["prepare"] = llm.collective_rpc("delta_prepare", kwargs=dict(store=store, version=args["version"]))[0]
+    res["prepare"] = llm.collective_rpc("delta_probe", kwargs=dict(store=store, version=args["version"]))[0]
     if "error" not in res["prepare"]:
         res["checksum"] = live_checksum(llm)
         res["coverage"] = llm.collective_rpc("delta_status")[0]["coverage"]

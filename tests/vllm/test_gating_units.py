@@ -48,7 +48,7 @@ def test_bounds_from_the_body_and_the_header():
 
 
 def test_the_server_api_bound_is_the_stores():
-    from vllm_delta import records
+    from vllm_delta.store import records
 
     assert MAX_VERSION == records.MAX_VERSION
 
@@ -98,31 +98,31 @@ def test_a_commit_never_takes_a_running_request_below_its_bound():
         gate.note_served(8)
         await gate.admit(7)  # running with bound 7
         # An upgrade commits under it; a downgrade to 6 is refused while it runs.
-        gate.begin_commit(9)
-        gate.end_commit()
+        gate.begin_update(9)
+        gate.end_update()
         with pytest.raises(VersionBoundConflictError, match="1 running request.*up to 7"):
-            gate.begin_commit(6)
-        gate.begin_commit(7)  # to exactly its bound: allowed
-        gate.end_commit()
+            gate.begin_update(6)
+        gate.begin_update(7)  # to exactly its bound: allowed
+        gate.end_update()
         gate.release(7)
 
         # While a downgrade to 6 commits, a request with bound 7 is held (it could start on 6 otherwise);
-        # a failed downgrade leaves 8 served: it is admitted at end_commit.
-        gate.begin_commit(6)
+        # a failed downgrade leaves 8 served: it is admitted at end_update.
+        gate.begin_update(6)
         assert gate.floor() == 6
         waiter = asyncio.create_task(gate.admit(7))
         await asyncio.sleep(0.1)
         assert not waiter.done()
-        gate.end_commit()
+        gate.end_update()
         assert await waiter > 0
         gate.release(7)
 
         # A successful downgrade: the request is refused after its wait, never admitted on 6.
-        gate.begin_commit(6)
+        gate.begin_update(6)
         waiter = asyncio.create_task(gate.admit(7))
         await asyncio.sleep(0.05)
         gate.note_served(6)
-        gate.end_commit()
+        gate.end_update()
         with pytest.raises(WeightVersionBehindError):
             await waiter
         assert gate.running == {}
@@ -230,11 +230,11 @@ def test_live_sums_kept_current_and_compared():
     )
     assert first.ok and first.expected is None and live.known_for(1)
     # A commit adds the ranks' partials (two ranks here) to the sums kept current.
-    live.committed(1, 2, [{"a": 3}, {"a": MASK64}], {"a": 99, "b": 99})
+    live.applied(1, 2, [{"a": 3}, {"a": MASK64}], {"a": 99, "b": 99})
     assert live.version == 2 and live.sums == {"a": 7, "b": 7}
     # Unknown sums before a commit: the target's recorded ones.
     other = LiveChecksum()
-    other.committed(None, 2, [{"a": 1}], {"a": 8, "b": 9})
+    other.applied(None, 2, [{"a": 1}], {"a": 8, "b": 9})
     assert other.sums == {"a": 8, "b": 9}
     # A recomputation that finds "b" changed behind our back.
     v = live.recomputed(2, {"a": 7, "b": 8}, version_checksum=live.checksum, trigger="request", ms=2)
@@ -281,10 +281,10 @@ def test_status_without_worker_calls_and_verify_catches_a_write(tmp_path):
 
     async def scenario():
         engine = FakeEngine(3, {"w": 11, "v": 12})
-        svc = DeltaService(engine, StoreSpec(str(tmp_path)))
+        svc = DeltaService.of(engine, StoreSpec(str(tmp_path)))
         await svc.startup()
         assert engine.calls == ["delta_status", "delta_set_label"]
-        assert svc.verification is not None and svc.verification.ok
+        assert svc.checks.verification is not None and svc.checks.verification.ok
         engine.calls.clear()
         for _ in range(3):
             st = await svc.status()
@@ -319,7 +319,7 @@ def test_readiness_follows_the_followers_view(tmp_path):
             return self.state.snapshot(self.options)
 
     async def scenario():
-        svc = DeltaService(FakeEngine(3, {"w": 1}), StoreSpec(str(tmp_path)))
+        svc = DeltaService.of(FakeEngine(3, {"w": 1}), StoreSpec(str(tmp_path)))
         assert not svc.readiness(None).ready  # nothing read yet
         await svc.startup()
         svc.follower = Follower()  # type: ignore[assignment]
@@ -332,7 +332,7 @@ def test_readiness_follows_the_followers_view(tmp_path):
         Follower.state.skipped[5] = "corrupt"  # the newest one is bad: nothing left to catch up
         assert svc.readiness(None).ready
         del Follower.state.skipped[5]
-        svc._note_served(5, "x")
+        svc.ranks.note_served(5, "x")
         assert svc.readiness(None).ready
 
     asyncio.run(scenario())
@@ -344,16 +344,18 @@ def test_the_background_audit_recomputes_on_its_own(tmp_path):
 
     async def scenario():
         engine = FakeEngine(3, {"w": 11})
-        svc = DeltaService(engine, StoreSpec(str(tmp_path)))
+        svc = DeltaService.of(engine, StoreSpec(str(tmp_path)))
         await svc.startup()
         svc.start_audit(0.05)
         engine.sums["w"] += 1  # behind the plugin's back
         deadline = time.monotonic() + 10
-        while (svc.verification is None or svc.verification.trigger != "audit") and time.monotonic() < deadline:
+        while (
+            svc.checks.verification is None or svc.checks.verification.trigger != "audit"
+        ) and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
-        v = svc.verification
+        v = svc.checks.verification
         assert v is not None and v.trigger == "audit" and not v.ok and v.mismatched == ["w"]
-        async with svc.lock:  # an update holds the lock: the audit skips its rounds, never waits
+        async with svc.operations.lock:  # an update holds the lock: the audit skips its rounds, never waits
             calls = len(engine.calls)
             await asyncio.sleep(0.3)
             assert len(engine.calls) == calls
@@ -367,13 +369,13 @@ def test_the_background_audit_recomputes_on_its_own(tmp_path):
 
 def test_vllms_own_weight_routes_make_status_re_read_the_workers(tmp_path):
     from vllm_delta.checksums import combine, to_hex
-    from vllm_delta.vllm.api_server.outside import PastThePluginMiddleware
     from vllm_delta.vllm.api_server.service import DeltaService
+    from vllm_delta.vllm.api_server.vllm_routes import PastThePluginMiddleware
     from vllm_delta.vllm.shared.options import StoreSpec
 
     async def scenario():
         engine = FakeEngine(3, {"w": 11})
-        svc = DeltaService(engine, StoreSpec(str(tmp_path)))
+        svc = DeltaService.of(engine, StoreSpec(str(tmp_path)))
         await svc.startup()
         gate_app = App()
         marks = []

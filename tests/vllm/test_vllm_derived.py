@@ -186,8 +186,8 @@ def test_replica_refuses_an_unclaimed_derived_copy(tmp_path):
     store, _ = _toy_store(tmp_path)
     model, replica, files, _ = _loaded_toy(store)
     with pytest.raises(UnsupportedModelError, match="w_t") as info:
-        replica.prepare({n: tuple(e.shape) for n, e in files[-1].header.tensors.items()})
-    assert info.value.tensor == "w" and not replica.prepared
+        replica.probe_layout({n: tuple(e.shape) for n, e in files[-1].header.tensors.items()})
+    assert info.value.tensor == "w" and not replica.probed
 
 
 def test_a_recompute_handler_keeps_the_derived_copy_current(tmp_path):
@@ -201,14 +201,14 @@ def test_a_recompute_handler_keeps_the_derived_copy_current(tmp_path):
 
     register_handler(Handler("toy-transpose", "O(w) copy per update", lambda p: p.path == "w_t", recompute))
     try:
-        replica.prepare({n: tuple(e.shape) for n, e in files[-1].header.tensors.items()})
+        replica.probe_layout({n: tuple(e.shape) for n, e in files[-1].header.tensors.items()})
         replica.served = served_cls.from_header(files[-1].header)
         cov = to_wire(replica.coverage())
         assert cov["recomputed"] == {"tensors": 1, "elements": 24, "names": ["w_t"], "handlers": ["toy-transpose"]}
         assert cov["in_place"]["tensors"] == 2 and not cov["fully_in_place"]
         assert {"name": "toy-transpose", "cost": "O(w) copy per update"} in cov["handlers"]
         replica.stage("t", [store.open(1)])
-        replica.commit("t")
+        replica.write("t")
         assert torch.equal(model.w_t, images[1]["w"].t()) and calls == [["w_t"]]
         replica.rollback("t")
         assert torch.equal(model.w_t, images[0]["w"].t()) and len(calls) == 2

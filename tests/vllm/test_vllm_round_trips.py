@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import uuid
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
@@ -26,6 +27,9 @@ from vllm_delta.store import DeltaStore
 from vllm_delta.store import delta_store as store_module
 from vllm_delta.store import writes as storewrite_module
 from vllm_delta.trainer import Publisher
+
+if TYPE_CHECKING:
+    from vllm_delta.vllm.worker.replica import DeltaReplica
 
 pytestmark = pytest.mark.vllm
 
@@ -47,6 +51,22 @@ class Toy(torch.nn.Module):
         return {"qkv", "wt"}
 
 
+def toy_replica(files) -> DeltaReplica:
+    """A worker's replica of the Toy model at the last of `files` (a version's chain), as --load-format
+    delta leaves it: loaded, probed (one tensor through vLLM's sparse path), serving that version."""
+    from vllm_delta.reconstruct import replay_tensor
+    from vllm_delta.vllm.worker.replica import REPLICA_ATTR, DeltaReplica, Served
+
+    model = Toy()
+    model.load_weights((n, replay_tensor(files, n)) for n in files[-1].header.tensors)
+    replica = DeltaReplica(model)
+    replica.probe_layout({n: tuple(e.shape) for n, e in files[-1].header.tensors.items()})
+    replica.fallback.set_shadow("wt", replay_tensor(files, "wt"))
+    replica.served = Served.from_header(files[-1].header)
+    setattr(model, REPLICA_ATTR, replica)
+    return replica
+
+
 def _publish(uri: str, versions: range, gen: torch.Generator, w: dict[str, torch.Tensor]) -> None:
     with Publisher(uri, anchor_every=100) as pub:
         for version in versions:
@@ -56,13 +76,12 @@ def _publish(uri: str, versions: range, gen: torch.Generator, w: dict[str, torch
 
 
 def test_one_follow_mode_update(tmp_path, monkeypatch):
-    from vllm_delta.reconstruct import open_chain, replay_tensor
+    from vllm_delta.reconstruct import open_chain
     from vllm_delta.vllm.api_server.follower import Follower, FollowOptions
     from vllm_delta.vllm.api_server.service import DeltaService
-    from vllm_delta.vllm.engine_core import reserved as enginecore
+    from vllm_delta.vllm.engine_core import calls as enginecore
     from vllm_delta.vllm.shared.options import StoreSpec
     from vllm_delta.vllm.worker import methods as worker
-    from vllm_delta.vllm.worker.replica import REPLICA_ATTR, DeltaReplica, Served
 
     uri = f"memory://round-trips-{uuid.uuid4().hex[:8]}/run"
     gen = torch.Generator().manual_seed(0)
@@ -71,14 +90,7 @@ def test_one_follow_mode_update(tmp_path, monkeypatch):
     cache = str(tmp_path / "cache")
 
     # The worker: a replica at version 0, as --load-format delta leaves it.
-    files = open_chain(DeltaStore(uri, cache_dir=cache), 0)
-    model = Toy()
-    model.load_weights((n, replay_tensor(files, n)) for n in files[-1].header.tensors)
-    replica = DeltaReplica(model)
-    replica.prepare({n: tuple(e.shape) for n, e in files[-1].header.tensors.items()})
-    replica.fallback.set_shadow("wt", replay_tensor(files, "wt"))
-    replica.served = Served.from_header(files[-1].header)
-    setattr(model, REPLICA_ATTR, replica)
+    model = toy_replica(open_chain(DeltaStore(uri, cache_dir=cache), 0)).model
 
     counts: collections.Counter[str] = collections.Counter()
 
@@ -129,7 +141,7 @@ def test_one_follow_mode_update(tmp_path, monkeypatch):
             return _original(self, *args, **kwargs)
 
         monkeypatch.setattr(DeltaStore, method, counted)
-    # The store's reading half (store.py) and writing half (storewrite.py) each name these.
+    # The store's reading half (delta_store.py) and writing half (writes.py) each name these.
     sha256, version_file = storewrite_module.file_sha256, store_module.VersionFile
 
     def counted_sha256(path):
@@ -145,7 +157,7 @@ def test_one_follow_mode_update(tmp_path, monkeypatch):
         monkeypatch.setattr(module, "VersionFile", counted_version_file)
 
     async def scenario():
-        service = DeltaService(Client(), StoreSpec(uri, cache_dir=cache))
+        service = DeltaService.of(Client(), StoreSpec(uri, cache_dir=cache))
 
         async def apply(version):
             result = await service.follow_update(version, "keep")
@@ -169,7 +181,7 @@ def test_one_follow_mode_update(tmp_path, monkeypatch):
         counts.clear()
         status = await service.status()  # answered from what the API process keeps current
         assert not counts, counts
-        verified = await service.verify("request")  # the explicit recomputation: one worker call
+        verified = await service.checks.verify("request")  # the explicit recomputation: one worker call
         assert counts == {"api:delta_status": 1, "worker:delta_status": 1}, counts
         counts.clear()
         counts.update(update_counts)

@@ -162,7 +162,7 @@ def test_rpc_messages_cross_vllms_msgpack_boundary():
 
     from vllm_delta.checksums import MASK64
     from vllm_delta.errors import WorkerError
-    from vllm_delta.vllm.shared.messages import Committed, ErrorPayload, RankSums, StagePoll, StageSummary, WorkerStatus
+    from vllm_delta.vllm.shared.messages import ErrorPayload, RankSums, StagePoll, StageSummary, WorkerStatus, Written
     from vllm_delta.vllm.shared.rpc import error_reply, reply_error
 
     def wire(value):
@@ -175,7 +175,7 @@ def test_rpc_messages_cross_vllms_msgpack_boundary():
     assert from_wire(RankSums, wire(RankSums(2, {"a": 1 << 63}))) == RankSums(2, {"a": 1 << 63})
     status = WorkerStatus(1, None, None, False, ["x"], [])
     assert from_wire(WorkerStatus, wire(status)) == status
-    assert from_wire(Committed, wire(Committed(0.25))).apply_ms == 0.25
+    assert from_wire(Written, wire(Written(0.25))).apply_ms == 0.25
     reply = MsgpackDecoder().decode(MsgpackEncoder().encode(error_reply(NotSuccessorError("no", version=3))))
     err = reply_error(reply)
     assert err == ErrorPayload("NotSuccessorError", 409, "no (version 3)") and reply_error({"apply_ms": 1.0}) is None
@@ -256,7 +256,7 @@ def test_plugin_registers_everything_once():
     plugin.register()
     assert model_loader._LOAD_FORMAT_TO_MODEL_LOADER["delta"] is DeltaModelLoader
     assert WeightTransferEngineFactory._registry["delta"]().__name__ == "DeltaWeightTransferEngine"
-    for name in ("delta_status", "delta_stage_start", "delta_commit", "delta_rollback"):
+    for name in ("delta_status", "delta_stage_start", "delta_write", "delta_rollback"):
         assert callable(getattr(Worker, name))
 
 
@@ -356,7 +356,7 @@ def test_replica_on_a_toy_model(tmp_path):
     files = open_chain(store, 0)
     model.load_weights((n, replay_tensor(files, n)) for n in files[-1].header.tensors)
     replica = DeltaReplica(model)
-    fallback = replica.prepare({n: tuple(e.shape) for n, e in files[-1].header.tensors.items()})
+    fallback = replica.probe_layout({n: tuple(e.shape) for n, e in files[-1].header.tensors.items()})
     assert list(fallback) == ["wt"] and "strides" in fallback["wt"]
     segs = replica.probe.layout.segments
     assert [s.dst_offset for n in ("q", "k", "v") for s in segs[n]] == [0, 16, 32]
@@ -366,7 +366,7 @@ def test_replica_on_a_toy_model(tmp_path):
     # Two versions in one update, staged then committed; the transposed tensor goes through vLLM's path.
     summary = replica.stage("t", [store.open(1), store.open(2)])
     assert summary.nnz > 0 and set(summary.partials) >= {"q", "wt"}
-    replica.commit("t")
+    replica.write("t")
     assert f"{sum_all(replica):016x}" == checksum(images[2])
     assert torch.equal(model.wt.data, images[2]["wt"].t())
     assert torch.equal(model.qkv.data[4:8], images[2]["k"])
@@ -420,8 +420,9 @@ def test_update_deadline_and_status_while_busy(llama_run, tmp_path):
             return super().local_paths(version, record=record)
 
     async def scenario():
-        svc = DeltaService(FakeEngine(), StoreSpec(llama_run.store, update_timeout_s=0.5))
-        svc._store = SlowStore(llama_run.store)
+        svc = DeltaService.of(
+            FakeEngine(), StoreSpec(llama_run.store, update_timeout_s=0.5), store=SlowStore(llama_run.store)
+        )
         idle = await svc.status()
         assert idle.version == 0 and idle.update_in_progress is None
         task = asyncio.create_task(svc.update(UpdateRequest(1)))
@@ -433,7 +434,7 @@ def test_update_deadline_and_status_while_busy(llama_run, tmp_path):
         assert (busy.version, busy.checksum) == (idle.version, idle.checksum)
         with pytest.raises(StoreTimeoutError, match="did not reach its pause within"):
             await task
-        assert svc.in_progress is None and svc.last_failure.status == 504
+        assert svc.operations.in_progress is None and svc.operations.last_failure.status == 504
         assert (await svc.status()).last_failure.type == "StoreTimeoutError"
 
     asyncio.run(scenario())

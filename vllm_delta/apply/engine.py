@@ -1,4 +1,4 @@
-"""The apply engine: stage versions before the pause, commit them in place inside it, roll back.
+"""The apply engine: stage versions before the pause, write them in place inside it, roll back.
 
 Plain tensors in, plain tensors out: the engine knows nothing of vLLM. It holds the live target
 tensors (written in place, never rebound) and a `Layout` (HF tensor -> local segments).
@@ -6,7 +6,7 @@ tensors (written in place, never rebound) and a `Layout` (HF tensor -> local seg
     staged = engine.stage([vfile, ...])   # decode, translate, gather old values, new values,
                                           # per-tensor checksum partials; nothing is written
     checksums.verify_partials(sums, [staged.partials, ...], header)   # all ranks; raises on mismatch
-    engine.commit(staged)                 # the pause: one fused scatter per element width
+    engine.write(staged)                  # the pause: one fused scatter per element width
     engine.rollback(staged)               # restore the previous bits exactly
 
 Several versions stage into one update (a chain: deltas in order, or an anchor and its deltas),
@@ -15,7 +15,7 @@ so a reader several versions behind catches up in one pause.
 Backends (scatter.py): on CUDA the fused kernels, "cuda" (csrc/, built with torch's extension
 builder the first time an engine is created on a machine, ~30 s, then cached) when it builds, else
 "triton"; on CPU the torch path. `backend=` or VLLM_DELTA_SCATTER_BACKEND chooses. Kernels are
-compiled/loaded during `stage` (a no-op write of one block), never inside `commit`.
+compiled/loaded during `stage` (a no-op write of one block), never inside `write`.
 
 The engine orchestrates; the pieces live beside it: `layout.DeviceLayout` (HF positions -> local
 targets, vectorized), `staging.Decoder` (file -> changes on the device), `chain.merge_chain`
@@ -27,11 +27,11 @@ generating (callers must not wrap it in a stream of their own):
 read + zstd decode on a thread pool into pinned memory, one host-to-device copy, then on the
 device, chunk by chunk (bounded memory): positions from gaps, HF -> local translation (vectorized
 over all tensors), the live bits at the changed places (the rollback buffer), new bits from ULP
-differences, checksum partials, and the fused scatter plan. `commit` is then one kernel launch per
+differences, checksum partials, and the fused scatter plan. `write` is then one kernel launch per
 element width (backends: scatter.py). On CPU the torch path does the same with grouped plans.
-Memory: `StagedUpdate.memory` (8 B per changed bf16 element held until commit/release, ~2x that at
+Memory: `StagedUpdate.memory` (8 B per changed bf16 element held until write/release, ~2x that at
 the peak of staging, 3 B per element of pinned host memory). A staged update records the engine
-state it was staged against; committing it after another commit or rollback raises
+state it was staged against; writing it after another write or rollback raises
 NotSuccessorError (stage again).
 """
 
@@ -70,11 +70,11 @@ class StagedUpdate:
     nnz: int = 0  # local elements written
     bytes: int = 0  # staged device bytes (plans + new + old values)
     timings: dict[str, float] = field(default_factory=dict)  # ms per staging phase, and "total"
-    committed: bool = False
+    written: bool = False
     backend: str = "torch"
     memory: dict[str, int] = field(default_factory=dict)  # staging memory: device peak, held, host
     base_state: int = 0  # engine state this update was staged against
-    state: int = 0  # engine state once committed
+    state: int = 0  # engine state once written
 
     @property
     def version(self) -> int:
@@ -156,7 +156,7 @@ class ApplyEngine:
             if addressing is not None:
                 self._addressing[width] = addressing
         self._decoder = Decoder(self.device, chunk_elems, threads)
-        # The one side stream of staging (decode, translation, plans): ordered against the commit
+        # The one side stream of staging (decode, translation, plans): ordered against the writes
         # by the synchronization at the end of `stage`.
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._stage_lock = threading.Lock()  # one staging at a time: the decoder's buffers are shared
@@ -227,7 +227,7 @@ class ApplyEngine:
             self._stream.synchronize()
 
     def stage(self, files: list[VersionLike]) -> StagedUpdate:
-        """Prepare the versions in `files` (in order) for one in-place commit. Writes nothing."""
+        """Prepare the versions in `files` (in order) for one in-place write. Writes nothing."""
         if not files:
             raise ValueError("nothing to stage")
         t_start = time.perf_counter()
@@ -425,7 +425,7 @@ class ApplyEngine:
             staged.bytes += plan.nbytes + new.numel() * new.element_size() + old.numel() * old.element_size()
 
     def _warmup(self, plan: scatter_ops.FusedPlan, old: torch.Tensor) -> None:
-        """Compile/load the commit kernel for this plan's types now, not inside the pause: write the
+        """Compile/load the write kernel for this plan's types now, not inside the pause: write the
         first block's current bits back (no change)."""
         key = (plan.dtype, plan.rel.dtype)
         if key in self._warm or not plan.size:
@@ -436,20 +436,20 @@ class ApplyEngine:
 
     # -- the pause -------------------------------------------------------------------------
     def _check_current(self, staged: StagedUpdate) -> None:
-        if staged.committed:
-            raise ValueError(f"update to version {staged.version} is already committed")
+        if staged.written:
+            raise ValueError(f"update to version {staged.version} is already written")
         if staged.base_state != self._state:
             raise NotSuccessorError(
-                "staged against other live weights (an update was committed or rolled back since): stage again",
+                "staged against other live weights (an update was written or rolled back since): stage again",
                 version=staged.version,
             )
 
-    def _mark_committed(self, staged: StagedUpdate) -> None:
-        staged.committed = True
+    def _mark_written(self, staged: StagedUpdate) -> None:
+        staged.written = True
         staged.state = next(_STATE)
         self._state = staged.state
 
-    def commit(self, staged: StagedUpdate) -> float:
+    def write(self, staged: StagedUpdate) -> float:
         """Write the staged bits in place. On any failure, restore what was written and re-raise."""
         self._check_current(staged)
         t0 = time.perf_counter()
@@ -464,12 +464,12 @@ class ApplyEngine:
                 scatter_ops.scatter_(plan, bits, staged.backend)
             self._sync()
             raise
-        self._mark_committed(staged)
+        self._mark_written(staged)
         return (time.perf_counter() - t0) * 1e3
 
-    def commit_with(self, staged: StagedUpdate, write: Callable[[], None]) -> float:
-        """Commit `staged` through another writer (`write()` puts the same new bits in place, e.g. vLLM's
-        sparse path): the same state checks as `commit`, and on failure our rollback buffer restores
+    def write_with(self, staged: StagedUpdate, write: Callable[[], None]) -> float:
+        """Write `staged` through another writer (`write()` puts the same new bits in place, e.g. vLLM's
+        sparse path): the same state checks as `write`, and on failure our rollback buffer restores
         every staged element."""
         self._check_current(staged)
         t0 = time.perf_counter()
@@ -478,16 +478,16 @@ class ApplyEngine:
         except BaseException:
             self.rollback(staged)
             raise
-        self._mark_committed(staged)
+        self._mark_written(staged)
         return (time.perf_counter() - t0) * 1e3
 
     def rollback(self, staged: StagedUpdate) -> None:
         """Write back the bits the staged places held at staging time (whoever wrote them since: our
-        commit or another path over the same elements). Roll back later updates first."""
+        write or another path over the same elements). Roll back later updates first."""
         for plan, bits in zip(staged.plans, staged.old_bits):
             scatter_ops.scatter_(plan, bits, staged.backend)
         self._sync()
-        staged.committed = False
+        staged.written = False
         self._state = staged.base_state
 
     def _sync(self) -> None:

@@ -1,23 +1,26 @@
-"""Codecs for the changed elements of a delta (layouts: docs/FORMAT.md), one module per coder.
+"""Codecs for the changed elements of a delta (layouts: docs/FORMAT.md; table: README.md here).
 
 `chunked` (default; format 3)  every changed element of a file in one set of byte and bit planes,
                                cut into independent zstd chunks that a CPU or a GPU (nvCOMP) writes
-                               and reads alike (chunked.py, gpu.py)
+                               and reads alike (chunked/)
 `compact` (formats 1 and 2)    per tensor, gap and ULP-difference byte planes in zstd frames
-                               (compact.py)
+                               (compact/)
 `raw`                          int32/int64 positions + absolute values, the TRL baseline (raw.py)
 
-The shared vocabulary (Changes, Sections, Batch, the checks) lives in base.py.
+The shared vocabulary (Changes, Sections, Batch, the checks) lives in base.py; the interface of a
+server's staging decoder (pieces in, Chunks out) in decoding.py. Codecs are found by name through
+the registry (registry.py: `get_codec`, `get_decoder`), which imports a codec's module the first
+time its name is asked for; so does this package for the codecs' own names (`ChunkedCodec`, ...).
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Mapping
-from typing import Any, TypeGuard
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
 
-from ..errors import CodecError
 from .base import (
     Batch,
     BatchSections,
@@ -35,32 +38,32 @@ from .base import (
     position_dtype,
     segment_ids,
 )
-from .chunked import ChunkedCodec, FilePack, StreamEncoder
-from .compact import (
-    DIFF_ESCAPE,
-    FRAME_ELEMS,
-    GAP_ESCAPE,
-    ZSTD_LEVEL,
-    CompactCodec,
-    Frame,
-    FrameArrays,
-    FrameOrder,
-    decode_frames,
-    decompress_frame,
-    parse_frames,
-    patch_escapes,
-)
-from .raw import RawCodec
+from .decoding import Chunk, CodecDecoder, DecodePlan, Fetch, FilePieces, Item, Pieces, StagingHost
+from .registry import DEFAULT_CODEC, get_codec, get_decoder, names, register_codec
 
-DEFAULT_CODEC = "chunked"
-CODECS: dict[str, Codec] = {"raw": RawCodec(), "compact": CompactCodec(), "chunked": ChunkedCodec()}
+if TYPE_CHECKING:  # imported on first use at run time (__getattr__ below)
+    from .chunked import ChunkedCodec, ChunkedDecoder, FilePack, StreamEncoder
+    from .compact import ZSTD_LEVEL, CompactCodec, CompactDecoder
+    from .raw import RawCodec, RawDecoder
+
+_LAZY = {  # name -> the codec's module that holds it
+    "ChunkedCodec": "chunked",
+    "ChunkedDecoder": "chunked",
+    "FilePack": "chunked",
+    "StreamEncoder": "chunked",
+    "ZSTD_LEVEL": "compact",
+    "CompactCodec": "compact",
+    "CompactDecoder": "compact",
+    "RawCodec": "raw",
+    "RawDecoder": "raw",
+}
 
 
-def get_codec(name: str, ctx: dict | None = None) -> Codec:
-    try:
-        return CODECS[name]
-    except KeyError:
-        raise err(CodecError, f"unknown codec {name!r} (known: {', '.join(CODECS)})", ctx or {}) from None
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
 
 
 def is_file_level(codec: Codec) -> TypeGuard[FileCodec]:
@@ -104,42 +107,45 @@ def decode(
 
 
 __all__ = [
-    "CODECS",
     "DEFAULT_CODEC",
-    "DIFF_ESCAPE",
-    "FRAME_ELEMS",
-    "GAP_ESCAPE",
     "ZSTD_LEVEL",
     "Batch",
     "BatchSections",
     "Changes",
     "ChunkedCodec",
+    "ChunkedDecoder",
+    "Chunk",
     "Codec",
+    "CodecDecoder",
     "CompactCodec",
+    "CompactDecoder",
     "Ctx",
+    "DecodePlan",
+    "Fetch",
     "FileCodec",
     "FilePack",
     "FilePayload",
-    "Frame",
-    "FrameArrays",
-    "FrameOrder",
+    "FilePieces",
     "HostCopy",
+    "Item",
     "PassEncoder",
+    "Pieces",
     "RawCodec",
+    "RawDecoder",
     "Sections",
+    "StagingHost",
     "StreamEncoder",
     "check_piece",
     "check_positions",
     "decode",
-    "decode_frames",
-    "decompress_frame",
     "encode",
     "err",
     "get_codec",
+    "get_decoder",
     "is_file_level",
-    "parse_frames",
-    "patch_escapes",
+    "names",
     "position_dtype",
+    "register_codec",
     "segment_ids",
     "stream_encoder",
 ]

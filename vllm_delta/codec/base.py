@@ -26,7 +26,7 @@ import torch
 from ..bits import wrap_add
 from ..errors import CodecError, DeltaError, PositionError
 
-Ctx = dict  # {"version": int, "tensor": str}: where an error happened, for its message
+Ctx = dict[str, Any]  # {"version": int, "tensor": str}: where an error happened, for its message
 
 
 @dataclass
@@ -55,7 +55,7 @@ class Sections:
     """Host-side intermediate form of a codec: named numpy arrays plus small metadata."""
 
     arrays: dict[str, np.ndarray] = field(default_factory=dict)
-    meta: dict = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)
 
 
 def host_array(t: torch.Tensor) -> np.ndarray:
@@ -146,7 +146,7 @@ def segment_ids(counts: torch.Tensor, n: int) -> torch.Tensor:
     return torch.cumsum(marks[:n], 0, dtype=torch.int64)
 
 
-def check_positions(pos: torch.Tensor, numel: int, ctx: dict) -> None:
+def check_positions(pos: torch.Tensor, numel: int, ctx: Ctx) -> None:
     """Sorted, unique, within [0, numel). Raises PositionError naming the first offender."""
     if pos.numel() == 0:
         return

@@ -92,7 +92,7 @@ class Copier:
         copied = []
         for v, mark in sorted(src_marks.items()):
             if v not in have or have[v].checksum != mark.checksum:
-                self.dst.write_object(MARKS_DIR, mark_name(v), mark.to_json())
+                self.dst.write_object(MARKS_DIR, mark_name(v), mark.to_json().encode())
                 copied.append(v)
         return copied
 
@@ -101,7 +101,7 @@ class Copier:
         a mark of a version it does not hold (it blocks nothing there; `fleet` and operators see it)."""
         if rec.version not in self.dst.marks():
             mark = BadMark(rec.version, rec.checksum, reason[:1000], time.time(), by)
-            self.dst.write_object(MARKS_DIR, mark_name(rec.version), mark.to_json())
+            self.dst.write_object(MARKS_DIR, mark_name(rec.version), mark.to_json().encode())
 
     def assets(self) -> list[str]:
         """Copy the source's assets that changed since the last copy (each read once per call)."""

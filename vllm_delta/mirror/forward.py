@@ -53,7 +53,7 @@ class LedgerForwarder:
                 if self._sent.get(fid) == report.heartbeat:
                     continue
                 out = dataclasses.replace(report, replica_id=fid, region=report.region or self.region)
-                self.src.write_object(REPLICAS_DIR, f"{fid}.json", out.to_json())
+                self.src.write_object(REPLICAS_DIR, f"{fid}.json", out.to_json().encode())
                 self._sent[fid] = report.heartbeat
                 written += 1
             prefix = f"{self.region}."

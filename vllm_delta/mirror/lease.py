@@ -26,11 +26,12 @@ import os
 import secrets
 import socket
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
+from typing import ClassVar
 
 from ..errors import DeltaError, FormatError, MirrorLeaseError
 from ..store import DeltaStore
-from ..store.records import dump_document, load_document
+from ..wire import Document, Number
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +42,12 @@ LEASE_FORMAT_VERSION = 1
 
 
 @dataclass(frozen=True)
-class LeaseDoc:
+class LeaseDoc(Document):
     """What `mirror/lease.json` says."""
+
+    FORMAT: ClassVar[str] = LEASE_FORMAT
+    FORMAT_VERSIONS: ClassVar[tuple[int, ...]] = (LEASE_FORMAT_VERSION,)
+    DESCRIPTION: ClassVar[str] = "mirror lease"
 
     owner: str
     token: str  # this incarnation of the owner: a restarted mirror (same owner) has a new one
@@ -50,22 +55,8 @@ class LeaseDoc:
     pid: int
     src: str  # the source store's URI
     region: str
-    acquired: float  # unix times
-    heartbeat: float
-
-    def to_json(self) -> bytes:
-        return dump_document(LEASE_FORMAT, LEASE_FORMAT_VERSION, asdict(self))
-
-    @classmethod
-    def from_json(cls, data: bytes) -> LeaseDoc:
-        try:
-            doc = load_document(data, LEASE_FORMAT, LEASE_FORMAT_VERSION)
-            lease = cls(**{k: doc[k] for k in cls.__dataclass_fields__})
-            if not isinstance(lease.owner, str) or not isinstance(lease.heartbeat, (int, float)):
-                raise ValueError("bad owner or heartbeat")
-        except (ValueError, TypeError, KeyError) as exc:
-            raise FormatError(f"unreadable mirror lease: {str(exc)[:200]}") from None
-        return lease
+    acquired: Number  # unix times
+    heartbeat: Number
 
     def describe(self, now: float) -> str:
         return (
@@ -155,7 +146,7 @@ class Lease:
             acquired=self._acquired or now,
             heartbeat=now,
         )
-        self.dst.write_object(LEASE_FOLDER, LEASE_NAME, doc.to_json())
+        self.dst.write_object(LEASE_FOLDER, LEASE_NAME, doc.to_json().encode())
 
 
 __all__ = ["LEASE_FOLDER", "LEASE_NAME", "Lease", "LeaseDoc"]

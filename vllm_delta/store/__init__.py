@@ -1,17 +1,22 @@
 """The store: versions, their files and everything kept beside them (docs/FORMAT.md).
 
-    DeltaStore (delta_store.py)   reads and writes one store: atomic versions, listings, chains,
-                                  the verified download cache, retention, marks
-    writes.py                     the writing half of the commit protocol (data first, record last)
-    records.py                    the record schema (versions/<v>.json, head.json) and its checks
-    fs.py                         fsspec access with deadlines and clear errors
-    cache.py                      the verified download cache and its pruning
-    polling.py                    how `latest()` polls (S3 StartAfter, head.json)
-    retention.py                  which versions retention removes (no I/O)
-    marks.py                      bad-version marks (bad/<v>.json)
-    replicas.py, ledger.py        what replicas report, and the fleet view built from it
+    delta_store.py    DeltaStore     the store's API: listing, chains, opening versions, assets,
+                                     retention; it owns one of each collaborator below
+    fs.py             StoreFS        fsspec access with deadlines, clear errors, warnings given once
+    record_reader.py  RecordReader   the records this process parsed, listings, the head, `latest()`
+    writes.py         VersionWriter  the writing half of the commit protocol: data first, the record
+                                     last, then the head (`DeltaStore.writer`; the store's publish,
+                                     put_part, commit_parts, adopt and discard_parts forward to it)
+    mark_folder.py    MarkFolder     reading and writing bad-version marks (bad/<v>.json)
+    cache.py          DownloadCache  the verified download cache of remote stores and its pruning
+    records.py                       the record schema (versions/<v>.json, head.json), names, checks
+    marks.py                         the mark schema and the rule readers apply (no I/O)
+    polling.py                       how `latest()` polls (S3 StartAfter, head.json)
+    retention.py                     which versions retention removes (no I/O)
+    replicas.py, ledger.py           what replicas report, and the fleet view built from it
 
-`from vllm_delta.store import DeltaStore` is the public import.
+The documents (records, head, marks, replica reports) are `wire.Document`s: their JSON comes from
+their fields through wire.py's codec. `from vllm_delta.store import DeltaStore` is the public import.
 """
 
 from .delta_store import FULL_LISTING_S, LEFTOVER_AGE_S, TMP_PREFIX, DeltaStore, PartRecord, VersionRecord, store_error

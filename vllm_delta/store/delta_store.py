@@ -19,34 +19,27 @@ reads of records and assets bypass fsspec's listing caches; decisions that depen
 it (`fresh=True`); `latest()` never lists every version between full listings (`polling.py`: S3's
 StartAfter, elsewhere `head.json`, which every commit rewrites).
 
-`DeltaStore` is what reads and writes a store; its parts that change for other reasons live beside
-it: the record schema (`records.py`), the filesystem access with its deadlines and errors
-(`fs.py`), the verified download cache (`cache.py`), the retention policy (`retention.py`) and
-the replica reports retention protects (`replicas.py`), how `latest()` polls (`polling.py`) and the
-bad-version marks (`marks.py`), and the writing half of the commit protocol (`writes.py`:
-data files first, the record last, never replaced), which `DeltaStore` inherits.
+`DeltaStore` is what reads and writes a store: the API every caller uses, over collaborators it owns,
+each the home of one concern: `io` (fs.py: filesystem access with its deadlines and errors),
+`record_reader` (record_reader.py: parsed records, listings, the head, how `latest()` polls),
+`writer` (writes.py: the writing half of the commit protocol, data files first, the record last,
+never replaced; `publish`, `put_part`, `commit_parts`, `adopt` and `discard_parts` forward to it),
+`mark_folder` (mark_folder.py: bad-version marks) and the verified download cache (cache.py).
+Schemas and policies without I/O live beside them: records.py, marks.py, replicas.py, retention.py.
+What stays here is what needs several of them: chains and plans, opening a version's files, and
+retention.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
-import weakref
-from collections import OrderedDict
 from collections.abc import Iterable
 from typing import Any
 
-from ..errors import (
-    DeltaError,
-    FormatError,
-    IntegrityError,
-    MissingBaseError,
-    StoreAccessError,
-    VersionNotFoundError,
-)
-from ..format import Version, VersionFile, VersionLike
+from ..errors import IntegrityError, MissingBaseError, VersionNotFoundError
+from ..format import Version, VersionFile, VersionHeader, VersionKind, VersionLike
 from . import replicas
 from .cache import DownloadCache, cache_entries
 from .fs import (
@@ -57,14 +50,14 @@ from .fs import (
     normalize_uri,
     store_error,
 )
-from .marks import MARK_NAME_RE, MARKS_DIR, BadMark, check_reason, default_marker, mark_name, reachable_prefix
+from .mark_folder import MarkFolder
+from .marks import MARKS_DIR, BadMark, check_reason, reachable_prefix
 from .polling import FULL_LISTING_S, LatestPoller
+from .record_reader import RecordReader
 from .records import (
     ASSETS_DIR,
     DATA_DIR,
-    HEAD_NAME,
     MAX_VERSION,
-    RECORD_NAME_RE,
     TMP_PREFIX,
     VERSIONS_DIR,
     DataFile,
@@ -74,17 +67,16 @@ from .records import (
     asset_parts,
     check_object_name,
     check_size,
-    record_name,
 )
 from .retention import LEFTOVER_AGE_S, check_keep_anchors, doomed_versions, is_leftover
-from .writes import VersionWrites
+from .writes import VersionWriter
 
 log = logging.getLogger(__name__)
 
 RECORD_CACHE = cache_entries()  # parsed records kept per store; least recently used go first
 
 
-class DeltaStore(VersionWrites):
+class DeltaStore:
     """Versions of one model in a directory, S3 prefix or Hugging Face bucket (any fsspec URI).
 
     `timeout_s` bounds every remote operation (a download gets `timeout_s + bytes / 5 MB/s`);
@@ -103,13 +95,9 @@ class DeltaStore(VersionWrites):
         self.timeout_s = float(timeout_s)
         self.io = StoreFS(self.uri, self.storage_options, self.timeout_s)
         self._cache = DownloadCache(self.uri, cache_dir)
-        self._records: OrderedDict[int, VersionRecord] = OrderedDict()  # LRU of parsed records
-        self._valid: set[int] = set()  # versions whose records parsed, as of the last listing
-        self._marks_seen: dict[int, tuple[tuple[Any, Any], BadMark]] = {}  # version -> (size, mtime), mark
-        view = _PollView(self)
-        self.poller = LatestPoller(view, view.versions_after if self.io.is_s3 else None)
-        self._warned: set[str] = set()
-        self._lock = threading.Lock()
+        self.record_reader = RecordReader(self.io, capacity=RECORD_CACHE)
+        self.writer = VersionWriter(self.io, self.record_reader)
+        self.mark_folder = MarkFolder(self.io)
 
     def __repr__(self) -> str:
         return f"DeltaStore({self.uri!r})"
@@ -128,99 +116,18 @@ class DeltaStore(VersionWrites):
     def is_local(self) -> bool:
         return self.io.is_local
 
-    # -- paths -------------------------------------------------------------------------------
+    @property
+    def poller(self) -> LatestPoller:
+        """How `latest()` polls (polling.py; its `counts` say what the polls cost)."""
+        return self.record_reader.poller
+
     def _path(self, *parts: str) -> str:
         return self.io.path(*parts)
 
-    def _record_path(self, version: int) -> str:
-        return self._path(VERSIONS_DIR, record_name(version))
-
-    def _ls(self, folder: str) -> list[dict[str, Any]]:
-        """Files directly in `folder`, listed afresh (fsspec caches listings of remote stores)."""
-        return self.io.ls(folder)
-
-    def _warn_once(self, key: str, message: str) -> None:
-        with self._lock:
-            if key in self._warned:
-                return
-            self._warned.add(key)
-        log.warning("%s: %s", self.uri, message)
-
-    # -- records -----------------------------------------------------------------------------
-    def _remember(self, rec: VersionRecord) -> None:
-        with self._lock:
-            self._records[rec.version] = rec
-            self._records.move_to_end(rec.version)
-            while len(self._records) > RECORD_CACHE:
-                self._records.popitem(last=False)
-            self._valid.add(rec.version)
-
-    def _forget(self, version: int) -> None:
-        with self._lock:
-            self._records.pop(version, None)
-            self._valid.discard(version)
-
-    def _load_record(self, version: int, fresh: bool = False) -> VersionRecord | None:
-        """The parsed record (from the cache, or from the store when `fresh` or not cached); None if
-        absent or unreadable."""
-        if not fresh:
-            with self._lock:
-                cached = self._records.get(version)
-                if cached is not None:
-                    self._records.move_to_end(version)
-                    return cached
-        path = self._record_path(version)
-        if not self.is_local:
-            # s3fs's cat_file asks _info, which answers from a cached listing of versions/ when there is
-            # one: a record committed by another process after that listing would look absent forever.
-            self.fs.invalidate_cache(path)
-        try:
-            text = self.io.cat(path, f"reading {VERSIONS_DIR}/{record_name(version)}")
-        except FileNotFoundError:
-            self._forget(version)
-            return None
-        try:
-            rec = VersionRecord.from_json(text, where=path)
-            if rec.version != version:
-                raise FormatError(f"record {path} describes version {rec.version}")
-        except FormatError as exc:
-            # Not fatal: a foreign or damaged record must not hide the other versions.
-            self._warn_once(path, f"ignoring {exc}")
-            self._forget(version)
-            return None
-        self._remember(rec)
-        return rec
-
+    # -- versions and records (record_reader.py) -------------------------------------------------
     def versions(self) -> list[int]:
         """Committed versions, ascending (a fresh listing each call; a record is parsed once)."""
-        found = []
-        for entry in self._ls(VERSIONS_DIR):
-            name = basename(entry["name"])
-            m = RECORD_NAME_RE.match(name)
-            if not m:
-                if not name.startswith(TMP_PREFIX):
-                    self._warn_once(name, f"ignoring {VERSIONS_DIR}/{name}: not a record name")
-                continue
-            v = int(m.group(1))
-            if v in self._valid or self._load_record(v) is not None:
-                found.append(v)
-        found.sort()
-        with self._lock:  # forget records that retention removed meanwhile
-            for gone in self._valid - set(found):
-                self._records.pop(gone, None)
-            self._valid = set(found)
-        self.poller.listed(found[-1] if found else None)
-        return found
-
-    def _newest_listed(self) -> int | None:
-        """The newest version whose record parses, from a listing of the record names (no record is
-        read but the newest ones: `versions()` reads every record it has not parsed yet)."""
-        names = self.io.names(VERSIONS_DIR)
-        numbers = sorted((int(m.group(1)) for n in names if (m := RECORD_NAME_RE.match(n))), reverse=True)
-        for v in numbers:
-            if self._load_record(v) is not None:
-                return v
-        return None
+        return self.record_reader.list_versions()
 
     def latest(self) -> int | None:
         """The newest committed version, read afresh. Between full listings (at least every
@@ -246,34 +153,9 @@ class DeltaStore(VersionWrites):
                 version = max((v for v in self.versions() if v <= below), default=None)
         return None
 
-    def _versions_after(self, version: int) -> list[int]:
-        """S3: the versions whose records sort after `version`'s (one ListObjectsV2 with StartAfter)."""
-        names = self.io.list_after(VERSIONS_DIR, record_name(version))
-        return [int(m.group(1)) for name in names if (m := RECORD_NAME_RE.match(name))]
-
     def head(self) -> StoreHead | None:
         """`head.json` as the store has it now (None: no head, or an unreadable one, warned once)."""
-        try:
-            data = self.io.cat(self._path(HEAD_NAME), f"reading {HEAD_NAME}")
-        except FileNotFoundError:
-            return None
-        try:
-            return StoreHead.from_json(data)
-        except FormatError as exc:
-            self._warn_once(HEAD_NAME, f"ignoring {exc}")
-            return None
-
-    def _advance_head(self, rec: VersionRecord) -> None:
-        """After a commit: `head.json` names `rec`, unless it names a newer version that still exists
-        (a head never moves back while its version is there). Best effort: the version is visible
-        already, and readers find it without the head (the forward check, the next full listing)."""
-        try:
-            head = self.head()
-            if head is not None and head.version > rec.version and self._load_record(head.version, True) is not None:
-                return
-            self.io.write_small(self._path(HEAD_NAME), StoreHead(rec.version, rec.checksum, time.time()).to_json())
-        except (OSError, DeltaError) as exc:
-            log.warning("%s: could not update %s after version %d: %s", self.uri, HEAD_NAME, rec.version, exc)
+        return self.record_reader.read_head()
 
     def resolve(self, version: int | str) -> int:
         """A committed version number from an int, a decimal string or "latest" (read afresh)."""
@@ -286,7 +168,7 @@ class DeltaStore(VersionWrites):
             version = int(version)
         if isinstance(version, bool) or not isinstance(version, int):
             raise ValueError(f"a version is a non-negative integer or 'latest', not {version!r}")
-        if version > MAX_VERSION or self._load_record(version, fresh=True) is None:
+        if version > MAX_VERSION or self.record_reader.load_record(version, fresh=True) is None:
             raise VersionNotFoundError(f"no version {version} in store {self.uri}", version=version)
         return version
 
@@ -294,17 +176,17 @@ class DeltaStore(VersionWrites):
         """A version's commit record; `fresh` reads it from the store even if it was seen before (a
         store wiped and refilled by another run reuses version numbers)."""
         ok = isinstance(version, int) and not isinstance(version, bool) and 0 <= version <= MAX_VERSION
-        rec = self._load_record(version, fresh) if ok else None
+        rec = self.record_reader.load_record(version, fresh) if ok else None
         if rec is None:
             raise VersionNotFoundError(f"no version {version} in store {self.uri}", version=version)
         return rec
 
     def records(self) -> list[VersionRecord]:
-        return [rec for v in self.versions() if (rec := self._load_record(v)) is not None]
+        return [rec for v in self.versions() if (rec := self.record_reader.load_record(v)) is not None]
 
     def _base_of(self, child: VersionRecord, fresh: bool) -> VersionRecord:
         assert child.base is not None  # validated: a delta has a base
-        base = self._load_record(child.base, fresh)
+        base = self.record_reader.load_record(child.base, fresh)
         if base is None:
             raise MissingBaseError(
                 f"version {child.version} is a delta on version {child.base}, which is not in store {self.uri}",
@@ -338,6 +220,51 @@ class DeltaStore(VersionWrites):
                 break  # held's record and what lies below it are not needed
             chain.append(self._base_of(chain[-1], fresh))
         return chain[::-1]
+
+    # -- writing (writes.py: the store's VersionWriter) -------------------------------------------
+    def publish(self, header: VersionHeader, local_path: str, *, move: bool = False) -> VersionRecord:
+        """Commit a one-file version atomically (`VersionWriter.publish`)."""
+        return self.writer.publish(header, local_path, move=move)
+
+    def put_part(self, header: VersionHeader, local_path: str, *, move: bool = False) -> PartRecord:
+        """Upload one part of a multi-part version; nothing becomes visible (`VersionWriter.put_part`)."""
+        return self.writer.put_part(header, local_path, move=move)
+
+    def commit_parts(
+        self,
+        *,
+        version: int,
+        kind: VersionKind,
+        base: int | None,
+        codec: str | None,
+        nnz: int,
+        numel: int,
+        checksum: str,
+        base_checksum: str | None,
+        parts: list[PartRecord],
+        created: float = 0.0,
+    ) -> VersionRecord:
+        """Make a multi-part version visible: its record, last (`VersionWriter.commit_parts`)."""
+        return self.writer.commit_parts(
+            version=version,
+            kind=kind,
+            base=base,
+            codec=codec,
+            nnz=nnz,
+            numel=numel,
+            checksum=checksum,
+            base_checksum=base_checksum,
+            parts=parts,
+            created=created,
+        )
+
+    def adopt(self, rec: VersionRecord, paths: list[str]) -> VersionRecord:
+        """Commit a version copied from another store under its names (`VersionWriter.adopt`)."""
+        return self.writer.adopt(rec, paths)
+
+    def discard_parts(self, parts: Iterable[PartRecord]) -> None:
+        """Remove uploaded parts of a version that is not committed, best effort (`VersionWriter.discard_parts`)."""
+        self.writer.discard_parts(parts)
 
     # -- data files --------------------------------------------------------------------------
     def local_path(self, version: int, *, record: VersionRecord | None = None) -> str:
@@ -394,8 +321,8 @@ class DeltaStore(VersionWrites):
         return vf
 
     def _missing_data(self, rec: VersionRecord, file: str) -> Exception:
-        if not self.io.exists(self._record_path(rec.version)):
-            self._forget(rec.version)
+        if not self.io.exists(self.record_reader.record_path(rec.version)):
+            self.record_reader.forget(rec.version)
             return VersionNotFoundError(f"version {rec.version} was removed from store {self.uri}", version=rec.version)
         return IntegrityError(f"record names data file {file}, which is missing", version=rec.version)
 
@@ -455,28 +382,28 @@ class DeltaStore(VersionWrites):
             self._delete(recs[v])
             if v in marked:  # never before its version is gone: a mark must not vanish while it matters
                 log.info("%s: removing the bad-version mark of deleted version %d", self.uri, v)
-                self.delete_object(MARKS_DIR, mark_name(v))
+                self.mark_folder.delete(v)
         self._remove_leftovers()
         return sorted(deleted)
 
     def _delete(self, rec: VersionRecord) -> None:
-        for path in (self._record_path(rec.version), *(self._path(f) for f in rec.files)):
+        for path in (self.record_reader.record_path(rec.version), *(self._path(f) for f in rec.files)):
             self.io.remove(path, f"deleting {path}")
             if path.endswith(".json"):
-                self._forget(rec.version)
+                self.record_reader.forget(rec.version)
         self.prune_cache(keep=(), versions=[rec.version])
 
     def _remove_leftovers(self) -> None:
         named = {basename(f) for r in self.records() for f in r.files}
         now = time.time()
         for folder in (DATA_DIR, VERSIONS_DIR, ASSETS_DIR, MARKS_DIR):
-            for entry in self._ls(folder):
+            for entry in self.io.ls(folder):
                 name = basename(entry["name"])
                 if is_leftover(folder, name, modified(entry), named=named, now=now):
                     log.info("%s: removing leftover %s/%s", self.uri, folder, name)
                     self.io.remove(entry["name"], f"deleting {folder}/{name}")
 
-    # -- bad-version marks (marks.py) ----------------------------------------------------------------
+    # -- bad-version marks (marks.py, mark_folder.py) -----------------------------------------------
     def mark_bad(self, version: int, reason: str, *, by: str | None = None) -> BadMark:
         """Mark a committed version bad (`bad/<version>.json`): followers never apply it, nor any version
         whose chain passes through it, and the staleness gate stops waiting for replicas to reach them.
@@ -487,56 +414,12 @@ class DeltaStore(VersionWrites):
         check_reason(reason)
         if by is not None and not isinstance(by, str):
             raise ValueError(f"by must be a string, not {by!r:.60}")
-        rec = self.record(version, fresh=True)
-        existing = self._read_mark(version)
-        if existing is not None and existing.matches(rec):
-            return existing
-        mark = BadMark(version, rec.checksum, reason, time.time(), by or default_marker())
-        try:
-            self.write_object(MARKS_DIR, mark_name(version), mark.to_json())
-        except PermissionError as exc:
-            raise StoreAccessError(
-                f"cannot mark version {version} bad: store {self.uri} refuses writes ({exc})", version=version
-            ) from None
-        log.warning("%s: version %d marked bad by %s: %s", self.uri, version, mark.by, reason)
-        return mark
+        return self.mark_folder.mark(self.record(version, fresh=True), reason, by)
 
     def marks(self) -> dict[int, BadMark]:
         """Every readable mark, by version: one listing of `bad/` (its size is the number of marks, not
         of versions) and a read of each mark not seen before. Garbage is skipped with a warning."""
-        out: dict[int, BadMark] = {}
-        for entry in self._ls(MARKS_DIR):
-            name = basename(entry["name"])
-            m = MARK_NAME_RE.match(name)
-            if not m:
-                if not name.startswith(TMP_PREFIX):
-                    self._warn_once(f"{MARKS_DIR}/{name}", f"ignoring {MARKS_DIR}/{name}: not a mark name")
-                continue
-            version, stamp = int(m.group(1)), (entry.get("size"), modified(entry))
-            with self._lock:
-                seen = self._marks_seen.get(version)
-            if seen is not None and seen[0] == stamp:
-                out[version] = seen[1]
-                continue
-            mark = self._read_mark(version)
-            if mark is not None:
-                out[version] = mark
-                with self._lock:
-                    self._marks_seen[version] = (stamp, mark)
-        return out
-
-    def _read_mark(self, version: int) -> BadMark | None:
-        where = f"{MARKS_DIR}/{mark_name(version)}"
-        try:
-            mark = BadMark.from_json(self.read_object(MARKS_DIR, mark_name(version)), where=where)
-            if mark.version != version:
-                raise FormatError(f"{where} marks version {mark.version}")
-        except FileNotFoundError:
-            return None
-        except FormatError as exc:
-            self._warn_once(where, f"ignoring {exc}")
-            return None
-        return mark
+        return self.mark_folder.read_all()
 
     # -- assets and other small mutable objects (the replica ledger) ------------------------------
     def put_asset(self, name: str, data: bytes) -> None:
@@ -567,7 +450,7 @@ class DeltaStore(VersionWrites):
     def list_objects(self, folder: str) -> list[str]:
         """Names of the committed objects directly in `folder` (temporary files skipped), listed afresh."""
         check_object_name(folder, "x")
-        names = (basename(e["name"]) for e in self._ls(folder))
+        names = (basename(e["name"]) for e in self.io.ls(folder))
         return sorted(n for n in names if not n.startswith(TMP_PREFIX))
 
     def delete_object(self, folder: str, name: str) -> None:
@@ -576,32 +459,6 @@ class DeltaStore(VersionWrites):
     def _object_path(self, folder: str, name: str) -> str:
         check_object_name(folder, name)
         return self._path(folder, name)
-
-
-class _PollView:
-    """The store as the poller reads it (polling.PollSource), without widening DeltaStore's API. A weak
-    reference: the store owns the poller, and a cycle would keep a dropped store's cache dir alive."""
-
-    def __init__(self, store: DeltaStore):
-        self._store = weakref.ref(store)
-
-    def _get(self) -> DeltaStore:
-        store = self._store()
-        if store is None:
-            raise RuntimeError("the store was dropped")
-        return store
-
-    def read_head(self) -> StoreHead | None:
-        return self._get().head()
-
-    def load_record(self, version: int, fresh: bool) -> VersionRecord | None:
-        return self._get()._load_record(version, fresh)
-
-    def newest_listed(self) -> int | None:
-        return self._get()._newest_listed()
-
-    def versions_after(self, version: int) -> list[int]:
-        return self._get()._versions_after(version)
 
 
 __all__ = [

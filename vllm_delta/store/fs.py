@@ -1,8 +1,8 @@
 """One store root reached through fsspec: fresh reads, deadlines, and errors that name the store.
 
 What changes here is how the store talks to a filesystem (fsspec options, S3 deadlines and retries,
-the error classes a backend raises, listing caches); what changes in `store.py` is what the store
-reads and writes. Every remote operation has a deadline (`timeout_s`); a timeout raises
+the error classes a backend raises, listing caches); what changes in `delta_store.py` is what the
+store reads and writes. Every remote operation has a deadline (`timeout_s`); a timeout raises
 StoreTimeoutError (504), an unreachable store StoreUnavailableError (503), both naming the store
 (`store_error`). Reads bypass fsspec's listing caches: an object may have changed or just appeared
 since the last listing (docs/FORMAT.md, "Reading").
@@ -13,9 +13,11 @@ from __future__ import annotations
 import builtins
 import contextlib
 import errno
+import logging
 import os
 import secrets
 import shutil
+import threading
 from collections.abc import Iterator
 from datetime import datetime
 from typing import Any
@@ -26,6 +28,8 @@ from fsspec.implementations.local import LocalFileSystem
 
 from ..errors import DeltaError, StoreTimeoutError, StoreUnavailableError
 from .records import TMP_PREFIX
+
+log = logging.getLogger("vllm_delta.store")
 
 DEFAULT_TIMEOUT_S = 60.0  # deadline of one store operation (a download: plus its size at MIN_RATE)
 DOWNLOAD_MIN_BYTES_PER_S = 5e6  # a download of n bytes may take timeout_s + n / this
@@ -128,6 +132,16 @@ class StoreFS:
         self.is_s3 = hasattr(self.fs, "_call_s3")
         if self.is_s3:
             self.fs.retries = 1  # s3fs's own retry loop around botocore's (an attribute, not an option)
+        self._warned: set[str] = set()
+        self._warned_lock = threading.Lock()
+
+    def warn_once(self, key: str, message: str) -> None:
+        """Log a warning naming the store, once per `key` (a file that does not parse, a foreign name)."""
+        with self._warned_lock:
+            if key in self._warned:
+                return
+            self._warned.add(key)
+        log.warning("%s: %s", self.uri, message)
 
     def path(self, *parts: str) -> str:
         return "/".join((self.root, *parts))

@@ -59,7 +59,7 @@ class Ledger:
     def report(self, report: ReplicaReport) -> None:
         """Write (replace) one replica's report."""
         report.validate()
-        self.store.write_object(REPLICAS_DIR, f"{report.replica_id}.json", report.to_json())
+        self.store.write_object(REPLICAS_DIR, f"{report.replica_id}.json", report.to_json().encode())
 
     def remove(self, replica_id: str) -> None:
         self.store.delete_object(REPLICAS_DIR, f"{replica_id}.json")

@@ -20,11 +20,13 @@ import os
 import re
 import socket
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
+from typing import ClassVar
 
 from ..checksums import is_hex
-from ..errors import FormatError, short
-from .records import MAX_VERSION, VersionRecord, dump_document, load_document
+from ..errors import short
+from ..wire import Document, Number
+from .records import MAX_VERSION, VersionRecord
 
 MARKS_DIR = "bad"
 MARK_FORMAT = "vllm-delta-mark"
@@ -46,27 +48,18 @@ def default_marker() -> str:
 
 
 @dataclass(frozen=True)
-class BadMark:
+class BadMark(Document):
     """One version declared bad (one JSON object under `bad/`)."""
+
+    FORMAT: ClassVar[str] = MARK_FORMAT
+    FORMAT_VERSIONS: ClassVar[tuple[int, ...]] = (MARK_FORMAT_VERSION,)
+    DESCRIPTION: ClassVar[str] = "bad-version mark"
 
     version: int
     checksum: str  # the marked record's whole-model checksum: the mark binds to that version of that run
     reason: str
-    created: float  # unix time
+    created: Number  # unix time
     by: str  # who marked it (free text: user@host:pid by default)
-
-    def to_json(self) -> bytes:
-        return dump_document(MARK_FORMAT, MARK_FORMAT_VERSION, asdict(self))
-
-    @classmethod
-    def from_json(cls, data: bytes | str, *, where: str = "mark") -> BadMark:
-        try:
-            doc = load_document(data, MARK_FORMAT, MARK_FORMAT_VERSION)
-            mark = cls(**{f.name: doc[f.name] for f in fields(cls)})
-            mark.validate()
-        except (ValueError, TypeError, KeyError) as exc:
-            raise FormatError(f"unreadable bad-version mark {where}: {str(exc)[:200]}") from None
-        return mark
 
     def validate(self) -> None:
         v = self.version

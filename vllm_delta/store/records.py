@@ -2,22 +2,23 @@
 
 A version is visible iff its record is (docs/FORMAT.md, "Store layout"). This module knows what a
 record says and which names a store uses (folders, record and data file names); it does no I/O:
-`store.py` reads and writes records, `cache.py` verifies downloaded copies of the files a record
-names, `retention.py` decides which records go. A record change (a field, a format version) is made
+`record_reader.py` reads records, `writes.py` writes them, `cache.py` verifies downloaded copies of
+the files a record names, `retention.py` decides which records go. A record's JSON comes from its
+fields through wire.py's codec (`wire.Document`). A record change (a field, a format version) is made
 here and in docs/FORMAT.md.
 """
 
 from __future__ import annotations
 
-import builtins  # VersionRecord has a field named `bytes`
-import json
 import re
-from dataclasses import MISSING, asdict, dataclass, fields
-from typing import Any
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 from ..checksums import is_hex, sum_of_parts
-from ..errors import FormatError, IntegrityError, short
+from ..errors import IntegrityError, short
 from ..format import VersionKind, is_kind
+from ..wire import Document, Number, omit_none, omit_when
 
 RECORD_FORMAT = "vllm-delta-record"
 RECORD_FORMAT_VERSION = 1  # one-file versions
@@ -36,22 +37,6 @@ RECORD_NAME_RE = re.compile(r"^(\d{10})\.json$")
 # groups: version, kind, token, part index (None for a one-file version)
 DATA_NAME_RE = re.compile(r"^(\d{10})\.(anchor|delta)\.([0-9a-f]{16})(?:\.part(\d{5}))?\.safetensors$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
-
-
-def dump_document(kind: str, version: int, body: dict[str, Any]) -> builtins.bytes:
-    """A small versioned JSON object of the store (the head, a mark, a replica report): its format name
-    and format version, then its fields."""
-    return json.dumps({"format": kind, "format_version": version, **body}, sort_keys=True, indent=1).encode()
-
-
-def load_document(data: builtins.bytes | str, kind: str, version: int) -> dict[str, Any]:
-    """The fields of a small versioned JSON object (ValueError if it is not a `kind` v`version` one)."""
-    doc = json.loads(data)
-    if not isinstance(doc, dict) or doc.get("format") != kind:
-        raise ValueError(f"not a {kind} document")
-    if doc.get("format_version") != version:
-        raise ValueError(f"unknown format version {short(doc.get('format_version'))}")
-    return doc
 
 
 def record_name(version: int) -> str:
@@ -79,17 +64,7 @@ class PartRecord:
     file: str  # data file path relative to the store root
     bytes: int  # its size
     checksum: str  # Σ_t key(t) · (partial sum of t over the part's elements): the parts add up to the whole
-    sha256: str | None = None  # hex digest of the part file
-
-    @classmethod
-    def from_dict(cls, doc: dict[str, Any]) -> PartRecord:
-        return cls(file=doc["file"], bytes=doc["bytes"], checksum=doc["checksum"], sha256=doc.get("sha256"))
-
-    def to_dict(self) -> dict[str, Any]:
-        doc = asdict(self)
-        if self.sha256 is None:
-            del doc["sha256"]
-        return doc
+    sha256: str | None = omit_none()  # hex digest of the part file
 
 
 @dataclass(frozen=True)
@@ -101,26 +76,33 @@ class DataFile:
     sha256: str | None
 
 
-@dataclass(frozen=True)
-class VersionRecord:
+@dataclass(frozen=True, kw_only=True)
+class VersionRecord(Document):
     """The commit record of one version, stored as JSON at versions/<version:010d>.json.
 
     One-file versions (record format 1) name their file in `file`; multi-part versions (record
-    format 2) have `file` None and list their parts in `parts` (`bytes` is then the parts' total)."""
+    format 2) have `file` None and list their parts in `parts` (`bytes` is then the parts' total).
+    Keys with a default may be absent (records written before them); unknown keys are ignored."""
+
+    FORMAT: ClassVar[str] = RECORD_FORMAT
+    FORMAT_VERSIONS: ClassVar[tuple[int, ...]] = (RECORD_FORMAT_VERSION, RECORD_PARTS_FORMAT_VERSION)
+    DESCRIPTION: ClassVar[str] = "commit record"
 
     version: int
     kind: VersionKind
     base: int | None
     codec: str | None
-    file: str | None  # data file path relative to the store root (one-file versions)
+    # data file path relative to the store root (one-file versions; absent from format 2)
+    file: str | None = omit_none()
     bytes: int  # size of the data file (of all parts)
     nnz: int  # changed elements (numel for anchors)
     numel: int
     checksum: str  # whole-model checksum at this version
     base_checksum: str | None
-    created: float
-    sha256: str | None = None  # hex digest of the data file (optional: older records have none)
-    parts: tuple[PartRecord, ...] = ()  # multi-part versions, in part order
+    created: Number
+    sha256: str | None = omit_none()  # hex digest of the data file (optional: older records have none)
+    # multi-part versions, in part order (absent from format 1)
+    parts: tuple[PartRecord, ...] = omit_when(lambda rec: not rec.parts, default=())
 
     @property
     def density(self) -> float:
@@ -141,45 +123,18 @@ class VersionRecord:
             return [DataFile(self.file, self.bytes, self.sha256)]
         return [DataFile(p.file, p.bytes, p.sha256) for p in self.parts]
 
-    def to_json(self) -> str:
-        doc = asdict(self)
-        if doc["sha256"] is None:
-            del doc["sha256"]  # exactly what a reader without the field wrote
-        if self.parts:
-            del doc["file"]
-            doc["parts"] = [p.to_dict() for p in self.parts]
-            doc = {"format": RECORD_FORMAT, "format_version": RECORD_PARTS_FORMAT_VERSION, **doc}
-        else:
-            del doc["parts"]  # exactly record format 1
-            doc = {"format": RECORD_FORMAT, "format_version": RECORD_FORMAT_VERSION, **doc}
-        return json.dumps(doc, sort_keys=True, indent=1)
+    def document_version(self) -> int:
+        return RECORD_PARTS_FORMAT_VERSION if self.parts else RECORD_FORMAT_VERSION
 
     @classmethod
-    def from_json(cls, text: str | builtins.bytes, *, where: str = "record") -> VersionRecord:
-        try:
-            doc = json.loads(text)
-            fv = doc.get("format_version")
-            if doc.get("format") != RECORD_FORMAT or fv not in (RECORD_FORMAT_VERSION, RECORD_PARTS_FORMAT_VERSION):
-                raise ValueError(
-                    f"not a {RECORD_FORMAT} v{RECORD_FORMAT_VERSION} or v{RECORD_PARTS_FORMAT_VERSION} document"
-                )
-            # Unknown keys are ignored so that a later minor addition doesn't hide versions; optional
-            # fields (those with a default) may be absent.
-            common = {
-                f.name: doc[f.name]
-                for f in fields(cls)
-                if f.name not in ("file", "parts") and (f.name in doc or f.default is MISSING)
-            }
-            if fv == RECORD_FORMAT_VERSION:
-                rec = cls(file=doc["file"], **common)
-            else:
-                if not isinstance(doc["parts"], list):
-                    raise ValueError("parts must be a list")
-                rec = cls(file=None, parts=tuple(PartRecord.from_dict(p) for p in doc["parts"]), **common)
-            rec.validate()
-        except (ValueError, TypeError, KeyError, AttributeError) as exc:
-            raise FormatError(f"unreadable commit record {where}: {exc}") from None
-        return rec
+    def check_wire(cls, doc: Any) -> None:
+        """What each record format requires beyond its fields' types."""
+        if not isinstance(doc, Mapping):
+            return  # the codec says what is wrong
+        if doc.get("format_version") == RECORD_FORMAT_VERSION and "file" not in doc:
+            raise ValueError("a record of format 1 names its file")
+        if doc.get("format_version") == RECORD_PARTS_FORMAT_VERSION and not isinstance(doc.get("parts"), list):
+            raise ValueError("parts must be a list")
 
     def validate(self) -> None:
         ints = (self.version, self.bytes, self.nnz, self.numel)
@@ -226,7 +181,7 @@ class VersionRecord:
 
 
 @dataclass(frozen=True)
-class StoreHead:
+class StoreHead(Document):
     """`head.json`: the newest committed version as its writer last saw it, rewritten after each commit.
 
     A hint, never the truth: the records are. Readers check it against the record it names (same
@@ -234,25 +189,17 @@ class StoreHead:
     its record and its head, an older publisher that writes none) or that belongs to an earlier run
     of the store costs a listing, never a wrong answer (docs/FORMAT.md, "Reading")."""
 
+    FORMAT: ClassVar[str] = HEAD_FORMAT
+    FORMAT_VERSIONS: ClassVar[tuple[int, ...]] = (HEAD_FORMAT_VERSION,)
+    DESCRIPTION: ClassVar[str] = "store head"
+
     version: int
     checksum: str  # of the record it names
-    written: float  # unix time
+    written: Number  # unix time
 
-    def to_json(self) -> builtins.bytes:
-        return dump_document(HEAD_FORMAT, HEAD_FORMAT_VERSION, asdict(self))
-
-    @classmethod
-    def from_json(cls, data: builtins.bytes | str, *, where: str = HEAD_NAME) -> StoreHead:
-        try:
-            doc = load_document(data, HEAD_FORMAT, HEAD_FORMAT_VERSION)
-            head = cls(version=doc["version"], checksum=doc["checksum"], written=doc["written"])
-            if not _is_int(head.version) or head.version > MAX_VERSION or not is_hex(head.checksum):
-                raise ValueError(f"bad version or checksum: {short(doc)}")
-            if not isinstance(head.written, (int, float)) or isinstance(head.written, bool):
-                raise ValueError("bad written time")
-        except (ValueError, TypeError, KeyError) as exc:
-            raise FormatError(f"unreadable store head {where}: {str(exc)[:200]}") from None
-        return head
+    def validate(self) -> None:
+        if not _is_int(self.version) or self.version > MAX_VERSION or not is_hex(self.checksum):
+            raise ValueError(f"bad version or checksum: {short(self.version)}, {short(self.checksum)}")
 
 
 def asset_parts(name: str) -> list[str]:
@@ -303,7 +250,5 @@ __all__ = [
     "check_object_name",
     "check_size",
     "data_name",
-    "dump_document",
-    "load_document",
     "record_name",
 ]

@@ -13,11 +13,11 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Iterable
-from dataclasses import MISSING, asdict, dataclass, fields
-from typing import Protocol
+from dataclasses import dataclass
+from typing import ClassVar, Protocol
 
 from ..errors import FormatError
-from .records import dump_document, load_document
+from ..wire import Document, Number
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +41,12 @@ def valid_region(region: object) -> bool:
 
 
 @dataclass(frozen=True)
-class ReplicaReport:
+class ReplicaReport(Document):
     """What one server says about itself (one JSON object under `replicas/`)."""
+
+    FORMAT: ClassVar[str] = REPORT_FORMAT
+    FORMAT_VERSIONS: ClassVar[tuple[int, ...]] = (REPORT_FORMAT_VERSION,)
+    DESCRIPTION: ClassVar[str] = "replica report"
 
     replica_id: str
     host: str
@@ -50,10 +54,10 @@ class ReplicaReport:
     checksum: str | None  # the live checksum of the served weights (what /v1/delta/status reports)
     version_checksum: str | None  # what the served version's header records
     newest_seen: int | None  # the newest version the replica has seen in the store
-    last_pause_ms: float | None
+    last_pause_ms: Number | None
     last_error: str | None
-    heartbeat: float  # unix time of this report
-    started: float  # unix time the replica started
+    heartbeat: Number  # unix time of this report
+    started: Number  # unix time the replica started
     # The region of a replica whose report a mirror forwarded from a regional store (vllm_delta.mirror);
     # None for a replica that reports to this store itself. Optional: reports without it parse as None.
     region: str | None = None
@@ -64,19 +68,6 @@ class ReplicaReport:
         if self.newest_seen is None or self.served_version is None:
             return None
         return max(0, self.newest_seen - self.served_version)
-
-    def to_json(self) -> bytes:
-        return dump_document(REPORT_FORMAT, REPORT_FORMAT_VERSION, asdict(self))
-
-    @classmethod
-    def from_json(cls, data: bytes | str, *, where: str = "report") -> ReplicaReport:
-        try:
-            doc = load_document(data, REPORT_FORMAT, REPORT_FORMAT_VERSION)
-            report = cls(**{f.name: doc[f.name] for f in fields(cls) if f.name in doc or f.default is MISSING})
-            report.validate()
-        except (ValueError, TypeError, KeyError) as exc:
-            raise FormatError(f"unreadable replica report {where}: {str(exc)[:200]}") from None
-        return report
 
     def validate(self) -> None:
         if not valid_replica_id(self.replica_id):

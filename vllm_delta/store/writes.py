@@ -1,14 +1,16 @@
 """Writing a version into a store: data files first, the record last (docs/FORMAT.md, "Writing").
 
-`VersionWrites` is the writing half of `DeltaStore` (store.py), kept in its own module because it
-changes for its own reasons (how data lands durably on each store kind, the no-clobber commit of a
-record); `DeltaStore` inherits it. What it needs of the store is declared below (`uri`, `io`, paths,
-the record cache and the head), so the type checker holds the two halves together.
+`VersionWriter` is the writing half of a `DeltaStore`: the store owns one (`DeltaStore.writer`) and
+forwards its writing calls to it. It changes for its own reasons (how data lands durably on each store
+kind, the no-clobber commit of a record, the head that follows each commit) and needs of the store
+only its filesystem access (`fs.StoreFS`) and its record reader (`record_reader.RecordReader`: the
+writer hands it every record it commits, and reads the head and existing records through it).
 
 A version is visible iff its record is, and the record is written only after all its data files are
 complete; data file names carry a random token, so a stale or crashed writer never overwrites
 committed data. A one-file version is committed by `publish`; a multi-part one by `put_part` on every
-rank, then `commit_parts` once; a copy from another store by `adopt`.
+rank, then `commit_parts` once; a copy from another store by `adopt`. After each commit, `head.json`
+names the version (best effort: readers find it without the head).
 """
 
 from __future__ import annotations
@@ -20,19 +22,21 @@ import secrets
 import time
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
 
 from ..errors import DeltaError, FormatError, IntegrityError, VersionExistsError
 from ..format import VersionFile, VersionHeader, VersionKind, is_kind
 from .cache import file_sha256
 from .fs import StoreFS, fsync
+from .record_reader import RecordReader
 from .records import (
     DATA_DIR,
+    HEAD_NAME,
     MAX_PARTS,
     MAX_VERSION,
     TMP_PREFIX,
     VERSIONS_DIR,
     PartRecord,
+    StoreHead,
     VersionRecord,
     check_size,
     data_name,
@@ -47,23 +51,26 @@ os.umask(_UMASK)
 _FILE_MODE = 0o666 & ~_UMASK
 
 
-class VersionWrites:
-    """The writing methods of `DeltaStore` (a mixin: `DeltaStore` is the only class that uses it)."""
+class VersionWriter:
+    """Commits versions into one store (one publisher per store: docs/FORMAT.md, "Publishing")."""
 
-    uri: str
-    io: StoreFS
+    def __init__(self, io: StoreFS, records: RecordReader):
+        self.io = io
+        self.records = records
 
-    if TYPE_CHECKING:  # provided by DeltaStore
+    @property
+    def uri(self) -> str:
+        return self.io.uri
 
-        @property
-        def fs(self) -> Any: ...
-        @property
-        def is_local(self) -> bool: ...
-        def _path(self, *parts: str) -> str: ...
-        def _record_path(self, version: int) -> str: ...
-        def _remember(self, rec: VersionRecord) -> None: ...
-        def _advance_head(self, rec: VersionRecord) -> None: ...
-        def _load_record(self, version: int, fresh: bool = False) -> VersionRecord | None: ...
+    @property
+    def is_local(self) -> bool:
+        return self.io.is_local
+
+    def _path(self, *parts: str) -> str:
+        return self.io.path(*parts)
+
+    def _record_path(self, version: int) -> str:
+        return self.records.record_path(version)
 
     def publish(self, header: VersionHeader, local_path: str, *, move: bool = False) -> VersionRecord:
         """Commit a one-file version atomically. `move=True` hands the file over (renamed or deleted)."""
@@ -100,7 +107,7 @@ class VersionWrites:
             raise
         if move and not consumed:
             os.remove(local_path)
-        self._remember(rec)
+        self.records.remember(rec)
         self._advance_head(rec)
         return rec
 
@@ -174,7 +181,7 @@ class VersionWrites:
             fsync(self._path(DATA_DIR), directory=True)
             os.makedirs(self._path(VERSIONS_DIR), exist_ok=True)
         self._commit_record(rec, secrets.token_hex(8))
-        self._remember(rec)
+        self.records.remember(rec)
         self._advance_head(rec)
         return rec
 
@@ -191,7 +198,7 @@ class VersionWrites:
         rec.validate()
         if len(paths) != len(rec.data_files):
             raise ValueError(f"version {rec.version} has {len(rec.data_files)} files, {len(paths)} given")
-        existing = self._load_record(rec.version, fresh=True)
+        existing = self.records.load_record(rec.version, fresh=True)
         if existing is not None:
             if existing.checksum == rec.checksum and existing.files == rec.files:
                 return existing
@@ -212,7 +219,7 @@ class VersionWrites:
         else:
             rec = dataclasses.replace(rec, sha256=digests[0])
         self._commit_record(rec, secrets.token_hex(8))
-        self._remember(rec)
+        self.records.remember(rec)
         self._advance_head(rec)
         return rec
 
@@ -278,6 +285,24 @@ class VersionWrites:
         for file in files:
             self.io.remove(self._path(file), f"removing {file}")
 
+    def _advance_head(self, rec: VersionRecord) -> None:
+        """After a commit: `head.json` names `rec`, unless it names a newer version that still exists
+        (a head never moves back while its version is there). Best effort: the version is visible
+        already, and readers find it without the head (the forward check, the next full listing)."""
+        try:
+            head = self.records.read_head()
+            if (
+                head is not None
+                and head.version > rec.version
+                and self.records.load_record(head.version, True) is not None
+            ):
+                return
+            self.io.write_small(
+                self._path(HEAD_NAME), StoreHead(rec.version, rec.checksum, time.time()).to_json().encode()
+            )
+        except (OSError, DeltaError) as exc:
+            log.warning("%s: could not update %s after version %d: %s", self.uri, HEAD_NAME, rec.version, exc)
+
     def _commit_record(self, rec: VersionRecord, token: str) -> None:
         if self.is_local:
             self._commit_local_record(rec, token)
@@ -317,7 +342,7 @@ class VersionWrites:
         if self.io.exists(self._record_path(rec.version)):
             raise VersionExistsError(f"version {rec.version} already exists in store {self.uri}", version=rec.version)
         with self.io.guard(f"writing {VERSIONS_DIR}/{record_name(rec.version)}"):
-            self.fs.pipe_file(self._record_path(rec.version), rec.to_json().encode(), **self.io.deadline())
+            self.io.fs.pipe_file(self._record_path(rec.version), rec.to_json().encode(), **self.io.deadline())
 
 
-__all__ = ["VersionWrites"]
+__all__ = ["VersionWriter"]

@@ -95,7 +95,7 @@ class LiveRun:
     ):
         import torch
 
-        from ..trainer import Publisher, PublisherOptions, StoreOptions
+        from ..trainer import Publisher
         from .training import build_master_model
 
         self.spec = spec or TinyModelSpec()
@@ -110,7 +110,7 @@ class LiveRun:
             uri,
             anchor_every=anchor_every,
             codec=codec,
-            options=PublisherOptions(store=StoreOptions(storage_options=storage_options)),
+            storage_options=storage_options,
         )
         self.checksums: dict[int, str] = {}
         self.kinds: dict[int, str] = {}

@@ -139,6 +139,7 @@ class FlatSnapshot:
         self.chunk_elems = max(1, int(chunk_elems))
         self.bits: torch.Tensor | None = None  # flat snapshot
         self.key: list[tuple[str, int, int]] = []  # (name, start, count) of each owned tensor, in order
+        self._planned_for: list[Owned] | None = None  # the list `key` was taken from
         self._offsets: list[int] = []  # flat offset of each owned tensor in `bits`
         self._chunks: list[list[tuple[int, int, int, int]]] = []  # per chunk: (tensor, a, b, dst)
         self._chunk_starts: list[int] = []
@@ -156,10 +157,15 @@ class FlatSnapshot:
     # -- layout ----------------------------------------------------------------------------------
     def matches(self, owned: list[Owned]) -> bool:
         """Whether `owned` has the layout of the last anchor (deltas are taken against it)."""
-        return self.bits is not None and self.key == [(o.name, o.start, o.count) for o in owned]
+        if self.bits is None:
+            return False
+        if owned is self._planned_for:  # the same resolved list (sources.SourceCache): no per-tensor compare
+            return True
+        return self.key == [(o.name, o.start, o.count) for o in owned]
 
     def _plan(self, owned: list[Owned]) -> None:
         self.key = [(o.name, o.start, o.count) for o in owned]
+        self._planned_for = owned
         self._offsets, at = [], 0
         for o in owned:
             self._offsets.append(at)

@@ -237,3 +237,12 @@ def checkpoint_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
         return list(model.named_parameters())
     sources = _sources(model)
     return checkpoint_map(model, sources).tensors(model, sources)
+
+
+def reads_live_memory(model: nn.Module) -> bool:
+    """Whether every tensor `checkpoint_tensors(model)` returns reads the live parameters' memory (plain
+    names or learned views), so a list of them stays right while the parameters stay where they are;
+    False where a checkpoint tensor is converted from live values, a copy, at every publish."""
+    if not conversions(model):
+        return True
+    return all(b.stride is not None for b in checkpoint_map(model).boxes)

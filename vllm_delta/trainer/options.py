@@ -9,8 +9,11 @@
     ))
 
 The everyday settings stay keywords of `Publisher` itself: `anchor_every`, `codec`, `group`,
-`max_staleness`, `min_replicas`. Each dataclass checks its own values when it is built, so a bad
-setting fails at the call site, before any thread, file or process group exists.
+`max_staleness`, `min_replicas`, and `storage_options` (the fsspec convention: `Publisher(uri,
+storage_options={...})`, as `DeltaStore`, pandas and datasets take it; the same as
+`StoreOptions(storage_options=...)`, and giving both is an error). Each dataclass checks its own
+values when it is built, so a bad setting fails at the call site, before any thread, file or process
+group exists.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from typing import Any
 import torch
 
 from ..format import DTYPE_NAMES
+from ..store import DeltaStore
 from .detect import CHUNK_ELEMS
 from .staleness import StalenessPolicy
 
@@ -65,6 +69,22 @@ class StoreOptions:
     def __post_init__(self) -> None:
         if self.keep_anchors is not None and self.keep_anchors < 1:
             raise ValueError(f"keep_anchors must be >= 1 (or None), not {self.keep_anchors}")
+
+    def open_store(self, uri: str | DeltaStore, storage_options: dict[str, Any] | None = None) -> DeltaStore:
+        """The store a Publisher writes: `uri` opened with the fsspec options, given here or as
+        `Publisher(storage_options=...)` (one place, not both), or `uri` itself when it is a store
+        already (which has its own options)."""
+        if storage_options is not None and self.storage_options is not None:
+            raise ValueError(
+                "storage_options given twice: pass Publisher(storage_options=...) or "
+                "PublisherOptions(store=StoreOptions(storage_options=...)), not both"
+            )
+        options = storage_options if storage_options is not None else self.storage_options
+        if isinstance(uri, DeltaStore):
+            if options is not None:
+                raise ValueError(f"storage_options are for a URI: {uri!r} is a store, opened with its own options")
+            return uri
+        return DeltaStore(uri, storage_options=options)
 
 
 @dataclass(frozen=True)

@@ -29,14 +29,13 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import threading
 import time
 from collections.abc import Iterable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 
@@ -46,12 +45,12 @@ from ..errors import PublishError
 from ..format import DTYPE_NAMES, VersionKind
 from ..store import DeltaStore, VersionRecord
 from ..store.marks import BadMark
-from .detect import FlatSnapshot, named_tensors
+from .detect import FlatSnapshot
 from .encode import VersionEncoder
 from .group import Agreement, Proposal, PublishGroup, SingleProcess, UploadsFailed
 from .job import UploadJob
 from .options import PublisherOptions
-from .shard import resolve
+from .sources import SourceCache
 from .staleness import StalenessGate
 from .uploader import Uploader
 
@@ -134,20 +133,24 @@ class Publisher:
         group: ProcessGroup | None = None,
         max_staleness: int | None = None,
         min_replicas: int = 1,
+        storage_options: dict[str, Any] | None = None,
         options: PublisherOptions | None = None,
     ):
-        """`anchor_every`: a full version (anchor) every that many versions. `codec`: "chunked" (the
-        default), "compact" or "raw" (codec/). `group`: a torch.distributed process group (or
-        `torch.distributed.group.WORLD`) whose ranks publish together, each its own part of every
-        version (created collectively: every rank of the group constructs its Publisher).
+        """`uri`: where versions go (a path, `s3://...`, `hf://buckets/...`: any fsspec URI), or a
+        `DeltaStore`. `anchor_every`: a full version (anchor) every that many versions. `codec`:
+        "chunked" (the default), "compact" or "raw" (codec/). `group`: a torch.distributed process
+        group (or `torch.distributed.group.WORLD`) whose ranks publish together, each its own part of
+        every version (created collectively: every rank of the group constructs its Publisher).
         `max_staleness`, `min_replicas`: `publish` waits until that many reporting replicas serve a
-        version at most that far behind (staleness.py).
+        version at most that far behind (staleness.py). `storage_options`: fsspec options for `uri`
+        (S3 endpoint, credentials, ...), as `DeltaStore` takes them (or in
+        `options.store.storage_options`: one of the two).
         `options`: everything else, grouped by job (options.py)."""
         opts = options if options is not None else PublisherOptions()
         if anchor_every < 1:
             raise ValueError("anchor_every must be >= 1")
         staleness = opts.staleness_policy(max_staleness, min_replicas)
-        self.store = uri if isinstance(uri, DeltaStore) else DeltaStore(uri, storage_options=opts.store.storage_options)
+        self.store = opts.store.open_store(uri, storage_options)
         self.codec = codecs.get_codec(codec)
         self.anchor_every = anchor_every
         self.dtype = opts.dtype
@@ -157,6 +160,7 @@ class Publisher:
         )
         self._gate = StalenessGate(self.store, staleness) if staleness is not None else None
         self._chain = _Chain(last=self.store.latest())
+        self._sources = SourceCache()
         self._group: PublishGroup = SingleProcess(self.store)
         if group is not None:
             from .shard_group import ShardGroup  # torch.distributed only where a group is given
@@ -201,7 +205,7 @@ class Publisher:
         try:
             detected = self._detect(agreed, timings)
             t1 = time.perf_counter()
-            names = [name for name, _, _ in agreed.ownership.spec]
+            names = agreed.ownership.names
             sums, nnz = self._group.whole_sums(names, detected.partials, sum(detected.counts), detected.error)
             timings["sums"] = _ms(t1)
             job = self._job(agreed, detected, sums, nnz)
@@ -303,10 +307,7 @@ class Publisher:
 
     def _propose(self, source: Source, version: int | None) -> Proposal:
         v = self._chain.next_version(version)
-        tensors = named_tensors(source)
-        if not tensors:
-            raise ValueError("nothing to publish")
-        own = resolve(tensors, self.rank, self.world)
+        own = self._sources.ownership(source, self.rank, self.world)  # resolved once per model (sources.py)
         chain = self._chain
         anchor = (
             chain.needs_anchor
@@ -359,8 +360,7 @@ class Publisher:
 
     def _job(self, agreed: Agreement, detected: _Detected, sums: dict[str, int], nnz: int) -> UploadJob:
         own, chain = agreed.ownership, self._chain
-        shapes = own.shapes
-        numel = sum(math.prod(s) for s in shapes.values())
+        shapes, numel = own.shapes, own.numel
         return UploadJob(
             version=agreed.version,
             kind="anchor" if agreed.anchor else "delta",

@@ -19,6 +19,7 @@ checks that the gathered row ranges of every sharded tensor tile it without gaps
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -79,17 +80,26 @@ class Ownership:
     owned: list[Owned]  # what this rank publishes, in spec order (non-empty ranges only)
     ranges: dict[str, list[int]]  # sharded tensors: the rows this rank holds, [row0, row1) (may be empty)
 
-    @property
+    # Derived once: an Ownership is reused by every publish of the same tensors (sources.py). Read-only.
+    @functools.cached_property
     def fingerprint(self) -> str:
         return _digest(self.spec)
 
-    @property
+    @functools.cached_property
     def layout_fingerprint(self) -> str:
         return _digest(sorted(self.ranges.items()))
 
-    @property
+    @functools.cached_property
     def shapes(self) -> dict[str, tuple[int, ...]]:
         return {name: shape for name, shape, _ in self.spec}
+
+    @functools.cached_property
+    def names(self) -> list[str]:
+        return [name for name, _, _ in self.spec]
+
+    @functools.cached_property
+    def numel(self) -> int:
+        return sum(math.prod(shape) for _, shape, _ in self.spec)
 
 
 def _digest(obj: object) -> str:

@@ -2,41 +2,45 @@
 
 Every rank calls `publish` at the same step, detects, encodes and uploads only the elements it owns
 (shard.py) as one *part* of the version; rank 0 writes the version's record once every part is
-durable. Per publish, on the training thread (the control group):
+durable. The ranks talk through two channels over the process group's key-value store
+(rendezvous.py: no process group is formed, so creating a Publisher never waits for the other ranks,
+and every wait has the deadline `ShardingOptions(timeout_s)`). Per publish, on the training thread
+(the control channel):
 
-1. `agree`: one small all_gather_object of an `AgreeMessage` (the version number, the tensor-set and
-   layout fingerprints, dtype, codec, whether an anchor is needed, any unraised upload failure). Every
-   rank leaves with the same version and anchor decision, or raises the same error: the upload
-   failures first (PublishError), then any rank's bad input, then the disagreements (ShardingError,
-   naming the tensor and the ranks; the row ranges are gathered and checked only when the layout is
-   new);
-2. `whole_sums`: after one device synchronization, one all_gather_object of per-tensor checksum
-   partials (`PartialSums`), so every rank knows the whole-tensor checksums its part header records.
+1. `agree`: every rank's `AgreeMessage` (the version number, the tensor-set and layout fingerprints,
+   dtype, codec, the store, whether an anchor is needed, any unraised upload failure). Every rank
+   leaves with the same version and anchor decision, or raises the same error: the upload failures
+   first (PublishError), then any rank's bad input, then the disagreements (ShardingError, naming the
+   tensor and the ranks; the row ranges are sent and checked, on rank 0, only when the layout is new);
+2. `whole_sums`: after one device synchronization, rank 0 adds every rank's per-tensor checksum
+   partials (`PartialSums`) and every rank gets the whole-tensor checksums its part header records.
 
-Per version, on each rank's upload thread (the upload group), `commit`: write and upload the part,
-all_gather_object of a `PartReport` (the part's record, its error, or "my base is missing"), rank 0
-commits the record only if every part is in the store, then broadcasts its `Decision` so that every
-rank's `uploaded` future ends the same way. A failure anywhere leaves nothing visible; every rank
-raises at its next `publish`/`flush`, and the next version is an anchor on every rank (decided
-through the control gather). Both groups are gloo groups with a timeout, so a rank that dies makes the
-others raise instead of waiting forever.
+Per version, on each rank's upload thread (the upload channel), `commit`: write and upload the part,
+send a `PartReport` (the part's record, its error, or "my base is missing"); rank 0 commits the record
+only if every part is in the store, and every rank gets its `Decision`, so that every rank's
+`uploaded` future ends the same way. A failure anywhere leaves nothing visible; every rank raises at
+its next `publish`/`flush`, and the next version is an anchor on every rank (decided through the
+control channel). A rank that dies or hangs makes the others raise RankTimeoutError within the
+deadline, naming it.
 """
 
 from __future__ import annotations
 
-import datetime
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
-from ..checksums import add_sums, combine, to_hex
+import numpy as np
+
+from ..checksums import combine, to_hex
 from ..errors import PublishError, ShardingError, StalenessTimeoutError
 from ..format import PartInfo
 from ..store import DeltaStore, PartRecord
 from .encode import WriteFile
 from .group import Agreement, Proposal, UploadsFailed
 from .job import BaseMissing, CommitOutcome, Committed, UploadFailure, UploadJob
+from .rendezvous import RankChannel, group_ranks, group_store, next_instance
 from .shard import Owned, check_layouts, describe_mismatch
 from .staleness import StalenessGate
 
@@ -44,7 +48,6 @@ if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
 log = logging.getLogger(__name__)
-M = TypeVar("M")
 
 
 # -- the messages (pickled by all_gather_object / broadcast_object_list) ----------------------------
@@ -58,6 +61,7 @@ class Terms:
     anchor: bool  # this rank needs an anchor
     dtype: str
     codec: str
+    store: str = ""  # the store's URI: ranks that publish to different stores are refused
 
 
 @dataclass(frozen=True)
@@ -119,6 +123,7 @@ def settle(msgs: Sequence[AgreeMessage]) -> list[Terms] | UploadsFailed:
     _same("version", [t.version for t in terms])
     _same("dtype", [t.dtype for t in terms])
     _same("codec", [t.codec for t in terms])
+    _same("store", [t.store for t in terms])
     return terms
 
 
@@ -144,23 +149,24 @@ def _describe(exc: BaseException) -> str:
 
 
 class ShardGroup:
-    """One rank of a sharded publisher (created collectively: every rank of `group` constructs one)."""
+    """One rank of a sharded publisher. Creating it does no I/O and waits for nobody (rendezvous.py);
+    every rank of `group` creates its Publishers in the same order."""
 
     def __init__(self, group: ProcessGroup, store: DeltaStore, *, timeout_s: float):
         import torch.distributed as dist
 
-        self._dist = dist
         self.store = store
-        ranks = dist.get_process_group_ranks(group)
+        ranks = group_ranks(group)
         self.rank: int = dist.get_rank(group)
         self.world = len(ranks)
-        self._src = ranks[0]  # global rank of the coordinator (group rank 0)
-        timeout = datetime.timedelta(seconds=timeout_s)
-        kw: dict[str, Any] = {"backend": "gloo", "timeout": timeout, "use_local_synchronization": True}
-        self._control = dist.new_group(ranks, **kw)  # the training thread's collectives
-        self._upload = dist.new_group(ranks, **kw)  # the upload thread's
+        kv, instance = group_store(group), next_instance(ranks)
+
+        def channel(name: str) -> RankChannel:
+            return RankChannel(kv, instance=instance, name=name, rank=self.rank, world=self.world, timeout_s=timeout_s)
+
+        self._control = channel("control")  # the training thread's exchanges
+        self._upload = channel("upload")  # the upload thread's
         self._layouts: list[str] | None = None  # every rank's layout fingerprint, as last checked
-        self._upload_broken: str | None = None  # a collective of the upload group failed: no more
 
     # -- the training thread ---------------------------------------------------------------------
     def agree(self, failure: UploadFailure | None, propose: Callable[[], Proposal]) -> Agreement | UploadsFailed:
@@ -174,9 +180,12 @@ class ShardGroup:
             local_exc = None
             o = own.ownership
             msg = AgreeMessage(
-                failure, Terms(own.version, o.fingerprint, o.layout_fingerprint, own.anchor, own.dtype, own.codec)
+                failure,
+                Terms(
+                    own.version, o.fingerprint, o.layout_fingerprint, own.anchor, own.dtype, own.codec, self.store.uri
+                ),
             )
-        msgs = self._collective(lambda: self._gather(msg, self._control))
+        msgs = self._control.all_gather(msg, what="agree")
         try:
             settled = settle(msgs)
         except ShardingError as exc:
@@ -186,30 +195,30 @@ class ShardGroup:
         assert own is not None  # every rank proposed
         spec = own.ownership.spec
         if len({t.tensors for t in settled}) > 1:
-            specs = self._collective(lambda: self._gather(spec, self._control))
-            raise ShardingError("ranks publish different tensors: " + describe_mismatch(specs))
+            mismatch = self._control.exchange(spec, describe_mismatch, what="the tensor sets")
+            raise ShardingError("ranks publish different tensors: " + mismatch)
         layouts = [t.layout for t in settled]
         if layouts != self._layouts:
-            ranges = self._collective(lambda: self._gather(own.ownership.ranges, self._control))
-            check_layouts(spec, ranges)
+            self._control.exchange(own.ownership.ranges, lambda ranges: check_layouts(spec, ranges), what="the layouts")
             self._layouts = layouts
         return Agreement(own.version, own.ownership, anchor=any(t.anchor for t in settled))
 
     def wait_for_replicas(self, gate: StalenessGate, version: int) -> frozenset[int]:
         """Rank 0 reads the ledger; every rank learns the outcome (all publish, or all raise) and the
         marked versions that released the wait."""
-        outcome = GateOutcome(None, frozenset())
+        outcome = None
         if self.rank == 0:
             try:
                 gate.wait(version)
                 outcome = GateOutcome(None, gate.released_by)
             except StalenessTimeoutError as exc:
                 outcome = GateOutcome(str(exc), frozenset())
-        outcomes = self._collective(lambda: self._gather(outcome, self._control))
-        errors = [o.error for o in outcomes if o.error is not None]
-        if errors:
-            raise StalenessTimeoutError(errors[0])
-        return outcomes[0].released_by
+        # The others wait as long as rank 0 may: its staleness deadline, then the group's.
+        with self._control.longer_deadline(gate.policy.timeout_s):
+            agreed: GateOutcome = self._control.broadcast(outcome, what="the staleness wait")
+        if agreed.error is not None:
+            raise StalenessTimeoutError(agreed.error)
+        return agreed.released_by
 
     def whole_sums(
         self, names: list[str], partials: dict[str, int], nnz: int, error: Exception | None
@@ -219,13 +228,12 @@ class ShardGroup:
             if error is not None
             else PartialSums([partials.get(n, 0) for n in names], nnz)
         )
-        msgs = self._collective(lambda: self._gather(mine, self._control))
-        for r, m in enumerate(msgs):
-            if m.error is not None:
-                if error is not None:
-                    raise error
-                raise ShardingError(f"rank {r} failed to detect its changes: {m.error}")
-        return add_sums(dict(zip(names, m.values)) for m in msgs), sum(m.nnz for m in msgs)
+        total = self._control.exchange(mine, add_partials, what="the checksum partials")
+        if total.error is not None:
+            if error is not None:
+                raise error
+            raise ShardingError(total.error)
+        return dict(zip(names, total.values)), total.nnz
 
     def part_of(self, owned: list[Owned], partials: dict[str, int]) -> PartInfo | None:
         return PartInfo(
@@ -238,18 +246,18 @@ class ShardGroup:
     # -- the upload thread -----------------------------------------------------------------------
     def commit(self, job: UploadJob, write: WriteFile, *, base_missing: bool) -> CommitOutcome:
         """Upload this rank's part, agree on the outcome with the other ranks; rank 0 commits."""
-        if self._upload_broken is not None:
-            raise PublishError(f"the publisher group failed earlier: {self._upload_broken}", version=job.version)
+        if self._upload.broken is not None:
+            raise PublishError(f"the publisher group failed earlier: {self._upload.broken}", version=job.version)
         report: PartReport = BaseMissing(job.base) if base_missing else self._put_part(job, write)
         try:
             with job.timed("commit"):
-                reports = self._gather(report, self._upload)
-                decision = self._broadcast(self._decide(job, reports) if self.rank == 0 else None)
+                decision: Decision = self._upload.exchange(
+                    report, lambda reports: self._decide(job, reports), what=f"the commit of version {job.version}"
+                )
         except Exception as exc:  # noqa: BLE001 - a rank died or timed out: the outcome is unknown here
-            self._upload_broken = _describe(exc)
             raise PublishError(
                 f"rank {self.rank}: the publisher group failed while committing "
-                f"({self._upload_broken}); the version is not visible unless rank 0 committed it",
+                f"({_describe(exc)}); the version is not visible unless rank 0 committed it",
                 version=job.version,
             ) from exc
         if isinstance(decision, Committed):
@@ -292,35 +300,24 @@ class ShardGroup:
             log.error("commit of version %d failed: %s", job.version, exc)
             return CommitFailed(f"rank 0 could not commit: {_describe(exc)}")
 
-    # -- collectives -----------------------------------------------------------------------------
-    def _gather(self, obj: M, group: ProcessGroup) -> list[M]:
-        out: list[Any] = [None] * self.world
-        self._dist.all_gather_object(out, obj, group=group)
-        return out
-
-    def _broadcast(self, obj: Decision | None) -> Decision:
-        box = [obj]
-        self._dist.broadcast_object_list(box, src=self._src, group=self._upload)
-        decision = box[0]
-        assert decision is not None
-        return decision
-
-    def _collective(self, fn: Callable[[], M]) -> M:
-        try:
-            return fn()
-        except Exception as exc:  # noqa: BLE001 - a rank died or timed out: nothing of this version exists
-            raise PublishError(f"rank {self.rank}: the publisher group failed ({_describe(exc)})") from exc
-
     def close(self) -> None:
-        for g in (self._control, self._upload):
-            try:
-                self._dist.destroy_process_group(g)
-            except Exception:  # noqa: BLE001 - best effort at shutdown
-                pass
+        self._control.close()
+        self._upload.close()
+
+
+def add_partials(msgs: Sequence[PartialSums]) -> PartialSums:
+    """Rank 0: every rank's partials added up, per tensor (or the first rank's detection error)."""
+    for r, m in enumerate(msgs):
+        if m.error is not None:
+            return PartialSums([], 0, f"rank {r} failed to detect its changes: {m.error}")
+    # uint64 addition wraps mod 2^64, as checksums.add_sums does; one array op instead of world x tensors
+    table = np.array([m.values for m in msgs], dtype=np.uint64).reshape(len(msgs), -1)
+    return PartialSums([int(v) for v in table.sum(axis=0, dtype=np.uint64)], sum(m.nnz for m in msgs))
 
 
 __all__ = [
     "AgreeMessage",
+    "add_partials",
     "GateOutcome",
     "PartReport",
     "PartialSums",

@@ -135,6 +135,6 @@ def watch_parent(name_pattern: re.Pattern[str] = VLLM_CHILD, grace_s: float = WA
 
 
 def install_engine_core_hooks() -> None:
-    from .engine_core.reserved import install
+    from .engine_core.calls import install
 
     install()

@@ -2,7 +2,7 @@
 
 Every store operation is bounded by the store's own `timeout_s` (store.py); the whole of an update
 or prefetch before its pause by `update_timeout_s`. Past it the update fails with StoreTimeoutError
-(504) and nothing is written. The pause itself is never cut short (`clear` before committing).
+(504) and nothing is written. The pause itself is never cut short (`clear` before the writes).
 """
 
 from __future__ import annotations

@@ -44,12 +44,12 @@ from ...server_api import (
 )
 from ..shared import heap, rpc
 from ..shared.messages import HeapAnswer
-from ..shared.options import server_options
+from ..shared.options import NO_STORE, server_options
 from .gating import VersionGate, VersionGateMiddleware
 from .metrics import metrics
-from .outside import PastThePluginMiddleware
 from .service import DeltaService
 from .spans import AttributionMiddleware, SpanStore, spans_for_response, wrap_generate
+from .vllm_routes import PastThePluginMiddleware
 
 log = logging.getLogger(__name__)
 
@@ -89,10 +89,7 @@ def route(handler: Callable[[Request], Awaitable[object]]) -> Callable[[Request]
 def _service(request: Request) -> DeltaService:
     service = getattr(request.app.state, STATE_KEY, None)
     if service is None:
-        raise DeltaError(
-            "vllm-delta has no store: start the server with --load-format delta and "
-            "--model-loader-extra-config '{\"delta_store\": URI}', or set VLLM_DELTA_STORE"
-        )
+        raise DeltaError(NO_STORE)
     return service
 
 
@@ -209,7 +206,7 @@ class DeltaEndpointPlugin:
             log.warning("vllm-delta: no store configured; /v1/delta/* will answer 500 until one is")
             return
         gate = getattr(state, GATE_KEY, None)
-        self.service = service = DeltaService(engine_client, options.store, options.service, gate)
+        self.service = service = DeltaService.of(engine_client, options.store, options.service, gate)
         setattr(state, STATE_KEY, service)
         metrics()  # on /metrics from the start (once per process)
         log.info("vllm-delta: /v1/delta/* serve versions of %s", options.store.uri)
@@ -272,7 +269,9 @@ async def _timeline(request: Request) -> Timeline:
     """GET /v1/delta/timeline[?id=<response id>]: the engine's label history (every update: version,
     label, engine step, time; in-flight commits add each running request's switch index) and, with
     an id, the spans of that response's choices and the commits it lived through."""
-    timeline = await _service(request).engine_core.timeline()
+    timelines = await _service(request).engine_core.timelines()
+    # Data parallelism: engine 0's at the top, every engine's in `engines` (each has its own steps).
+    timeline = timelines[0] if len(timelines) == 1 else dataclasses.replace(timelines[0], engines=timelines)
     response_id = request.query_params.get("id")
     if response_id is None:
         return timeline
@@ -281,8 +280,16 @@ async def _timeline(request: Request) -> Timeline:
     spans = getattr(request.app.state, SPANS_KEY, None)
     ids, choices = spans_for_response(spans, response_id) if spans is not None else ([], [])
     commits = [
-        CommitSwitch(version=h.version, label=h.label, engine_step=h.engine_step, time=h.time, switch=switch)
-        for h in timeline.history
+        CommitSwitch(
+            version=h.version,
+            label=h.label,
+            engine_step=h.engine_step,
+            time=h.time,
+            switch=switch,
+            engine=engine if len(timelines) > 1 else None,
+        )
+        for engine, t in enumerate(timelines)
+        for h in t.history
         if (switch := _switches(h.switch or {}, ids))
     ]
     return dataclasses.replace(timeline, id=response_id, choices=choices, commits=commits)

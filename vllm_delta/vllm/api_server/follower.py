@@ -40,13 +40,13 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from ...errors import DeltaError, http_status
-from ...server_api import FollowStatus
+from ...server_api import FollowStatus, Readiness
 from ...store import DeltaStore
 from ...store.ledger import Ledger, ReplicaReport
 from ...store.marks import Marks, blocked_by, describe, reachable_prefix
 from ..shared.options import FollowOptions
 
-__all__ = ["FollowOptions", "FollowState", "Follower", "default_replica_id", "next_target"]
+__all__ = ["FollowOptions", "FollowState", "Follower", "default_replica_id", "next_target", "readiness"]
 
 log = logging.getLogger(__name__)
 
@@ -277,3 +277,23 @@ def default_replica_id() -> str:
     """Host, process and a random suffix: unique per server process, stable while it runs."""
     host = "".join(c if c.isalnum() or c in "-_." else "-" for c in socket.gethostname())[:40] or "host"
     return f"{host}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+def readiness(served: int | None, min_version: int | None, follower: Follower | None) -> Readiness:
+    """GET /v1/delta/ready: whether to route traffic to a server serving `served`. With `min_version`: the
+    served version reaches it. Without: a version is served and, in follow mode, it is the newest version
+    the follower saw (or that one was skipped as bad): a server that starts or recovers behind is not ready."""
+    following = follower if follower is not None and follower.options.follow else None
+    newest = following.state.newest_seen if following is not None else None
+    reason = None
+    if served is None:
+        reason = "the server serves no store version"
+    elif min_version is not None:
+        if served < min_version:
+            reason = f"the server serves version {served}, below {min_version}"
+    elif following is not None:
+        if newest is None:
+            reason = "its follower has not read the store yet"
+        elif served < newest and newest not in following.state.skipped:
+            reason = f"the server serves version {served}; its follower saw version {newest} in the store"
+    return Readiness(ready=reason is None, version=served, min_version=min_version, newest_seen=newest, reason=reason)

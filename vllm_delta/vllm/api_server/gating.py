@@ -5,30 +5,30 @@ POST /v1/completions and /v1/chat/completions, streamed or not, may name a bound
 `X-Min-Weight-Version` (server_api.py names both; both at once must agree). Then:
 
     served >= bound   the request runs as usual (its `weight_versions` spans show the versions)
-    served <  bound   it waits for a commit that reaches the bound (woken by the commit, never by
+    served <  bound   it waits for an update that reaches the bound (woken by the update, never by
                       polling), at most `delta_min_version_wait_s` (default 5 s), then runs; or it is
                       answered 409 `WeightVersionBehindError` naming the served and required versions.
                       It never runs on older weights.
     malformed bound   400 (negative, not an integer, above any storable version, header and body
                       disagreeing); nothing else happens
 
-    VersionGate            what the API process knows of the served version, the commit in progress,
+    VersionGate            what the API process knows of the served version, the update in progress,
                            and the bounds of the requests running now
     VersionGateMiddleware  pure ASGI middleware in front of the two routes (inside vLLM's --api-key
                            check: endpoint plugins attach before vLLM adds its own middleware)
 
 **A request admitted at >= N never runs on weights older than N, by construction:**
 
-* the served version changes only through commits of the service (API updates and the follower),
-  and every commit tells the gate: `begin_commit(target)` before it stages, `end_commit` after;
-* the gate admits a request only when min(served, the target of the commit in progress) >= its
+* the served version changes only through updates of the service (API updates and the follower),
+  and every update tells the gate: `begin_update(target)` before it stages, `end_update` after;
+* the gate admits a request only when min(served, the target of the update in progress) >= its
   bound, and registers it in the same event-loop step (no await between the check and the count);
-* `begin_commit(target)` refuses a target below the bound of any running request
+* `begin_update(target)` refuses a target below the bound of any running request
   (VersionBoundConflictError, 409), in the same step as it records the target: while a downgrade
-  commits, no request with a higher bound is admitted, and none was running;
-* a commit is every rank or none (shared/commit.py): a failed one leaves the previous weights (>= N).
+  is written, no request with a higher bound is admitted, and none was running;
+* an update's writes are every rank or none (shared/two_phase.py): a failed one leaves the previous weights (>= N).
 
-So only an upgrade can commit under a running bounded request: keep mode preempts it and recomputes
+So only an upgrade can be written under a running bounded request: keep mode preempts it and recomputes
 its KV on the new weights, in-flight mode continues it on the new weights; either way >= N. The
 follower never moves a server backwards; a push with `allow_reanchor` to an older version is the only
 downgrade, refused while running requests need more. Updates made past the plugin (vLLM's own RL
@@ -58,15 +58,15 @@ HELD_HEADER = b"x-weight-version-held-ms"  # on an admitted bounded request: how
 
 
 class VersionGate:
-    """Admits bounded requests against the served version; refuses commits that would break a bound.
+    """Admits bounded requests against the served version; refuses updates that would break a bound.
 
     Lives in the API process's event loop. The service tells it the served version (`note_served`) and
-    every commit (`begin_commit` / `end_commit`); the middleware asks it to `admit` and `release`."""
+    every update (`begin_update` / `end_update`); the middleware asks it to `admit` and `release`."""
 
     def __init__(self, wait_s: float = 0.0):
         self.wait_s = wait_s  # how long a request waits for its bound (the service sets it)
         self._served: int | None = None
-        self._committing: int | None = None  # target of the commit in progress
+        self._updating: int | None = None  # target of the update in progress
         self._running: Counter[int] = Counter()  # bound -> requests running with it
         self._changed: asyncio.Event | None = None  # set (and replaced) when the floor may have risen
 
@@ -81,10 +81,10 @@ class VersionGate:
 
     def floor(self) -> int | None:
         """The oldest version a request admitted now could run on: the served one, or the target of the
-        commit in progress when that is older (None: no version is served)."""
+        update in progress when that is older (None: no version is served)."""
         if self._served is None:
             return None
-        return self._served if self._committing is None else min(self._served, self._committing)
+        return self._served if self._updating is None else min(self._served, self._updating)
 
     def note_served(self, version: int | None) -> None:
         if version != self._served:
@@ -106,7 +106,7 @@ class VersionGate:
         while True:
             floor = self.floor()
             if floor is not None and floor >= bound:
-                self._running[bound] += 1  # same step as the check: no commit can slip in between
+                self._running[bound] += 1  # same step as the check: no update can slip in between
                 return loop.time() - t0 if waited else 0.0
             left = t0 + self.wait_s - loop.time()
             if left <= 0:
@@ -127,16 +127,16 @@ class VersionGate:
     def _behind(self, bound: int, waited_s: float) -> WeightVersionBehindError:
         served = self._served
         what = "no store version" if served is None else f"weight version {served}"
-        committing = "" if self._committing is None else f"; an update to version {self._committing} is committing"
+        updating = "" if self._updating is None else f"; an update to version {self._updating} is in progress"
         return WeightVersionBehindError(
             f"this server serves {what}; the request needs {MIN_VERSION_FIELD} {bound} "
-            f"(waited {waited_s:.1f} s of at most {self.wait_s:g} s{committing})",
+            f"(waited {waited_s:.1f} s of at most {self.wait_s:g} s{updating})",
             served=served,
             required=bound,
         )
 
-    def begin_commit(self, target: int) -> None:
-        """A commit to `target` is about to stage: refused (409) if a running request needs more."""
+    def begin_update(self, target: int) -> None:
+        """An update to `target` is about to stage: refused (409) if a running request needs more."""
         highest = max(self._running, default=None)
         if highest is not None and target < highest:
             count = sum(n for b, n in self._running.items() if b > target)
@@ -144,10 +144,10 @@ class VersionGate:
                 f"an update to version {target} would run {count} running request(s) below their "
                 f"{MIN_VERSION_FIELD} (up to {highest}); nothing was applied: retry once they end"
             )
-        self._committing = target
+        self._updating = target
 
-    def end_commit(self) -> None:
-        self._committing = None
+    def end_update(self) -> None:
+        self._updating = None
         self._wake()  # a failed downgrade leaves the floor where it was: waiters may pass now
 
 

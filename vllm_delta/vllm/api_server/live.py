@@ -14,6 +14,13 @@ The live per-tensor sums over all ranks (checksums.py: Σ w(p)(bits + 1) per Hug
 A recomputation is compared with what was kept current: a tensor whose sums differ was written behind
 the plugin's back since the last recomputation; a live checksum that is not the served version's
 recorded one means the weights are not that version's. Either is a failed `Verification`.
+
+Data parallelism: each engine core holds its own copy of the weights (or, MoE engines, one copy
+split among them), so a recomputation has one set of sums per copy (`LiveCopy`). The sums kept
+current are one set for all of them: every update is verified against each copy with the same
+served sums and target, so every copy's sums move by the same partials. A recomputation compares
+every copy with them; a copy that differs (from them or from the others) fails the verification,
+naming its engines and tensors.
 """
 
 from __future__ import annotations
@@ -22,7 +29,19 @@ import time
 from dataclasses import dataclass
 
 from ...checksums import Sums, add_sums, combine, to_hex
-from ...server_api import MISMATCHED_NAMES, Verification, VerifyTrigger
+from ...server_api import MISMATCHED_NAMES, EngineChecksum, Verification, VerifyTrigger
+
+
+@dataclass(frozen=True)
+class LiveCopy:
+    """The live per-tensor sums of one copy of the weights: the ranks of one world, on these engines."""
+
+    engines: list[int]
+    sums: Sums
+
+    @property
+    def checksum(self) -> str:
+        return to_hex(combine(self.sums.items()))
 
 
 @dataclass
@@ -48,7 +67,7 @@ class LiveChecksum:
         self.version, self.sums, self._checksum = version, sums, None
         self.as_of = time.time() if sums is not None else None
 
-    def committed(self, served: int | None, target: int, partials: list[Sums], target_sums: Sums) -> None:
+    def applied(self, served: int | None, target: int, partials: list[Sums], target_sums: Sums) -> None:
         """A commit from `served` to `target` whose ranks staged `partials`: the sums kept current plus the
         partials when they were known for `served`, else the target's recorded sums (what the commit's
         verification established, given the served version's recorded sums)."""
@@ -64,23 +83,29 @@ class LiveChecksum:
     def recomputed(
         self,
         version: int | None,
-        sums: Sums,
+        copies: Sums | list[LiveCopy],
         *,
         version_checksum: str | None,
         trigger: VerifyTrigger,
         ms: float,
     ) -> Verification:
-        """A full recomputation of the live sums: compared with those kept current (and the served version's
-        recorded checksum), then kept."""
+        """A full recomputation of the live sums (of every copy of the weights: one per world), compared with
+        those kept current (and the served version's recorded checksum), then kept: those of the first copy
+        that is not the served version's, else the first copy's."""
+        if not isinstance(copies, list):
+            copies = [LiveCopy([0], copies)]
         expected = self.checksum if self.known_for(version) else None
-        kept = self.sums if self.known_for(version) else None
-        mismatched: list[str] = []
-        if kept is not None:
-            mismatched = sorted(n for n in sums.keys() | kept.keys() if sums.get(n, 0) != kept.get(n, 0))
-        self._set(version, dict(sums))
+        kept = self.sums if self.sums is not None and self.known_for(version) else copies[0].sums
+        mismatched = sorted(
+            {n for c in copies for n in c.sums.keys() | kept.keys() if c.sums.get(n, 0) != kept.get(n, 0)}
+        )
+        checksums = [c.checksum for c in copies]
+        off = [i for i, c in enumerate(checksums) if version_checksum is not None and c != version_checksum]
+        chosen = copies[off[0] if off else 0]
+        self._set(version, dict(chosen.sums))
         checksum = self.checksum
         assert checksum is not None
-        ok = not mismatched and (version_checksum is None or checksum == version_checksum)
+        ok = not mismatched and not off
         return Verification(
             trigger=trigger,
             time=time.time(),
@@ -90,4 +115,9 @@ class LiveChecksum:
             expected=expected,
             mismatched=mismatched[:MISMATCHED_NAMES],
             ms=ms,
+            engines=(
+                [EngineChecksum(e, c.checksum) for c in copies for e in c.engines]
+                if len(copies) > 1 or copies[0].engines != [0]
+                else None
+            ),
         )

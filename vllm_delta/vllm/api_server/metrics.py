@@ -19,6 +19,8 @@ logger starts). Labels carry error class names and status codes only: `/metrics`
     vllm_delta_live_checksum_mismatch             gauge: 1 while the last recomputation found a mismatch
     vllm_delta_min_version_requests_total{outcome}   requests with a min_weight_version: ran (at once) |
                                                   held (waited, then ran) | refused (409) | malformed (400)
+    vllm_delta_engines_disagree                   gauge: 1 while the data-parallel engines serve different
+                                                  versions (as last read)
 """
 
 from __future__ import annotations
@@ -73,6 +75,11 @@ class Metrics:
         )
         self.gated = Counter(
             "vllm_delta_min_version_requests", "Generation requests with a min_weight_version by outcome", ["outcome"]
+        )
+        self.engines_disagree = Gauge(
+            "vllm_delta_engines_disagree",
+            "1 while the data-parallel engines of this server serve different versions",
+            multiprocess_mode="mostrecent",
         )
         for outcome in ("applied", "unchanged", "failed"):
             self.updates.labels(outcome=outcome)  # exported at 0 from the start

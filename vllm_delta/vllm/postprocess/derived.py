@@ -20,7 +20,7 @@ closures and `functools.partial`s, to a small depth) before and after post-proce
     derived            a new tensor with storage of its own (a copy computed from something)
     replaced_same_values  new storage, same shape and bits (a re-registration: fine)
 
-`check_targets` (run by the replica's `prepare`) refuses, with `UnsupportedModelError` naming the
+`check_targets` (run by the replica's `probe_layout`) refuses, with `UnsupportedModelError` naming the
 tensor, any probed target that post-processing transformed, emptied, modified, removed or left a
 stale reference to, and any derived tensor on the target's module (or, if larger than a scalar, on a
 sibling module: MLA's attention next to `kv_b_proj`), unless a registered handler (handlers.py)

@@ -7,7 +7,7 @@ One small interface (`Handler`), two kinds, both listed in the coverage report w
   linear pre-packing, cpu_linear.py; its MoE expert packing, cpu_moe.py): recompute cost none, the forward
   pass reads the live parameters.
 * recompute handlers `claim` post-processing products (derived.py) and `recompute` them from the
-  live parameters after every in-place write (commit and rollback), inside the pause.
+  live parameters after every in-place write (write and rollback), inside the pause.
 
 A product no handler claims makes `derived.check_targets` refuse the model, naming the tensor.
 Handlers are registered per process (the plugin's `register()` runs in every worker).

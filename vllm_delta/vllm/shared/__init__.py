@@ -1,2 +1,2 @@
 """What every process of the plugin imports: the typed messages and their codec, the RPC declarations, the
-two-phase commit, the server's options and the successor rule."""
+two-phase update, the server's options and the successor rule."""

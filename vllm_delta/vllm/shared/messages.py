@@ -1,7 +1,7 @@
 """The typed messages between the API process, the engine core and the workers (rpc.py declares the calls).
 
 What a worker rank answers (`WorkerStatus`, `StageSummary`, ...) and what the engine core answers
-(`CommittedAll`, `LabelSet`, the timeline). They cross vLLM's msgpack boundary in their plain form,
+(`WrittenAll`, `LabelSet`, the timeline). They cross vLLM's msgpack boundary in their plain form,
 through the same two functions as the HTTP bodies (`vllm_delta.server_api.to_wire` / `from_wire`,
 over the generic codec of wire.py), so nothing outside the codec reads a payload by key. 64-bit
 checksum sums are ints in Python and 16 hex digits on the wire (`HexSums`). A failing rank answers
@@ -32,11 +32,13 @@ class ErrorPayload:
     def from_exception(cls, exc: BaseException) -> ErrorPayload:
         return cls(type(exc).__name__, http_status(exc), str(exc))
 
-    def to_error(self, rank: int | None) -> WorkerError:
+    def to_error(self, rank: int | str | None) -> WorkerError:
+        """`rank`: the failed rank's number, or who failed in words ("engine 1 rank 0"; rpc.Where)."""
         return WorkerError(self.message, status=self.status, rank=rank, type_name=self.type)
 
-    def describe(self, rank: int) -> str:
-        return f"rank {rank}: {self.type}: {self.message}"
+    def describe(self, rank: int | str) -> str:
+        who = f"rank {rank}" if isinstance(rank, int) else rank
+        return f"{who}: {self.type}: {self.message}"
 
 
 @dataclass(frozen=True)
@@ -53,16 +55,17 @@ class WorkerStatus:
     rank: int
     version: int | None
     checksum: str | None  # whole-model checksum the served version's header records
-    prepared: bool  # the layout has been probed
+    probed: bool  # the layout has been probed
     fallback: list[str] = field(default_factory=list)  # tensors through vLLM's sparse path
     tickets: list[str] = field(default_factory=list)  # staged updates held
     coverage: Coverage | None = None
     live_sums: HexSums | None = None  # this rank's share of the live per-tensor sums, when asked for
+    world_size: int = 1  # the ranks that together hold one copy of the weights (two_phase.worlds)
 
 
 @dataclass(frozen=True)
-class Prepared:
-    """rpc.PREPARE: the tensors the probe sent through vLLM's sparse path."""
+class Probed:
+    """rpc.PROBE: the tensors the probe sent through vLLM's sparse path."""
 
     fallback: list[str]
 
@@ -74,6 +77,8 @@ class RankSums:
 
     version: int | None  # the served version
     sums: HexSums
+    rank: int = 0  # in its world (two_phase.worlds)
+    world_size: int = 1
 
 
 @dataclass(frozen=True)
@@ -86,6 +91,9 @@ class StageSummary:
     bytes: int  # staged device bytes
     stage_ms: float
     timings: dict[str, float] = field(default_factory=dict)  # ms per staging phase
+    # The rank in its world (the ranks that together hold one copy of the weights: two_phase.worlds).
+    rank: int = 0
+    world_size: int = 1
 
 
 @dataclass(frozen=True)
@@ -108,15 +116,15 @@ class StagePoll:
 
 
 @dataclass(frozen=True)
-class Committed:
-    """rpc.COMMIT: the rank's in-place writes took `apply_ms`."""
+class Written:
+    """rpc.WRITE: the rank's in-place writes took `apply_ms`."""
 
     apply_ms: float
 
 
 @dataclass(frozen=True)
 class RolledBack:
-    """rpc.ROLLBACK: False when the rank had nothing committed to undo."""
+    """rpc.ROLLBACK: False when the rank had nothing written to undo."""
 
     rolled_back: bool
 
@@ -165,25 +173,25 @@ class Released:
     released: str
 
 
-# -- engine-core replies (engine_core/reserved.py: reserved collective_rpc names) ------------------------------
+# -- engine-core replies (engine_core/calls.py: reserved collective_rpc names) ------------------------------
 @dataclass(frozen=True, kw_only=True)
-class CommittedAll:
-    """rpc.COMMIT_ALL: every rank committed, in a pause or (mode "inflight") between two engine steps,
-    and the label changed. The prefix-cache and request numbers are those of an in-flight commit (0 in
+class WrittenAll:
+    """rpc.WRITE_ALL: every rank wrote in place, in a pause or (mode "inflight") between two engine steps,
+    and the label changed. The prefix-cache and request numbers are those of an in-flight update (0 in
     a pause: the API process resets the prefix cache itself)."""
 
     version: int
     label: str  # vLLM's weight-version label from now on
     previous_label: str
-    engine_step: int  # labelled engine steps before the commit: the first step on the new weights is the next
+    engine_step: int  # labelled engine steps before the writes: the first step on the new weights is the next
     engine_ms: float  # the engine loop's stall: preflight, writes on every rank, invalidation, label
     apply_ms: float  # the in-place writes, slowest rank
     dropped_blocks: int  # prefix-cache blocks whose hash was dropped
     dropped_blocks_in_use: int  # ... of them still held (and valid) for running requests
-    tainted: int  # requests holding KV at the commit: they never insert prefix-cache hashes
+    tainted: int  # requests holding KV at the writes: they never insert prefix-cache hashes
     batches_in_flight: int  # batches already dispatched (batch queue): they keep the old label
     switch: dict[str, int]  # generate() request id -> index of its first output token on the new weights
-    time: float  # wall clock (time.time()) at the commit
+    time: float  # wall clock (time.time()) at the writes
 
     def answer(self) -> InflightAnswer:
         """The HTTP answer's `inflight` part."""
@@ -202,6 +210,17 @@ class CommittedAll:
 
 
 @dataclass(frozen=True, kw_only=True)
+class RolledBackAll:
+    """rpc.ROLLBACK_ALL: every rank of this engine undid the ticket's writes (another engine failed). If
+    this engine's writes had landed, its label is back to the one before them (`relabelled`)."""
+
+    ranks_rolled_back: int  # ranks that had writes to undo
+    relabelled: bool
+    label: str  # vLLM's weight-version label from now on
+    engine_ms: float
+
+
+@dataclass(frozen=True, kw_only=True)
 class LabelSet:
     """rpc.SET_LABEL: the weight-version label set at start-up (or by hand)."""
 
@@ -213,7 +232,7 @@ class LabelSet:
 
 @dataclass(frozen=True)
 class PrefixCleared:
-    """What dropping the prefix-cache hashes found (engine_core/reserved.py: drop_prefix_hashes)."""
+    """What dropping the prefix-cache hashes found (engine_core/calls.py: drop_prefix_hashes)."""
 
     hash_keys: int
     blocks: int

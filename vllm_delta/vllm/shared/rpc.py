@@ -5,31 +5,40 @@ else spells its name:
 
     worker calls (vLLM Worker methods, every rank answers)      engine-core calls (reserved names the
                                                                 engine core answers itself, engine_core/)
-    STATUS       what the rank serves (+ live sums)             COMMIT_ALL      commit every rank, roll
-    PREPARE      probe the layout (collective)                                  every rank back if one
+    STATUS       what the rank serves (+ live sums)             WRITE_ALL       write every rank, roll
+    PROBE        probe the layout (collective)                                  every rank back if one
     LIVE_SUMS    this rank's share of the live sums                             failed, label (inside a
     SERVED_SUMS  the served version's recorded sums                             pause or between steps)
-    STAGE_START  stage on the rank's background thread          SET_LABEL       the weight-version label
-    STAGE_POLL   the staging summary once done                  ENGINE_TIMELINE the label history
-    COMMIT       write in place                                 PREFIX_STATE    prefix-cache counts
-    ROLLBACK     undo a commit
-    RELEASE      drop a staged update
+    STAGE_START  stage on the rank's background thread          ROLLBACK_ALL    undo a WRITE_ALL that
+    STAGE_POLL   the staging summary once done                                  landed (another engine
+    WRITE        write in place                                                 failed), label back
+    ROLLBACK     undo the writes                                SET_LABEL       the weight-version label
+    RELEASE      drop a staged update                           ENGINE_TIMELINE the label history
+                                                                PREFIX_STATE    prefix-cache counts
 
 The caller's side is a typed client over a transport: `Workers` (one method per worker call, every
-rank's reply as `Replies`) and `EngineCore`. Two transports carry them: the API process's
-`EngineClient.collective_rpc` (`engine_client_transport`) and the engine core's
-`model_executor.collective_rpc` (`executor_transport`). The callee's side is registered from the same
-declarations with `serve(call, implementation)` (worker methods: worker/methods.py; reserved names:
-engine_core/reserved.py). Arguments and replies cross as plain values (server_api.to_wire /
-from_wire); a callee never raises across the boundary: it answers an `ErrorReply` with the
-exception's HTTP status, and `Replies` tells results from errors in one place.
+rank's reply as `Replies`) and `EngineCore` (one reply per engine core). Two transports carry them:
+the API process's (`engine_client_transport`: every engine core, and through each its workers) and
+the engine core's `model_executor.collective_rpc` (`executor_transport`: its own workers). The
+callee's side is registered from the same declarations with `serve(call, implementation)` (worker
+methods: worker/methods.py; reserved names: engine_core/calls.py). Arguments and replies cross as
+plain values (server_api.to_wire / from_wire); a callee never raises across the boundary: it answers
+an `ErrorReply` with the exception's HTTP status, and `Replies` tells results from errors in one place.
+
+Data parallelism (`--data-parallel-size N`): one API process fronts N engine cores, each with its own
+workers. A transport answers per engine, each engine's replies in rank order, and `Replies` keeps
+who answered (`Where`: engine, rank). vLLM's own `EngineClient.collective_rpc` cannot be the
+transport there: its data-parallel client (`DPLBAsyncMPClient.call_utility_async`) sends the call to
+every engine but returns engine 0's replies only, so a failure on another engine would go unseen.
+The API process asks vLLM's client for every engine's replies (`call_utility_all_async`, the method
+vLLM itself uses for `reset_prefix_cache` and `wake_up`).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, Generic, Protocol, TypeVar
 
 from ...errors import (
@@ -41,21 +50,22 @@ from ...errors import (
 from ...server_api import LabelCause, Method, Timeline, UpdateMode, from_wire, to_wire
 from .heap import HeapAction
 from .messages import (
-    Committed,
-    CommittedAll,
     ErrorPayload,
     ErrorReply,
     HeapReport,
     LabelSet,
     PrefixState,
-    Prepared,
+    Probed,
     RankSums,
     Released,
     RolledBack,
+    RolledBackAll,
     StagePoll,
     StageStarted,
     TestWritten,
     WorkerStatus,
+    Written,
+    WrittenAll,
 )
 from .options import StoreSpec
 
@@ -89,7 +99,7 @@ class StatusArgs(Args):
 
 
 @dataclass(frozen=True)
-class PrepareArgs(Args):
+class ProbeArgs(Args):
     store: StoreSpec
     version: int  # the layout is probed from this version's tensor shapes
 
@@ -103,6 +113,7 @@ class StageArgs(Args):
     # The versions' commit records (JSON) as the API process read them for this update's decision; each
     # file is opened and checked against them (None: read the records afresh).
     records: list[str] | None = None
+    fault: str | None = None  # test hook (server_api.fault_hits)
 
 
 @dataclass(frozen=True)
@@ -111,19 +122,30 @@ class TicketArgs(Args):
 
 
 @dataclass(frozen=True)
-class CommitArgs(Args):
+class WriteArgs(Args):
     ticket: str
     method: Method = "delta"
     fault: str | None = None  # test hook (messages.FAULTS_ENV)
 
 
 @dataclass(frozen=True)
-class CommitAllArgs(Args):
+class WriteAllArgs(Args):
     ticket: str
     version: int
     method: Method = "delta"
     fault: str | None = None
     mode: UpdateMode = "inflight"  # a pause mode: the caller paused; "inflight": between two engine steps
+
+
+@dataclass(frozen=True)
+class RollbackAllArgs(Args):
+    ticket: str
+    version: int  # the version whose writes are undone (the engine's label goes back to the one before)
+
+
+@dataclass(frozen=True)
+class TestWriteArgs(Args):
+    engine: int = 0  # the data-parallel engine whose rank 0 changes a weight
 
 
 @dataclass(frozen=True)
@@ -144,37 +166,38 @@ class Call(Generic[A, R]):
 
 
 STATUS = Call("delta_status", StatusArgs, WorkerStatus)
-PREPARE = Call("delta_prepare", PrepareArgs, Prepared)
+PROBE = Call("delta_probe", ProbeArgs, Probed)
 LIVE_SUMS = Call("delta_live_sums", NoArgs, RankSums)
 SERVED_SUMS = Call("delta_served_sums", NoArgs, RankSums)
 STAGE_START = Call("delta_stage_start", StageArgs, StageStarted)
 STAGE_POLL = Call("delta_stage_poll", TicketArgs, StagePoll)
-COMMIT = Call("delta_commit", CommitArgs, Committed)
+WRITE = Call("delta_write", WriteArgs, Written)
 ROLLBACK = Call("delta_rollback", TicketArgs, RolledBack)
 RELEASE = Call("delta_release", TicketArgs, Released)
 
-COMMIT_ALL = Call("delta_commit_all", CommitAllArgs, CommittedAll)
+WRITE_ALL = Call("delta_write_all", WriteAllArgs, WrittenAll)
+ROLLBACK_ALL = Call("delta_rollback_all", RollbackAllArgs, RolledBackAll)
 SET_LABEL = Call("delta_set_label", LabelArgs, LabelSet)
 ENGINE_TIMELINE = Call("delta_engine_timeline", NoArgs, Timeline)
 PREFIX_STATE = Call("delta_prefix_state", NoArgs, PrefixState)
 
 WORKER_CALLS: tuple[Call[Any, Any], ...] = (
     STATUS,
-    PREPARE,
+    PROBE,
     LIVE_SUMS,
     SERVED_SUMS,
     STAGE_START,
     STAGE_POLL,
-    COMMIT,
+    WRITE,
     ROLLBACK,
     RELEASE,
 )
-ENGINE_CORE_CALLS: tuple[Call[Any, Any], ...] = (COMMIT_ALL, SET_LABEL, ENGINE_TIMELINE, PREFIX_STATE)
+ENGINE_CORE_CALLS: tuple[Call[Any, Any], ...] = (WRITE_ALL, ROLLBACK_ALL, SET_LABEL, ENGINE_TIMELINE, PREFIX_STATE)
 
 # Test hook, a worker method only with VLLM_DELTA_TEST_FAULTS=1 (reached through vLLM's dev-mode
 # /collective_rpc, past the plugin's API process): flip one live bit, to prove that a verification
 # of the live checksum catches a weight changed behind the plugin's back.
-TEST_WRITE = Call("delta_test_write", NoArgs, TestWritten)
+TEST_WRITE = Call("delta_test_write", TestWriteArgs, TestWritten)
 
 
 @dataclass(frozen=True)
@@ -201,64 +224,123 @@ def reply_error(reply: Any) -> ErrorPayload | None:
 
 
 @dataclass(frozen=True)
-class Replies(Generic[R]):
-    """Every rank's reply to one call, in rank order: its result, or the error it reported."""
+class Where:
+    """Who answered a call: an engine core (vLLM's data-parallel rank; 0 without data parallelism) and one
+    of its worker ranks (None: the engine core itself answered, a reserved engine-core call)."""
 
-    results: list[R | None]  # None where the rank failed
-    errors: list[tuple[int, ErrorPayload]]  # (rank, error), in rank order
+    engine: int
+    rank: int | None = None
+
+    def describe(self, engines: int) -> str:
+        """ "rank R", "engine E" or "engine E rank R": the engine is named only when there are several."""
+        if self.rank is None:
+            return f"engine {self.engine}"
+        return f"engine {self.engine} rank {self.rank}" if engines > 1 else f"rank {self.rank}"
+
+
+@dataclass(frozen=True)
+class Replies(Generic[R]):
+    """Every reply to one call, in (engine, rank) order: its result, or the error it reported."""
+
+    results: list[R | None]  # None where the callee failed
+    errors: list[tuple[int, ErrorPayload]]  # (index into results, error), in order
+    where: list[Where] = field(default_factory=list)  # who answered each result ([]: ranks 0.. of engine 0)
 
     @classmethod
     def decode(cls, reply: type[R], raw: Sequence[Any]) -> Replies[R]:
+        """One engine's replies, in rank order."""
+        return cls.of_engines(reply, [raw])
+
+    @classmethod
+    def of_engines(cls, reply: type[R], raw: Sequence[Sequence[Any]], *, engine_calls: bool = False) -> Replies[R]:
+        """Every engine's replies (engine order, each in rank order); `engine_calls`: one reply per engine
+        core (a reserved engine-core call), told apart from a worker rank's."""
         results: list[R | None] = []
         errors: list[tuple[int, ErrorPayload]] = []
-        for rank, r in enumerate(raw):
-            error = reply_error(r)
-            if error is not None:
-                errors.append((rank, error))
-            results.append(None if error is not None else from_wire(reply, r))
-        return cls(results, errors)
+        where: list[Where] = []
+        for engine, replies in enumerate(raw):
+            for rank, r in enumerate(replies):
+                error = reply_error(r)
+                if error is not None:
+                    errors.append((len(results), error))
+                results.append(None if error is not None else from_wire(reply, r))
+                where.append(Where(engine, None if engine_calls else rank))
+        return cls(results, errors, where)
+
+    @property
+    def engines(self) -> int:
+        """How many engine cores answered."""
+        return 1 + max((w.engine for w in self.where), default=0)
+
+    def who(self, index: int) -> Where:
+        return self.where[index] if self.where else Where(0, index)
+
+    def describe(self, index: int) -> str:
+        return self.who(index).describe(self.engines)
 
     @property
     def ok(self) -> bool:
         return not self.errors
 
     def all(self) -> list[R]:
-        """Every rank's result; the first failed rank's error is raised (a WorkerError with its status)."""
+        """Every result; the first failure's error is raised (a WorkerError with its status, naming who)."""
         if self.errors:
-            rank, error = self.errors[0]
-            raise error.to_error(rank)
+            index, error = self.errors[0]
+            raise error.to_error(self.describe(index))
         return [r for r in self.results if r is not None]
 
+    def per_engine(self) -> list[list[R]]:
+        """Every result, grouped by engine (engine order); raises as `all`."""
+        out: list[list[R]] = [[] for _ in range(self.engines)]
+        for i, r in enumerate(self.all()):
+            out[self.who(i).engine].append(r)
+        return out
+
     def failure(self) -> str | None:
-        """ "rank R: Type: message" of the first failed rank; None when every rank succeeded."""
-        return self.errors[0][1].describe(self.errors[0][0]) if self.errors else None
+        """ "rank R: Type: message" (with several engines "engine E rank R: ...") of the first failure;
+        None when every callee succeeded."""
+        return self.errors[0][1].describe(self.describe(self.errors[0][0])) if self.errors else None
 
     def failures(self) -> str:
-        return "; ".join(e.describe(rank) for rank, e in self.errors)
+        return "; ".join(e.describe(self.describe(i)) for i, e in self.errors)
+
+    def failed_with(self, error_type: type[BaseException]) -> bool:
+        """Some callee failed with this exception class (by name: errors cross processes as text)."""
+        return any(e.type == error_type.__name__ for _, e in self.errors)
 
 
 # -- transports ------------------------------------------------------------------------------------
 class Transport(Protocol):
-    """Sends one call to every rank: its plain replies, in rank order."""
+    """Sends one call to every rank of every engine core: the plain replies per engine (engine order),
+    each engine's in rank order."""
 
-    def __call__(self, name: str, kwargs: dict[str, Any]) -> Awaitable[list[Any]]: ...
+    def __call__(self, name: str, kwargs: dict[str, Any]) -> Awaitable[list[list[Any]]]: ...
 
 
 def engine_client_transport(engine_client: Any, timeout_s: float) -> Transport:
-    """The API process: vLLM's `EngineClient.collective_rpc` (through the engine core to the workers)."""
+    """The API process: vLLM's `collective_rpc` on every engine core (through each to its workers).
 
-    async def send(name: str, kwargs: dict[str, Any]) -> list[Any]:
-        return list(await engine_client.collective_rpc(name, timeout=timeout_s, kwargs=kwargs))
+    vLLM's AsyncLLM keeps its engine-core client as `engine_client.engine_core`; its
+    `call_utility_all_async` (vLLM 0.32 and 0.33, `AsyncMPClient` and the data-parallel clients) sends
+    the utility call to every engine core it manages and answers one result per engine. An engine
+    client without it (another EngineClient, a test's) fronts one engine: its `collective_rpc`."""
+    every_engine = getattr(getattr(engine_client, "engine_core", None), "call_utility_all_async", None)
+
+    async def send(name: str, kwargs: dict[str, Any]) -> list[list[Any]]:
+        if every_engine is not None:
+            per_engine = await every_engine("collective_rpc", name, timeout_s, (), kwargs)
+            return [list(replies) for replies in per_engine]
+        return [list(await engine_client.collective_rpc(name, timeout=timeout_s, kwargs=kwargs))]
 
     return send
 
 
 def executor_transport(executor: Any) -> Transport:
-    """The engine core: `model_executor.collective_rpc`, synchronous (it never suspends: see
-    commit.run_sync)."""
+    """The engine core: `model_executor.collective_rpc` to its own workers, synchronous (it never
+    suspends: see two_phase.run_sync)."""
 
-    async def send(name: str, kwargs: dict[str, Any]) -> list[Any]:
-        return list(executor.collective_rpc(name, kwargs=kwargs))
+    async def send(name: str, kwargs: dict[str, Any]) -> list[list[Any]]:
+        return [list(executor.collective_rpc(name, kwargs=kwargs))]
 
     return send
 
@@ -270,13 +352,13 @@ class Workers:
         self._send = transport
 
     async def call(self, call: Call[A, R], args: A) -> Replies[R]:
-        return Replies.decode(call.reply, await self._send(call.name, to_wire(args)))
+        return Replies.of_engines(call.reply, await self._send(call.name, to_wire(args)))
 
     async def status(self, *, live_sums: bool = False) -> Replies[WorkerStatus]:
         return await self.call(STATUS, StatusArgs(live_sums))
 
-    async def prepare(self, store: StoreSpec, version: int) -> Replies[Prepared]:
-        return await self.call(PREPARE, PrepareArgs(store, version))
+    async def probe(self, store: StoreSpec, version: int) -> Replies[Probed]:
+        return await self.call(PROBE, ProbeArgs(store, version))
 
     async def live_sums(self) -> Replies[RankSums]:
         return await self.call(LIVE_SUMS, NoArgs())
@@ -290,8 +372,8 @@ class Workers:
     async def stage_poll(self, ticket: str) -> Replies[StagePoll]:
         return await self.call(STAGE_POLL, TicketArgs(ticket))
 
-    async def commit(self, ticket: str, method: Method = "delta", fault: str | None = None) -> Replies[Committed]:
-        return await self.call(COMMIT, CommitArgs(ticket, method, fault))
+    async def write(self, ticket: str, method: Method = "delta", fault: str | None = None) -> Replies[Written]:
+        return await self.call(WRITE, WriteArgs(ticket, method, fault))
 
     async def rollback(self, ticket: str) -> Replies[RolledBack]:
         return await self.call(ROLLBACK, TicketArgs(ticket))
@@ -307,27 +389,56 @@ _ENGINE_ERRORS: dict[str, type[DeltaError]] = {
 
 
 class EngineCore:
-    """The engine core's own calls (one reply each), typed; its errors are raised in this process."""
+    """The engine cores' own calls (one reply per engine core), typed. `every` keeps each engine's error;
+    the others raise the first, keeping the classes the HTTP answer names."""
 
     def __init__(self, transport: Transport):
-        self._workers = Workers(transport)
+        self._send = transport
 
-    async def _one(self, call: Call[A, R], args: A) -> R:
-        replies = await self._workers.call(call, args)
+    async def every(self, call: Call[A, R], args: A) -> Replies[R]:
+        """Every engine core's reply, in engine order (errors kept, as `Replies`)."""
+        return Replies.of_engines(call.reply, await self._send(call.name, to_wire(args)), engine_calls=True)
+
+    async def _all(self, call: Call[A, R], args: A) -> list[R]:
+        replies = await self.every(call, args)
         if replies.errors:
-            error = replies.errors[0][1]
+            index, error = replies.errors[0]
             known = _ENGINE_ERRORS.get(error.type)
-            raise known(error.message) if known is not None else error.to_error(None)
-        return replies.all()[0]
+            who = replies.describe(index) if replies.engines > 1 else None
+            if known is not None:
+                raise known(f"{who}: {error.message}" if who else error.message)
+            raise error.to_error(who)
+        return replies.all()
 
-    async def commit_all(self, args: CommitAllArgs) -> CommittedAll:
-        return await self._one(COMMIT_ALL, args)
+    async def write_all(self, args: WriteAllArgs) -> Replies[WrittenAll]:
+        return await self.every(WRITE_ALL, args)
 
-    async def set_label(self, version: int | None, mode: LabelCause) -> LabelSet:
-        return await self._one(SET_LABEL, LabelArgs(version=version, mode=mode))
+    async def rollback_all(self, args: RollbackAllArgs) -> Replies[RolledBackAll]:
+        return await self.every(ROLLBACK_ALL, args)
 
-    async def timeline(self) -> Timeline:
-        return await self._one(ENGINE_TIMELINE, NoArgs())
+    async def set_label(self, version: int | None, mode: LabelCause) -> list[LabelSet]:
+        return await self._all(SET_LABEL, LabelArgs(version=version, mode=mode))
+
+    async def timelines(self) -> list[Timeline]:
+        """Every engine core's label history, in engine order."""
+        return await self._all(ENGINE_TIMELINE, NoArgs())
+
+
+class EngineWrites:
+    """Every engine core as the ranks of two_phase.write_all (the API process): writing is one WRITE_ALL per
+    engine (each writes all its ranks, rolled back there if one failed); rolling back is ROLLBACK_ALL on
+    every engine, which undoes the writes of an engine whose WRITE_ALL landed (and its label)."""
+
+    def __init__(self, engine_core: EngineCore, args: WriteAllArgs):
+        self.engine_core = engine_core
+        self.args = args
+
+    async def write(self, ticket: str, method: Method = "delta", fault: str | None = None) -> Replies[WrittenAll]:
+        assert (ticket, method, fault) == (self.args.ticket, self.args.method, self.args.fault)
+        return await self.engine_core.write_all(self.args)
+
+    async def rollback(self, ticket: str) -> Replies[RolledBackAll]:
+        return await self.engine_core.rollback_all(RollbackAllArgs(ticket, self.args.version))
 
 
 # -- the callee's side -----------------------------------------------------------------------------

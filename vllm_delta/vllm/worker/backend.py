@@ -7,7 +7,7 @@
     finish_weight_update                                      (no-op)
 
 `update_weights` runs on every rank at once: each stages its share, the ranks exchange checksum
-partials and verify them against the version header before anyone writes, then all commit; if a
+partials and verify them against the version header before anyone writes, then all write in place; if a
 rank fails, every rank rolls back. Pausing generation around it is the caller's business, as for
 every native backend (vLLM's /pause and /resume, or `LLM` being synchronous).
 """
@@ -31,19 +31,20 @@ from ...errors import CommitFailedError, RollbackFailedError
 from ...format import VersionHeader, VersionLike
 from ...server_api import Method
 from ..shared import rpc
-from ..shared.commit import (
-    AllCommitted,
-    AllRolledBack,
-    CommitOptions,
-    Staged,
-    TwoPhaseCommit,
-    Update,
-    commit_all,
-    run_sync,
-)
-from ..shared.messages import Committed, RolledBack, StageSummary
+from ..shared.cache_keep import PRUNE_FAILED, CacheKeeper
+from ..shared.messages import RolledBack, StageSummary, Written
 from ..shared.options import StoreSpec, server_store
 from ..shared.plan import UpdatePlan, plan_update
+from ..shared.two_phase import (
+    AllRolledBack,
+    AllWritten,
+    Staged,
+    TwoPhaseUpdate,
+    Update,
+    WriteOptions,
+    run_sync,
+    write_all,
+)
 from . import dist
 from .methods import open_store
 from .replica import DeltaReplica, replica_of
@@ -95,19 +96,18 @@ class DeltaWeightTransferEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateI
         store = open_store(self.spec)
         replica = replica_of(self.model)
         target = store.resolve(update_info.version)
-        if not replica.prepared:  # every rank gets here together: the probe's exchange is collective
-            replica.prepare({n: tuple(e.shape) for n, e in store.open(target, fresh=True).header.tensors.items()})
+        if not replica.probed:  # every rank gets here together: the probe's exchange is collective
+            replica.probe_layout(store.open(target, fresh=True).header.tensors.shape_map())
         plan = plan_update(store, replica.served.version, replica.served.checksum, target, update_info.allow_reanchor)
         if not plan.versions:
             return
         steps = RankUpdate(replica, store, plan)
-        run_sync(steps.apply(Update(uuid.uuid4().hex, plan.versions, plan.target), CommitOptions()))
-        if replica.rank == 0:  # the ranks of a host share the cache: keep the served version's chain
+        run_sync(steps.apply(Update(uuid.uuid4().hex, plan.versions, plan.target), WriteOptions()))
+        if replica.rank == 0:  # the ranks of a host share the cache (shared/cache_keep.py)
             try:
-                keep = [r.version for r in store.chain(plan.target)]
-                store.prune_cache(keep, max_bytes=self.spec.cache_max_bytes)
+                CacheKeeper(store, self.spec.cache_max_bytes).prune(plan.target)
             except Exception as exc:  # noqa: BLE001 - pruned next time
-                log.warning("vllm-delta: pruning the download cache failed: %s", exc)
+                log.warning(PRUNE_FAILED, exc)
 
 
 class GatheredRanks:
@@ -117,11 +117,11 @@ class GatheredRanks:
     def __init__(self, replica: DeltaReplica):
         self.replica = replica
 
-    async def commit(self, ticket: str, method: Method = "delta", fault: str | None = None) -> rpc.Replies[Committed]:
-        def commit() -> Committed:
-            return Committed(self.replica.commit(ticket, fault=fault, method=method))
+    async def write(self, ticket: str, method: Method = "delta", fault: str | None = None) -> rpc.Replies[Written]:
+        def write() -> Written:
+            return Written(self.replica.write(ticket, fault=fault, method=method))
 
-        return rpc.Replies.decode(Committed, dist.all_gather_object(rpc.answer(rpc.COMMIT.name, commit)))
+        return rpc.Replies.decode(Written, dist.all_gather_object(rpc.answer(rpc.WRITE.name, write)))
 
     async def rollback(self, ticket: str) -> rpc.Replies[RolledBack]:
         def rollback() -> RolledBack:
@@ -130,10 +130,10 @@ class GatheredRanks:
         return rpc.Replies.decode(RolledBack, dist.all_gather_object(rpc.answer(rpc.ROLLBACK.name, rollback)))
 
 
-class RankUpdate(TwoPhaseCommit[None]):
+class RankUpdate(TwoPhaseUpdate[None]):
     """The protocol's steps on one worker rank (vLLM's weight-transfer backend): every rank stages
     its share synchronously, the ranks exchange their summaries and verify them against the version
-    header before anyone writes, all commit, and all roll back if one fails. The caller pauses."""
+    header before anyone writes, all write, and all roll back if one fails. The caller pauses."""
 
     def __init__(self, replica: DeltaReplica, store: DeltaStore, plan: UpdatePlan):
         self.replica = replica
@@ -154,11 +154,11 @@ class RankUpdate(TwoPhaseCommit[None]):
         current = served.sums if served.version is not None else self.replica.live_sums_all_ranks()
         return current, self.files[-1].header
 
-    async def commit_ranks(self, staged: Staged, options: CommitOptions) -> None:
-        outcome = await commit_all(
+    async def write_ranks(self, staged: Staged, options: WriteOptions) -> None:
+        outcome = await write_all(
             GatheredRanks(self.replica), staged.update.ticket, method=staged.update.method, after_writes=_nothing
         )
-        if isinstance(outcome, AllCommitted):
+        if isinstance(outcome, AllWritten):
             return
         version = staged.update.target
         if isinstance(outcome, AllRolledBack):
@@ -177,5 +177,5 @@ class RankUpdate(TwoPhaseCommit[None]):
         self.store.prune_cache(versions=versions)
 
 
-def _nothing(apply_ms: float) -> None:
+def _nothing(written: list[Written]) -> None:
     return None

@@ -108,7 +108,7 @@ class FallbackApplier:
                 flat[changes.positions] = changes.new_bits(flat[changes.positions])
         return image
 
-    def commit(self, staged: FallbackStage) -> None:
+    def write(self, staged: FallbackStage) -> None:
         self._patch(staged, new=True)
 
     def rollback(self, staged: FallbackStage) -> None:

@@ -112,8 +112,8 @@ class DeltaModelLoader(DefaultModelLoader):
         t0 = time.perf_counter()
         replica = DeltaReplica(model)
         try:
-            fallback = replica.prepare(
-                {n: tuple(e.shape) for n, e in header.tensors.items()},
+            fallback = replica.probe_layout(
+                header.tensors.shape_map(),
                 validate=self.options.validate,
                 force_fallback=self.options.fallback,
             )

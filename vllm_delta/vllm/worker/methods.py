@@ -21,9 +21,8 @@ from ...server_api import FAULTS_ENV
 from ...store import VersionRecord
 from ..shared import heap, rpc
 from ..shared.messages import (
-    Committed,
     HeapReport,
-    Prepared,
+    Probed,
     RankSums,
     Released,
     RolledBack,
@@ -31,6 +30,7 @@ from ..shared.messages import (
     StageStarted,
     TestWritten,
     WorkerStatus,
+    Written,
 )
 from ..shared.options import StoreSpec
 from .replica import DeltaReplica, replica_of
@@ -62,35 +62,36 @@ def status(r: DeltaReplica, args: rpc.StatusArgs) -> WorkerStatus:
         rank=r.rank,
         version=r.served.version,
         checksum=r.served.checksum,
-        prepared=r.prepared,
+        probed=r.probed,
         fallback=r.fallback_names,
         tickets=sorted(r.tickets),
-        coverage=r.coverage() if r.prepared else None,
-        live_sums=r.live_sums() if args.live_sums and r.prepared else None,
+        coverage=r.coverage() if r.probed else None,
+        live_sums=r.live_sums() if args.live_sums and r.probed else None,
+        world_size=r.world_size,
     )
 
 
-def prepare(r: DeltaReplica, args: rpc.PrepareArgs) -> Prepared:
+def probe(r: DeltaReplica, args: rpc.ProbeArgs) -> Probed:
     """Probe the layout from the shapes of `version` (collective: every rank runs it together)."""
-    if r.prepared:
-        return Prepared(r.fallback_names)
+    if r.probed:
+        return Probed(r.fallback_names)
     header = open_store(args.store).open(args.version, fresh=True).header
-    fallback = r.prepare({n: tuple(e.shape) for n, e in header.tensors.items()})
+    fallback = r.probe_layout(header.tensors.shape_map())
     if fallback:
         log.warning("vllm-delta: tensors through vLLM's sparse path: %s", fallback)
-    return Prepared(sorted(fallback))
+    return Probed(sorted(fallback))
 
 
 def live_sums(r: DeltaReplica, args: rpc.NoArgs) -> RankSums:
     """This rank's share of the live per-tensor sums (the API process adds the ranks up)."""
-    if not r.prepared:
+    if not r.probed:
         raise UnsupportedModelError("the layout has not been probed yet")
-    return RankSums(r.served.version, r.live_sums())
+    return RankSums(r.served.version, r.live_sums(), r.rank, r.world_size)
 
 
 def served_sums(r: DeltaReplica, args: rpc.NoArgs) -> RankSums:
     """Per-tensor sums the served version's header records (what staged partials are added to)."""
-    return RankSums(r.served.version, dict(r.served.sums))
+    return RankSums(r.served.version, dict(r.served.sums), r.rank, r.world_size)
 
 
 def stage_start(r: DeltaReplica, args: rpc.StageArgs) -> StageStarted:
@@ -102,11 +103,21 @@ def stage_start(r: DeltaReplica, args: rpc.StageArgs) -> StageStarted:
         if [rec.version for rec in recs] != list(args.versions):
             raise ValueError(f"records of versions {[rec.version for rec in recs]} for versions {args.versions}")
         r.stage_start(
-            args.ticket, args.versions, lambda: [st.open(rec.version, record=rec) for rec in recs], method=args.method
+            args.ticket,
+            args.versions,
+            lambda: [st.open(rec.version, record=rec) for rec in recs],
+            method=args.method,
+            fault=args.fault,
         )
     else:
         versions = list(args.versions)
-        r.stage_start(args.ticket, versions, lambda: [st.open(v, fresh=True) for v in versions], method=args.method)
+        r.stage_start(
+            args.ticket,
+            versions,
+            lambda: [st.open(v, fresh=True) for v in versions],
+            method=args.method,
+            fault=args.fault,
+        )
     return StageStarted(args.ticket)
 
 
@@ -114,8 +125,8 @@ def stage_poll(r: DeltaReplica, args: rpc.TicketArgs) -> StagePoll:
     return StagePoll.of(r.poll(args.ticket))
 
 
-def commit(r: DeltaReplica, args: rpc.CommitArgs) -> Committed:
-    return Committed(r.commit(args.ticket, fault=args.fault, method=args.method))
+def write(r: DeltaReplica, args: rpc.WriteArgs) -> Written:
+    return Written(r.write(args.ticket, fault=args.fault, method=args.method))
 
 
 def rollback(r: DeltaReplica, args: rpc.TicketArgs) -> RolledBack:
@@ -127,11 +138,12 @@ def release(r: DeltaReplica, args: rpc.TicketArgs) -> Released:
     return Released(args.ticket)
 
 
-def test_write(r: DeltaReplica, args: rpc.NoArgs) -> TestWritten:
-    """Test hook: flip one live bit on rank 0, telling nobody (refused without VLLM_DELTA_TEST_FAULTS=1)."""
+def test_write(r: DeltaReplica, args: rpc.TestWriteArgs) -> TestWritten:
+    """Test hook: flip one live bit on rank 0 of engine `args.engine`, telling nobody (refused without
+    VLLM_DELTA_TEST_FAULTS=1)."""
     if os.environ.get(FAULTS_ENV) != "1":
         raise PermissionError(f"{rpc.TEST_WRITE.name} is a test hook, enabled only with {FAULTS_ENV}=1")
-    written = r.write_behind_our_back() if r.rank == 0 else None
+    written = r.write_behind_our_back() if r.rank == 0 and r.engine_index == args.engine else None
     return TestWritten(r.rank, *(written or (None, None)))
 
 
@@ -142,11 +154,22 @@ def test_heap(r: DeltaReplica, args: rpc.HeapArgs) -> HeapReport:
     return heap.act(args.action, r.rank)
 
 
+def engine_index(worker: Any) -> int:
+    """vLLM's data-parallel rank of the worker's engine core (`data_parallel_index`: set for dense engines,
+    which vLLM runs as independent engines of data-parallel size 1, and for MoE engines alike); 0 without
+    data parallelism."""
+    parallel = getattr(getattr(worker, "vllm_config", None), "parallel_config", None)
+    index = getattr(parallel, "data_parallel_index", None)
+    return index if isinstance(index, int) else 0
+
+
 def _on_worker(fn: Callable[[DeltaReplica, A], R]) -> Callable[[Any, A], R]:
     """`fn` on the replica of a vLLM worker's model."""
 
     def on_worker(worker: Any, args: A) -> R:
-        return fn(replica_of(worker.get_model()), args)
+        replica = replica_of(worker.get_model())
+        replica.engine_index = engine_index(worker)
+        return fn(replica, args)
 
     on_worker.__doc__ = fn.__doc__
     return on_worker
@@ -157,12 +180,12 @@ WORKER_METHODS: dict[str, Callable[..., Any]] = {
     m.__name__: m
     for m in (
         rpc.serve(rpc.STATUS, _on_worker(status)),
-        rpc.serve(rpc.PREPARE, _on_worker(prepare)),
+        rpc.serve(rpc.PROBE, _on_worker(probe)),
         rpc.serve(rpc.LIVE_SUMS, _on_worker(live_sums)),
         rpc.serve(rpc.SERVED_SUMS, _on_worker(served_sums)),
         rpc.serve(rpc.STAGE_START, _on_worker(stage_start)),
         rpc.serve(rpc.STAGE_POLL, _on_worker(stage_poll)),
-        rpc.serve(rpc.COMMIT, _on_worker(commit)),
+        rpc.serve(rpc.WRITE, _on_worker(write)),
         rpc.serve(rpc.ROLLBACK, _on_worker(rollback)),
         rpc.serve(rpc.RELEASE, _on_worker(release)),
     )

@@ -2,12 +2,12 @@
 
 The API process drives every rank through the same steps (collective_rpc, see methods.py):
 
-    prepare   probe + validate the layout once (main thread: it swaps torch.Tensor.copy_)
+    probe     probe + validate the layout once (main thread: it swaps torch.Tensor.copy_)
     stage     open and decode versions, gather the rollback buffer, compute checksum partials;
               runs on the replica's one staging thread so the worker keeps generating meanwhile
               (one long-lived thread, not one per update: no thread churn, one malloc arena)
-    commit    inside the pause: write in place (the engine restores this rank itself on failure)
-    rollback  undo a committed update (another rank failed)
+    write     inside the pause: write in place (the engine restores this rank itself on failure)
+    rollback  undo the writes of an update (another rank failed)
     release   drop a staged update's buffers
 
 The served version lives here too, per rank, so that every rank can say what it holds. The replica
@@ -36,7 +36,7 @@ from ...apply.layout import hf_2d
 from ...checksums import Sums, add_sums, to_hex
 from ...errors import ChecksumMismatchError, InjectedFaultError, UnsupportedModelError
 from ...format import VersionHeader, VersionLike
-from ...server_api import FAULTS_ENV, METHODS, Counted, Coverage, HandlerInfo, Method, Recomputed, ViaVllm
+from ...server_api import METHODS, Counted, Coverage, HandlerInfo, Method, Recomputed, ViaVllm, fault_hits
 from ..postprocess.derived import Product, check_targets, report_of
 from ..postprocess.handlers import Handler, claims_for, handlers
 from ..postprocess.loaded import fed_sums
@@ -58,7 +58,8 @@ class Served:
 
     @classmethod
     def from_header(cls, header: VersionHeader) -> Served:
-        return cls(header.version, header.checksum, {n: int(e.checksum, 16) for n, e in header.tensors.items()})
+        t = header.tensors
+        return cls(header.version, header.checksum, dict(zip(t.names, (int(c, 16) for c in t.checksums))))
 
 
 @dataclass
@@ -69,9 +70,10 @@ class Ticket:
     fallback: FallbackStage | None = None
     error: BaseException | None = None
     stage_ms: float = 0.0
-    previous: Served | None = None  # what was served before this ticket's commit
-    method: Method = "delta"  # "vllm": commit through vLLM's sparse path instead (vllm_path.py)
+    previous: Served | None = None  # what was served before this ticket's writes
+    method: Method = "delta"  # "vllm": write through vLLM's sparse path instead (vllm_path.py)
     vllm_patches: list[Any] | None = None  # for method "vllm": vLLM CheckpointWeightPatch objects
+    fault: str | None = None  # test hook (server_api.fault_hits)
 
 
 class DeltaReplica:
@@ -79,6 +81,7 @@ class DeltaReplica:
         self.model = model
         self.device = torch.device(device) if device is not None else _model_device(model)
         self.rank, self.world_size = dist.rank_and_size()
+        self.engine_index = 0  # vLLM's data-parallel rank of this worker's engine core (set by the worker methods)
         self.probe: ProbeResult | None = None
         self.engine: ApplyEngine | None = None
         self.fallback: FallbackApplier | None = None
@@ -90,10 +93,10 @@ class DeltaReplica:
 
     # -- the layout (collective) ----------------------------------------------------------------
     @property
-    def prepared(self) -> bool:
+    def probed(self) -> bool:
         return self.engine is not None
 
-    def prepare(
+    def probe_layout(
         self, hf_shapes: dict[str, tuple[int, ...]], *, validate: bool = True, force_fallback: Iterable[str] = ()
     ) -> dict[str, str]:
         """Probe, check post-processing (derived.py), validate and combine the layout over all ranks.
@@ -215,6 +218,10 @@ class DeltaReplica:
             post_processing=report.summary() if report is not None else None,
         )
 
+    @property
+    def _who(self) -> str:
+        return f"engine {self.engine_index} rank {self.rank}" if self.engine_index else f"rank {self.rank}"
+
     def _require(self) -> ApplyEngine:
         if self.engine is None:
             raise UnsupportedModelError("the layout has not been probed on this worker yet")
@@ -262,7 +269,12 @@ class DeltaReplica:
         return self.summary(ticket)
 
     def stage_start(
-        self, ticket: str, versions: list[int], open_files: Callable[[], list[VersionLike]], method: Method = "delta"
+        self,
+        ticket: str,
+        versions: list[int],
+        open_files: Callable[[], list[VersionLike]],
+        method: Method = "delta",
+        fault: str | None = None,
     ) -> None:
         """Stage on a background thread: generation continues between the worker's RPCs meanwhile."""
         self._require()
@@ -270,7 +282,7 @@ class DeltaReplica:
             raise ValueError(f"ticket {ticket} is already staged")
         if method not in METHODS:
             raise ValueError(f"unknown apply method {method!r}")
-        t = Ticket(list(versions), method=method)
+        t = Ticket(list(versions), method=method, fault=fault)
         if self._stager is None:
             self._stager = ThreadPoolExecutor(1, thread_name_prefix="vllm-delta-stage")
         self.tickets[ticket] = t
@@ -281,6 +293,8 @@ class DeltaReplica:
         try:
             engine = self._require()
             files = open_files()
+            if fault_hits(t.fault, "stage", self.engine_index, self.rank):
+                raise InjectedFaultError(f"injected fault while staging on {self._who}")
             t.staged = engine.stage(files)  # on the engine's own side stream
             assert self.fallback is not None
             t.fallback = self.fallback.stage(files)
@@ -310,10 +324,12 @@ class DeltaReplica:
             bytes=t.staged.bytes,
             stage_ms=t.stage_ms,
             timings=dict(t.staged.timings),
+            rank=self.rank,
+            world_size=self.world_size,
         )
 
     # -- the pause ------------------------------------------------------------------------------
-    def commit(self, ticket: str, fault: str | None = None, method: Method = "delta") -> float:
+    def write(self, ticket: str, fault: str | None = None, method: Method = "delta") -> float:
         """Write a staged update in place; returns the time taken (ms). On failure this rank is restored
         before the error propagates. `method` "vllm" writes through vLLM's sparse path instead (the
         ticket must have been staged for it)."""
@@ -321,18 +337,18 @@ class DeltaReplica:
         if t.staged is None:
             raise ValueError(f"ticket {ticket} is not staged")
         if method == "vllm":
-            return self._commit_through_vllm(ticket, t)
+            return self._write_through_vllm(ticket, t)
         if method != "delta":
             raise ValueError(f"unknown apply method {method!r}")
         engine = self._require()
         assert self.fallback is not None and t.fallback is not None
         t0 = time.perf_counter()
-        engine.commit(t.staged)
+        engine.write(t.staged)
         try:
-            self.fallback.commit(t.fallback)
+            self.fallback.write(t.fallback)
             self.recompute_derived()
-            if fault == f"commit@{self.rank}" and os.environ.get(FAULTS_ENV) == "1":
-                raise InjectedFaultError(f"injected fault after the writes on rank {self.rank}")
+            if fault_hits(fault, "commit", self.engine_index, self.rank):
+                raise InjectedFaultError(f"injected fault after the writes on {self._who}")
         except BaseException:
             self.fallback.rollback(t.fallback)
             engine.rollback(t.staged)
@@ -341,7 +357,7 @@ class DeltaReplica:
         t.previous, self.served = self.served, Served.from_header(t.staged.header)
         return (time.perf_counter() - t0) * 1e3
 
-    def _commit_through_vllm(self, ticket: str, t: Ticket) -> float:
+    def _write_through_vllm(self, ticket: str, t: Ticket) -> float:
         if t.vllm_patches is None:
             raise ValueError(f"ticket {ticket} was not staged for vLLM's sparse path")
         engine = self._require()
@@ -350,12 +366,12 @@ class DeltaReplica:
 
         def write() -> None:
             vllm_path.load_patches(self.model, patches)
-            fallback.commit(fallback_stage)
+            fallback.write(fallback_stage)
             self.recompute_derived()  # handlers' derived tensors (handlers.py)
 
         # The same elements as our plan: on failure the engine's rollback buffer restores them.
         try:
-            apply_ms = engine.commit_with(t.staged, write)
+            apply_ms = engine.write_with(t.staged, write)
         except BaseException:
             self.recompute_derived()
             raise
@@ -363,9 +379,9 @@ class DeltaReplica:
         return apply_ms
 
     def rollback(self, ticket: str) -> bool:
-        """Undo a committed ticket (another rank failed). False if there was nothing to undo."""
+        """Undo a written ticket (another rank failed). False if there was nothing to undo."""
         t = self.tickets.get(ticket)
-        if t is None or t.staged is None or not t.staged.committed:
+        if t is None or t.staged is None or not t.staged.written:
             return False
         assert self.fallback is not None and t.fallback is not None
         self.fallback.rollback(t.fallback)

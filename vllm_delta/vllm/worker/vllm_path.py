@@ -3,7 +3,7 @@
 For comparison (benchmarks/pause_latency.py) and as a cross-check: inside the pause, the staged
 changes go to `load_checkpoint_weight_patches` as absolute bf16 values at Hugging Face positions
 (what vLLM's sparse_nccl backend receives). Staging, verification and rollback stay ours: the
-elements written are the same, so our rollback buffer restores them (replica.py commits and rolls back).
+elements written are the same, so our rollback buffer restores them (replica.py writes and rolls back).
 
 Plain functions of the layout and the staged update: this module knows nothing of the replica.
 """

@@ -1,29 +1,36 @@
-"""The engine-core side of updates: every commit, in a pause or in flight (`"mode": "inflight"`).
+"""The engine-core calls: the in-place writes of every update, in a pause or in flight (`"mode": "inflight"`),
+the weight-version label and its history, the prefix-cache state.
 
-A commit is ONE call on the engine-core thread (rpc.COMMIT_ALL), so it runs strictly between two
+The writes are ONE call on the engine-core thread (rpc.WRITE_ALL), so it runs strictly between two
 engine steps (vLLM dispatches utilities from its busy loop between `step_fn()` calls). The API
 process reaches it through the public `EngineClient.collective_rpc`: the plugin wraps
 `EngineCore.collective_rpc` and answers the reserved names (rpc.ENGINE_CORE_CALLS) itself instead of
-forwarding them to the workers. In that one call (`commit_between_steps`, around commit.commit_all):
+forwarding them to the workers. In that one call (`write_between_steps`, around two_phase.write_all):
 
     preflight   mode "inflight" only: refuse what cannot be made safe (409 + reason): KV /
                 encoder-cache / aux-output connectors, multimodal encoder caches, data parallelism,
                 an unknown scheduler
-    commit      rpc.COMMIT on every worker rank (one broadcast: every rank writes after the same
+    write       rpc.WRITE on every worker rank (one broadcast: every rank writes after the same
                 forward step; worker methods never raise)
     rollback    if any rank failed: rpc.ROLLBACK on every rank in the same call, so no forward ever
                 sees mixed weights; if the rollback fails too, scheduling stops (PAUSED_ALL) and
-                every later commit answers 500
+                every later write answers 500
     invalidate  mode "inflight", on success only: drop every cached prefix hash (blocks in use stay
                 valid for the requests holding them) and taint every request that holds KV, so it
                 never inserts hashes later (its blocks mix old and new weights). In a pause mode the
-                API process resets the prefix cache itself (vLLM's reset, once the commit is done)
+                API process resets the prefix cache itself (vLLM's reset, once the writes are done)
     label       set vLLM's weight-version label (stamped on each step's outputs; under a batch
-                queue the batches already in flight keep the old label) and record the commit in
+                queue the batches already in flight keep the old label) and record the update in
                 a bounded history (engine step, time; in flight, each running request's switch index)
 
+Data parallelism: the API process makes this call on every engine core and, if one failed, calls
+rpc.ROLLBACK_ALL on every engine (`rollback_between_steps`): an engine whose writes landed rolls
+every rank back, and its label goes back to the one before (recorded as a "rollback" in the history;
+in flight, with the same prefix-cache invalidation and taint as the writes, since the engine may
+have stepped on the new weights meanwhile). A failed rollback stops scheduling, as above.
+
 Worker ordering: `MultiprocExecutor` sends one message on a broadcast queue read by every rank, and
-each worker runs its queue in order, so the commit runs after the forward steps already dispatched
+each worker runs its queue in order, so the writes run after the forward steps already dispatched
 and before any later one, on every rank. On GPU the writes are issued on the worker's current stream
 (the forward's) and synchronized before the reply (apply/engine.py).
 
@@ -41,12 +48,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...attribution import version_label
+from ...attribution import parse_label, version_label
 from ...errors import CommitFailedError, InflightRefusedError, RollbackFailedError
 from ...server_api import PAUSE_MODES, HistoryEntry, Timeline
 from ..shared import rpc
-from ..shared.commit import AllCommitted, AllRolledBack, commit_all, run_sync
-from ..shared.messages import CommittedAll, LabelSet, PrefixCleared, PrefixState
+from ..shared.messages import LabelSet, PrefixCleared, PrefixState, RolledBackAll, Written, WrittenAll
+from ..shared.two_phase import AllRolledBack, AllWritten, run_sync, write_all
 
 log = logging.getLogger(__name__)
 
@@ -58,14 +65,24 @@ PATCHED_ATTR = "_vllm_delta_patched"
 
 @dataclass
 class EngineState:
-    """What the engine core keeps between commits."""
+    """What the engine core keeps between updates."""
 
     history: deque[HistoryEntry] = field(default_factory=lambda: deque(maxlen=HISTORY_LIMIT))
     steps: int = 0  # labelled engine steps so far (one per step that produced outputs)
-    # Labels of the batches that were already dispatched at a commit (batch queue: async scheduling,
+    # Labels of the batches that were already dispatched at an update (batch queue: async scheduling,
     # pipeline parallelism), oldest first: they ran on the weights before it and keep that label.
     held: deque[str] = field(default_factory=deque)
     inconsistent: str | None = None  # set when a rollback failed: the ranks may disagree
+    landed: Landed | None = None  # the last WRITE_ALL whose writes landed (ROLLBACK_ALL may undo them)
+
+
+@dataclass(frozen=True)
+class Landed:
+    """A WRITE_ALL whose writes landed: what ROLLBACK_ALL needs to undo it (the label before it)."""
+
+    ticket: str
+    previous_label: str
+    inflight: bool
 
 
 def state_of(core: Any) -> EngineState:
@@ -78,7 +95,7 @@ def state_of(core: Any) -> EngineState:
 
 # -- preflight -------------------------------------------------------------------------------------
 def preflight(core: Any) -> list[str]:
-    """Why an in-flight commit cannot be made safe on this engine ([] when it can)."""
+    """Why an in-flight update cannot be made safe on this engine ([] when it can)."""
     reasons: list[str] = []
     config = core.vllm_config
     scheduler = core.scheduler
@@ -97,9 +114,13 @@ def preflight(core: Any) -> list[str]:
             "a multimodal model: encoder outputs of the old weights stay cached for running and new requests"
         )
     if getattr(config.parallel_config, "data_parallel_size", 1) > 1:
+        # vLLM runs dense models' data-parallel engines as independent engines of size 1 (they pass
+        # here, each switching between two of its own steps); MoE engines keep the size: they step in
+        # lockstep and split the experts among them, and each engine would switch at its own step.
         reasons.append(
-            "data parallelism: each engine core steps on its own, so the ranks of an expert-parallel "
-            "forward could mix versions; use mode keep"
+            "data parallelism with a mixture-of-experts model: the engines split the experts and step "
+            "together, but each would switch weights between two of its own steps, so one forward could "
+            "mix versions across engines; use mode keep"
         )
     if not _block_pools(scheduler):
         reasons.append(f"the scheduler {type(scheduler).__name__} has no prefix-cache block pool vllm-delta knows")
@@ -161,7 +182,7 @@ def drop_prefix_hashes(scheduler: Any) -> PrefixCleared:
 
 
 def holding_kv(scheduler: Any) -> list[Any]:
-    """Requests whose KV (some of it computed now) would outlive the commit."""
+    """Requests whose KV (some of it computed now) would outlive the writes."""
     return [r for r in scheduler.requests.values() if r.num_computed_tokens > 0]
 
 
@@ -171,7 +192,7 @@ def external_id(engine_request_id: str) -> str:
     return head if sep and len(tail) == 8 else engine_request_id
 
 
-# -- the commit ------------------------------------------------------------------------------------
+# -- the writes ------------------------------------------------------------------------------------
 def _stop_scheduling(core: Any, st: EngineState, why: str) -> None:
     from vllm.v1.core.sched.interface import PauseState
 
@@ -182,18 +203,18 @@ def _stop_scheduling(core: Any, st: EngineState, why: str) -> None:
         log.error("vllm-delta: %s; scheduling stopped (PAUSED_ALL): restart the server", why)
 
 
-def _commit_all(core: Any, args: rpc.CommitAllArgs) -> CommittedAll:
-    """The reserved call COMMIT_ALL (engine-core thread, between two steps): commit.commit_all over the
+def _write_all(core: Any, args: rpc.WriteAllArgs) -> WrittenAll:
+    """The reserved call WRITE_ALL (engine-core thread, between two steps): two_phase.write_all over the
     workers, then, as its after-writes step, the prefix-cache invalidation (mode "inflight") and the
     label. In a pause mode the API process paused first and resets the prefix cache itself.
     Raises InflightRefusedError (409: nothing was written), CommitFailedError (500: every rank rolled
-    back) or RollbackFailedError (500: scheduling stopped, later commits refused)."""
+    back) or RollbackFailedError (500: scheduling stopped, later writes refused)."""
     t0 = time.perf_counter()
     st = state_of(core)
     inflight = args.mode not in PAUSE_MODES
     _refuse_unsafe(core, st, inflight)
     outcome = run_sync(
-        commit_all(
+        write_all(
             rpc.Workers(rpc.executor_transport(core.model_executor)),
             args.ticket,
             method=args.method,
@@ -201,7 +222,7 @@ def _commit_all(core: Any, args: rpc.CommitAllArgs) -> CommittedAll:
             after_writes=_after_writes(core, st, args, inflight, t0),
         )
     )
-    if isinstance(outcome, AllCommitted):
+    if isinstance(outcome, AllWritten):
         return outcome.after
     when = " before the next forward step" if inflight else ""
     if isinstance(outcome, AllRolledBack):
@@ -216,7 +237,7 @@ def _commit_all(core: Any, args: rpc.CommitAllArgs) -> CommittedAll:
 
 
 def _refuse_unsafe(core: Any, st: EngineState, inflight: bool) -> None:
-    """Before anything is written: no commit after a failed rollback; no in-flight commit this engine
+    """Before anything is written: no write after a failed rollback; no in-flight update this engine
     cannot make safe (preflight)."""
     if st.inconsistent is not None:
         raise RollbackFailedError(f"a rollback failed earlier, ranks may disagree: {st.inconsistent}")
@@ -230,23 +251,44 @@ def _refuse_unsafe(core: Any, st: EngineState, inflight: bool) -> None:
         raise InflightRefusedError("in-flight update refused: " + "; ".join(reasons))
 
 
+@dataclass(frozen=True)
+class _Switch:
+    """What a label change does to the requests of this engine, computed before the writes (so nothing
+    after them can fail): the requests holding KV, their switch indices, the batches in flight."""
+
+    holding: list[Any]
+    switch: dict[str, int]
+    in_flight: int
+
+    @classmethod
+    def of(cls, core: Any, inflight: bool) -> _Switch:
+        holding = holding_kv(core.scheduler) if inflight else []
+        switch = {external_id(r.request_id): r.num_output_tokens + r.num_output_placeholders for r in holding}
+        in_flight = len(core.batch_queue) if inflight and getattr(core, "batch_queue", None) is not None else 0
+        return cls(holding, switch, in_flight)
+
+    def apply(self, core: Any, st: EngineState, label: str, inflight: bool) -> PrefixCleared:
+        """Between two steps, in flight: drop every prefix hash and taint the requests holding KV; then
+        the label (batches already in flight keep theirs)."""
+        dropped = drop_prefix_hashes(core.scheduler) if inflight else PrefixCleared(0, 0, 0)
+        for r in self.holding:
+            setattr(r, TAINT_ATTR, True)
+        _set_label(core, st, label, self.in_flight)
+        return dropped
+
+
 def _after_writes(
-    core: Any, st: EngineState, args: rpc.CommitAllArgs, inflight: bool, t0: float
-) -> Callable[[float], CommittedAll]:
-    """The commit's after-writes step. Everything that can fail is computed here, before the writes."""
-    scheduler = core.scheduler
-    holding = holding_kv(scheduler) if inflight else []
-    switch = {external_id(r.request_id): r.num_output_tokens + r.num_output_placeholders for r in holding}
-    in_flight = len(core.batch_queue) if inflight and getattr(core, "batch_queue", None) is not None else 0
+    core: Any, st: EngineState, args: rpc.WriteAllArgs, inflight: bool, t0: float
+) -> Callable[[list[Written]], WrittenAll]:
+    """The after-writes step. Everything that can fail is computed here, before the writes."""
+    change = _Switch.of(core, inflight)
     previous = core._weight_version
     label = version_label(args.version)
 
-    def invalidate_and_label(apply_ms: float) -> CommittedAll:
-        dropped = drop_prefix_hashes(scheduler) if inflight else PrefixCleared(0, 0, 0)
-        for r in holding:
-            setattr(r, TAINT_ATTR, True)
-        _set_label(core, st, label, in_flight)
-        committed = CommittedAll(
+    def invalidate_and_label(written_ranks: list[Written]) -> WrittenAll:
+        apply_ms = max((w.apply_ms for w in written_ranks), default=0.0)
+        dropped = change.apply(core, st, label, inflight)
+        written = WrittenAll(
             version=args.version,
             label=label,
             previous_label=previous,
@@ -255,19 +297,72 @@ def _after_writes(
             apply_ms=apply_ms,
             dropped_blocks=dropped.blocks,
             dropped_blocks_in_use=dropped.blocks_in_use,
-            tainted=len(holding),
-            batches_in_flight=in_flight,
-            switch=switch,
+            tainted=len(change.holding),
+            batches_in_flight=change.in_flight,
+            switch=change.switch,
             time=time.time(),
         )
-        st.history.append(_history_entry(args, committed))
-        return committed
+        st.history.append(_history_entry(args, written))
+        st.landed = Landed(args.ticket, previous, inflight)
+        return written
 
     return invalidate_and_label
 
 
-def _history_entry(args: rpc.CommitAllArgs, c: CommittedAll) -> HistoryEntry:
-    """An update in a pause as a label change (as at start-up); an in-flight commit with what it did."""
+def _rollback_all(core: Any, args: rpc.RollbackAllArgs) -> RolledBackAll:
+    """The reserved call ROLLBACK_ALL (engine-core thread, between two steps): another engine failed its
+    writes. If this engine's WRITE_ALL of the ticket landed, roll back every rank and put the label back
+    to the one before (in flight: the engine may have stepped on the new weights since, so prefix hashes
+    are dropped and requests holding KV tainted, as at the writes). If it did not land, there is nothing
+    to undo: its own WRITE_ALL refused before writing or already rolled its ranks back (or, having failed
+    to, stopped this engine: then this call refuses too). Raises RollbackFailedError (scheduling stopped)."""
+    t0 = time.perf_counter()
+    st = state_of(core)
+    if st.inconsistent is not None:
+        raise RollbackFailedError(f"a rollback failed earlier, ranks may disagree: {st.inconsistent}")
+    landed = st.landed if st.landed is not None and st.landed.ticket == args.ticket else None
+    if landed is None:
+        return RolledBackAll(
+            ranks_rolled_back=0,
+            relabelled=False,
+            label=core._weight_version,
+            engine_ms=(time.perf_counter() - t0) * 1e3,
+        )
+    change = _Switch.of(core, landed.inflight)
+    replies = run_sync(rpc.Workers(rpc.executor_transport(core.model_executor)).rollback(args.ticket))
+    if not replies.ok:
+        _stop_scheduling(core, st, f"rolling back version {args.version} failed: {replies.failures()}")
+        raise RollbackFailedError(f"rolling back version {args.version} failed: {replies.failures()}")
+    rolled = sum(1 for r in replies.all() if r.rolled_back)
+    st.landed = None
+    undone = core._weight_version
+    change.apply(core, st, landed.previous_label, landed.inflight)
+    st.history.append(
+        HistoryEntry(
+            mode="rollback",
+            version=_version_of(landed.previous_label),
+            label=landed.previous_label,
+            previous_label=undone,
+            engine_step=st.steps,
+            switch=change.switch if landed.inflight else None,
+            time=time.time(),
+        )
+    )
+    return RolledBackAll(
+        ranks_rolled_back=rolled,
+        relabelled=True,
+        label=landed.previous_label,
+        engine_ms=(time.perf_counter() - t0) * 1e3,
+    )
+
+
+def _version_of(label: str) -> int | None:
+    version = parse_label(label)
+    return version if isinstance(version, int) else None
+
+
+def _history_entry(args: rpc.WriteAllArgs, c: WrittenAll) -> HistoryEntry:
+    """An update in a pause as a label change (as at start-up); an in-flight update with what it did."""
     entry = HistoryEntry(
         mode=args.mode,
         version=c.version,
@@ -343,12 +438,13 @@ def _prefix_state(core: Any, args: rpc.NoArgs) -> PrefixState:
 
 # The reserved names, served from their declarations: each answers the reply's plain form (or an
 # error reply with the exception's HTTP status) and never raises across the utility boundary.
-commit_between_steps = rpc.serve(rpc.COMMIT_ALL, _commit_all)
+write_between_steps = rpc.serve(rpc.WRITE_ALL, _write_all)
+rollback_between_steps = rpc.serve(rpc.ROLLBACK_ALL, _rollback_all)
 set_label = rpc.serve(rpc.SET_LABEL, _set_label_by_hand)
 engine_timeline = rpc.serve(rpc.ENGINE_TIMELINE, _timeline)
 prefix_state = rpc.serve(rpc.PREFIX_STATE, _prefix_state)
 RESERVED: dict[str, Callable[..., Any]] = {
-    f.__name__: f for f in (commit_between_steps, set_label, engine_timeline, prefix_state)
+    f.__name__: f for f in (write_between_steps, rollback_between_steps, set_label, engine_timeline, prefix_state)
 }
 assert set(RESERVED) == {c.name for c in rpc.ENGINE_CORE_CALLS}, "every engine-core call is served"
 
@@ -356,13 +452,15 @@ assert set(RESERVED) == {c.name for c in rpc.ENGINE_CORE_CALLS}, "every engine-c
 # -- patches ---------------------------------------------------------------------------------------
 def patch_engine_core(engine_core_cls: Any) -> None:
     """Answer the reserved names on the engine core; count labelled steps and hold the old label for
-    batches that were already in flight at a commit. Idempotent."""
+    batches that were already in flight at an update. Idempotent."""
     orig_rpc = engine_core_cls.collective_rpc
     if getattr(orig_rpc, PATCHED_ATTR, False):
         return
 
     @functools.wraps(orig_rpc)
-    def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+    def collective_rpc(
+        self: Any, method: Any, timeout: float | None = None, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
         if isinstance(method, str) and method in RESERVED:
             if args:
                 return [rpc.error_reply(TypeError(f"{method} takes keyword arguments only"))]
@@ -372,7 +470,7 @@ def patch_engine_core(engine_core_cls: Any) -> None:
     orig_attach = engine_core_cls._attach_weight_version
 
     @functools.wraps(orig_attach)
-    def _attach_weight_version(self, outputs):
+    def _attach_weight_version(self: Any, outputs: Any) -> Any:
         st = state_of(self)
         st.steps += 1
         if st.held:
@@ -389,7 +487,7 @@ def patch_engine_core(engine_core_cls: Any) -> None:
 
 
 def patch_block_pool(block_pool_cls: Any) -> None:
-    """A tainted request (it held KV at an in-flight commit) never inserts prefix-cache hashes: its
+    """A tainted request (it held KV at an in-flight update) never inserts prefix-cache hashes: its
     blocks mix KV of two weight versions, and lookups follow token-only hash chains. Idempotent."""
     orig_full = block_pool_cls.cache_full_blocks
     if getattr(orig_full, PATCHED_ATTR, False):
@@ -397,13 +495,13 @@ def patch_block_pool(block_pool_cls: Any) -> None:
     orig_partial = block_pool_cls.cache_partial_block
 
     @functools.wraps(orig_full)
-    def cache_full_blocks(self, request, *args, **kwargs):
+    def cache_full_blocks(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
         if getattr(request, TAINT_ATTR, False):
             return None
         return orig_full(self, request, *args, **kwargs)
 
     @functools.wraps(orig_partial)
-    def cache_partial_block(self, request, *args, **kwargs):
+    def cache_partial_block(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
         if getattr(request, TAINT_ATTR, False):
             return None
         return orig_partial(self, request, *args, **kwargs)

@@ -2,7 +2,7 @@
 
 nvCOMP's zstd, given one frame per batch entry (`BitstreamKind.RAW`), writes standard zstd frames
 that the CPU `zstandard` library reads, and reads the frames `zstandard` writes: the CPU and GPU
-paths share one format (chunked.py). Everything here is lazy and optional:
+paths share one format (this package). Everything here is lazy and optional:
 
 * `backend(device)` imports nvCOMP the first time it is asked for a device and proves it on a small
   round trip against zstandard (a wrong CUDA build of the wheel fails here, not in an update); it
@@ -11,7 +11,7 @@ paths share one format (chunked.py). Everything here is lazy and optional:
   line, so an update never fails because of nvCOMP; `note_path` logs once which path ran.
 
 Data errors are not left to nvCOMP: a chunk's bytes are checked against the index's hash on the
-device before it is decompressed (chunked.py), and decompressed sizes against the index after.
+device before it is decompressed (decoder.py), and decompressed sizes against the index after.
 """
 
 from __future__ import annotations
@@ -24,15 +24,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..checksums import chunk_hashes
+from ...checksums import chunk_hashes
 from . import kernels
+from .planes import FRAME_ALIGN  # nvCOMP's alignment divides it
 
 log = logging.getLogger(__name__)
 
 PATH_ENV = "VLLM_DELTA_CODEC_PATH"  # "auto" (default): nvCOMP where it runs; "cpu": never
 FRAMES_PER_CALL = 8192  # frames compressed per nvCOMP call: a call costs ~10 ms whatever its size (H100), and
 # its output slots ~66 KB per frame (8192 frames: 540 MB; Qwen3-8B at 1% has 6,250)
-FRAME_ALIGN = 16  # the chunked codec's frame alignment (nvCOMP's alignment divides it)
 
 _lock = threading.Lock()
 _backends: dict[tuple[str, int], tuple[GpuZstd | None, str]] = {}

@@ -1,6 +1,6 @@
-"""Triton kernels of the chunked codec (chunked.py): the device halves of encode and decode, fused.
+"""Triton kernels of the chunked codec: the device halves of encode and decode, fused.
 
-The torch code in chunked.py is the reference (and the path on machines without Triton); these
+The torch code in encode.py and decode.py is the reference (and the path on machines without Triton); these
 kernels compute the same bytes, bit for bit (tests/test_codec_kernels.py runs both under
 TRITON_INTERPRET=1 on the CPU, and on the GPU):
 
@@ -9,10 +9,10 @@ TRITON_INTERPRET=1 on the CPU, and on the GPU):
   elements' magnitude codes at their rank in the chunk, and the chunk's counts (big elements, gap
   and value escapes). The torch encoder runs ~70 small kernels and a host wait per 4M-element
   slice; this is one launch per pass of detection. The escapes' values (rare) are gathered
-  afterwards, by torch, from the chunks that have any (`chunked.encode_planes`).
+  afterwards, by torch, from the chunks that have any (`encode.encode_planes`).
 * `decode_chunks`: one program per chunk turns planes back into gaps (escapes patched) and
   differences, and flags a chunk whose counts disagree with the index; the positions (a prefix sum
-  over the run) and the range checks stay in torch (`chunked._decode`).
+  over the run) and the range checks stay in torch (`decode._decode`).
 * `chunk_hashes`: the positional hash of each chunk's bytes (checksums.chunk_hashes), one program
   per chunk, no index tensors.
 * `compact_frames`: frames compressed by nvCOMP into fixed-size slots -> one blob, each frame
@@ -29,7 +29,7 @@ import os
 import numpy as np
 import torch
 
-from ..checksums import WEIGHT_INT64
+from ...checksums import WEIGHT_INT64
 
 try:  # Triton is optional: CPU installs work without it (the torch path).
     import triton
@@ -57,7 +57,7 @@ if triton is not None:
     # Sizes and offsets are not specialized on (divisibility, == 1): every version has other values, and a
     # specialization is a compile (~1 s) inside an update.
     @triton.jit(do_not_specialize=["n", "chunks", "lo0", "hi0", "sign0", "big0", "mag0"])
-    def _encode_kernel(
+    def _encode_kernel(  # type: ignore[no-untyped-def]  # Triton reads the annotations itself
         pos_ptr,
         seg_ptr,
         new_ptr,
@@ -156,7 +156,9 @@ if triton is not None:
             tl.store(counts_ptr + 2 * chunks + k, n_mag.to(tl.int64))
 
     @triton.jit
-    def _hash_kernel(words_ptr, start_ptr, count_ptr, out_ptr, WEIGHT: tl.constexpr, BLOCK: tl.constexpr):
+    def _hash_kernel(  # type: ignore[no-untyped-def]
+        words_ptr, start_ptr, count_ptr, out_ptr, WEIGHT: tl.constexpr, BLOCK: tl.constexpr
+    ):
         k = tl.program_id(0)
         start = tl.load(start_ptr + k)
         cnt = tl.load(count_ptr + k)
@@ -169,7 +171,9 @@ if triton is not None:
         tl.store(out_ptr + k, tl.sum(acc, axis=0))
 
     @triton.jit(do_not_specialize=["cap"])
-    def _compact_kernel(src_ptr, got_ptr, dst_ptr, pad_ptr, out_ptr, cap, BLOCK: tl.constexpr):
+    def _compact_kernel(  # type: ignore[no-untyped-def]
+        src_ptr, got_ptr, dst_ptr, pad_ptr, out_ptr, cap, BLOCK: tl.constexpr
+    ):
         f = tl.program_id(0).to(tl.int64)
         got = tl.load(got_ptr + f)
         dst = tl.load(dst_ptr + f)
@@ -180,7 +184,7 @@ if triton is not None:
             tl.store(out_ptr + dst + i, x, mask=i < pad)
 
     @triton.jit(do_not_specialize=["n", "chunks", "n_gesc", "n_mesc"])
-    def _decode_kernel(
+    def _decode_kernel(  # type: ignore[no-untyped-def]
         lo_ptr,
         hi_ptr,
         sign_ptr,

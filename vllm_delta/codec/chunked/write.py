@@ -1,0 +1,247 @@
+"""Writing a chunked file: a batch's planes (`ChunkedBatch`, from `prepare_batch` or a
+`StreamEncoder` fed pass by pass) compressed into the payload's parts and streamed into a sink, by
+nvCOMP on the planes' GPU when it runs, else by zstandard on the host; `FilePlan` is a file laid out
+before it is written (base.FileWrite).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from ..base import Batch, BatchSections, HostCopy, MemorySink, PayloadSink, Sections
+from . import gpu
+from .encode import compress_cpu, encode_planes, planes_to_host
+from .planes import INDEX_WIDTH, Planes, PlanesBackend
+
+log = logging.getLogger(__name__)
+
+COPY_PIECE_BYTES = 8 << 20  # GPU path: compressed bytes copied to the host (and written) at a time
+
+
+class EncodeSettings(Protocol):
+    """The encoder's settings (what ChunkedCodec holds)."""
+
+    level: int
+    chunk_elems: int
+    slice_elems: int
+    encode_backend: PlanesBackend | None
+
+
+@dataclass
+class FilePack:
+    """A file-level codec's output: payload tensors (by part name, stored as `::<part>`), the
+    file's codec metadata (the header's `enc`) and each packed tensor's own `enc`."""
+
+    payload: dict[str, torch.Tensor]
+    enc: dict[str, Any]
+    tensor_enc: dict[str, dict[str, Any]]
+
+
+class ChunkedBatch(BatchSections):
+    """`prepare_batch`'s (or a `StreamEncoder`'s) result: the batch's planes on its device (queued on
+    the caller's stream; one Planes per run of whole chunks), and what the header needs per tensor.
+    `wait()` waits for the device work, `split()` gives one Sections per tensor (pointing back here;
+    None where nothing changed), `write_to()` compresses into a payload sink (`pack()`: into memory):
+    with nvCOMP on the planes' GPU when it is available, else with zstandard on the host."""
+
+    def __init__(self, codec: EncodeSettings, counts: Sequence[int], starts: Sequence[int], parts: list[Planes]):
+        self.codec = codec
+        self.parts = parts
+        self.counts = list(counts)
+        self.starts = list(starts)
+        self.ats = [0, *np.cumsum(self.counts).tolist()][:-1]
+        self.event: Any = None
+        self.device = parts[0].device if parts else torch.device("cpu")
+        if self.device.type == "cuda":
+            self.event = torch.cuda.Event()
+            self.event.record()
+        super().__init__(self._sections, self._wait)
+
+    @property
+    def n(self) -> int:
+        return sum(p.layout.n for p in self.parts)
+
+    def _wait(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
+
+    def _sections(self) -> list[Sections | None]:
+        return [Sections(meta={"batch": self, "tensor": i}) if c else None for i, c in enumerate(self.counts)]
+
+    def tensor_enc(self, i: int) -> dict[str, Any]:
+        return {"at": int(self.ats[i]), "start": int(self.starts[i])}
+
+    def file_enc(self) -> dict[str, Any]:
+        return {"chunk_elems": self.codec.chunk_elems, "elems": self.n}
+
+    def pack(self, pool: Executor | None = None, busy_ms: list[float] | None = None) -> FilePack:
+        sink = MemorySink()
+        self.write_to(sink, pool, busy_ms)
+        return FilePack(payload=sink.payload(), enc=self.file_enc(), tensor_enc={})
+
+    def write_to(self, sink: PayloadSink, pool: Executor | None = None, busy_ms: list[float] | None = None) -> None:
+        """The payload's parts (PAYLOAD_LAYOUT, in order) into `sink`. On the GPU path the blob is
+        compressed by nvCOMP, then copied to pinned memory in pieces of COPY_PIECE_BYTES, and a file
+        sink writes each as its copy lands (the writes overlap the copies and each other)."""
+        self.wait()
+        t0 = time.perf_counter()
+        dev = self.device
+        done = False
+        if dev.type == "cuda":
+            backend, why = gpu.backend(dev)
+            if backend is not None:
+                try:
+                    with torch.cuda.stream(gpu.encode_stream(dev)):
+                        self._write_gpu(sink, backend)
+                    gpu.note_path("encodes", f"on {dev} with nvCOMP {backend.version}")
+                    done = True
+                except Exception as exc:  # noqa: BLE001 - OOM, nvCOMP failure: the CPU path writes the same format
+                    why = f"nvCOMP failed ({type(exc).__name__}: {exc})"
+                    log.warning("vllm-delta: GPU encode failed, encoding on the CPU instead: %s", why)
+                    sink.restart()
+            if not done:
+                gpu.note_path("encodes", f"on the CPU (zstandard): {why}")
+        else:
+            gpu.note_path("encodes", "on the CPU (zstandard): the changes are on the CPU")
+        if not done:
+            self._write_cpu(sink, pool)
+        if busy_ms is not None:
+            busy_ms.append((time.perf_counter() - t0) * 1e3)
+
+    def _write_gpu(self, sink: PayloadSink, backend: gpu.GpuZstd) -> None:
+        """nvCOMP over every frame of the file in as few calls as memory allows (a call costs ~10 ms
+        on an H100 whatever its size: benchmarks/codec_calls.py), then the blob to pinned memory in
+        pieces, each handed to the sink (written) as its copy lands."""
+        if not self.parts:
+            sink.append("blob", torch.zeros(0, dtype=torch.uint8))
+            sink.append("index", _index([]))
+            self._write_escapes(sink)
+            return
+        merged, bases = self._merge()
+        counts = torch.cat([torch.stack([p.n_big, p.n_gap_esc, p.n_mag_esc], dim=1) for p in self.parts])
+        counts_np = counts.cpu().numpy()
+        frames = [p.layout.frames(counts_np[k0 : k0 + p.layout.chunks, 0]) for p, k0 in zip(self.parts, self._firsts())]
+        offsets = np.concatenate([off + base for (off, _), base in zip(frames, bases)])
+        sizes = np.concatenate([size for _, size in frames])
+        blob, comp, hashes = gpu.compress_chunks(backend, merged, offsets, sizes)
+        del merged
+        host = torch.empty(blob.numel(), dtype=torch.uint8, pin_memory=True)
+        for a in range(0, blob.numel(), COPY_PIECE_BYTES):
+            b = min(blob.numel(), a + COPY_PIECE_BYTES)
+            host[a:b].copy_(blob[a:b], non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            sink.append("blob", host[a:b], event.synchronize)
+        if not blob.numel():
+            sink.append("blob", host)
+        hashes_np = hashes.cpu().numpy()
+        sink.append("index", _index([np.concatenate([comp, counts_np, hashes_np[:, None]], axis=1)]))
+        self._write_escapes(sink)
+
+    def _firsts(self) -> list[int]:
+        """Each part's first chunk in the file."""
+        return [0, *np.cumsum([p.layout.chunks for p in self.parts]).tolist()][:-1]
+
+    def _merge(self) -> tuple[torch.Tensor, list[int]]:
+        """Every part's planes in one device buffer (one nvCOMP call reads them all): the parts'
+        buffers become views of it, so the separate ones are freed (memory: one copy at a time)."""
+        sizes = [p.buf.numel() for p in self.parts]
+        bases = [0, *np.cumsum(sizes).tolist()][:-1]
+        if len(self.parts) == 1:
+            return self.parts[0].buf, bases
+        merged = torch.cat([p.buf for p in self.parts])
+        for p, base, size in zip(self.parts, bases, sizes):
+            p.buf = merged[base : base + size]
+        return merged, bases
+
+    def _write_cpu(self, sink: PayloadSink, pool: Executor | None) -> None:
+        host = HostCopy(self.device)
+        on_host = [planes_to_host(p, host) for p in self.parts]
+        host.done()
+        host.wait()
+        index = []
+        for p in on_host:
+            blob_np, index_np = compress_cpu(p, self.codec.level, pool)
+            sink.append("blob", torch.from_numpy(blob_np.copy()))
+            index.append(index_np)
+        if not on_host:
+            sink.append("blob", torch.zeros(0, dtype=torch.uint8))
+        sink.append("index", _index(index))
+        self._write_escapes(sink)
+
+    def _write_escapes(self, sink: PayloadSink) -> None:
+        for key in ("gap_esc", "mag_esc"):
+            tables = [getattr(p, key).cpu() for p in self.parts]
+            sink.append(key, torch.cat(tables) if tables else torch.zeros(0, dtype=torch.int64))
+
+
+def _index(rows: list[np.ndarray]) -> torch.Tensor:
+    if not rows:
+        return torch.zeros((0, INDEX_WIDTH), dtype=torch.int64)
+    out = torch.from_numpy(np.concatenate(rows).astype(np.int64))
+    assert out.shape[1] == INDEX_WIDTH
+    return out
+
+
+@dataclass
+class FilePlan:
+    """A chunked file laid out before it is written (base.FileWrite): the header's `enc`, the
+    tensors' `enc`, the payload's parts; `write_to` streams the payload."""
+
+    batch: ChunkedBatch
+    enc: dict[str, Any]
+    tensor_enc: dict[str, dict[str, Any]]
+    parts: list[tuple[str, torch.dtype, int]]
+    size_hint: int = 0
+
+    def write_to(self, sink: PayloadSink, pool: Executor | None = None, busy_ms: list[float] | None = None) -> None:
+        self.batch.write_to(sink, pool, busy_ms)
+
+
+class StreamEncoder:
+    """Encodes a batch's changes as they arrive (the trainer's detection, pass by pass) into planes
+    of whole chunks, holding back a last partial chunk for the next pass: the device holds one
+    pass's changes at a time plus the planes (~3.3 B per changed element). `finish` gives the same
+    file as `prepare_batch` of all the changes at once."""
+
+    def __init__(self, codec: EncodeSettings, starts: Sequence[int]):
+        self.codec = codec
+        self.starts = list(starts)
+        self.parts: list[Planes] = []
+        self._pending: tuple[torch.Tensor, ...] | None = None
+        self._prev: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def add(self, positions: torch.Tensor, seg: torch.Tensor, new: torch.Tensor, old: torch.Tensor) -> None:
+        """The next changes (positions, tensor index, new bits, old bits), in owned order."""
+        cur: tuple[torch.Tensor, ...] = (positions, seg, new, old)
+        if self._pending is not None:
+            cur = tuple(torch.cat([a, b]) for a, b in zip(self._pending, cur))
+        e = self.codec.chunk_elems
+        whole = cur[0].numel() // e * e
+        if whole:
+            self._encode(tuple(x[:whole] for x in cur))
+        self._pending = tuple(x[whole:].clone() for x in cur) if cur[0].numel() > whole else None
+
+    def _encode(self, part: tuple[torch.Tensor, ...]) -> None:
+        pos, seg, new, old = part
+        batch = Batch(positions=pos, new=new, old=old, seg=seg, counts=[], starts=self.starts, numels=[])
+        c = self.codec
+        self.parts.append(encode_planes(batch, c.chunk_elems, c.slice_elems, self._prev, c.encode_backend))
+        self._prev = (pos[-1:].clone(), seg[-1:].clone())
+
+    def finish(self, counts: Sequence[int]) -> ChunkedBatch:
+        """The encoded batch; `counts`: changed elements per tensor (the detection's)."""
+        if self._pending is not None:
+            self._encode(self._pending)
+            self._pending = None
+        if sum(counts) != sum(p.layout.n for p in self.parts):
+            raise ValueError(f"{sum(p.layout.n for p in self.parts)} changes encoded, the counts say {sum(counts)}")
+        return ChunkedBatch(self.codec, counts, self.starts, self.parts)

@@ -1,0 +1,269 @@
+"""The decoder interface: how a server's staging gets a version's changes onto its device, per codec.
+
+Where the line is drawn:
+
+* **staging** (`apply/staging.py`) owns which pieces a rank needs (its layout), host memory (pinned
+  buffers, and reading a file's bytes into them), the thread pool, the order work runs in (every
+  unit's host work queued at once, running ahead of the device) and its timings, and hands the
+  decoded rows to the apply engine. It lends all of that to a codec's decoder as a `StagingHost`.
+* **a codec's decoder** (`CodecDecoder`, one per codec, found through `registry.get_decoder`) owns
+  turning its bytes into (positions, new values or differences) on the device, on the CPU or the
+  GPU, with every integrity check and the errors naming version, tensor and chunk (a fault found by
+  a fast check is looked for again by the checked path, which names it).
+
+Staging drives every codec the same way:
+
+    plan = get_decoder(codec).plan(version, pieces, width, host)   # metadata parsed and checked
+    fetches = [plan.fetch(unit) for unit in plan.units]             # host work, on host's pool
+    for unit, fetched in zip(plan.units, fetches):
+        fetched.wait()
+        yield from plan.decode(unit, fetched)                        # device work: Chunks
+
+A plan is given every piece of one element width of a version at once, from one file or several
+(the parts of a multi-part version), each with the range of positions it may hold: so a codec may
+cut and batch its units across files (one nvCOMP call for several parts' chunks), and skip units no
+piece needs (chunked: chunks of tensors the layout does not hold; with a per-chunk index of
+positions, chunks outside a rank's rows).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeVar
+
+import numpy as np
+import torch
+
+from ..bits import INT_DTYPE, int_view
+from ..errors import CodecError
+from .base import Codec, Ctx, Sections, check_piece
+
+Unit = TypeVar("Unit")
+
+
+@dataclass
+class Item:
+    """One piece of a changed tensor of a version (a one-file version has one piece per changed
+    tensor; a multi-part version one per part that changed it), in the engine's layout order."""
+
+    index: int  # tensor index in the engine's layout order
+    name: str
+    numel: int
+    nnz: int
+    enc: dict[str, Any]
+    parts: Mapping[str, torch.Tensor]  # the payload, by part name
+    dtype: torch.dtype  # the tensor's dtype (header)
+    start: int = 0  # the piece's positions lie in [start, end)
+    stop: int | None = None  # None: numel
+
+    @property
+    def end(self) -> int:
+        return self.numel if self.stop is None else min(self.stop, self.numel)
+
+
+@dataclass
+class FilePieces:
+    """The changed pieces of one file of a file-level codec (format 3) that a layout holds, as
+    arrays in layout order: what staging a mixture of experts needs (~19K tensors per version) with
+    no per-tensor objects. Built straight from a one-file version's header (staging) or from Items
+    sharing one payload (`of_items`: multi-part versions, tests)."""
+
+    payload: Mapping[str, torch.Tensor]  # the file's streams
+    file_enc: Any  # the file's codec metadata (the header's `enc`)
+    names: list[str]
+    encs: list[Any]  # each piece's own codec metadata
+    index: np.ndarray  # int64: tensor index in the engine's layout order
+    numel: np.ndarray  # int64: elements of the whole tensor
+    nnz: np.ndarray  # int64
+    start: np.ndarray  # int64: its positions lie in [start, stop)
+    stop: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    @classmethod
+    def of_items(cls, items: Sequence[Item]) -> FilePieces:
+        """Items of one file (sharing its payload; each `enc` holds the file's under "file", as
+        `format.VersionFile.pieces` gives them)."""
+        return cls(
+            payload=items[0].parts,
+            file_enc=items[0].enc.get("file"),
+            names=[it.name for it in items],
+            encs=[it.enc for it in items],
+            index=np.array([it.index for it in items], dtype=np.int64),
+            numel=np.array([it.numel for it in items], dtype=np.int64),
+            nnz=np.array([it.nnz for it in items], dtype=np.int64),
+            start=np.array([it.start for it in items], dtype=np.int64),
+            stop=np.array([it.end for it in items], dtype=np.int64),
+        )
+
+
+Pieces = list[Item] | FilePieces  # a version's changed pieces of one element width, in layout order
+
+
+def piece_list(pieces: Pieces, codec: str, version: int) -> list[Item]:
+    """The pieces of a per-tensor codec (a FilePieces belongs to a file-level codec: CodecError)."""
+    if isinstance(pieces, FilePieces):
+        raise CodecError(f"pieces of a format-3 file named codec {codec!r}", version=version)
+    return pieces
+
+
+def files_of(pieces: Pieces) -> list[FilePieces]:
+    """The pieces of a file-level codec, by file (the pieces of one file share its payload dict,
+    format.VersionFile), each file's in the order given."""
+    if isinstance(pieces, FilePieces):
+        return [pieces] if len(pieces) else []
+    files: dict[int, list[Item]] = {}
+    for it in pieces:
+        files.setdefault(id(it.parts), []).append(it)
+    return [FilePieces.of_items(items) for items in files.values()]
+
+
+@dataclass
+class Chunk:
+    """Decoded changes of consecutive tensors (or of part of one), on the device."""
+
+    t_idx: torch.Tensor  # int64: tensor index (layout order) of each element
+    p: torch.Tensor  # int64: row-major position in its tensor (sorted within a tensor)
+    diffs: torch.Tensor | None  # int16/int32 (element width): new - old bits, mod 2^bits
+    values: torch.Tensor | None  # int16/int32: absolute new bits
+    runs: list[tuple[int, int]]  # (tensor index, element count), in element order
+
+    @property
+    def tensors(self) -> list[int]:
+        return [t for t, n in self.runs if n]
+
+    @property
+    def n(self) -> int:
+        return int(self.p.numel())
+
+
+@dataclass
+class Fetch:
+    """One unit's host work in flight: wait for `futures`, then `data` holds what the unit's
+    device work reads (a plan may keep its buffers itself and leave `data` None)."""
+
+    futures: list[Future[None]] = field(default_factory=list)
+    data: torch.Tensor | None = None
+
+    def wait(self) -> None:
+        for f in self.futures:
+            f.result()
+
+    def cancel(self) -> None:
+        for f in self.futures:
+            f.cancel()
+
+
+class StagingHost(Protocol):
+    """What staging lends a codec's decoder for one decode: its device, sizes, host memory, thread
+    pool and clock."""
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def chunk_elems(self) -> int:
+        """Changed elements per yielded Chunk, at most (bounds the device's temporary memory)."""
+        ...
+
+    @property
+    def threads(self) -> int:
+        """The pool's threads (a codec's own multithreaded calls may use as many)."""
+        ...
+
+    def buffer(self, n: int, dtype: torch.dtype) -> torch.Tensor:
+        """Host memory for `n` elements (pinned when the device is a GPU), counted as staging's."""
+        ...
+
+    def read(self, src: np.ndarray, a: int, b: int) -> Fetch:
+        """Bytes src[a:b] (a file's memory map) copied into a fresh host buffer (`data`), in pieces
+        on the pool."""
+        ...
+
+    def submit(self, fn: Callable[[], None]) -> Future[None]:
+        """Run `fn` on the pool."""
+        ...
+
+    def mark(self, phase: str, sync: bool = True) -> None:
+        """The time since the last mark counts to `phase` (`sync`: after the device's work is done)."""
+        ...
+
+    def restart(self) -> None:
+        """Start the clock again without counting the time since the last mark."""
+        ...
+
+
+class DecodePlan(Protocol[Unit]):
+    """One decode of a codec's pieces of one width: units in element order, each fetched by host
+    work and decoded on the device into Chunks (of at most `host.chunk_elems` elements)."""
+
+    @property
+    def units(self) -> Sequence[Unit]: ...
+
+    def fetch(self, unit: Unit) -> Fetch:
+        """Queue the unit's host work (decompression into host memory, or a copy of its bytes)."""
+        ...
+
+    def decode(self, unit: Unit, fetched: Fetch) -> Iterator[Chunk]:
+        """The unit's device work once `fetched` is done: its changes, checked, on `host.device`.
+        Marks its phases on the host's clock ("h2d", "inflate", "decode") before each yield; staging
+        restarts the clock when the consumer hands control back."""
+        ...
+
+
+class CodecDecoder(Protocol):
+    """A codec's staging decoder (one per codec, found through `registry.get_decoder`)."""
+
+    def plan(self, version: int, pieces: Pieces, width: int, host: StagingHost) -> DecodePlan[Any]:
+        """Parse and check the pieces' metadata; cut the work into units (CodecError, naming the
+        version and a tensor, for anything malformed)."""
+        ...
+
+
+def ctx_of(version: int, name: str) -> Ctx:
+    """Where an error about a piece of tensor `name` happened."""
+    return {"version": version, "tensor": name}
+
+
+class PieceDecoder:
+    """The decoder of a codec without one of its own: the codec's `unpack` (host, on the pool) and
+    `finish` (device), one piece per unit."""
+
+    def __init__(self, codec: Codec):
+        self.codec = codec
+
+    def plan(self, version: int, pieces: Pieces, width: int, host: StagingHost) -> _PiecePlan:
+        return _PiecePlan(self.codec, version, piece_list(pieces, self.codec.name, version), width, host)
+
+
+class _PiecePlan:
+    def __init__(self, codec: Codec, version: int, items: list[Item], width: int, host: StagingHost):
+        self.codec, self.version, self.width, self.host = codec, version, width, host
+        self.units = items
+        self.sections: dict[int, Sections] = {}  # by id of the unit, once unpacked
+
+    def fetch(self, unit: Item) -> Fetch:
+        def unpack() -> None:
+            ctx = ctx_of(self.version, unit.name)
+            self.sections[id(unit)] = self.codec.unpack(
+                unit.parts, unit.enc, numel=unit.numel, nnz=unit.nnz, dtype=unit.dtype, ctx=ctx
+            )
+
+        return Fetch([self.host.submit(unpack)])
+
+    def decode(self, unit: Item, fetched: Fetch) -> Iterator[Chunk]:
+        ctx = ctx_of(self.version, unit.name)
+        ch = self.codec.finish(self.sections.pop(id(unit)), numel=unit.numel, device=self.host.device, ctx=ctx)
+        pos = ch.positions.to(torch.int64)
+        check_piece(pos, unit.start, unit.end, ctx)
+        t_idx = torch.full_like(pos, unit.index)
+        vals = diffs = None
+        if ch.values is not None:
+            vals = int_view(ch.values).to(INT_DTYPE[self.width])
+        elif ch.diffs is not None:
+            diffs = ch.diffs.to(torch.int64).to(INT_DTYPE[self.width])
+        self.host.mark("decode")
+        yield Chunk(t_idx=t_idx, p=pos, diffs=diffs, values=vals, runs=[(unit.index, int(pos.numel()))])

@@ -1,0 +1,190 @@
+"""When the API process recomputes the live checksum, and what it does with a recomputation.
+
+The live sums (live.py) are kept current at every update, so a status never calls a worker. They are
+recomputed from every rank's parameters (a full pass, `Ranks.live_state`):
+
+    at start-up             before the first request (the service's `startup`)
+    on request              GET /v1/delta/status?verify=true (under the update lock: waits up to
+                            VERIFY_WAIT_S for a running update, then 503)
+    by the audit            every `delta_audit_s` seconds, skipping a round while an update runs
+    when unknown            a status or a ledger report while they are unknown (a server whose layout
+                            was not probed yet, or after an update past the plugin): outside the update
+                            lock, kept only if no update started meanwhile (what was read could be torn)
+    after vLLM's own routes (vllm_routes.py) the ranks are re-read once before the next status, and
+                            soon in the background; a different version forgets the live sums
+
+A recomputation is compared with what was kept current; a mismatch is logged, counted on /metrics
+and shown in status (`verification`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+from ...checksums import Sums
+from ...errors import ServerBusyError
+from ...server_api import Verification, VerifyTrigger
+from ..shared.messages import WorkerStatus
+from .live import LiveChecksum, LiveCopy
+from .metrics import metrics
+from .operations import Operations
+from .ranks import Ranks, live_copies
+
+log = logging.getLogger(__name__)
+
+VERIFY_WAIT_S = 60.0  # ?verify=true waits this long for a running update to end, then answers 503
+
+
+class LiveChecks:
+    """Recomputes the live sums when they must be, keeps the last `verification`."""
+
+    def __init__(self, live: LiveChecksum, ranks: Ranks, operations: Operations) -> None:
+        self.live = live
+        self.ranks = ranks
+        self.operations = operations
+        self.verification: Verification | None = None  # the last recomputation of the live sums
+        self._learning = asyncio.Lock()  # recomputations outside the update lock, one at a time
+        self._audit: asyncio.Task[None] | None = None
+        self._stale = False  # vLLM's own routes may have changed the weights: re-read once
+        self._resyncing: asyncio.Task[None] | None = None
+
+    def current(self) -> tuple[str | None, float | None]:
+        """(the live checksum, since when) if known for the served version, else (None, None)."""
+        if not self.live.known_for(self.ranks.served.version):
+            return None, None
+        return self.live.checksum, self.live.as_of
+
+    async def before_status(self, verify: bool) -> None:
+        """What a status does first: re-read the ranks after vLLM's own routes; recompute with `verify`
+        (waits for a running update), or when the live sums are unknown and no update runs."""
+        if self._stale and not self.operations.busy:
+            await self._resync()
+        if verify:
+            await self.verify("request")
+        elif (
+            not self.live.known_for(self.ranks.served.version)
+            and not self.operations.busy
+            and self.ranks.disagreement is None  # engines that disagree: status says so, ?verify=true re-reads
+        ):
+            await self.learn()
+
+    async def verify(self, trigger: VerifyTrigger) -> Verification:
+        """Recompute the live sums from every rank's parameters and compare them with those kept current
+        (and the served version's recorded checksum). Holds the update lock: waits up to VERIFY_WAIT_S for
+        a running update (then ServerBusyError, 503)."""
+        lock = self.operations.lock
+        try:
+            await asyncio.wait_for(lock.acquire(), VERIFY_WAIT_S)
+        except asyncio.TimeoutError:
+            raise ServerBusyError(f"an update has held the lock for over {VERIFY_WAIT_S:.0f} s: verify later") from None
+        try:
+            t0 = time.perf_counter()
+            served, live = await self.ranks.live_state()
+            return self.recomputed(served, live, trigger, (time.perf_counter() - t0) * 1e3)
+        finally:
+            lock.release()
+
+    async def learn(self) -> None:
+        """Recompute the live sums outside the update lock, once, when they are unknown; kept only if no
+        update started meanwhile (what was read could be torn)."""
+        async with self._learning:
+            if self.live.known_for(self.ranks.served.version) or self.operations.busy:
+                return
+            started, t0 = self.operations.started, time.perf_counter()
+            served, live = await self.ranks.live_state()
+            if self.operations.started == started and not self.operations.busy:
+                self.recomputed(served, live, "startup", (time.perf_counter() - t0) * 1e3)
+
+    async def learnt(self) -> str | None:
+        """The live checksum kept current, recomputed first if unknown (ledger reports: no worker call
+        otherwise); None while it stays unknown (an update started meanwhile)."""
+        if not self.live.known_for(self.ranks.served.version):
+            await self.learn()
+        return self.current()[0]
+
+    async def at_startup(self) -> WorkerStatus:
+        """Read what the ranks serve with their live sums (one pass over the weights; a server whose
+        layout is not probed yet learns them at its first status); rank 0's status. Under the lock."""
+        t0 = time.perf_counter()
+        served, ranks = await self.ranks.read(live_sums=True, agree=False)
+        copies = live_copies(ranks, self.ranks.api.engines)
+        if copies is not None:
+            self.recomputed(served, copies, "startup", (time.perf_counter() - t0) * 1e3)
+        return served
+
+    def recomputed(
+        self, served: WorkerStatus, live: Sums | list[LiveCopy], trigger: VerifyTrigger, ms: float
+    ) -> Verification:
+        v = self.live.recomputed(served.version, live, version_checksum=served.checksum, trigger=trigger, ms=ms)
+        self.verification = v
+        m = metrics()
+        if m is not None:
+            m.verified(v)
+        if not v.ok:
+            log.error(
+                "vllm-delta: LIVE CHECKSUM MISMATCH (%s): the live weights have checksum %s, version %s records %s, "
+                "kept current %s; tensors that changed behind the plugin's back: %s%s",
+                trigger,
+                v.checksum,
+                served.version,
+                served.checksum,
+                v.expected,
+                v.mismatched or "none found (the weights differ from the version's since before)",
+                "; per engine: " + ", ".join(f"engine {e.engine}: {e.checksum}" for e in v.engines)
+                if v.engines
+                else "",
+            )
+        return v
+
+    # -- after vLLM's own weight routes -------------------------------------------------------------
+    def past_the_plugin(self) -> None:
+        """One of vLLM's own routes may have changed the weights (vllm_routes.py): re-read what the ranks
+        serve before the next status answers, and soon in the background (so the gate learns it)."""
+        self._stale = True
+        if self._resyncing is None or self._resyncing.done():
+            self._resyncing = asyncio.get_running_loop().create_task(self._resync_quietly(), name="vllm-delta-resync")
+
+    async def _resync_quietly(self) -> None:
+        try:
+            await self._resync()
+        except Exception as exc:  # noqa: BLE001 - the next status tries again
+            log.warning("vllm-delta: could not re-read the workers after one of vLLM's own routes: %s", exc)
+
+    async def _resync(self) -> None:
+        async with self._learning:
+            if not self._stale or self.operations.busy:
+                return  # an update reads the ranks itself; a status after it re-reads if still stale
+            self._stale = False
+            try:
+                await self.ranks.read(agree=False)  # a different version or checksum forgets the live sums
+            except Exception:
+                self._stale = True
+                raise
+
+    # -- the background audit -----------------------------------------------------------------------
+    def start_audit(self, period_s: float) -> None:
+        """Recompute the live sums every `period_s` seconds, skipping a round while an update runs."""
+        if self._audit is None and period_s > 0:
+            self._audit = asyncio.get_running_loop().create_task(self._audit_loop(period_s), name="vllm-delta-audit")
+
+    async def _audit_loop(self, period_s: float) -> None:
+        while True:
+            await asyncio.sleep(period_s)
+            if self.operations.lock.locked():
+                continue
+            try:
+                await self.verify("audit")
+            except Exception as exc:  # noqa: BLE001 - the audit never dies: the next round tries again
+                log.warning("vllm-delta: the live-checksum audit failed: %s", exc)
+
+    async def stop(self) -> None:
+        """Stop the audit and a re-read in progress (the app shuts down)."""
+        for task in (self._audit, self._resyncing):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+        self._audit = self._resyncing = None
