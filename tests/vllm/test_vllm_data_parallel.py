@@ -172,9 +172,23 @@ def stream_on_each_engine(server, per_engine: int = 2) -> list[tuple[int, Stream
             )
             c.start()
             clients.append((e, c))
-    for _, c in clients:
-        c.wait_for_tokens(4, timeout=180)
+    streaming(clients)
     return clients
+
+
+def streaming(clients, timeout: float = 180) -> None:
+    """Block until every client is inside a request with tokens still to come: on a quiet machine a
+    request of STREAM_TOKENS ends in well under a second, so a fixed sleep can miss every stream."""
+    deadline = time.monotonic() + timeout
+
+    def inside(c: StreamingClient) -> bool:
+        n = c.in_progress()
+        return n is not None and 1 <= n <= c.body["max_tokens"] - 16
+
+    while not all(inside(c) for _, c in clients):
+        errors = [c.errors[-3:] for _, c in clients]
+        assert time.monotonic() < deadline, ("no moment with every stream inside a request", errors)
+        time.sleep(0.002)
 
 
 def stop(clients) -> None:
@@ -204,7 +218,7 @@ def test_dp_an_inflight_write_failure_on_one_engine_rolls_back_every_engine(serv
     before = [len(h) for h in timelines(server)]
     clients = stream_on_each_engine(server)
     try:
-        time.sleep(0.5)  # the streams are inside their requests
+        streaming(clients)
         r = server.post("/v1/delta/update_weights", {"version": 7, "mode": "inflight", "fault": "commit@1:0"})
         assert r.status_code == 500 and "rolled back on every engine" in r.text, r.text
         time.sleep(0.5)
@@ -225,7 +239,7 @@ def test_dp_inflight_updates_while_both_engines_stream(server, store):
     clients = stream_on_each_engine(server)
     try:
         for v in (7, 8):
-            time.sleep(0.5)
+            streaming(clients)
             res = server.update(v, mode="inflight")
             assert res["version"] == v and res["inflight"]["requests_running"] >= 2, res  # streams on both engines
             assert server.status()["checksum"] == recorded[v]
