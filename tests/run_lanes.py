@@ -11,6 +11,8 @@ server are single-threaded. So one core mostly idles while either runs alone.
   OpenMP thread (so torch there never spins against a server's OpenMP threads): lint, the tests
   without a server, then the benchmarks' smoke runs. One vLLM lane: servers never start side by side
   beyond what a module does itself.
+  The vLLM-marked modules that start no server and no engine (SERVERLESS_VLLM) run in the rest lane
+  too, after its own tests: the vLLM lane is the longer one.
 * `--lanes 3`: as 2, with the vLLM modules split in two lanes; the second (TP=1 servers only) binds
   its servers' engines to core 1 (VLLM_CPU_OMP_THREADS_BIND), the first leaves vLLM's default (TP=1 on
   core 0, TP=2 on both). Up to two modules' servers run at once: more memory, and timing-sensitive
@@ -45,6 +47,15 @@ SMOKES = [
     ({}, [PY, "benchmarks/publish_gpu.py", "--smoke"]),
     ({}, [PY, "benchmarks/detect_gpu.py", "--smoke"]),
 ]
+# Modules marked `vllm` that start no server and no engine (vLLM's own classes, the plugin's code on toy
+# replicas): single-threaded like the rest, so with --lanes 2 or 3 they run in the rest lane, which
+# ends minutes before the vLLM lane (that lane is server start-ups and tests against servers).
+SERVERLESS_VLLM = (
+    "tests/vllm/test_data_parallel_units.py",
+    "tests/vllm/test_gating_units.py",
+    "tests/vllm/test_vllm_derived.py",
+    "tests/vllm/test_vllm_round_trips.py",
+)
 # The vLLM modules of the second lane with --lanes 3, about half of the vLLM lane's time: TP=1 servers
 # only (the lane binds them to core 1; the TP=2 modules stay in the first lane, on both cores).
 SECOND_VLLM_LANE = (
@@ -71,6 +82,16 @@ def pytest_step(lane: str, marks: str, paths: list[str], extra: list[str], tmp: 
     junit = os.path.join(tmp, f"{lane}.xml")
     cmd = [PY, "-m", "pytest", "-q", "-m", marks, "-o", f"cache_dir=.pytest_cache/{lane}", f"--junitxml={junit}"]
     return [*cmd, *extra, *paths], junit
+
+
+def within(module: str, paths: list[str]) -> bool:
+    """Whether `module` is one of the test paths given or under one of them (a folder)."""
+    module = os.path.normpath(module)
+    for path in paths:
+        path = os.path.normpath(path.split("::")[0])
+        if module == path or module.startswith(path + os.sep):
+            return True
+    return False
 
 
 def run_lane(lane: Lane) -> None:
@@ -127,18 +148,26 @@ def main(argv: list[str] | None = None) -> int:
         cmd, junit = pytest_step("all", "not gpu", paths, extra, tmp)
         lanes.append(Lane("all", [*lint, (interpret, cmd), *smokes], live=True, junit=[junit]))
     else:
-        vllm_paths = paths
+        serverless = [p for p in SERVERLESS_VLLM if within(p, paths)]
+        vllm_paths = [*(f"--deselect={p}" for p in serverless), *paths]
         if args.lanes == 3:
-            deselect = [f"--ignore={p}" for p in SECOND_VLLM_LANE]
-            cmd, junit = pytest_step("vllm-b", "vllm and not gpu", list(SECOND_VLLM_LANE), extra, tmp)
-            lanes.append(Lane("vllm-b", [({**interpret, "VLLM_CPU_OMP_THREADS_BIND": "1"}, cmd)], junit=[junit]))
-            vllm_paths = [*deselect, *paths]
+            second = [p for p in SECOND_VLLM_LANE if within(p, paths)]
+            cmd, junit = pytest_step("vllm-b", "vllm and not gpu", second, extra, tmp)
+            if second:
+                lanes.append(Lane("vllm-b", [({**interpret, "VLLM_CPU_OMP_THREADS_BIND": "1"}, cmd)], junit=[junit]))
+            vllm_paths = [*(f"--deselect={p}" for p in second), *vllm_paths]
         cmd, junit = pytest_step("vllm", "vllm and not gpu", vllm_paths, extra, tmp)
         lanes.insert(0, Lane("vllm", [(interpret, cmd)], live=True, junit=[junit]))
-        cmd, junit = pytest_step("rest", "not vllm and not gpu", paths, extra, tmp)
         quiet = {"OMP_NUM_THREADS": "1"}
-        steps = [*lint, ({**interpret, **quiet}, cmd), *[({**env, **quiet}, c) for env, c in smokes]]
-        lanes.append(Lane("rest", steps, junit=[junit]))
+        cmd, junit = pytest_step("rest", "not vllm and not gpu", paths, extra, tmp)
+        steps = [*lint, ({**interpret, **quiet}, cmd)]
+        junits = [junit]
+        if serverless:
+            cmd, junit = pytest_step("rest-vllm", "vllm and not gpu", serverless, extra, tmp)
+            steps.append(({**interpret, **quiet}, cmd))
+            junits.append(junit)
+        steps += [({**env, **quiet}, c) for env, c in smokes]
+        lanes.append(Lane("rest", steps, junit=junits))
     for lane in lanes:
         lane.log = os.path.join(tmp, f"{lane.name}.log")
     threads = [threading.Thread(target=run_lane, args=(lane,), name=lane.name) for lane in lanes]

@@ -181,3 +181,23 @@ def fresh_then_version_0(server, prompts) -> dict:
     fresh = {"checksum": server.status()["checksum"], "outputs": server.completions(prompts)}
     server.update(0, allow_reanchor=True)
     return fresh
+
+
+# -- data parallelism (test_vllm_data_parallel.py, test_vllm_data_parallel_moe.py) --------------------
+ENGINES = 2  # --data-parallel-size of the data-parallel servers
+
+
+def verified(server) -> dict:
+    """GET /v1/delta/status?verify=true: every engine's live checksum recomputed from its weights."""
+    r = server.get("/v1/delta/status?verify=true")
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def assert_every_engine_serves(server, version: int, checksum: str) -> None:
+    st = verified(server)
+    assert (st["version"], st["checksum"], st["version_checksum"]) == (version, checksum, checksum), st
+    assert [(e["engine"], e["ranks"], e["version"]) for e in st["engines"]] == [(0, 1, version), (1, 1, version)]
+    assert "engines_disagree" not in st
+    v = st["verification"]
+    assert v["ok"] and [e["checksum"] for e in v["engines"]] == [checksum] * ENGINES, v
