@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 # The CPU torch wheel first, so that nothing later pulls a multi-GB CUDA build.
 TORCH   ?= torch==2.13.0
 
-.PHONY: install demo example example-trl test test-gpu lint bench-payload check-vllm-next clean
+.PHONY: install demo example example-trl test test-fast test-gpu lint bench-payload check-vllm-next clean
 
 install: $(STAMP)
 
@@ -33,11 +33,17 @@ example: install
 example-trl: install
 	$(VPY) examples/trl_grpo.py
 
-test: install lint
-	TRITON_INTERPRET=1 $(VPY) -m pytest -q -m "not gpu" tests
-	TRITON_INTERPRET=1 $(VPY) benchmarks/apply_gpu.py --smoke
-	$(VPY) benchmarks/publish_gpu.py --smoke
-	$(VPY) benchmarks/detect_gpu.py --smoke
+# The whole CPU suite (what CI runs): lint, every test, vLLM servers included, the benchmarks' smoke runs;
+# the 15 slowest tests listed at the end. LANES=2 (the default): the vLLM tests beside the rest, which
+# are single-threaded while a server start-up keeps one core busy (tests/run_lanes.py); LANES=1: one
+# after the other; LANES=3: the vLLM modules in two lanes as well.
+LANES ?= 2
+test: install
+	$(VPY) tests/run_lanes.py --lanes $(LANES) --durations 15
+
+# The inner loop: the tests that start no vLLM server and are not marked slow (CI runs `make test`).
+test-fast: install
+	TRITON_INTERPRET=1 $(VPY) -m pytest -q -m "not gpu and not vllm and not slow" --durations=10 tests
 
 # On a machine with a CUDA GPU (the lent device): the GPU tests only.
 test-gpu:

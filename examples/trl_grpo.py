@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     from trl import GRPOConfig
 
     from vllm_delta.integrations.trl import DeltaGRPOTrainer, RolloutSyncOptions
-    from vllm_delta.server_api import FollowStatus
+    from vllm_delta.server_api import FollowStatus, from_wire
     from vllm_delta.testing.server import VllmServer
 
     t_start = time.monotonic()
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
                 if not logs or "reward" not in logs:
                     return
                 r = trainer.vllm_generation.synced[-1]  # the sync before this step's generation
-                pause = FollowStatus.from_json(srv.status()["follow"]).last_pause_ms
+                pause = from_wire(FollowStatus, srv.status()["follow"]).last_pause_ms
                 rewards.append(float(logs["reward"]))
                 size = f"{r.bytes:>10,} {r.bytes / full_bytes:>7.0%}" if r.bytes else f"{'(start)':>10} {'':>7}"
                 print(

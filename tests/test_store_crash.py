@@ -33,6 +33,8 @@ from vllm_delta.store import TMP_PREFIX, DeltaStore  # noqa: E402
 from vllm_delta.store.records import DATA_NAME_RE as _DATA_NAME  # noqa: E402
 from vllm_delta.store.writes import VersionWriter  # noqa: E402
 
+pytestmark = pytest.mark.slow  # crash rounds in subprocesses: make test-fast leaves them out
+
 SHAPES = {"model.w": (64, 1024), "model.b": (1024,)}  # a 130 KB anchor, deltas of a few KB
 HISTORY_SEED = 7
 ANCHOR_EVERY = 8

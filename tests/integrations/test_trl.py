@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
 import requests
 import torch
 import trl_workers as W
+from pooled import once, pooled_server
 from safetensors.torch import save_file
 
 from vllm_delta import DeltaStore, Publisher, checksum
@@ -33,6 +33,7 @@ from vllm_delta.integrations.rollout_sync import (
 )
 from vllm_delta.integrations.trl import AttributionError, DeltaGRPOTrainer, DeltaVLLMClient, DeltaVLLMGeneration
 from vllm_delta.testing.models import build_tokenizer, hf_state_dict, save_tiny_model
+from vllm_delta.testing.pool import ServerSpec
 from vllm_delta.testing.server import VllmServer, free_port
 from vllm_delta.testing.sharded import run_ranks
 from vllm_delta.testing.training import bf16_image, build_master_model
@@ -52,24 +53,41 @@ class Rollout:
     initial: torch.nn.Module
 
 
-@pytest.fixture(scope="module")
-def rollout(tmp_path_factory) -> Iterator[Rollout]:
-    root = str(tmp_path_factory.mktemp("trl"))
-    model = build_master_model(W.SPEC, seed=0)
-    model_dir = save_tiny_model(model, os.path.join(root, "model"), weights=False)
-    store = os.path.join(root, "store")
-    with Publisher(store) as pub:  # version 0: the weights the server starts from
-        pub.publish(model, version=0)
+def trl_start(tmp_path_factory) -> tuple[str, str, str, torch.nn.Module]:
+    """The rollout server's model directory and store (version 0: the weights it starts from), once."""
+
+    def make() -> tuple[str, str, str, torch.nn.Module]:
+        root = str(tmp_path_factory.mktemp("trl"))
+        model = build_master_model(W.SPEC, seed=0)
+        model_dir = save_tiny_model(model, os.path.join(root, "model"), weights=False)
+        store = os.path.join(root, "store")
+        with Publisher(store) as pub:
+            pub.publish(model, version=0)
+        return root, model_dir, store, model
+
+    return once("trl_start", make)
+
+
+def trl_server_plan(tmp_path_factory):
+    _, model_dir, store, _ = trl_start(tmp_path_factory)
     follow = {"delta_follow": True, "delta_poll_s": 0.5, "delta_report": True, "delta_replica_id": "trl-rollout"}
-    with VllmServer(
+    spec = ServerSpec.of(
         model_dir,
         store=store,
         version=0,
         extra_loader_config=follow,
         extra_args=["--logprobs-mode", "processed_logprobs"],  # what TRL's importance sampling wants
-        log_path=os.path.join(root, "server.log"),
-    ) as server:
-        yield Rollout(root, model_dir, store, server, model)
+    )
+    return spec, None
+
+
+trl_server = pooled_server("trl_server", trl_server_plan)  # started ahead, while the module before runs
+
+
+@pytest.fixture(scope="module")
+def rollout(tmp_path_factory, trl_server) -> Rollout:
+    root, model_dir, store, model = trl_start(tmp_path_factory)
+    return Rollout(root, model_dir, store, trl_server, model)
 
 
 def served(rollout: Rollout) -> tuple[int, str]:
@@ -378,3 +396,41 @@ def test_completions_from_a_version_the_trainer_did_not_sync_are_refused(rollout
     client.expect(version)
     client._check("test", {"choices": [{"index": 0, "text": "x"}]})
     assert "without weight_versions" in (client.take_violation() or "")
+
+
+def test_the_readme_trl_snippet_builds_a_trainer_for_this_server(rollout, tmp_path):
+    """The README's two TRL lines, as written (tests/readme_snippets.py), with what the reader brings:
+    a model directory, a reward, a dataset, their own GRPOConfig fields, and this module's server."""
+    import trl
+    from readme_snippets import one_snippet, run_python
+
+    model_dir = save_tiny_model(next_model(8), str(tmp_path / "model"), weights=True)
+    your_config = dict(
+        output_dir=str(tmp_path / "out"),
+        use_cpu=True,
+        max_steps=1,
+        per_device_train_batch_size=W.BATCH,
+        num_generations=W.GENERATIONS,
+        max_completion_length=W.TOKENS,
+        report_to=[],
+        save_strategy="no",
+        disable_tqdm=True,
+    )
+    store = str(tmp_path / "store")
+    namespace = {
+        "model": model_dir,
+        "reward_funcs": W.parity_reward,
+        "ds": W.dataset(),
+        "URL": rollout.server.base_url,
+        "GRPOConfig": trl.GRPOConfig,
+        "your_config": your_config,
+    }
+    snippet = one_snippet("python", "DeltaGRPOTrainer as GRPOTrainer")
+    trainer = run_python(snippet, namespace, {'"s3://bucket/run1"': repr(store)}).namespace["trainer"]
+    try:
+        assert isinstance(trainer, DeltaGRPOTrainer) and isinstance(trainer, trl.GRPOTrainer)
+        assert isinstance(trainer.vllm_generation, DeltaVLLMGeneration)
+        assert trainer.vllm_generation.base_url == rollout.server.base_url
+        assert trainer.delta_sync.options.store == store and trainer.delta_sync.options.mode == "push"
+    finally:
+        trainer.delta_sync.close()

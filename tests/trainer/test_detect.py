@@ -89,6 +89,7 @@ def _step(owned: list[Owned], seed: int) -> None:
         o.source.add_(noise.to(o.source.dtype))
 
 
+@pytest.mark.slow  # the Triton kernels interpreted on the CPU: seconds each (make test-fast leaves it out)
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtypes", [(torch.float32,), (torch.float32, torch.bfloat16)], ids=["fp32", "mixed"])
 @pytest.mark.parametrize("chunk_elems", [1000, 1 << 20])
@@ -288,6 +289,7 @@ def test_bitmask_kernel_words_and_counts(device):
     assert table.first.cpu().tolist() == [0, 4, 4, 5, 6, 22]
 
 
+@pytest.mark.slow  # the Triton kernels interpreted on the CPU: seconds each (make test-fast leaves it out)
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("density", [0.0, 1e-4, 0.01, 0.5, 1.0])
 def test_bitmask_path_equals_torch(device, density, monkeypatch):
@@ -317,6 +319,7 @@ def test_bitmask_path_equals_torch(device, density, monkeypatch):
     assert torch.equal(snaps["triton"].bits, image)
 
 
+@pytest.mark.slow  # the Triton kernels interpreted on the CPU: seconds each (make test-fast leaves it out)
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("source", [torch.float32, torch.bfloat16, torch.float16])
 def test_bitmask_path_aligned_blocks(device, source, monkeypatch):
@@ -413,6 +416,7 @@ def test_backend_names(monkeypatch):
             FlatSnapshot(torch.float16, backend="triton")._use_triton(torch.device("cpu"))
 
 
+@pytest.mark.slow  # the Triton kernels interpreted on the CPU: seconds each (make test-fast leaves it out)
 def test_publisher_backends_publish_the_same_versions(tmp_path):
     """The Publisher on CPU (kernels interpreted): the bitmask path, the chunked path and torch publish
     the same versions (kinds, change counts, checksums, replayed bits)."""
@@ -448,6 +452,7 @@ def test_publisher_backends_publish_the_same_versions(tmp_path):
             assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want), (backend, v)
 
 
+@pytest.mark.slow  # the Triton kernels interpreted on the CPU: seconds each (make test-fast leaves it out)
 @pytest.mark.parametrize("device", DEVICES)
 def test_bitmask_path_default_block_and_shards(device):
     """The default block on the sharded fixture (row offsets, a 0-d tensor), as the Publisher calls it."""
@@ -486,6 +491,7 @@ def test_bitmask_path_large_on_cuda(density, fused):
             assert sum(_compare(owned, snaps).counts) > 0
 
 
+@pytest.mark.slow  # the Triton kernels interpreted on the CPU: seconds each (make test-fast leaves it out)
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("path", ["bitmask", "chunked"])
 def test_changes_handed_on_pass_by_pass_make_the_same_file(device, path, monkeypatch):

@@ -1,4 +1,4 @@
-"""In-process vLLM engines for the tests (run in a subprocess by conftest.run_engine_script).
+"""In-process vLLM engines for the tests (run in a fresh process by vllm_helpers.run_engine_script).
 
 Tasks (JSON argument):
   fresh     an engine started with --load-format delta at each version: greedy outputs, live checksum
@@ -10,6 +10,12 @@ Tasks (JSON argument):
   plain_checkpoint  an engine loaded from a plain HF directory: outputs, then the layout probe
   mla       an MLA model: its derived W_UV / W_UK_T after in-place updates
 Prints one line "VLLM_DELTA_RESULT <json>".
+
+`engine_script.py --serve` is the engine host the tests use: it imports vLLM once, then reads one
+request per line on stdin ({"args": <task>, "env": {...}}) and runs each in a process forked for it
+(with `env` added to its environment): a fresh process per task, as `python engine_script.py <task>`
+would give, without paying vLLM's and torch's import each time. It prints "VLLM_DELTA_CHILD <pid>"
+when it forks, then the child's "VLLM_DELTA_RESULT <json>" line (or "VLLM_DELTA_FAILED <json>").
 """
 
 from __future__ import annotations
@@ -20,7 +26,8 @@ import os
 import sys
 import time
 
-os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine runs in this process: fast start
+IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # the engine runs in this process: fast start
+os.environ.update(IN_PROCESS)
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 MAX_TOKENS = 16
@@ -265,8 +272,7 @@ def task_plain(args: dict) -> dict:
     return res
 
 
-if __name__ == "__main__":
-    request = json.loads(sys.argv[1])
+def run(request: dict) -> dict:
     tasks = {
         "fresh": task_fresh,
         "fallback": task_fallback,
@@ -276,8 +282,46 @@ if __name__ == "__main__":
         "plain_checkpoint": task_plain_checkpoint,
         "mla": task_mla,
     }
-    if request["task"] == "sequence":  # several tasks in one process (one import of vLLM)
-        result = {"results": [tasks[sub["task"]](sub) for sub in request["tasks"]]}
+    if request["task"] == "sequence":  # several tasks in one process
+        return {"results": [tasks[sub["task"]](sub) for sub in request["tasks"]]}
+    return tasks[request["task"]](request)
+
+
+def serve() -> None:
+    """The engine host (module docstring). vLLM is imported here, before any fork; nothing here starts
+    an engine, loads the plugins or runs a torch operation, so each child starts them itself."""
+    import traceback
+
+    import vllm  # noqa: F401
+    from vllm import LLM, SamplingParams  # noqa: F401
+    from vllm.config import WeightTransferConfig  # noqa: F401
+
+    print("VLLM_DELTA_READY", flush=True)
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        request = json.loads(line)
+        pid = os.fork()
+        if pid == 0:
+            code = 0
+            try:
+                os.environ.clear()  # the environment the test gives this task, as a subprocess would get it
+                os.environ.update(request["env"])
+                os.environ.update(IN_PROCESS)
+                print("VLLM_DELTA_RESULT " + json.dumps(run(request["args"])), flush=True)
+            except BaseException:  # noqa: BLE001 - reported to the test, which fails with it
+                print("VLLM_DELTA_FAILED " + json.dumps(traceback.format_exc()), flush=True)
+                code = 1
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+        print(f"VLLM_DELTA_CHILD {pid}", flush=True)
+        _, status = os.waitpid(pid, 0)
+        print(f"VLLM_DELTA_DONE {os.waitstatus_to_exitcode(status)}", flush=True)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--serve"]:
+        serve()
     else:
-        result = tasks[request["task"]](request)
-    print("VLLM_DELTA_RESULT " + json.dumps(result), flush=True)
+        print("VLLM_DELTA_RESULT " + json.dumps(run(json.loads(sys.argv[1]))), flush=True)

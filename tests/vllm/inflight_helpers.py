@@ -58,6 +58,16 @@ def listed(attribution: Attribution) -> list[list[Any]]:
     return [[s.version, s.start, s.end] for s in attribution.spans]
 
 
+def greedy_texts(server: VllmServer, prompts, max_tokens: int = 16) -> list[str]:
+    """Greedy completion texts of `prompts`, all in one request (the engine runs them side by side)."""
+    body = {"model": server.model, "prompt": list(prompts), "max_tokens": max_tokens, "temperature": 0.0}
+    r = server.post("/v1/completions", body, timeout=120)
+    assert r.status_code == 200, r.text
+    choices = sorted(r.json()["choices"], key=lambda c: c["index"])
+    assert len(choices) == len(prompts), choices
+    return [c["text"] for c in choices]
+
+
 def preemptions(server: VllmServer) -> float:
     return metric_total(server.get("/metrics").text, PREEMPTIONS)
 
@@ -90,7 +100,8 @@ def updates_under_load(
     # Different lengths, so that the streams do not finish (and restart) together.
     lengths = [max_tokens - 8 * i for i in range(streams)]
     clients = [
-        StreamingClient(server.base_url, server.model, prompt=p, max_tokens=n) for p, n in zip(stream_prompts, lengths)
+        StreamingClient(server.base_url, server.model, prompt=p, max_tokens=n, headers=server.headers())
+        for p, n in zip(stream_prompts, lengths)
     ]
     for c in clients:
         c.start()
@@ -111,7 +122,7 @@ def updates_under_load(
             assert res["prefetched"] == (i % 2 == 0), res
             st = server.status()
             assert st["checksum"] == checksums[version], f"live weights differ from the trainer's at {version}"
-            got = [g["text"] for g in greedy(server, prompts)]
+            got = greedy_texts(server, prompts)
             if got != references[version]:
                 report.mismatches.append(f"version {version}: {got} != {references[version]}")
             report.updates.append(res)

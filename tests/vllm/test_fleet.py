@@ -25,7 +25,7 @@ from vllm_delta.server_api import FollowStatus, from_wire
 from vllm_delta.store.ledger import Ledger
 from vllm_delta.testing.models import PROMPTS, save_tiny_model
 from vllm_delta.testing.s3 import S3Server
-from vllm_delta.testing.server import VllmServer
+from vllm_delta.testing.server import VllmServer, start_all
 from vllm_delta.testing.training import bf16_image, build_master_model, train_steps
 from vllm_delta.trainer.options import PublisherOptions, StoreOptions
 from vllm_delta.trainer.staleness import StalenessGate, StalenessPolicy
@@ -113,16 +113,27 @@ def cache_dir(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def server_a(s3, trainer, cache_dir) -> Iterator[VllmServer]:
-    with follower_server(s3, trainer, cache_dir, "follower-a", "latest") as srv:
-        yield srv
+def servers_ac(s3, trainer, cache_dir) -> Iterator[tuple[VllmServer, VllmServer]]:
+    """A and C, started side by side (a start-up is mostly one process importing at a time)."""
+    a = follower_server(s3, trainer, cache_dir, "follower-a", "latest")
+    # C follows in mode "inflight": new weights between two engine steps, no pause.
+    c = follower_server(s3, trainer, cache_dir, "follower-c", "latest", delta_follow_mode="inflight")
+    start_all([a, c])
+    try:
+        yield a, c
+    finally:
+        for srv in (a, c):
+            srv.stop()
 
 
 @pytest.fixture(scope="module")
-def server_c(s3, trainer, cache_dir, server_a) -> Iterator[VllmServer]:
-    # C follows in mode "inflight": new weights between two engine steps, no pause.
-    with follower_server(s3, trainer, cache_dir, "follower-c", "latest", delta_follow_mode="inflight") as srv:
-        yield srv
+def server_a(servers_ac) -> VllmServer:
+    return servers_ac[0]
+
+
+@pytest.fixture(scope="module")
+def server_c(servers_ac) -> VllmServer:
+    return servers_ac[1]
 
 
 @pytest.fixture(scope="module")

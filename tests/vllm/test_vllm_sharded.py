@@ -8,11 +8,12 @@ anchor and updates through every later version; its live checksum equals the tra
 from __future__ import annotations
 
 import pytest
+from pooled import once, pooled_server
 from vllm_helpers import QWEN_TIED
 
 from vllm_delta.store import DeltaStore
 from vllm_delta.testing.models import PROMPTS
-from vllm_delta.testing.server import VllmServer
+from vllm_delta.testing.pool import ServerSpec
 from vllm_delta.testing.sharded import publish_sharded_run
 from vllm_delta.trainer import PublisherOptions, ShardingOptions
 
@@ -21,23 +22,37 @@ pytestmark = pytest.mark.vllm
 LRS = [1e-6, 1e-6, 1e-6, 1e-6, 3e-3]  # RL-like steps, then a large one (outputs move)
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    return publish_sharded_run(
-        str(tmp_path_factory.mktemp("sharded")),
-        QWEN_TIED,
-        world=2,
-        lr=LRS,
-        seed=3,
-        anchor_every=4,
-        options=PublisherOptions(sharding=ShardingOptions(timeout_s=120)),
+def sharded_run_of(tmp_path_factory):
+    return once(
+        "sharded_run",
+        lambda: publish_sharded_run(
+            str(tmp_path_factory.mktemp("sharded")),
+            QWEN_TIED,
+            world=2,
+            lr=LRS,
+            seed=3,
+            anchor_every=4,
+            options=PublisherOptions(sharding=ShardingOptions(timeout_s=120)),
+        ),
     )
 
 
 @pytest.fixture(scope="module")
-def server(run):
-    with VllmServer(run.model_dir, store=run.store, version=0) as srv:
-        yield srv
+def run(tmp_path_factory):
+    return sharded_run_of(tmp_path_factory)
+
+
+def sharded_server_plan(tmp_path_factory):
+    run = sharded_run_of(tmp_path_factory)
+    return ServerSpec.of(run.model_dir, store=run.store, version=0), None
+
+
+sharded_server = pooled_server("sharded_server", sharded_server_plan)  # started ahead, while the module before runs
+
+
+@pytest.fixture(scope="module")
+def server(sharded_server):
+    return sharded_server
 
 
 def test_the_store_is_multi_part(run):

@@ -4,7 +4,9 @@ owned elements; an update is verified over both ranks before either writes; a fa
 after rank 0 committed rolls back both. In-flight updates (mode "inflight") while 4 clients stream:
 both ranks commit between the same two steps, nothing is preempted, attribution matches the update
 timeline; a failed in-flight commit on rank 1 rolls back both and keeps the prefix cache. Greedy
-outputs are compared with a fresh TP=2 server.
+outputs are compared with a fresh TP=2 server: the module's own server, freshly started at the run's
+last version (anchor 3 and two deltas loaded at start-up) and then rolled back to version 0, where the
+tests begin (one TP=2 start-up instead of two).
 """
 
 from __future__ import annotations
@@ -12,32 +14,43 @@ from __future__ import annotations
 import pytest
 from craft import publish_delta
 from inflight_helpers import check_attribution, greedy, updates_under_load
-from vllm_helpers import FRESH_PROMPTS, LONG_PROMPT, private_store
+from pooled import pooled_server
+from vllm_helpers import FRESH_PROMPTS, LONG_PROMPT, fresh_then_version_0, private_store_of, qwen_run_of
 
-from vllm_delta.testing.server import VllmServer
+from vllm_delta.testing.pool import ServerSpec
 
 pytestmark = pytest.mark.vllm
 
 outputs: dict[int, list[str]] = {}
+fresh: dict[str, object] = {}  # what the server answered when freshly started at version 5
 
 
-@pytest.fixture(scope="module")
-def store(qwen_run, tmp_path_factory) -> str:
-    return private_store(qwen_run, str(tmp_path_factory.mktemp("tp2_store")))
-
-
-@pytest.fixture(scope="module")
-def server(qwen_run, store):
-    srv = VllmServer(
+def tp2_server_plan(tmp_path_factory):
+    qwen_run = qwen_run_of(tmp_path_factory)
+    spec = ServerSpec.of(
         qwen_run.model_dir,
-        store=store,
-        version=0,
+        store=private_store_of("tp2_store", qwen_run, tmp_path_factory),
+        version=5,
         tensor_parallel_size=2,
         env={"VLLM_DELTA_TEST_FAULTS": "1"},
         extra_args=["--enable-prompt-tokens-details"],
     )
-    with srv:
-        yield srv
+    return spec, None
+
+
+tp2_server = pooled_server("tp2_server", tp2_server_plan)  # started ahead, while the module before runs
+
+
+@pytest.fixture(scope="module")
+def store(qwen_run, tmp_path_factory) -> str:
+    """The server's store (a copy of qwen_run's): the tests add crafted versions 6 and up."""
+    return private_store_of("tp2_store", qwen_run, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def server(tp2_server):
+    fresh.update(fresh_then_version_0(tp2_server, FRESH_PROMPTS))
+    return tp2_server
 
 
 def assert_serving(server, run, version: int) -> None:
@@ -120,6 +133,6 @@ def test_tp2_failed_inflight_commit_rolls_back_both_ranks(server, qwen_run, stor
 
 
 def test_tp2_outputs_equal_a_fresh_tp2_server(qwen_run):
-    with VllmServer(qwen_run.model_dir, store=qwen_run.store, version=5, tensor_parallel_size=2) as fresh:
-        assert fresh.status()["checksum"] == qwen_run.checksums[5]
-        assert fresh.completions(FRESH_PROMPTS) == outputs[5]
+    # The module's server as it came up at version 5, before any update (the `server` fixture).
+    assert fresh["checksum"] == qwen_run.checksums[5]
+    assert fresh["outputs"] == outputs[5]

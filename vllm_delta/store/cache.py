@@ -33,7 +33,22 @@ from .records import DATA_NAME_RE, TMP_PREFIX, DataFile, check_size
 log = logging.getLogger(__name__)
 
 TMP_STALE_S = 600.0  # a temp download untouched for this long is a leftover of a dead process
-VERIFIED_ENTRIES = 64  # verified copies remembered (least recently used go first)
+CACHE_ENTRIES_ENV = "VLLM_DELTA_CACHE_ENTRIES"
+
+
+def cache_entries(default: int = 64) -> int:
+    """The bound of the store's per-process LRU caches (parsed records, verified copies): `default`, or
+    the positive integer in $VLLM_DELTA_CACHE_ENTRIES. Tests set it low so that a server's heap
+    measurement is past every cache's warm-up after a few updates instead of 64."""
+    raw = os.environ.get(CACHE_ENTRIES_ENV)
+    if raw is None:
+        return default
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"{CACHE_ENTRIES_ENV} must be a positive integer, not {raw!r}")
+    return int(raw)
+
+
+VERIFIED_ENTRIES = cache_entries()  # verified copies remembered (least recently used go first)
 # What a full, read-only or forbidden cache raises while a download writes it: a CacheError (503).
 _CACHE_ERRNOS = frozenset({errno.ENOSPC, errno.EROFS, errno.EDQUOT, errno.EFBIG, errno.EACCES, errno.EPERM})
 

@@ -42,7 +42,7 @@ from typing import Any
 from ..errors import IntegrityError, MissingBaseError, VersionNotFoundError
 from ..format import Version, VersionFile, VersionHeader, VersionKind, VersionLike
 from . import replicas
-from .cache import DownloadCache
+from .cache import DownloadCache, cache_entries
 from .fs import (
     DEFAULT_TIMEOUT_S,
     StoreFS,
@@ -74,7 +74,7 @@ from .writes import VersionWriter
 
 log = logging.getLogger(__name__)
 
-RECORD_CACHE = 64  # parsed records kept per store; least recently used go first
+RECORD_CACHE = cache_entries()  # parsed records kept per store; least recently used go first
 
 
 class DeltaStore:

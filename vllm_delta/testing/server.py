@@ -63,6 +63,8 @@ def _killpg(pgid: int, sig: int) -> None:
 
 
 class VllmServer:
+    starts = 0  # start-ups in this process (the test session reports it)
+
     def __init__(
         self,
         model: str,
@@ -146,6 +148,7 @@ class VllmServer:
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self) -> VllmServer:
+        VllmServer.starts += 1
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
             self.args, stdout=self._log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
@@ -230,6 +233,10 @@ class VllmServer:
         return "\n".join(lines[-n:])
 
     # -- HTTP -----------------------------------------------------------------------------------
+    def headers(self) -> dict:
+        """What a client of this server sends: its API key, if it has one."""
+        return self._headers()
+
     def _headers(self, api_key: str | None | bool = True) -> dict:
         key = self.api_key if api_key is True else (api_key or None)
         return {"Authorization": f"Bearer {key}"} if key else {}
