@@ -135,6 +135,12 @@ class LiveChecks:
         assert self.live.sums is not None
         return dict(self.live.sums)
 
+    async def staged_against(self, served: WorkerStatus) -> Sums:
+        """The sums staged partials add to: the served version's recorded sums (Ranks.served_sums), or the
+        live ones when the last verification found the weights are not that version's."""
+        live = self.off_version_sums(served)
+        return live if live is not None else await self.ranks.served_sums(served)
+
     def recomputed(
         self, served: WorkerStatus, live: Sums | list[LiveCopy], trigger: VerifyTrigger, ms: float
     ) -> Verification:

@@ -38,7 +38,6 @@ from ...format import VersionHeader
 from ...server_api import (
     AppliedUpdate,
     Method,
-    Operation,
     Readiness,
     ServerStatus,
     StageRequest,
@@ -48,7 +47,7 @@ from ...server_api import (
     UpdateResult,
 )
 from ..shared.cache_keep import CacheKeeper
-from ..shared.eplb import refuse_eplb
+from ..shared.eplb import refuse_eplb, refuse_operation
 from ..shared.messages import WorkerStatus
 from ..shared.options import FollowOptions, ServiceOptions, StoreSpec
 from ..shared.plan import UpdatePlan, plan_update
@@ -110,7 +109,7 @@ class DeltaService:
         opened = functools.cache(lambda: store or spec.open())
         live = LiveChecksum()  # the live sums over all ranks, kept current at every update
         ranks = Ranks(api, opened, gate, live, functools.cache(lambda: CacheKeeper(opened(), spec.cache_max_bytes)))
-        operations = Operations(api.deadline, functools.partial(_refuse_on_eplb, api.vllm_config))
+        operations = Operations(api.deadline, functools.partial(refuse_operation, api.vllm_config))
         return cls(api, opened, operations, ranks, LiveChecks(live, ranks, operations), PrefetchSlot(api.workers))
 
     @property
@@ -197,13 +196,7 @@ class DeltaService:
         return await self.api.deadline.in_thread(functools.partial(plan_update, *args))
 
     def _steps(self, served: WorkerStatus, plan: UpdatePlan) -> WorkerUpdate:
-        return WorkerUpdate(self.api, self.store, served, plan, self._staged_against)
-
-    async def _staged_against(self, served: WorkerStatus) -> Sums:
-        """The sums staged partials add to: the served version's recorded sums (Ranks.served_sums), or the
-        live ones when the last verification found the weights are not that version's (LiveChecks)."""
-        live = self.checks.off_version_sums(served)
-        return live if live is not None else await self.ranks.served_sums(served)
+        return WorkerUpdate(self.api, self.store, served, plan, self.checks.staged_against)
 
     @staticmethod
     def _new_update(plan: UpdatePlan, method: Method, fault: str | None) -> Update:
@@ -317,7 +310,3 @@ class DeltaService:
         """Stop the follower, the audit and a re-read in progress (the app shuts down)."""
         await self.checks.stop()
         await self.stop_follower()
-
-
-def _refuse_on_eplb(vllm_config: Any, operation: Operation) -> None:
-    refuse_eplb(vllm_config, "weight updates" if operation == "update" else "staging a version")

@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from ...errors import EplbRefusedError
+from ...server_api import Operation
 
 OPTION = "--enable-eplb (parallel_config.enable_eplb)"
 
@@ -44,3 +45,8 @@ def refuse_eplb(vllm_config: Any, what: str) -> None:
     """Raise EplbRefusedError (409) if `vllm_config` enables EPLB; `what`: the refused operation."""
     if eplb_enabled(vllm_config):
         raise refusal(what)
+
+
+def refuse_operation(vllm_config: Any, operation: Operation) -> None:
+    """EplbRefusedError for an update or a stage on a server with EPLB (Operations' refusal hook)."""
+    refuse_eplb(vllm_config, "weight updates" if operation == "update" else "staging a version")
