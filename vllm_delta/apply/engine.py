@@ -53,6 +53,7 @@ from ..checksums import MASK64, partial_terms, positional_sum
 from ..codec.decoding import Runs
 from ..errors import NotSuccessorError, ShapeMismatchError, UnsupportedModelError
 from ..format import TensorEntry, VersionHeader, VersionLike
+from ..format import TensorTable as HeaderTable
 from . import scatter as scatter_ops
 from .chain import merge_chain
 from .layout import DeviceLayout, Layout, Segment, Selection
@@ -216,8 +217,9 @@ class ApplyEngine:
         """Every tensor of a version fits the model (name, shape, dtype): ShapeMismatchError or
         UnsupportedModelError naming the first that does not. A tensor seen with the same shape and
         dtype before is not checked again (a mixture of experts lists ~20K tensors per version)."""
-        entries = list(header.tensors.values())
-        table = (tuple(header.tensors), [e.dtype for e in entries], [e.shape for e in entries])
+        columns = HeaderTable.of(header.tensors)  # no entry object per tensor on the way to the compare
+        # copies: a header's columns can be changed in place later (table[name] = entry)
+        table = (tuple(columns.names), list(columns.dtypes), [list(shape) for shape in columns.shapes])
         if table == self._fitting:  # the tensor table of a version checked before: three C-level compares
             return
         seen = self._fits

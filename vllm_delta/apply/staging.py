@@ -6,7 +6,7 @@ through the codec registry by the header's codec name) owns what is its own:
 * staging: which pieces this rank needs (`changed_items`, from the engine's layout: a format-3
   version, one file or every part of a multi-part one, read straight off its headers into arrays,
   `FilePieces` of one `FileSet`, with no per-tensor objects: a mixture of experts lists ~19K tensors;
-  what depends only on the header's tensor set and the layout, `TensorTable`, is computed once and
+  what depends only on the header's tensor set and the layout, `LayoutTable`, is computed once and
   reused by every later version), the positions of each tensor this rank holds (so that a decoder
   can skip the chunks of other ranks' rows), host memory (pinned buffers, reused threads, reading
   files' bytes into them in parallel pieces), the order work runs in (every unit's host work queued
@@ -31,6 +31,7 @@ import torch
 from ..codec import get_decoder
 from ..codec.decoding import Chunk, Fetch, FilePieces, FileSet, Item, Pieces
 from ..format import DTYPES, STREAMS_FORMAT_VERSION, Version, VersionFile, VersionHeader, VersionLike, row_size
+from ..format import TensorTable as HeaderTable
 from .layout import DeviceLayout
 
 CHUNK_ELEMS = 1 << 23  # changed elements decoded per device chunk (bounds temporary memory)
@@ -46,7 +47,7 @@ __all__ = [
     "FileSet",
     "Item",
     "Items",
-    "TensorTable",
+    "LayoutTable",
     "changed_items",
     "item_indices",
 ]
@@ -217,7 +218,7 @@ def _piece_items(vf: VersionLike, layout: DeviceLayout) -> dict[int, Items]:
 
 
 @dataclass(frozen=True)
-class TensorTable:
+class LayoutTable:
     """What staging needs of a header's tensor table that depends only on its tensor set and the
     layout (a version changes positions and values, never the set of tensors): per header entry, in
     header order, its layout index (-1: the layout holds none of it), element width, size and row
@@ -234,11 +235,11 @@ class TensorTable:
     need_hi: np.ndarray
 
     @classmethod
-    def of(cls, header: VersionHeader, layout: DeviceLayout) -> TensorTable:
+    def of(cls, header: VersionHeader, layout: DeviceLayout) -> LayoutTable:
         """The table of `header`'s tensor set on `layout`, remembered on the layout for later versions."""
         names = tuple(header.tensors)
         cache = layout.caches.setdefault("tensor_tables", {})
-        table: TensorTable | None = cache.get(names)
+        table: LayoutTable | None = cache.get(names)
         if table is None:
             entries = list(header.tensors.values())
             held = layout.layout.segments
@@ -263,9 +264,9 @@ def _file_pieces(vf: VersionFile, layout: DeviceLayout) -> dict[int, FilePieces]
     """One format-3 file's changed pieces that the layout holds, by width, as arrays in layout order
     (the pieces' `enc` are handed to the codec's decoder as they are: it checks them)."""
     h = vf.header
-    table = TensorTable.of(h, layout)
-    entries = list(h.tensors.values())
-    nnz = np.fromiter((e.nnz for e in entries), dtype=np.int64, count=len(entries))
+    table = LayoutTable.of(h, layout)
+    columns = HeaderTable.of(h.tensors)  # the header's columns: no entry object per tensor
+    nnz = np.asarray(columns.nnz, dtype=np.int64)
     start, stop = np.zeros_like(nnz), table.numel
     if h.part is not None:  # a part: the rows it owns (a tensor it does not own has nnz 0)
         rows = h.part.rows
@@ -284,7 +285,7 @@ def _file_pieces(vf: VersionFile, layout: DeviceLayout) -> dict[int, FilePieces]
             payload=payload,
             file_enc=h.enc,
             names=table.names[sel].tolist(),
-            encs=[entries[i].enc for i in sel.tolist()],
+            encs=[columns.encs[i] for i in sel.tolist()],
             index=table.index[sel],
             numel=table.numel[sel],
             nnz=nnz[sel],
