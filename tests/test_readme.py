@@ -29,6 +29,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 PYTHON_SNIPPETS = {
     "from vllm_delta import Publisher, checkpoint_tensors, checksum": "test_readme.py::test_trainer_side_snippet",
+    'Publisher("s3://bucket/run1", anchor_every=20,': "test_readme.py::test_publisher_storage_options_snippet",
     "from vllm_delta.trainer import DetectOptions, PublisherOptions, ShardingOptions, StoreOptions, UploadOptions": (
         "test_readme.py::test_publisher_options_snippet"
     ),
@@ -70,21 +71,37 @@ def test_trainer_side_snippet(tmp_path):
     assert ran.value == store.record(2).checksum
 
 
-def test_publisher_options_snippet(s3_server):
-    snippet = one_snippet("python", "options=PublisherOptions(")
-    uri = s3_server.uri("readme-options")
-    ran = run_python(
-        snippet,
-        {"torch": torch, "Publisher": Publisher, "S3_OPTIONS": s3_server.storage_options},  # Publisher: the block above
-        {'"s3://bucket/run1"': repr(uri), "storage_options={...}": "storage_options=S3_OPTIONS"},
-    )
-    pub = ran.value  # the snippet's one expression: the Publisher it builds
+def _publishes_to(pub: Publisher, uri: str, s3_server) -> None:
+    """The Publisher a snippet built publishes a version that the store then holds."""
     try:
         info = pub.publish(build_master_model(SPEC, seed=0), version=0)
         pub.flush()
     finally:
         pub.close()
     assert DeltaStore(uri, s3_server.storage_options).record(0).checksum == info.checksum
+
+
+def test_publisher_storage_options_snippet(s3_server):
+    snippet = one_snippet("python", 'storage_options={"key"')
+    uri = s3_server.uri("readme-storage-options")
+    fsspec_options = 'storage_options={"key": ..., "secret": ..., "client_kwargs": {"endpoint_url": ...}}'
+    ran = run_python(
+        snippet,
+        {"Publisher": Publisher, "S3_OPTIONS": s3_server.storage_options},  # Publisher: the block above
+        {'"s3://bucket/run1"': repr(uri), fsspec_options: "storage_options=S3_OPTIONS"},
+    )
+    _publishes_to(ran.value, uri, s3_server)  # the snippet's one expression: the Publisher it builds
+
+
+def test_publisher_options_snippet(s3_server):
+    snippet = one_snippet("python", "options=PublisherOptions(")
+    uri = s3_server.uri("readme-options")
+    ran = run_python(
+        snippet,
+        {"torch": torch, "Publisher": Publisher, "S3": s3_server.storage_options},  # Publisher: the block above
+        {'"s3://bucket/run1"': repr(uri), "StoreOptions(storage_options=None": "StoreOptions(storage_options=S3"},
+    )
+    _publishes_to(ran.value, uri, s3_server)  # the snippet's one expression: the Publisher it builds
 
 
 @pytest.mark.slow  # two torchrun ranks importing torch and transformers
