@@ -173,3 +173,35 @@ def test_every_document_kind_is_on_the_codec():
     through wire.encode / wire.decode) and defines no to_json / from_json of its own."""
     for cls in (VersionRecord, StoreHead, BadMark, ReplicaReport, LeaseDoc):
         assert issubclass(cls, Document) and "to_json" not in vars(cls) and "from_json" not in vars(cls)
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        {"a": [0, 4], "b": [4, 8]},  # the fast path: every item a list of exact ints
+        {"a": [0, 4], "b": [True, 8]},  # a bool is an int to the element decoder, not to the fast path
+        {"a": [0, 4], "b": None},
+        {"a": [0, 4], "b": [0, "8"]},
+        {"a": [0, 4], "b": (0, 8)},
+        {"a": [0, 4], "b": 8},
+        {},
+    ],
+)
+def test_a_mapping_of_lists_decodes_as_item_by_item(data):
+    """A part's row ranges (dict[str, list[int]], one per tensor) are copied in one pass where every item
+    is a list of exact ints; anything else takes the item decoder: the same result or the same error."""
+    from vllm_delta.wire import _decoder
+
+    item = _decoder(list[int])
+
+    def outcome(decode):
+        try:
+            return decode()
+        except (TypeError, ValueError) as exc:
+            return type(exc)
+
+    fast = outcome(lambda: wire.decode_as(dict[str, list[int]], data, "rows"))
+    one_by_one = outcome(lambda: {k: item(v, "rows") for k, v in data.items()})
+    assert fast == one_by_one
+    if isinstance(fast, dict):
+        assert all(type(v) is list and v is not data[k] for k, v in fast.items())  # copies, as the decoder makes

@@ -420,14 +420,14 @@ class VersionHeader(Closed):
                     raise FormatError(f"part {part.index} changes a tensor it does not own", version=v, tensor=name)
                 continue
             if (
-                not isinstance(rows, list)
+                type(rows) is not list
                 or len(rows) != 2
                 or not isinstance(rows[0], int)
                 or not isinstance(rows[1], int)
-                or not 0 <= rows[0] < rows[1] <= num_rows(shape)
+                or not 0 <= rows[0] < rows[1] <= (shape[0] if shape else 1)  # num_rows, inlined
             ):
                 raise FormatError(f"part {part.index}: bad row range {rows!r}", version=v, tensor=name)
-            owned = (rows[1] - rows[0]) * row_size(shape)
+            owned = (rows[1] - rows[0]) * (math.prod(shape[1:]) if len(shape) > 1 else 1)  # row_size
             if nnz > owned or (anchor and nnz != owned):
                 raise FormatError(f"part {part.index}: nnz {nnz} for {owned} owned elements", version=v, tensor=name)
         unknown = set(part.rows) - set(self.tensors)

@@ -319,6 +319,9 @@ def _value_decoder(base: Any, extras: tuple[Any, ...]) -> Decoder:
         int_keys = key_hint is int
         plain_key, plain_item = _plain(key_hint), _plain(item_hint)
         copy_as_is = plain_key is not None and plain_item is not None and not int_keys
+        # items that are lists of plain values (a part's row ranges: one per tensor, ~19K at 30B-A3B)
+        list_of = _plain(get_args(item_hint)[0]) if get_origin(item_hint) is list and get_args(item_hint) else None
+        copy_lists = plain_key is not None and list_of is not None and not int_keys
 
         def mapping(data: Any, where: Any) -> Any:
             data = _mapping(data, where)
@@ -328,6 +331,12 @@ def _value_decoder(base: Any, extras: tuple[Any, ...]) -> Decoder:
                 and (plain_item is object or _all_of_type(data.values(), plain_item))
             ):
                 return dict(data)  # what the key and item decoders would return, one by one
+            if (
+                copy_lists
+                and (plain_key is object or _all_of_type(data, plain_key))
+                and _all_lists_of(data.values(), list_of)
+            ):
+                return {k: list(v) for k, v in data.items()}  # likewise: each list copied as `sequence` would
             return {
                 (int(k) if int_keys else key(k, where)): item(v, (where, k, None))  # _item(where, k), inlined
                 for k, v in data.items()
@@ -335,6 +344,18 @@ def _value_decoder(base: Any, extras: tuple[Any, ...]) -> Decoder:
 
         return mapping
     return functools.partial(_decode_scalar, base)
+
+
+def _all_lists_of(values: Iterable[Any], cls: Any) -> bool:
+    """Whether every value is exactly a list whose items are exactly of type `cls` (any, for object)."""
+    for value in values:
+        if type(value) is not list:
+            return False
+        if cls is not object:
+            for item in value:
+                if type(item) is not cls:
+                    return False
+    return True
 
 
 def _all_of_type(values: Iterable[Any], cls: Any) -> bool:
