@@ -389,3 +389,51 @@ def test_records_without_the_optional_digest_still_parse(tmp_path, history):
     assert old.sha256 is None and "sha256" not in json.loads(old.to_json())
     with pytest.raises(VersionNotFoundError):
         store.resolve(10**10)
+
+
+@pytest.mark.parametrize("cuts", [1, 2])
+def test_a_read_cut_short_is_read_again_once(monkeypatch, cuts):
+    """An object whose body came back shorter than its Content-Length (aiohttp's ClientPayloadError; seen
+    from rclone's S3 server while the trainer rewrote head.json) is read again once: a transient fault
+    does not become a follower's error. Twice cut short, it is the store's 503 error. (fsspec's real
+    in-memory filesystem, its reads cut short on purpose: the S3 server here cannot be made to.)"""
+    from vllm_delta.store.fs import StoreFS
+
+    fs = StoreFS(f"memory://cut-short-{cuts}", {}, timeout_s=5)
+    path = fs.path("head.json")
+    fs.fs.pipe_file(path, b'{"latest": 3}')
+
+    class ClientPayloadError(Exception):  # aiohttp's class name, which is what the store recognizes
+        pass
+
+    real, calls = fs.fs.cat_file, []
+
+    def cut_short(p, **kw):
+        calls.append(p)
+        if len(calls) <= cuts:
+            raise ClientPayloadError("Response payload is not completed: not enough data for content length")
+        return real(p, **kw)
+
+    monkeypatch.setattr(fs.fs, "cat_file", cut_short)
+    if cuts == 1:
+        assert fs.cat(path, "reading head.json") == b'{"latest": 3}' and len(calls) == 2
+    else:
+        with pytest.raises(StoreUnavailableError, match="head.json.*ClientPayloadError"):
+            fs.cat(path, "reading head.json")
+        assert len(calls) == 2
+
+
+def test_other_read_errors_are_not_read_again(monkeypatch):
+    from vllm_delta.store.fs import StoreFS
+
+    fs = StoreFS("memory://not-again", {}, timeout_s=5)
+    calls = []
+
+    def refused(p, **kw):
+        calls.append(p)
+        raise ConnectionRefusedError("connection refused")
+
+    monkeypatch.setattr(fs.fs, "cat_file", refused)
+    with pytest.raises(StoreUnavailableError, match="head.json"):
+        fs.cat(fs.path("head.json"), "reading head.json")
+    assert len(calls) == 1

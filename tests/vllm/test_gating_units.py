@@ -426,7 +426,7 @@ def test_vllms_own_weight_routes_make_status_re_read_the_workers(tmp_path):
         # An update now stages against what the weights are (a re-anchor restores the version), not the record.
         served, _ = await svc.ranks.read()
         assert svc.checks.off_version_sums(served) == {"w": 0}
-        assert await svc._staged_against(served) == {"w": 0}
+        assert await svc.checks.staged_against(served) == {"w": 0}
         await svc.stop()
 
     asyncio.run(scenario())

@@ -59,6 +59,14 @@ _UNAVAILABLE_NAMES = frozenset(
 )
 
 
+TRUNCATED_READS = 2  # reads of one small object whose body came back short, before it is an error
+
+
+def _cut_short(exc: BaseException) -> bool:
+    """A response body shorter than its Content-Length (by class name: aiohttp is not imported here)."""
+    return any(c.__name__ == "ClientPayloadError" for c in type(exc).__mro__)
+
+
 def store_error(exc: BaseException, uri: str, what: str) -> DeltaError | None:
     """The DeltaError a failed store operation means (timeout 504, unreachable 503), or None if it is
     none of those. Recognized by class name, so that neither botocore nor aiohttp need be imported."""
@@ -164,18 +172,24 @@ class StoreFS:
             raise err from exc
 
     def cat(self, path: str, what: str) -> builtins.bytes:
-        """One object's bytes, read afresh (a stale parent listing would answer 'not found' unasked)."""
+        """One object's bytes, read afresh (a stale parent listing would answer 'not found' unasked). A
+        body cut short (aiohttp's ClientPayloadError: fewer bytes than its Content-Length, seen from an
+        S3 server rewriting the object while it was read) is read again once before it is an error."""
         if self.is_local:
             with open(path, "rb") as f:
                 return f.read()
         with self.guard(what):
-            self.fs.invalidate_cache(path)
-            data: builtins.bytes
-            if self.is_s3:
-                data = self.fs.cat_file(path, max_concurrency=1, **self.deadline())  # one GET, no HEAD
-            else:
-                data = self.fs.cat_file(path, **self.deadline())
-            return data
+            for attempt in range(TRUNCATED_READS):
+                self.fs.invalidate_cache(path)
+                try:
+                    if self.is_s3:
+                        return bytes(self.fs.cat_file(path, max_concurrency=1, **self.deadline()))  # one GET
+                    return bytes(self.fs.cat_file(path, **self.deadline()))
+                except Exception as exc:
+                    if attempt + 1 == TRUNCATED_READS or not _cut_short(exc):
+                        raise
+                    log.info("%s: %s was cut short (%s): reading it again", self.uri, what, type(exc).__name__)
+            raise AssertionError("unreachable")  # the loop returns or raises
 
     def ls(self, folder: str) -> list[dict[str, Any]]:
         """Files directly in `folder` (relative to the root), listed afresh (fsspec caches listings)."""
