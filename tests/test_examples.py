@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import pytest
 
+from vllm_delta.testing.server import STARTUP_TIMEOUT_ENV
+
 pytestmark = pytest.mark.vllm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -52,9 +54,24 @@ class Program:
         with open(self.out) as f, open(self.err) as g:
             out, err = f.read(), g.read()
         assert self.proc.returncode == 0, (
-            f"{self.target} exited with {self.proc.returncode}\n{out[-3000:]}\n{err[-5000:]}"
+            f"{self.target} exited with {self.proc.returncode}\n{out[-3000:]}\n{err[-5000:]}\n"
+            f"the errors it raised:\n{raised(err)}"
         )
         return out
+
+
+def raised(err: str) -> str:
+    """The last line of each Python traceback in `err` (`SomeError: message`): a server's log tail can
+    push the program's own exception out of the tail shown above."""
+    lines = err.splitlines()
+    ends = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last)")]
+    found = []
+    for start in ends:
+        for line in lines[start + 1 :]:
+            if line and not line[0].isspace() and not line.startswith("^"):
+                found.append(line[:500])
+                break
+    return "\n".join(found) or "(no traceback)"
 
 
 # target: (arguments of the short mode, the directory argument)
@@ -75,6 +92,9 @@ def programs(tmp_path_factory) -> Iterator[dict[str, Program]]:
             env = dict(os.environ)
             env.pop("TRITON_INTERPRET", None)  # `make example` does not set it
             env.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(i % cores))  # one core per program's engine
+            # Three trainers and three servers starting at once on CI's 2 cores: a start-up took over the
+            # default 300 s there (2026-11-27); still bounded.
+            env[STARTUP_TIMEOUT_ENV] = "900"
             out, err = str(root / f"{target}.out"), str(root / f"{target}.err")
             with open(out, "wb") as o, open(err, "wb") as e:
                 proc = subprocess.Popen(
