@@ -199,3 +199,44 @@ def test_the_checks_find_what_they_look_for(tmp_path):
         "toy.sub.deep (layer 1) imports toy.high (layer 2)",
     ]
     assert find_cycles({"a": {"b"}, "b": set()}) == []
+
+
+# The house's sizes (issue 23): a room that outgrows them has taken a second job.
+MODULE_LINES = {"codec": 600, "apply": 600}  # no module in these folders over this many lines
+SERVICE_LINES = 300  # vllm/api_server/service.py: the request flow only
+API_SERVER_CLASS_LINES = 250  # no class in vllm/api_server over this many lines
+
+
+def oversized(root: Path) -> list[str]:
+    found = []
+    for folder, limit in MODULE_LINES.items():
+        for path in sorted((root / folder).rglob("*.py")):
+            if (n := len(path.read_text().splitlines())) > limit:
+                found.append(f"{path.relative_to(root)}: {n} lines > {limit}")
+    service = root / "vllm" / "api_server" / "service.py"
+    if service.exists() and (n := len(service.read_text().splitlines())) > SERVICE_LINES:
+        found.append(f"vllm/api_server/service.py: {n} lines > {SERVICE_LINES}")
+    for path in sorted((root / "vllm" / "api_server").glob("*.py")):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.ClassDef) and (n := node.end_lineno - node.lineno + 1) > API_SERVER_CLASS_LINES:  # type: ignore[operator]
+                found.append(f"{path.relative_to(root)}: class {node.name} {n} lines > {API_SERVER_CLASS_LINES}")
+    return found
+
+
+def test_rooms_stay_their_size():
+    assert oversized(ROOT) == []
+
+
+def test_the_size_check_finds_an_oversized_room(tmp_path):
+    (tmp_path / "codec").mkdir()
+    (tmp_path / "apply").mkdir()
+    (tmp_path / "vllm" / "api_server").mkdir(parents=True)
+    (tmp_path / "codec" / "big.py").write_text("x = 1\n" * 601)
+    (tmp_path / "apply" / "ok.py").write_text("x = 1\n" * 600)
+    body = "    x = 1\n" * 250
+    (tmp_path / "vllm" / "api_server" / "service.py").write_text(f"class Service:\n{body}" + "y = 2\n" * 50)
+    assert oversized(tmp_path) == [
+        "codec/big.py: 601 lines > 600",
+        "vllm/api_server/service.py: 301 lines > 300",
+        "vllm/api_server/service.py: class Service 251 lines > 250",
+    ]

@@ -346,7 +346,7 @@ def test_the_background_audit_recomputes_on_its_own(tmp_path):
         engine = FakeEngine(3, {"w": 11})
         svc = DeltaService.of(engine, StoreSpec(str(tmp_path)))
         await svc.startup()
-        svc.start_audit(0.05)
+        svc.checks.start_audit(0.05)
         engine.sums["w"] += 1  # behind the plugin's back
         deadline = time.monotonic() + 10
         while (
@@ -382,7 +382,7 @@ def test_vllms_own_weight_routes_make_status_re_read_the_workers(tmp_path):
 
         def mark(scope, reset):
             marks.append((scope["path"], reset))
-            svc.past_the_plugin(weights_reset=reset)
+            svc.checks.past_the_plugin(weights_reset=reset)
 
         mw = PastThePluginMiddleware(gate_app, mark)
         assert (await call(mw, b"{}", path="/v1/completions"))[0] == 200

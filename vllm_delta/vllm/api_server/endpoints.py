@@ -240,7 +240,7 @@ class DeltaEndpointPlugin:
             log.warning("vllm-delta: could not read the served version at start-up: %s", exc)
         if options.follow.follow or options.follow.report:
             service.start_follower(options.follow)
-        service.start_audit(options.service.audit_s)
+        service.checks.start_audit(options.service.audit_s)
 
     def _stop_follower_on_shutdown(self, app: FastAPI) -> None:
         """Wrap the app's lifespan (vLLM's) so that the follower stops before the engine goes away:
@@ -278,7 +278,7 @@ TIMELINE_ID_LIMIT = 256  # characters of ?id=
 def _past_the_plugin(scope: Any, reset: bool) -> None:
     service = getattr(scope["app"].state, STATE_KEY, None)
     if service is not None:
-        service.past_the_plugin(weights_reset=reset)
+        service.checks.past_the_plugin(weights_reset=reset)
 
 
 async def _heap(service: DeltaService, body: Any) -> HeapAnswer:

@@ -127,9 +127,8 @@ class DeltaService:
             if held is None:
                 await self.prefetch.drop()
                 steps = self._steps(served, plan)
-                held = Prefetched(
-                    served.version, plan, await steps.stage(self._new_update(plan, request.method, None)), steps
-                )
+                staged = await steps.stage(self._new_update(plan, request.method, None))
+                held = Prefetched(served.version, plan, staged, steps)
             self.prefetch.held = held
             await self.ranks.prune_cache(served.version, self.prefetch.versions)
             return held.result()
@@ -204,8 +203,7 @@ class DeltaService:
 
     async def _unchanged(self, served: WorkerStatus, request: UpdateRequest) -> UpdateResult:
         target = await self.api.deadline.in_thread(functools.partial(self.store.resolve, request.version))
-        m = metrics()
-        if m is not None:
+        if (m := metrics()) is not None:
             m.updates.labels(outcome="unchanged").inc()
         return unchanged_result(target, served.version, request)
 
@@ -215,8 +213,7 @@ class DeltaService:
         self.last_update = AppliedUpdate.of(out, time.time())
         recorded = self.ranks.written(plan, header)
         self.checks.live.applied(out.previous_version, out.version, partials, recorded)
-        m = metrics()
-        if m is not None:
+        if (m := metrics()) is not None:
             m.applied(out)
 
     async def startup(self) -> None:
@@ -233,7 +230,7 @@ class DeltaService:
     # -- follow mode ----------------------------------------------------------------------------------
     def start_follower(self, options: FollowOptions) -> Follower:
         """A Follower whose every update goes through this service, started as a task of the running
-        event loop; its state is part of status(). `stop_follower` ends it. Following on a server with
+        event loop; its state is part of status(). `stop` ends it. Following on a server with
         EPLB is refused (the server does not start: shared/eplb.py)."""
         if options.follow:
             refuse_eplb(self.api.vllm_config, "to follow the store")
@@ -248,15 +245,10 @@ class DeltaService:
         log.info("vllm-delta: %s %s (poll every %.1f s)", what, self.store.uri, options.poll_s)
         return self.follower
 
-    async def stop_follower(self) -> None:
-        if self.follower is not None:
-            await self.follower.stop()
-            self.follower = None
-
     async def served_version(self) -> int | None:
-        """The served version, for the follower's polls: as last read or written, re-read from the ranks
-        at most every ranks.SEEN_S (every RPC keeps vLLM's worker message queue spinning for a second:
-        a poll every 0.5-2 s would keep a core per worker busy). follow_update re-reads under the lock."""
+        """The served version, for the follower's polls: as last read or written, re-read from the ranks at
+        most every ranks.SEEN_S (an RPC keeps vLLM's worker message queue spinning for a second: a poll
+        every 0.5-2 s would keep a core per worker busy). follow_update re-reads under the lock."""
         if self.ranks.seen_recently():
             return self.ranks.served.version
         async with self.operations.lock:
@@ -300,13 +292,9 @@ class DeltaService:
             return dataclasses.replace(answer, ready=False, reason=self.ranks.disagreement)
         return answer
 
-    def start_audit(self, period_s: float) -> None:
-        self.checks.start_audit(period_s)
-
-    def past_the_plugin(self, *, weights_reset: bool = False) -> None:
-        self.checks.past_the_plugin(weights_reset=weights_reset)
-
     async def stop(self) -> None:
         """Stop the follower, the audit and a re-read in progress (the app shuts down)."""
         await self.checks.stop()
-        await self.stop_follower()
+        if self.follower is not None:
+            await self.follower.stop()
+            self.follower = None

@@ -48,7 +48,7 @@ def resets_weights(path: str, body: bytes) -> bool:
 
 class PastThePluginMiddleware:
     """Pure ASGI middleware: after vLLM's own weight-changing routes, `mark(scope, reset)` (the service's
-    `past_the_plugin`, looked up per request: the service exists only once the engine is up); `reset`:
+    `checks.past_the_plugin`, looked up per request: the service exists only once the engine is up); `reset`:
     the weights were written with the workers' record left as it was (`resets_weights`)."""
 
     def __init__(self, app: App, mark: Callable[[Scope, bool], None]):
