@@ -5,10 +5,9 @@ has one, hashed once per process while the file's size, mtime and inode stay the
 does not match is deleted and fetched again. Downloads land under a temporary name and are renamed
 once complete and verified, so concurrent readers never see a partial file. One download of a file at
 a time per cache folder, across processes (an `flock` on `.<file>.lock` beside it, removed once the
-download ends): the TP ranks of a server
-starting together, or two servers sharing a host's cache folder, read each file from the store once;
-the others wait and take the verified copy. The server prunes the
-cache (`prune`): copies of versions it no longer needs, temp files of dead processes, and, above a
+download ends): the TP ranks of a server starting together, or two servers sharing a host's cache
+folder, read each file from the store once; the others wait and take the verified copy. The server
+prunes the cache (`prune`): copies of versions it no longer needs, temp files of dead processes, and, above a
 byte cap, the oldest copies. docs/FORMAT.md, "Reading".
 
 What changes here is how copies are kept and checked; how a file is fetched is the caller's

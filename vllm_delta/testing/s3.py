@@ -217,13 +217,8 @@ class S3Server:
         self._frozen = sorted({self._proc.pid, *listeners(self.port)})
         for pid in self._frozen:
             os.kill(pid, signal.SIGSTOP)
-        direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-        try:
-            direct.open(self.endpoint_url + "/", timeout=1.0).close()
-        except urllib.error.HTTPError:
-            pass  # answered: not frozen
-        except OSError:
-            return  # no answer within the timeout: frozen
+        if not self._answers(timeout=1.0):
+            return  # frozen
         self.thaw()
         raise RuntimeError(f"the S3 server on port {self.port} still answers after SIGSTOP to {self._frozen}")
 
@@ -233,19 +228,25 @@ class S3Server:
                 os.kill(pid, signal.SIGCONT)
         self._frozen = []
 
+    def _answers(self, timeout: float) -> bool:
+        """Whether the port gives any HTTP answer (403 without credentials: it serves) within `timeout`."""
+        direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never via a proxy
+        try:
+            direct.open(self.endpoint_url + "/", timeout=timeout).close()
+        except urllib.error.HTTPError:
+            pass
+        except OSError:
+            return False
+        return True
+
     def _wait_ready(self, proc: subprocess.Popen) -> bool:
         deadline = time.monotonic() + self.startup_timeout
-        direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never via a proxy
         while time.monotonic() < deadline:
             if proc.poll() is not None:
                 return False
-            try:
-                direct.open(self.endpoint_url + "/", timeout=1).close()
+            if self._answers(timeout=1.0):
                 return True
-            except urllib.error.HTTPError:
-                return True  # any HTTP answer (403 without credentials) means it serves
-            except OSError:
-                time.sleep(0.05)
+            time.sleep(0.05)
         return False
 
     def stop(self) -> None:
