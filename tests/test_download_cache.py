@@ -138,6 +138,28 @@ def test_a_lock_held_too_long_is_passed_by(tmp_path, caplog):
     assert "no download lock" in caplog.text
 
 
+def test_a_file_system_without_flock_fetches_at_once_and_says_why(tmp_path, caplog, monkeypatch):
+    """Where flock is refused (NFS without a lock daemon answers ENOLCK), the copy is fetched at once,
+    without waiting `lock_wait_s`, and the warning names the refusal, not a wait. This machine's file
+    systems all lock, so `fcntl.flock` is replaced by one that refuses (a stand-in, the only one here)."""
+    import errno
+
+    def refuse(fd: int, op: int) -> None:
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", refuse)
+    cache = DownloadCache("s3://bucket/store", str(tmp_path / "cache"))
+    cache.lock_wait_s = 30.0
+    log_path = str(tmp_path / "downloads")
+    t0 = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="vllm_delta.store.cache"):
+        path = cache.copy(DATA, version=1, download=slow_download(log_path, delay_s=0.0))
+    assert time.monotonic() - t0 < 10.0  # not the 30 s wait
+    assert calls(log_path) == 1 and open(path, "rb").read() == BODY
+    assert "No locks available" in caplog.text and "fetching it without one" in caplog.text
+    assert " in 30 s" not in caplog.text
+
+
 @pytest.mark.parametrize("age_s, kept", [(0, True), (3600, False)])
 def test_prune_removes_a_dead_process_lock_file(tmp_path, age_s, kept):
     cache = DownloadCache("s3://bucket/store", str(tmp_path / "cache"))

@@ -154,9 +154,16 @@ class DownloadCache:
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as exc:
             log.debug("%s: no download lock for %s: %s", self.uri, name, exc)
-        held = fd is not None and _flock(fd, self.lock_wait_s)
-        if fd is not None and not held:
-            log.warning("%s: no download lock on %s in %.0f s: fetching it anyway", self.uri, name, self.lock_wait_s)
+        held = False
+        if fd is not None:
+            try:
+                held = _flock(fd, self.lock_wait_s)
+                if not held:
+                    log.warning(
+                        "%s: no download lock on %s in %.0f s: fetching it anyway", self.uri, name, self.lock_wait_s
+                    )
+            except OSError as exc:  # a file system without flock: no peer can be excluded, none waited for
+                log.warning("%s: no download lock on %s (%s): fetching it without one", self.uri, name, exc)
         try:
             yield
         finally:
@@ -280,7 +287,8 @@ def _is_lock(name: str) -> bool:
 
 
 def _flock(fd: int, wait_s: float) -> bool:
-    """An exclusive flock on `fd` within `wait_s` (polled: a blocking flock could not give up)."""
+    """An exclusive flock on `fd` within `wait_s` (polled: a blocking flock could not give up); False when
+    a peer held it all that time. Raises OSError where the file system has no flock."""
     deadline = time.monotonic() + wait_s
     while True:
         try:
@@ -290,8 +298,6 @@ def _flock(fd: int, wait_s: float) -> bool:
             if time.monotonic() >= deadline:
                 return False
             time.sleep(LOCK_POLL_S)
-        except OSError:  # no flock on this file system
-            return False
 
 
 def _cache_write(path: str, write: Callable[[], object]) -> None:
