@@ -34,11 +34,13 @@ def test_a_block_allocated_below_a_pass_through_line_is_vllms():
     # tracemalloc's tuples run from the most recent frame to the oldest.
     old, heap._pass_lines = heap._pass_lines, marked
     try:
-        below_the_call = tracemalloc.Traceback((vllm_frame, (middleware, call)))
-        ours = tracemalloc.Traceback((("/usr/lib/python3.11/json/decoder.py", 3), (middleware, record)))
+        below_the_call = (vllm_frame, (middleware, call))
+        ours = (("/usr/lib/python3.11/json/decoder.py", 3), (middleware, record))
         assert heap._site(below_the_call) is None
         assert heap._site(ours) == f"{middleware}:{record}"
-        assert heap._site(tracemalloc.Traceback((vllm_frame,))) is None
+        assert heap._site((vllm_frame,)) is None
+        # the raw tuples are what a snapshot's Traceback holds, oldest first
+        assert tuple(tracemalloc.Traceback(ours)) == tuple(map(tracemalloc.Frame, reversed(ours)))
     finally:
         heap._pass_lines = old
 
@@ -59,13 +61,23 @@ try:
         store.record(f"req-{i}", 1, 0, [[1, 0, 4]])
     linecache.clearcache()  # as in a server, where no traceback has read our sources
     gc.collect()
+    # the same count through tracemalloc's public objects, block by block (what report() did before it
+    # found each distinct traceback's site once)
+    snap = tracemalloc.take_snapshot()
+    walked = [t for t in snap.traces
+              if (f := next((f for f in reversed(t.traceback) if heap._ours(f.filename)), None)) is not None
+              and (f.filename, f.lineno) not in heap._pass_lines]
+    expect = (sum(t.size for t in walked), len(walked))
+    del snap, walked, f
+    gc.collect()
     before = tracemalloc.get_traced_memory()[0]
     report = heap.report()
     gc.collect()
     after = tracemalloc.get_traced_memory()[0]
 finally:
     heap.stop()
-print("REPORT " + json.dumps({"before": before, "after": after, "blocks": report.blocks,
+print("REPORT " + json.dumps({"before": before, "after": after, "blocks": report.blocks, "bytes": report.bytes,
+                             "expect": expect,
                              "top": [s.where for s in report.top]}))
 """
 
@@ -80,4 +92,7 @@ def test_a_report_leaves_nothing_of_its_own_behind():
     report = json.loads(line[len("REPORT ") :])
     before, after = report["before"], report["after"]
     assert report["blocks"] > 0 and any("spans.py" in where for where in report["top"]), report
+    # what the walk block by block counts, give or take the walk's own few blocks still alive
+    assert abs(report["blocks"] - report["expect"][1]) <= 8, report
+    assert abs(report["bytes"] - report["expect"][0]) <= 2048, report
     assert after - before < 4 * 1024, (before, after)

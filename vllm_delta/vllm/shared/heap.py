@@ -71,12 +71,13 @@ def _marked_lines(package_dir: str) -> frozenset[tuple[str, int]]:
     return frozenset(found)
 
 
-def _site(traceback: tracemalloc.Traceback) -> str | None:
-    """`file:line` of the innermost frame of ours (frames run from the oldest to the most recent); None
-    without one, or when that frame is a pass-through line (what lies below it is vLLM's)."""
-    for f in reversed(traceback):
-        if _ours(f.filename):
-            return None if (f.filename, f.lineno) in _pass_lines else f"{f.filename}:{f.lineno}"
+def _site(frames: tuple[tuple[str, int], ...]) -> str | None:
+    """`file:line` of the innermost frame of ours (`frames` as tracemalloc records them: (file, line),
+    the most recent first); None without one, or when that frame is a pass-through line (what lies
+    below it is vLLM's)."""
+    for filename, lineno in frames:
+        if _ours(filename):
+            return None if (filename, lineno) in _pass_lines else f"{filename}:{lineno}"
     return None
 
 
@@ -87,15 +88,25 @@ def report(rank: int | None = None) -> HeapReport:
     sites: Counter[str] = Counter()
     counts: Counter[str] = Counter()
     if tracemalloc.is_tracing():
-        snapshot = tracemalloc.take_snapshot()
-        for trace in snapshot.traces:
-            site = _site(trace.traceback)
+        # The snapshot's raw traces, (domain, size, frames, total frames): CPython's tracemalloc makes one
+        # `frames` tuple per distinct traceback and shares it among the blocks allocated there, so a site
+        # is found once per traceback (by the tuple's identity), not once per block. A vLLM process holds
+        # ~10^5-10^6 traced blocks; through `Snapshot.traces` each costs a Trace, a Traceback and a Frame
+        # per frame walked (~100 us: a report took minutes).
+        raw = tracemalloc.take_snapshot().traces._traces  # type: ignore[attr-defined]
+        site_of: dict[int, str | None] = {}
+        for _domain, size, frames, _total in raw:
+            key = id(frames)  # the tuple lives as long as `raw`
+            try:
+                site = site_of[key]
+            except KeyError:
+                site = site_of[key] = _site(frames)
             if site is None:
                 continue
-            total += trace.size
+            total += size
             blocks += 1
             short = site[site.rindex(_PACKAGE) + 1 :]
-            sites[short] += trace.size
+            sites[short] += size
             counts[short] += 1
     top = [HeapSite(where, size, counts[where]) for where, size in sites.most_common(TOP_SITES)]
     return HeapReport(rank=rank, bytes=total, blocks=blocks, top=top, tensor_bytes=_tensor_bytes())
