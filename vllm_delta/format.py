@@ -19,6 +19,7 @@ version as one: readers see the same API (`header`, `pieces`, `dense`) for one f
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 import mmap
@@ -164,19 +165,19 @@ class TensorTable(Mapping[str, TensorEntry]):
         decoder (wire.decode_as), whose error names the tensor and the field."""
         if type(data) is dict:
             entries = list(data.values())
-            if all(type(e) is dict and _ENTRY_REQUIRED <= e.keys() <= _ENTRY_KEYS for e in entries):
+            if _well_keyed(entries):
                 shapes = [e["shape"] for e in entries]
                 dtypes = [e["dtype"] for e in entries]
                 checksums = [e["checksum"] for e in entries]
                 nnz = [e.get("nnz", 0) for e in entries]
                 encs = [e.get("enc", _NO_ENC) for e in entries]
                 if (
-                    all(type(s) is list for s in shapes)
-                    and all(type(d) is int for s in shapes for d in s)
-                    and all(type(x) is str for x in dtypes)
-                    and all(type(x) is str for x in checksums)
-                    and all(type(k) is int for k in nnz)
-                    and all(type(e) is dict for e in encs)
+                    _types(shapes) <= {list}
+                    and _types(itertools.chain.from_iterable(shapes)) <= {int}
+                    and _types(dtypes) <= {str}
+                    and _types(checksums) <= {str}
+                    and _types(nnz) <= {int}
+                    and _types(encs) <= {dict}
                 ):
                     return cls(
                         list(data), shapes, dtypes, checksums, nnz, [dict(e) if e is _NO_ENC else e for e in encs]
@@ -291,6 +292,21 @@ class TensorTable(Mapping[str, TensorEntry]):
 
     def __repr__(self) -> str:
         return f"TensorTable({len(self)} tensors)"
+
+
+def _types(values: Any) -> set[type]:
+    """The exact types among `values`, collected in C (a header's columns: one value per tensor)."""
+    return set(map(type, values))
+
+
+def _well_keyed(entries: list[Any]) -> bool:
+    """Whether every entry is a dict with the required keys and no others. Fast path: every entry has
+    all five keys (what writers write), seen from the entries' lengths and the union of their keys."""
+    if not _types(entries) <= {dict}:
+        return False
+    if set(map(len, entries)) <= {len(_ENTRY_KEYS)} and set().union(*entries) <= _ENTRY_KEYS:
+        return True  # five distinct keys, all of the five allowed: each entry has exactly those
+    return all(_ENTRY_REQUIRED <= e.keys() <= _ENTRY_KEYS for e in entries)
 
 
 _NO_ENC: dict[str, Any] = {}  # marks a missing `enc` (each entry gets its own empty dict)

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import json
 import types
 from collections.abc import Callable, Iterable, Mapping
@@ -336,7 +337,7 @@ def _value_decoder(base: Any, extras: tuple[Any, ...]) -> Decoder:
                 and (plain_key is object or _all_of_type(data, plain_key))
                 and _all_lists_of(data.values(), list_of)
             ):
-                return {k: list(v) for k, v in data.items()}  # likewise: each list copied as `sequence` would
+                return dict(zip(data, map(list, data.values())))  # likewise: each list copied as `sequence` would
             return {
                 (int(k) if int_keys else key(k, where)): item(v, (where, k, None))  # _item(where, k), inlined
                 for k, v in data.items()
@@ -347,23 +348,17 @@ def _value_decoder(base: Any, extras: tuple[Any, ...]) -> Decoder:
 
 
 def _all_lists_of(values: Iterable[Any], cls: Any) -> bool:
-    """Whether every value is exactly a list whose items are exactly of type `cls` (any, for object)."""
-    for value in values:
-        if type(value) is not list:
-            return False
-        if cls is not object:
-            for item in value:
-                if type(item) is not cls:
-                    return False
-    return True
+    """Whether every value is exactly a list whose items are exactly of type `cls` (any, for object).
+    The types are collected in C (`map(type, ...)`): a part's ~19K row ranges, per part, per open."""
+    values = list(values)
+    if not _all_of_type(values, list):
+        return False
+    return cls is object or _all_of_type(itertools.chain.from_iterable(values), cls)
 
 
 def _all_of_type(values: Iterable[Any], cls: Any) -> bool:
-    """Whether every value is exactly of type `cls` (a loop: faster than all() for short lists)."""
-    for value in values:
-        if type(value) is not cls:
-            return False
-    return True
+    """Whether every value is exactly of type `cls` (True for none); the types collected in C."""
+    return set(map(type, values)) <= {cls}
 
 
 def _plain(hint: Any) -> type | None:
