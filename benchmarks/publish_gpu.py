@@ -159,6 +159,7 @@ class Config:
     backend: str | None
     smoke: bool
     engine_gpu: int | None = None  # the engine's card (default: rank 0's)
+    keep_stores: bool = False  # --store given: the stores stay (benchmarks/open_parts.py reads them)
 
 
 def _sync(dev: torch.device) -> None:
@@ -250,6 +251,9 @@ def run_rank(rank: int, world: int, cfg: Config) -> dict:
         if planes:
             os.environ[chunked.PLANES_ENV] = planes
         store_dir = f"{cfg.store}-{codec_name}-{path or 'auto'}-{planes or 'default'}"
+        if rank == 0:
+            shutil.rmtree(store_dir, ignore_errors=True)  # a kept store of an earlier run (--store)
+        _barrier(world)
         try:
             out["runs"][codec_cfg] = _publish_run(
                 cfg, codec_name, store_dir, module, layout, targets, engine, step, group, dev, world, rank
@@ -257,7 +261,8 @@ def run_rank(rank: int, world: int, cfg: Config) -> dict:
         finally:
             os.environ.pop(gpu.PATH_ENV, None)
             os.environ.pop(chunked.PLANES_ENV, None)
-            shutil.rmtree(store_dir, ignore_errors=True)
+            if not cfg.keep_stores:
+                shutil.rmtree(store_dir, ignore_errors=True)
     if engine is not None:
         engine.close()
     return out
@@ -484,7 +489,12 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=min(16, os.cpu_count() or 1), help="zstd packing threads")
     ap.add_argument("--chunk-elems", type=int, default=1 << 28)
     ap.add_argument("--backend", choices=["triton", "triton-chunked", "torch"], default=None, help="detection backend")
-    ap.add_argument("--store", default=None, help="store directory (default: a fresh one in /dev/shm or /tmp)")
+    ap.add_argument(
+        "--store",
+        default=None,
+        help="a folder for the stores, kept afterwards (store-w<W>-<codec>-...; default: a fresh one in /dev/shm "
+        "or /tmp, removed)",
+    )
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
     ap.add_argument(
         "--engine-gpu",
@@ -514,6 +524,7 @@ def main() -> int:
     base = "/dev/shm" if os.path.isdir("/dev/shm") and not args.smoke else tempfile.gettempdir()
     for world in worlds:
         root = args.store or tempfile.mkdtemp(prefix="publish-gpu-", dir=base)
+        os.makedirs(root, exist_ok=True)
         cfg = Config(
             model=args.model,
             layers=args.layers,
@@ -522,12 +533,13 @@ def main() -> int:
             steps=args.steps,
             warmup=args.warmup,
             world=world,
-            store=os.path.join(root, "store"),
+            store=os.path.join(root, f"store-w{world}"),
             threads=args.threads,
             chunk_elems=args.chunk_elems if not args.smoke else 5000,
             backend=args.backend,
             smoke=args.smoke,
             engine_gpu=args.engine_gpu,
+            keep_stores=args.store is not None,
         )
         try:
             if world == 1:

@@ -42,9 +42,11 @@ LINT = [
     [PY, "-m", "ruff", "format", "--check", "vllm_delta", "tests", "benchmarks"],
     [PY, "-m", "mypy"],
 ]
+SMOKE_STORES = os.path.join(tempfile.gettempdir(), "vllm-delta-smoke-stores")  # publish_gpu clears its own
 SMOKES = [
     ({"TRITON_INTERPRET": "1"}, [PY, "benchmarks/apply_gpu.py", "--smoke"]),
-    ({}, [PY, "benchmarks/publish_gpu.py", "--smoke"]),
+    ({}, [PY, "benchmarks/publish_gpu.py", "--smoke", "--store", SMOKE_STORES]),  # kept: open_parts reads them
+    ({}, [PY, "benchmarks/open_parts.py", SMOKE_STORES, "--repeat", "2"]),
     ({}, [PY, "benchmarks/detect_gpu.py", "--smoke"]),
 ]
 # Modules marked `vllm` that start no server and no engine (vLLM's own classes, the plugin's code on toy
