@@ -96,3 +96,27 @@ def test_a_report_leaves_nothing_of_its_own_behind():
     assert abs(report["blocks"] - report["expect"][1]) <= 8, report
     assert abs(report["bytes"] - report["expect"][0]) <= 2048, report
     assert after - before < 4 * 1024, (before, after)
+
+
+TENSOR_BYTES = """
+import torch
+from vllm_delta.vllm.shared import heap
+
+before = heap._tensor_bytes()
+x = torch.empty(1 << 20, dtype=torch.uint8)
+views = [x[10:], x.view(torch.int32)]  # the same storage: counted once
+meta = torch.empty(1 << 30, dtype=torch.uint8, device="meta")  # no storage of the process's
+class Sub(torch.Tensor):  # a subclass counts like a tensor
+    pass
+y = torch.empty(4096, dtype=torch.uint8).as_subclass(Sub)
+print("GREW", heap._tensor_bytes() - before)
+"""
+
+
+def test_tensor_bytes_counts_each_cpu_storage_once():
+    """The torch CPU storages a report adds up: a tensor's storage once however many views it has,
+    subclasses too, meta tensors not at all."""
+    proc = subprocess.run([sys.executable, "-c", TENSOR_BYTES], capture_output=True, text=True, timeout=300)
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("GREW ")), None)
+    assert line is not None, (proc.returncode, proc.stderr[-3000:])
+    assert int(line.split()[1]) == (1 << 20) + 4096, line

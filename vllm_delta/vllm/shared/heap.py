@@ -118,9 +118,16 @@ def _tensor_bytes() -> int:
 
     seen: dict[int, int] = {}
     tensor = torch.Tensor
+    # One subclass check per type, not per object (a server process has ~10^6 objects, and under
+    # tracemalloc each check of torch's metaclass cost several us). type(), not isinstance():
+    # isinstance reads __class__, which some deprecated module objects warn on.
+    is_tensor: dict[type, bool] = {}
     for obj in gc.get_objects():
-        # type(), not isinstance(): isinstance reads __class__, which some deprecated module objects warn on
-        if issubclass(type(obj), tensor) and not obj.is_meta and obj.device.type == "cpu":
+        cls = type(obj)
+        known = is_tensor.get(cls)
+        if known is None:
+            known = is_tensor[cls] = issubclass(cls, tensor)
+        if known and not obj.is_meta and obj.device.type == "cpu":
             try:
                 storage = obj.untyped_storage()
             except (RuntimeError, NotImplementedError):
