@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Where a multi-part version's `open` goes (issue 25: `open` under 10 ms at any world size): per part
-file, safetensors' own open, `json.loads` of our header, its decode into a `VersionHeader` (wire.py),
+file, safetensors' own open, `json.loads` of our header, its decode into a `VersionHeader` (`from_plain_doc`),
 its checks (`validate`), then the parts merged into one `Version`; and `DeltaStore.open` whole.
 CPU only: it reads stores that `benchmarks/publish_gpu.py --store DIR` kept.
 
@@ -25,7 +25,6 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 from safetensors import safe_open  # noqa: E402
 
-from vllm_delta import wire  # noqa: E402
 from vllm_delta.format import Version, VersionFile, VersionHeader  # noqa: E402
 from vllm_delta.store import DeltaStore  # noqa: E402
 
@@ -51,7 +50,7 @@ def measure(store_dir: str, repeat: int) -> dict[str, float | int | str]:
         f = safe_open(p, framework="pt", device="cpu")
         texts.append((f.metadata() or {})["header"])
     raws = [json.loads(t) for t in texts]
-    headers = [wire.decode(VersionHeader, r) for r in raws]
+    headers = [VersionHeader.from_plain_doc(r) for r in raws]
 
     def safetensors_open() -> None:
         for p in paths:
@@ -72,7 +71,7 @@ def measure(store_dir: str, repeat: int) -> dict[str, float | int | str]:
         "header_kb": sum(map(len, texts)) / len(texts) / 1e3,
         "safetensors": least(safetensors_open, repeat),
         "json": least(lambda: [json.loads(t) for t in texts], repeat),
-        "decode": least(lambda: [wire.decode(VersionHeader, r) for r in raws], repeat),
+        "decode": least(lambda: [VersionHeader.from_plain_doc(r) for r in raws], repeat),
         "validate": least(lambda: [h.validate() for h in headers], repeat),
         "files": files_ms,
         "merge": max(0.0, least(merge, repeat) - files_ms),

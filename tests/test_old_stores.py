@@ -17,7 +17,7 @@ from vllm_delta import Publisher, replay
 from vllm_delta.apply.engine import ApplyEngine
 from vllm_delta.apply.layout import Layout
 from vllm_delta.checksums import combine, to_hex
-from vllm_delta.format import STREAMS_FORMAT_VERSION
+from vllm_delta.format import COLUMNS_FORMAT_VERSION, STREAMS_FORMAT_VERSION
 from vllm_delta.reconstruct import open_chain
 from vllm_delta.store import DeltaStore
 
@@ -99,7 +99,7 @@ def test_new_versions_go_on_top_of_an_old_store(old_store):
             last = pub.publish(model)
     assert (first.version, first.kind, last.version, last.kind) == (5, "anchor", 7, "delta")
     with store.open(7) as vf:
-        assert vf.header.codec == "chunked" and vf.header.format_version == STREAMS_FORMAT_VERSION
+        assert vf.header.codec == "chunked" and vf.header.format_version == COLUMNS_FORMAT_VERSION
     _, tensors = replay(store, 7)
     assert vllm_delta.checksum(tensors) == vllm_delta.checksum(bf16_image(model))
     _, old = replay(store, 3)  # the old chain still reads

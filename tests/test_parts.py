@@ -348,8 +348,8 @@ def test_headers_of_parts_are_validated():
         VersionHeader.from_json(json.dumps(dict(ok, part={**ok["part"], "rows": {"w": [0, 9]}})))
     with pytest.raises(FormatError, match="part description"):
         VersionHeader.from_json(json.dumps(dict(ok, part={**ok["part"], "index": 2})))
-    with pytest.raises(FormatError, match="unknown format version 4"):
-        VersionHeader.from_json(json.dumps(dict(ok, format_version=4)))
+    with pytest.raises(FormatError, match="unknown format version 5"):
+        VersionHeader.from_json(json.dumps(dict(ok, format_version=5)))
     with pytest.raises(FormatError, match="format version 3 is a delta"):
         VersionHeader.from_json(json.dumps(dict(ok, format_version=3)))  # anchors stay in formats 1 and 2
     with pytest.raises(FormatError, match="no file-level codec metadata"):

@@ -9,20 +9,26 @@ A version is one file (format version 1, what a single-process Publisher writes)
 files (format version 2, one per rank of a sharded publisher). Format version 3 is a delta (one file
 or a part) written with a *file-level* codec (`chunked`): its payload is one set of streams for
 every changed tensor, stored under `::<part>` keys (an empty tensor name), the file's codec metadata
-in the header's `enc`, and each tensor's place in the streams in its own `enc`. A part file's header is the whole
-version's header (every tensor's shape, dtype and whole-tensor checksum) with the part's own `nnz`
-and codec metadata per tensor, plus `part`: its index, the part count, the rows of dim 0 it owns of
-each tensor, and the additive checksum of what it contributes. `Version` reads the parts of one
-version as one: readers see the same API (`header`, `pieces`, `dense`) for one file and for many.
+in the header's `enc`, and each tensor's place in the streams in its own `enc`. Format version 4 (what
+writers write for a file-level codec) is format 3 with the header's tensor table written as columns
+(one list per field, `TensorTable.to_columns`) and a part's rows as one list in the table's order: a
+header is parsed without a JSON object per tensor, and a part's header without each name twice.
+A part file's header is the whole version's header (every tensor's shape, dtype and whole-tensor
+checksum) with the part's own `nnz` and codec metadata per tensor, plus `part`: its index, the part
+count, the rows of dim 0 it owns of each tensor, and the additive checksum of what it contributes.
+`Version` reads the parts of one version as one: readers see the same API (`header`, `pieces`,
+`dense`) for one file and for many.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import json
 import math
 import mmap
+import operator
 import os
 import re
 import struct
@@ -46,7 +52,9 @@ FORMAT_NAME = "vllm-delta"
 FORMAT_VERSION = 1  # one-file versions
 PART_FORMAT_VERSION = 2  # part files of multi-part versions
 STREAMS_FORMAT_VERSION = 3  # deltas of a file-level codec (one file or a part)
-READ_FORMAT_VERSIONS = (FORMAT_VERSION, PART_FORMAT_VERSION, STREAMS_FORMAT_VERSION)
+COLUMNS_FORMAT_VERSION = 4  # format 3 with the tensor table and a part's rows written as columns
+STREAMS_FORMAT_VERSIONS = (STREAMS_FORMAT_VERSION, COLUMNS_FORMAT_VERSION)  # what a file-level codec's deltas are
+READ_FORMAT_VERSIONS = (FORMAT_VERSION, PART_FORMAT_VERSION, STREAMS_FORMAT_VERSION, COLUMNS_FORMAT_VERSION)
 FILE_PAYLOAD = ""  # the tensor name of a file-level codec's payload keys (`::<part>`)
 VersionKind = Literal["anchor", "delta"]  # what a version is: a full image, or the changes since its base
 KINDS: tuple[VersionKind, ...] = get_args(VersionKind)
@@ -108,7 +116,7 @@ class TensorEntry(Closed):
 
 _ENTRY_KEYS = frozenset(("shape", "dtype", "checksum", "nnz", "enc"))
 _ENTRY_REQUIRED = frozenset(("shape", "dtype", "checksum"))
-_HEX16 = re.compile(r"[0-9a-f]{16}")
+_HEX_RUN = re.compile(r"[0-9a-f]*")
 
 
 class TensorTable(Mapping[str, TensorEntry]):
@@ -214,25 +222,99 @@ class TensorTable(Mapping[str, TensorEntry]):
             + "}"
         )
 
+    # -- the column form (format version 4) ---------------------------------------------------------
+    def sorted_order(self) -> list[int]:
+        """The columns' positions in name order (what every written table lists)."""
+        return sorted(range(len(self.names)), key=self.names.__getitem__)
+
+    def to_columns(self, order: list[int]) -> dict[str, Any]:
+        """The table as format 4 writes it, in `order`: `{"checksum": [...], "dtype": [...], "enc":
+        {"at": [...], "start": [...]}, "name": [...], "nnz": [...], "shape": [[...], ...]}`. A tensor's
+        `enc` is a file-level codec's place in the streams, `{"at", "start"}` (both ints), or empty
+        (both null): any other `enc` has no column form (ValueError)."""
+        at: list[int | None] = []
+        start: list[int | None] = []
+        for i in order:
+            e = self.encs[i]
+            if not e:
+                at.append(None)
+                start.append(None)
+            elif len(e) == 2 and type(e.get("at")) is int and type(e.get("start")) is int:
+                at.append(e["at"])
+                start.append(e["start"])
+            else:
+                raise ValueError(f"tensor {self.names[i]}: enc {e!r} has no column form (format 4 takes at, start)")
+        return {
+            "checksum": [self.checksums[i] for i in order],
+            "dtype": [self.dtypes[i] for i in order],
+            "enc": {"at": at, "start": start},
+            "name": [self.names[i] for i in order],
+            "nnz": [self.nnz[i] for i in order],
+            "shape": [self.shapes[i] for i in order],
+        }
+
+    @classmethod
+    def from_columns(cls, data: Any, where: str) -> TensorTable:
+        """The table of a format-4 header (`to_columns`), its columns' types checked column by column
+        in C. Values (hex checksums, known dtypes, nnz within the shape) are `check`'s business."""
+        if type(data) is not dict or data.keys() != _COLUMN_KEYS:
+            keys = sorted(data) if isinstance(data, dict) else type(data).__name__
+            raise FormatError(f"malformed tensor columns in {where}: fields {keys}, expected {sorted(_COLUMN_KEYS)}")
+        enc = data["enc"]
+        if type(enc) is not dict or enc.keys() != {"at", "start"}:
+            raise FormatError(f"malformed tensor columns in {where}: enc must hold the columns at and start")
+        names, shapes, dtypes, checksums, nnz = (data[k] for k in ("name", "shape", "dtype", "checksum", "nnz"))
+        at, start = enc["at"], enc["start"]
+        columns = (names, shapes, dtypes, checksums, nnz, at, start)
+        if not _types(columns) <= {list} or len(set(map(len, columns))) != 1:
+            raise FormatError(f"malformed tensor columns in {where}: every column is a list, all of one length")
+        if not (
+            _types(names) <= {str}
+            and _types(dtypes) <= {str}
+            and _types(checksums) <= {str}
+            and _types(nnz) <= {int}
+            and _types(shapes) <= {list}
+            and _types(itertools.chain.from_iterable(shapes)) <= {int}
+            and _types(at) <= {int, type(None)}
+            and _types(start) <= {int, type(None)}
+            and list(map(operator.is_, at, itertools.repeat(None)))
+            == list(map(operator.is_, start, itertools.repeat(None)))
+        ):
+            raise FormatError(
+                f"malformed tensor columns in {where}: names, dtypes and checksums are strings, nnz ints, "
+                "shapes lists of ints, enc at and start ints (null together)"
+            )
+        if len(set(names)) != len(names):
+            dup = next(n for n, c in collections.Counter(names).items() if c > 1)
+            raise FormatError(f"tensor {dup} is listed twice in {where}")
+        encs = [{} if a is None else {"at": a, "start": s} for a, s in zip(at, start)]
+        return cls(names, shapes, dtypes, checksums, nnz, encs)
+
     def shape_map(self) -> dict[str, tuple[int, ...]]:
         """name -> shape (what a layout is probed with)."""
         return dict(zip(self.names, map(tuple, self.shapes)))
 
     # -- checks ----------------------------------------------------------------------------------
     def numels(self) -> list[int]:
-        return [math.prod(s) for s in self.shapes]
+        return list(map(math.prod, self.shapes))
 
     def check(self, version: int) -> None:
         """Every entry well formed (FormatError naming the first bad tensor): columns at C speed, the
         bad tensor looked for only when a column fails."""
-        numels = self.numels()
-        if (
-            all(map(_HEX16.fullmatch, self.checksums))
-            and set(self.dtypes) <= DTYPES.keys()
-            and all(d >= 0 for s in self.shapes for d in s)
-            and all(map(_nnz_fits, self.nnz, numels))
-        ):
-            return
+        try:
+            numels = self.numels()
+            if (
+                _types(self.checksums) <= {str}
+                and set(map(len, self.checksums)) <= {16}
+                and _HEX_RUN.fullmatch("".join(self.checksums))  # every one 16 long: each is 16 hex digits
+                and set(self.dtypes) <= DTYPES.keys()
+                and min(itertools.chain.from_iterable(self.shapes), default=0) >= 0
+                and min(self.nnz, default=0) >= 0
+                and all(map(operator.le, self.nnz, numels))
+            ):
+                return
+        except TypeError:  # a value of the wrong type: the loop below names its tensor
+            pass
         for name, t in self.items():
             if not is_hex(t.checksum):
                 raise FormatError("the checksum must be 16 lower-case hex digits", version=version, tensor=name)
@@ -309,6 +391,7 @@ def _well_keyed(entries: list[Any]) -> bool:
     return all(_ENTRY_REQUIRED <= e.keys() <= _ENTRY_KEYS for e in entries)
 
 
+_COLUMN_KEYS = frozenset(("checksum", "dtype", "enc", "name", "nnz", "shape"))
 _NO_ENC: dict[str, Any] = {}  # marks a missing `enc` (each entry gets its own empty dict)
 _EMPTY_TABLE = TensorTable([], [], [], [], [], [])
 _TABLE_MARK = "\x00vllm-delta tensor table\x00"  # where VersionHeader.to_json puts the table's text
@@ -323,10 +406,6 @@ def _enc_text(enc: dict[str, Any]) -> str:
     if not enc:
         return "{}"
     return json.dumps(enc, separators=_SEPARATORS, sort_keys=True)
-
-
-def _nnz_fits(nnz: int, numel: int) -> bool:
-    return 0 <= nnz <= numel
 
 
 @dataclass
@@ -371,8 +450,12 @@ class VersionHeader(Closed):
         return sum(self.tensors.numels())
 
     def to_json(self) -> str:
-        """Keys sorted, no spaces. The tensor table is written as text by the table itself (the same
-        bytes `json.dumps` makes of its plain form, without a dict per tensor) into the rest."""
+        """Keys sorted, no spaces. Format 4: the tensor table as columns and a part's rows as one list
+        in the table's order (`_columns_doc`). Formats 1-3: the tensor table is written as text by the
+        table itself (the same bytes `json.dumps` makes of its plain form, without a dict per tensor)
+        into the rest."""
+        if self.format_version == COLUMNS_FORMAT_VERSION:
+            return json.dumps(self._columns_doc(), separators=_SEPARATORS, sort_keys=True)
         doc = wire.encode(dataclasses.replace(self, tensors=_EMPTY_TABLE))
         doc["tensors"] = _TABLE_MARK
         text = json.dumps(doc, separators=(",", ":"), sort_keys=True)
@@ -381,10 +464,55 @@ class VersionHeader(Closed):
             return json.dumps(wire.encode(self), separators=(",", ":"), sort_keys=True)
         return head + self.tensors.to_json() + tail
 
+    def _columns_doc(self) -> dict[str, Any]:
+        table = self.tensors
+        order = table.sorted_order()
+        doc: dict[str, Any] = wire.encode(dataclasses.replace(self, tensors=_EMPTY_TABLE, part=None))
+        doc["tensors"] = table.to_columns(order)
+        if self.part is not None:
+            rows = self.part.rows
+            if not rows.keys() <= set(table.names):
+                raise ValueError(f"part {self.part.index} owns rows of tensors the table does not list")
+            part = wire.encode(dataclasses.replace(self.part, rows={}))
+            part["rows"] = [rows.get(table.names[i]) for i in order]
+            doc["part"] = part
+        return doc
+
+    @classmethod
+    def _from_columns(cls, raw: dict[str, Any], where: str) -> VersionHeader:
+        """A format-4 header: the columns made a table and a part's rows a mapping again, the rest
+        through the wire codec."""
+        raw = dict(raw)
+        table = TensorTable.from_columns(raw.pop("tensors", None), where or "header")
+        raw["tensors"] = {}
+        column = None
+        if isinstance(raw.get("part"), dict):
+            raw["part"] = dict(raw["part"])
+            column = raw["part"].pop("rows", None)
+            if type(column) is not list or len(column) != len(table.names):
+                raise FormatError(f"a part's rows in {where or 'header'}: one entry (a range or null) per tensor")
+        header = wire.decode(cls, raw)
+        header.tensors = table
+        if header.part is not None and column is not None:
+            header.part.rows = {n: r for n, r in zip(table.names, column) if r is not None}
+        return header
+
     @classmethod
     def from_json(cls, text: str, *, where: str = "") -> VersionHeader:
+        """A header from its text, decoded (`from_plain_doc`) and checked (`validate`)."""
         try:
             raw = json.loads(text)
+        except ValueError as exc:
+            raise FormatError(f"malformed version header in {where or 'file'}: {exc}") from None
+        header = cls.from_plain_doc(raw, where=where)
+        header.validate()
+        return header
+
+    @classmethod
+    def from_plain_doc(cls, raw: Any, *, where: str = "") -> VersionHeader:
+        """A header from its parsed JSON, by format version (format 4: `_from_columns`); not yet
+        checked (`validate`)."""
+        try:
             fv = raw.get("format_version") if isinstance(raw, dict) else None
             if isinstance(fv, bool) or fv not in READ_FORMAT_VERSIONS:
                 raise FormatError(
@@ -392,17 +520,15 @@ class VersionHeader(Closed):
                     f"{', '.join(map(str, READ_FORMAT_VERSIONS))})",
                     version=raw.get("version") if isinstance(raw, dict) else None,
                 )
-            if fv != STREAMS_FORMAT_VERSION and (fv == PART_FORMAT_VERSION) != ("part" in raw):
+            if fv not in STREAMS_FORMAT_VERSIONS and (fv == PART_FORMAT_VERSION) != ("part" in raw):
                 raise FormatError(f"format version {fv} {'needs' if fv == 2 else 'has no'} a part description")
-            if fv != STREAMS_FORMAT_VERSION and "enc" in raw:
+            if fv not in STREAMS_FORMAT_VERSIONS and "enc" in raw:
                 raise FormatError(f"format version {fv} has no file-level codec metadata")
-            header = wire.decode(cls, raw)
+            return cls._from_columns(raw, where) if fv == COLUMNS_FORMAT_VERSION else wire.decode(cls, raw)
         except FormatError:
             raise
         except (ValueError, TypeError) as exc:
             raise FormatError(f"malformed version header in {where or 'file'}: {exc}") from None
-        header.validate()
-        return header
 
     def validate(self) -> None:
         v = self.version
@@ -412,8 +538,10 @@ class VersionHeader(Closed):
             raise FormatError(f"unknown kind {self.kind!r}", version=v)
         if self.kind == "delta" and (not isinstance(self.base, int) or self.base >= v or not self.codec):
             raise FormatError(f"delta needs a codec and a base below it (base={self.base!r})", version=v)
-        if self.format_version == STREAMS_FORMAT_VERSION and (self.kind != "delta" or not isinstance(self.enc, dict)):
-            raise FormatError("format version 3 is a delta with its file-level codec metadata", version=v)
+        if self.format_version in STREAMS_FORMAT_VERSIONS and (self.kind != "delta" or not isinstance(self.enc, dict)):
+            raise FormatError(
+                f"format version {self.format_version} is a delta with its file-level codec metadata", version=v
+            )
         if not is_hex(self.checksum) or not (self.base_checksum is None or is_hex(self.base_checksum)):
             raise FormatError("checksum and base_checksum must be 16 lower-case hex digits", version=v)
         self.tensors.check(v)
@@ -429,6 +557,8 @@ class VersionHeader(Closed):
             raise FormatError(f"a checksum is 16 lower-case hex digits, not {part.checksum!r:.40}", version=v)
         table = TensorTable.of(self.tensors)  # column by column: no entry object per tensor
         anchor = self.kind == "anchor"
+        if _rows_fit(table, part.rows, anchor):
+            return
         for name, shape, nnz in zip(table.names, table.shapes, table.nnz):
             rows = part.rows.get(name)
             if rows is None:
@@ -449,6 +579,35 @@ class VersionHeader(Closed):
         unknown = set(part.rows) - set(self.tensors)
         if unknown:
             raise FormatError(f"part {part.index} owns rows of unknown tensors {sorted(unknown)[:3]}", version=v)
+
+
+def _rows_fit(table: TensorTable, rows: dict[str, Any], anchor: bool) -> bool:
+    """Whether a part's row ranges are well formed and hold its nnz, checked as arrays: every range
+    a list of two ints with 0 <= row0 < row1 <= the tensor's rows; nnz at most the owned elements
+    (an anchor: exactly); nnz 0 where it owns no rows; no rows of an unlisted tensor. False sends the
+    caller to its per-tensor loop, which names what is wrong."""
+    names = table.names
+    column: list[Any] = list(map(rows.get, names))
+    held = np.fromiter(map(operator.is_not, column, itertools.repeat(None)), dtype=bool, count=len(names))
+    owned = list(itertools.compress(column, held))
+    if len(owned) != len(rows) or not _types(owned) <= {list} or not set(map(len, owned)) <= {2}:
+        return False
+    if not _types(itertools.chain.from_iterable(owned)) <= {int}:
+        return False
+    shapes = list(itertools.compress(table.shapes, held))
+    try:
+        r = np.array(owned, dtype=np.int64).reshape(-1, 2)
+        dim0 = np.fromiter(map(operator.itemgetter(0), shapes), dtype=np.int64, count=len(shapes))
+        numel = np.fromiter(map(math.prod, shapes), dtype=np.int64, count=len(shapes))
+        nnz = np.asarray(table.nnz, dtype=np.int64)
+    except (IndexError, OverflowError):  # a scalar (shape []) or a number past int64: the loop decides
+        return False
+    r0, r1 = r[:, 0], r[:, 1]
+    if not ((r0 >= 0) & (r0 < r1) & (r1 <= dim0)).all():
+        return False
+    own = (r1 - r0) * (numel // np.maximum(dim0, 1))  # rows x row size (dim0 > 0 wherever r0 < r1 <= dim0)
+    mine = nnz[held]
+    return bool((mine == own).all() if anchor else (mine <= own).all()) and not nnz[~held].any()
 
 
 def payload_key(name: str, part: str) -> str:
@@ -768,7 +927,7 @@ class VersionFile:
                 return []
             size = row_size(entry.shape)
             start, stop = rows[0] * size, rows[1] * size
-        if h.format_version == STREAMS_FORMAT_VERSION:
+        if h.format_version in STREAMS_FORMAT_VERSIONS:
             return [Piece(entry.nnz, {**entry.enc, "file": h.enc}, self.file_payload(), start, stop)]
         return [Piece(entry.nnz, entry.enc, self.parts(name), start, stop)]
 

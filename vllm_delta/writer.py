@@ -26,11 +26,11 @@ import torch
 from . import codec as codecs
 from .checksums import combine, to_hex
 from .format import (
+    COLUMNS_FORMAT_VERSION,
     DTYPE_NAMES,
     FILE_PAYLOAD,
     FORMAT_VERSION,
     PART_FORMAT_VERSION,
-    STREAMS_FORMAT_VERSION,
     PartInfo,
     PayloadWriter,
     TensorTable,
@@ -101,7 +101,7 @@ def assemble_delta(
             payload.update({payload_key(FILE_PAYLOAD, key): t for key, t in streams.payload.items()})
             packed = {n: ({}, streams.tensor_enc[n]) for n in changed}
             file_enc = streams.enc
-        format_version = STREAMS_FORMAT_VERSION
+        format_version = COLUMNS_FORMAT_VERSION
     else:
 
         def pack(name: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -206,7 +206,7 @@ def write_delta(
         write(path, header, payload)
     else:
         plan = codec.plan_file([(n, _sections(tensors[n])) for n in changed])
-        header = _delta_header(of, codec, tensors, plan.tensor_enc, plan.enc, STREAMS_FORMAT_VERSION)
+        header = _delta_header(of, codec, tensors, plan.tensor_enc, plan.enc, COLUMNS_FORMAT_VERSION)
         parts = [(payload_key(FILE_PAYLOAD, key), dtype, ndim) for key, dtype, ndim in plan.parts]
         with PayloadWriter(path, header, parts, pool, size_hint=plan.size_hint) as out:
             plan.write_to(_FileParts(out), pool, busy_ms)

@@ -30,7 +30,7 @@ import torch
 
 from ..codec import get_decoder
 from ..codec.decoding import Chunk, Fetch, FilePieces, FileSet, Item, Pieces
-from ..format import DTYPES, STREAMS_FORMAT_VERSION, Version, VersionFile, VersionHeader, VersionLike, row_size
+from ..format import DTYPES, STREAMS_FORMAT_VERSIONS, Version, VersionFile, VersionHeader, VersionLike, row_size
 from ..format import TensorTable as HeaderTable
 from .layout import DeviceLayout
 
@@ -189,7 +189,7 @@ def changed_items(vf: VersionLike, layout: DeviceLayout) -> dict[int, Items]:
 
 def _stream_files(vf: VersionLike) -> list[VersionFile] | None:
     """The files of a format-3 version (one, or its parts in order); None for other formats."""
-    if vf.header.format_version != STREAMS_FORMAT_VERSION or vf.header.kind != "delta":
+    if vf.header.format_version not in STREAMS_FORMAT_VERSIONS or vf.header.kind != "delta":
         return None
     files = vf.parts if isinstance(vf, Version) else [vf]
     if not all(isinstance(f, VersionFile) for f in files):
