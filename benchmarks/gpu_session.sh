@@ -15,6 +15,7 @@
 #   world4    the same at --world 4 (a 4-GPU machine)                                    [issue 25]
 #   worlds    benchmarks/publish_gpu.py --world 1,2,4 chunked:gpu: the server's open, staging phases and
 #             time to live of a version of W parts, one table (a 4-GPU machine)           [issue 25 item 2]
+#   worlds3   the same with format-3 headers (--header-format 3, stores in /dev/shm/open3): the A/B of format 4
 #   open      benchmarks/open_parts.py on the stores a `worlds` stage kept (PUBLISH_ARGS="--store /dev/shm/open"):
 #             where `open` of a version of W parts goes, per phase                       [issue 25 item 2]
 #   tp2       benchmarks/stage_tp.py qwen3-8b + qwen3-30b-a3b at 1%, TP=1 beside TP=2 (a process and a GPU
@@ -82,6 +83,7 @@ for stage in ${STAGES:-tests publish apply world2}; do
     world4)  run publish_w4 ${WORLD_LIMIT:-420} python3 benchmarks/publish_gpu.py --world 4 --codecs chunked:gpu --out "$OUT" ${PUBLISH_ARGS:-} ;;
     open)    run open_parts ${OPEN_LIMIT:-180} python3 benchmarks/open_parts.py ${OPEN_STORES:-/dev/shm/open} ;;
     worlds)  run publish_worlds ${WORLDS_LIMIT:-600} python3 benchmarks/publish_gpu.py --world 1,2,4 --codecs chunked:gpu --steps 3 --warmup 1 --out "$OUT" ${PUBLISH_ARGS:-} ;;
+    worlds3) run publish_worlds3 ${WORLDS_LIMIT:-600} python3 benchmarks/publish_gpu.py --world 1,2,4 --codecs chunked:gpu --steps 3 --warmup 1 ${PUBLISH_ARGS:-} ${WORLDS3_ARGS:-} --header-format 3 --out "$OUT/f3" --store /dev/shm/open3 ;;
     tp2)     run stage_tp ${TP_LIMIT:-420} python3 benchmarks/stage_tp.py --models qwen3-8b,qwen3-30b-a3b --tp 1,2 --out "$OUT" ${TP_ARGS:-}
              run stage_tp_parts ${TP_LIMIT:-420} python3 benchmarks/stage_tp.py --models qwen3-8b --tp 1,2 --parts 2 --out "$OUT/parts" ${TP_ARGS:-} ;;
     apply)   run apply_gpu ${APPLY_LIMIT:-420} python3 benchmarks/apply_gpu.py --models qwen3-8b,qwen3-30b-a3b --densities 0.01,0.03 --out "$OUT" ${APPLY_ARGS:-} ;;

@@ -160,6 +160,7 @@ class Config:
     smoke: bool
     engine_gpu: int | None = None  # the engine's card (default: rank 0's)
     keep_stores: bool = False  # --store given: the stores stay (benchmarks/open_parts.py reads them)
+    header_format: int = 4  # chunked deltas' header: 4 (columns) or 3 (an object per tensor), for A/B
 
 
 def _sync(dev: torch.device) -> None:
@@ -278,7 +279,7 @@ def _publish_run(cfg, codec_name, store_dir, module, layout, targets, engine, st
         group=group,
         options=PublisherOptions(
             detect=DetectOptions(backend=cfg.backend, chunk_elems=cfg.chunk_elems),
-            upload=UploadOptions(queue_size=2, pack_threads=cfg.threads),
+            upload=UploadOptions(queue_size=2, pack_threads=cfg.threads, header_columns=cfg.header_format == 4),
             sharding=ShardingOptions(timeout_s=600),
         ),
     )
@@ -508,6 +509,9 @@ def main() -> int:
         help="the engine's card (default: rank 0's; a free card for models "
         "whose training state and engine do not fit one card together)",
     )
+    ap.add_argument(
+        "--header-format", type=int, choices=(3, 4), default=4, help="chunked deltas' header format (A/B of open)"
+    )
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU, W=1 then W=2 (gloo); checks only")
     args = ap.parse_args()
     if args.smoke:
@@ -545,6 +549,7 @@ def main() -> int:
             smoke=args.smoke,
             engine_gpu=args.engine_gpu,
             keep_stores=args.store is not None,
+            header_format=args.header_format,
         )
         try:
             if world == 1:

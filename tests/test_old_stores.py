@@ -77,7 +77,7 @@ def test_old_versions_stage_and_commit_bit_exact(old_store, hops):
 
 def test_new_versions_go_on_top_of_an_old_store(old_store):
     """A Publisher of this release continues an old store: its first version is an anchor, its deltas
-    are chunked (format 3), and a reader replays the mixed store."""
+    are chunked (format 4), and a reader replays the mixed store."""
     store, _ = old_store
     from vllm_delta.testing.models import TinyModelSpec
     from vllm_delta.testing.training import bf16_image, build_master_model, train_steps
@@ -104,3 +104,34 @@ def test_new_versions_go_on_top_of_an_old_store(old_store):
     assert vllm_delta.checksum(tensors) == vllm_delta.checksum(bf16_image(model))
     _, old = replay(store, 3)  # the old chain still reads
     assert vllm_delta.checksum(old) == store.record(3).checksum
+
+
+@pytest.mark.parametrize("columns", [True, False], ids=["format-4", "format-3"])
+def test_a_publisher_writes_format_3_for_readers_before_format_4(tmp_path, columns):
+    """`UploadOptions(header_columns=False)`: chunked deltas with format-3 headers (a dict per tensor,
+    what readers from before format 4 decode with the generic codec), the same weights either way."""
+    from vllm_delta import wire
+    from vllm_delta.format import VersionFile, VersionHeader
+    from vllm_delta.testing.models import TinyModelSpec
+    from vllm_delta.testing.training import bf16_image, build_master_model, train_steps
+    from vllm_delta.trainer.options import PublisherOptions, UploadOptions
+
+    spec = TinyModelSpec(arch="qwen3", hidden_size=64, intermediate_size=128, num_layers=1, num_heads=2,
+                         num_kv_heads=1, head_dim=32, vocab_size=256)  # fmt: skip
+    model = build_master_model(spec, seed=3)
+    store = DeltaStore(str(tmp_path / "store"))
+    options = PublisherOptions(upload=UploadOptions(header_columns=columns))
+    with Publisher(store, options=options) as pub:
+        pub.publish(model)
+        for _ in train_steps(model, 2, lr=1e-4, seed=3):
+            last = pub.publish(model)
+    (path,) = store.local_paths(last.version)
+    with VersionFile(path) as vf:
+        text = vf._f.metadata()["header"]
+        assert vf.header.codec == "chunked"
+        assert vf.header.format_version == (COLUMNS_FORMAT_VERSION if columns else STREAMS_FORMAT_VERSION)
+    if not columns:  # what a format-3 reader does: the generic codec over a dict per tensor
+        old = wire.decode(VersionHeader, json.loads(text))
+        assert dict(old.tensors.items()) == dict(VersionHeader.from_json(text).tensors.items())
+    _, tensors = replay(store, last.version)
+    assert vllm_delta.checksum(tensors) == vllm_delta.checksum(bf16_image(model))

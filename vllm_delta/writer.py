@@ -31,6 +31,7 @@ from .format import (
     FILE_PAYLOAD,
     FORMAT_VERSION,
     PART_FORMAT_VERSION,
+    STREAMS_FORMAT_VERSION,
     PartInfo,
     PayloadWriter,
     TensorTable,
@@ -82,9 +83,11 @@ def assemble_delta(
     checksum: str | None = None,
     part: PartInfo | None = None,
     busy_ms: list[float] | None = None,
+    columns: bool = True,
 ) -> tuple[VersionHeader, dict[str, torch.Tensor]]:
     """Pack every changed tensor (on `pool` if given: zstd releases the GIL) into a delta's header
-    and payload (a file-level codec packs them all into one set of streams: format 3). The
+    and payload (a file-level codec packs them all into one set of streams: format 4, or 3 without
+    `columns`). The
     whole-model checksum is combined from the tensors' sums unless given. With `busy_ms`, each
     tensor's (or the file's) packing time is appended (their sum over the wall time: the parallelism).
 
@@ -101,7 +104,7 @@ def assemble_delta(
             payload.update({payload_key(FILE_PAYLOAD, key): t for key, t in streams.payload.items()})
             packed = {n: ({}, streams.tensor_enc[n]) for n in changed}
             file_enc = streams.enc
-        format_version = COLUMNS_FORMAT_VERSION
+        format_version = COLUMNS_FORMAT_VERSION if columns else STREAMS_FORMAT_VERSION
     else:
 
         def pack(name: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -116,7 +119,7 @@ def assemble_delta(
     for name, (parts, _) in packed.items():
         payload.update({payload_key(name, key): p for key, p in parts.items()})
     header = _delta_header(
-        DeltaOf(version, base, base_checksum, created, checksum, part),
+        DeltaOf(version, base, base_checksum, created, checksum, part, columns),
         codec,
         tensors,
         {n: meta for n, (_, meta) in packed.items()},
@@ -137,6 +140,8 @@ class DeltaOf:
     created: float = 0.0
     checksum: str | None = None
     part: PartInfo | None = None
+    # a file-level codec's header as columns (format 4); False: format 3, for readers from before format 4
+    columns: bool = True
 
 
 def _delta_header(
@@ -201,12 +206,14 @@ def write_delta(
             checksum=of.checksum,
             part=of.part,
             busy_ms=busy_ms,
+            columns=of.columns,
         )
         t1 = time.perf_counter()
         write(path, header, payload)
     else:
         plan = codec.plan_file([(n, _sections(tensors[n])) for n in changed])
-        header = _delta_header(of, codec, tensors, plan.tensor_enc, plan.enc, COLUMNS_FORMAT_VERSION)
+        format_version = COLUMNS_FORMAT_VERSION if of.columns else STREAMS_FORMAT_VERSION
+        header = _delta_header(of, codec, tensors, plan.tensor_enc, plan.enc, format_version)
         parts = [(payload_key(FILE_PAYLOAD, key), dtype, ndim) for key, dtype, ndim in plan.parts]
         with PayloadWriter(path, header, parts, pool, size_hint=plan.size_hint) as out:
             plan.write_to(_FileParts(out), pool, busy_ms)

@@ -50,9 +50,12 @@ WriteFile = Callable[[], AbstractContextManager[EncodedFile]]  # one job's `writ
 class VersionEncoder:
     """Encodes and writes jobs' files on the upload thread (one job at a time)."""
 
-    def __init__(self, codec: Codec, dtype: torch.dtype, *, pack_threads: int | None = None):
+    def __init__(
+        self, codec: Codec, dtype: torch.dtype, *, pack_threads: int | None = None, header_columns: bool = True
+    ):
         self.codec = codec
         self.dtype = dtype
+        self.header_columns = header_columns  # format 4 (else 3) for a file-level codec's deltas
         self._tmpdir = tempfile.mkdtemp(prefix="vllm-delta-pub-")
         self._pool = ThreadPoolExecutor(
             max_workers=pack_threads or min(16, os.cpu_count() or 1), thread_name_prefix="vllm-delta-pack"
@@ -106,6 +109,7 @@ class VersionEncoder:
             created=job.created,
             checksum=job.checksum if job.part is not None else None,
             part=job.part,
+            columns=self.header_columns,
         )
         busy: list[float] = []
         try:

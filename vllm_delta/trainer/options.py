@@ -51,6 +51,9 @@ class UploadOptions:
 
     queue_size: int = 2  # versions waiting for the upload thread; `publish` blocks beyond (bounds memory)
     pack_threads: int | None = None  # zstd packing pool (zstd releases the GIL); None: min(16, CPUs)
+    # `chunked` deltas' headers as columns (format 4: faster to open, most at many parts); False writes
+    # format 3, which servers of releases before format 4 read (upgrade them, then drop this)
+    header_columns: bool = True
 
     def __post_init__(self) -> None:
         if self.queue_size < 1:

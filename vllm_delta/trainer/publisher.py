@@ -170,7 +170,12 @@ class Publisher:
         self._marked: frozenset[int] = frozenset()  # bad-version marks known to this rank
         self._marked_lock = threading.Lock()
         self._uploader = Uploader(
-            VersionEncoder(self.codec, opts.dtype, pack_threads=opts.upload.pack_threads),
+            VersionEncoder(
+                self.codec,
+                opts.dtype,
+                pack_threads=opts.upload.pack_threads,
+                header_columns=opts.upload.header_columns,
+            ),
             self._group,
             queue_size=opts.upload.queue_size,
             retain=(self.store, keep) if keep and self._group.rank == 0 else None,
