@@ -596,7 +596,7 @@ def _rows_fit(table: TensorTable, rows: dict[str, Any], anchor: bool) -> bool:
         return False
     shapes = list(itertools.compress(table.shapes, held))
     try:
-        r = np.array(owned, dtype=np.int64).reshape(-1, 2)
+        r = np.fromiter(itertools.chain.from_iterable(owned), dtype=np.int64, count=2 * len(owned)).reshape(-1, 2)
         dim0 = np.fromiter(map(operator.itemgetter(0), shapes), dtype=np.int64, count=len(shapes))
         numel = np.fromiter(map(math.prod, shapes), dtype=np.int64, count=len(shapes))
         nnz = np.asarray(table.nnz, dtype=np.int64)
@@ -608,6 +608,18 @@ def _rows_fit(table: TensorTable, rows: dict[str, Any], anchor: bool) -> bool:
     own = (r1 - r0) * (numel // np.maximum(dim0, 1))  # rows x row size (dim0 > 0 wherever r0 < r1 <= dim0)
     mine = nnz[held]
     return bool((mine == own).all() if anchor else (mine <= own).all()) and not nnz[~held].any()
+
+
+def _row_array(rows: dict[str, list[int]], names: list[str]) -> np.ndarray:
+    """A part's (validated) rows as an array [tensors, 2] in `names`' order, (0, 0) where it owns none."""
+    column: list[Any] = list(map(rows.get, names))
+    held = np.fromiter(map(operator.is_not, column, itertools.repeat(None)), dtype=bool, count=len(names))
+    out = np.zeros((len(names), 2), dtype=np.int64)
+    n = int(held.sum())
+    out[held] = np.fromiter(
+        itertools.chain.from_iterable(itertools.compress(column, held)), dtype=np.int64, count=2 * n
+    ).reshape(n, 2)
+    return out
 
 
 def payload_key(name: str, part: str) -> str:
@@ -1017,8 +1029,7 @@ class Version:
         rows = np.zeros((w, t, 2), dtype=np.int64)
         for k, p in enumerate(self.parts):
             assert p.header.part is not None
-            owned = p.header.part.rows
-            rows[k] = np.array([owned.get(n) or (0, 0) for n in names], dtype=np.int64).reshape(t, 2)
+            rows[k] = _row_array(p.header.part.rows, names)
         self._rows = rows
         self._order = np.argsort(rows[:, :, 0], axis=0, kind="stable")  # per tensor, its parts by first row
         r0 = np.take_along_axis(rows[:, :, 0], self._order, axis=0)
