@@ -43,7 +43,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save, save_file
 
-from . import wire
+from . import gc_pause, wire
 from .checksums import is_hex, sum_of_parts
 from .errors import FormatError, ShapeMismatchError
 from .wire import Closed, Number, omit_none, omit_when
@@ -832,7 +832,8 @@ class VersionFile:
         for k in keys:
             if SEP in k:
                 self._parts.setdefault(k.split(SEP, 1)[0], []).append(k)
-        self.header = VersionHeader.from_json(meta["header"], where=self.path)
+        with gc_pause.paused():  # ~10^5 small objects for a mixture of experts' header (gc_pause.py)
+            self.header = VersionHeader.from_json(meta["header"], where=self.path)
         if expect_version is not None and self.header.version != expect_version:
             raise FormatError(
                 f"file holds version {self.header.version}, expected {expect_version}", version=expect_version
@@ -972,6 +973,10 @@ class Version:
     anchors, cover every tensor)."""
 
     def __init__(self, parts: list[VersionFile], *, expect_version: int | None = None):
+        with gc_pause.paused():  # the merge makes columns of every tensor (gc_pause.py)
+            self._merge(parts, expect_version)
+
+    def _merge(self, parts: list[VersionFile], expect_version: int | None) -> None:
         if not parts:
             raise FormatError("a version needs at least one part", version=expect_version)
         self.parts = sorted(parts, key=lambda p: p.header.part.index if p.header.part else -1)

@@ -39,6 +39,7 @@ from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from .. import gc_pause
 from ..errors import IntegrityError, MissingBaseError, VersionNotFoundError
 from ..format import Version, VersionFile, VersionHeader, VersionKind, VersionLike
 from . import replicas
@@ -303,6 +304,10 @@ class DeltaStore:
         (several parts); both give `header`, `pieces(name)` and `dense(name)`."""
         rec = record if record is not None else self.record(version, fresh=fresh)
         paths = self.local_paths(version, record=rec)
+        with gc_pause.paused():  # one pause over every part's header and the merge (gc_pause.py)
+            return self._open_files(version, rec, paths)
+
+    def _open_files(self, version: int, rec: VersionRecord, paths: list[str]) -> VersionLike:
         vf: VersionLike
         if rec.file is not None:
             vf = VersionFile(paths[0], expect_version=version)

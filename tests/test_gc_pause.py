@@ -1,0 +1,105 @@
+"""The collector paused around a header parse (vllm_delta/gc_pause.py): no collection runs while a
+version of many tensors is opened, and the collector's switch is as it was afterwards, whatever
+happened (nesting, threads, errors, a collector disabled by someone else)."""
+
+from __future__ import annotations
+
+import gc
+import threading
+
+import pytest
+import torch
+
+from vllm_delta import gc_pause
+from vllm_delta.errors import FormatError
+from vllm_delta.format import COLUMNS_FORMAT_VERSION, PartInfo, TensorTable, Version, VersionFile, VersionHeader, write
+
+
+@pytest.fixture(autouse=True)
+def _collector_on():
+    was = gc.isenabled()
+    gc.enable()
+    yield
+    (gc.enable if was else gc.disable)()
+
+
+def test_nested_threaded_and_failing_pauses_restore_the_switch():
+    with gc_pause.paused():
+        assert not gc.isenabled()
+        with gc_pause.paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()  # the outer pause is still open
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError), gc_pause.paused():
+        raise RuntimeError("boom")
+    assert gc.isenabled()
+    inside, go = threading.Barrier(3), threading.Event()
+
+    def worker() -> None:
+        with gc_pause.paused():
+            inside.wait(timeout=10)
+            go.wait(timeout=10)
+
+    threads = [threading.Thread(target=worker) for _ in range(2)]
+    for t in threads:
+        t.start()
+    inside.wait(timeout=10)
+    assert not gc.isenabled()  # both threads hold a pause
+    go.set()
+    for t in threads:
+        t.join(timeout=10)
+    assert gc.isenabled()
+    gc.disable()  # disabled by someone else before the pause: it stays disabled
+    with gc_pause.paused():
+        pass
+    assert not gc.isenabled()
+
+
+def _part(tmp_path, k: int, n: int) -> str:
+    names = [f"model.layers.{i // 384}.mlp.experts.{i % 384}.up_proj.weight" for i in range(n)]
+    table = TensorTable(
+        names, [[8, 4]] * n, ["BF16"] * n, ["0" * 16] * n, [1] * n, [{"at": i, "start": 16 * k} for i in range(n)]
+    )
+    header = VersionHeader(
+        version=2, kind="delta", tensors=table, checksum="0" * 16, base=1, base_checksum="0" * 16, codec="chunked",
+        format_version=COLUMNS_FORMAT_VERSION, enc={"chunk_elems": 65536, "elems": n},
+        part=PartInfo(index=k, count=2, checksum="0" * 16, rows={nm: [4 * k, 4 * k + 4] for nm in names}),
+    )  # fmt: skip
+    path = str(tmp_path / f"part{k}.safetensors")
+    write(path, header, {"::blob": torch.zeros(8, dtype=torch.uint8)})
+    return path
+
+
+def test_an_open_of_many_tensors_runs_one_collection_per_pause_not_one_per_700_objects(tmp_path, monkeypatch):
+    """Paused, the objects a parse makes are collected once, when the pause ends (the first
+    allocation after it): three pauses (two part files, the merge), at most three collections.
+    Without the pause the same open runs dozens."""
+    import contextlib
+
+    paths = [_part(tmp_path, k, 20_000) for k in range(2)]
+    runs: list[int] = []
+
+    def count(phase: str, info: dict) -> None:
+        if phase == "start":
+            runs.append(info["generation"])
+
+    def open_version() -> tuple[list[int], Version]:
+        gc.collect()
+        runs.clear()
+        gc.callbacks.append(count)
+        try:
+            version = Version([VersionFile(p, expect_version=2) for p in paths], expect_version=2)
+        finally:
+            gc.callbacks.remove(count)
+        return list(runs), version
+
+    paused, version = open_version()
+    assert len(paused) <= 3 and gc.isenabled() and version.header.nnz == 2 * 20_000
+    monkeypatch.setattr(gc_pause, "paused", contextlib.nullcontext)
+    unpaused, _ = open_version()
+    assert len(unpaused) > 10 * max(1, len(paused)), (paused, unpaused)
+    monkeypatch.undo()
+    files = [VersionFile(p, expect_version=2) for p in paths]
+    with pytest.raises(FormatError):  # a failing merge restores the switch too
+        Version([files[0], files[0]], expect_version=2)
+    assert gc.isenabled()
