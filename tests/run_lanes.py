@@ -48,6 +48,7 @@ SMOKES = [
     ({}, [PY, "benchmarks/publish_gpu.py", "--smoke", "--store", SMOKE_STORES]),  # kept: open_parts reads them
     ({}, [PY, "benchmarks/open_parts.py", SMOKE_STORES, "--repeat", "2"]),
     ({}, [PY, "benchmarks/detect_gpu.py", "--smoke"]),
+    ({}, [PY, "benchmarks/open_headers.py", "--model", "qwen3-moe-tiny", "--repeat", "1"]),
 ]
 # Modules marked `vllm` that start no server and no engine (vLLM's own classes, the plugin's code on toy
 # replicas): single-threaded like the rest, so with --lanes 2 or 3 they run in the rest lane, which

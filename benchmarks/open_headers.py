@@ -1,0 +1,170 @@
+#!/usr/bin/env python
+"""Header cost of a version at mixture-of-experts scale, format 3 beside format 4, the collector
+paused or not (issue 25: `open` of W parts; docs/FORMAT.md "Columns"). CPU only, no GPU, no model:
+the headers of a W-part version of a model's shapes (Qwen3-30B-A3B by default: 18,867 checkpoint
+tensors) with random nnz and codec places, written as part files of an empty payload.
+
+    python benchmarks/open_headers.py [--model qwen3-30b-a3b] [--parts 2] [--repeat 5] [--out DIR]
+
+Per format: the writer's `VersionHeader.to_json` of one part, and the reader's open of all parts
+(`VersionFile` per part + `Version`, what `DeltaStore.open` does after the files are local), with the
+collector paused as the reader pauses it (`gc_pause`) and with the pause turned off. Least of
+`--repeat` runs (the machine is shared; the least is the code's own cost), ms. Prints a table; with
+--out, writes open_headers.json and open_headers.png there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+import torch  # noqa: E402
+
+from vllm_delta import gc_pause  # noqa: E402
+from vllm_delta.format import (  # noqa: E402
+    COLUMNS_FORMAT_VERSION,
+    STREAMS_FORMAT_VERSION,
+    PartInfo,
+    TensorTable,
+    Version,
+    VersionFile,
+    VersionHeader,
+    write,
+)
+from vllm_delta.testing.apply_fixtures import QWEN3, QWEN3_MOE, model_layout  # noqa: E402
+
+
+def least(fn: Callable[[], object], repeat: int) -> float:
+    best = float("inf")
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best * 1e3
+
+
+def part_headers(model: str, parts: int, fv: int, seed: int = 0) -> list[VersionHeader]:
+    """The W part headers of one delta of `model`'s shapes: rows of dim 0 split evenly, 1% changed."""
+    _, layout = model_layout({**QWEN3, **QWEN3_MOE}[model])
+    names = sorted(layout.hf_shapes)
+    shapes = [list(layout.hf_shapes[n]) for n in names]
+    rng = random.Random(seed)
+    checksums = [f"{rng.getrandbits(64):016x}" for _ in names]
+    out = []
+    for k in range(parts):
+        rows, nnz, encs, at = {}, [], [], 0
+        for name, shape in zip(names, shapes):
+            n_rows = shape[0] if shape else 1
+            r0, r1 = n_rows * k // parts, n_rows * (k + 1) // parts
+            size = 1
+            for d in shape[1:]:
+                size *= d
+            owned = (r1 - r0) * size
+            changed = rng.randrange(1, max(2, owned // 50)) if owned else 0
+            if r1 > r0:
+                rows[name] = [r0, r1]
+            nnz.append(changed)
+            encs.append({"at": at, "start": r0 * size} if changed else {})
+            at += changed
+        table = TensorTable(list(names), [list(s) for s in shapes], ["BF16"] * len(names), checksums, nnz, encs)
+        out.append(
+            VersionHeader(
+                version=5,
+                kind="delta",
+                tensors=table,
+                checksum="0" * 16,
+                base=4,
+                base_checksum="0" * 16,
+                codec="chunked",
+                format_version=fv,
+                part=PartInfo(index=k, count=parts, checksum="0" * 16, rows=rows),
+                enc={"chunk_elems": 65536, "elems": at},
+            )
+        )
+    return out  # every part's checksum and the version's are 0: the parts add up
+
+
+def measure(model: str, parts: int, fv: int, repeat: int, folder: str) -> dict[str, float | int | str]:
+    headers = part_headers(model, parts, fv)
+    paths = []
+    for h in headers:
+        path = os.path.join(folder, f"f{fv}-part{h.part.index if h.part else 0}.safetensors")
+        write(path, h, {"::blob": torch.zeros(8, dtype=torch.uint8)})
+        paths.append(path)
+
+    def open_all() -> None:
+        Version([VersionFile(p, expect_version=5) for p in paths], expect_version=5)
+
+    paused = least(open_all, repeat)
+    real = gc_pause.paused
+    gc_pause.paused = contextlib.nullcontext  # type: ignore[assignment]
+    try:
+        unpaused = least(open_all, repeat)
+    finally:
+        gc_pause.paused = real
+    return {
+        "format": fv,
+        "parts": parts,
+        "tensors": len(headers[0].tensors),
+        "kb_per_part": len(headers[0].to_json()) / 1e3,
+        "to_json": least(headers[0].to_json, repeat),
+        "open_gc_paused": paused,
+        "open_gc_on": unpaused,
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="qwen3-30b-a3b", choices=sorted({**QWEN3, **QWEN3_MOE}))
+    ap.add_argument("--parts", type=int, default=2)
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="open-headers-") as folder:
+        for fv in (STREAMS_FORMAT_VERSION, COLUMNS_FORMAT_VERSION):
+            rows.append(measure(args.model, args.parts, fv, args.repeat, folder))
+    print(f"# {args.model}, a version of {args.parts} parts; least of {args.repeat}; ms; cpus={os.cpu_count()}")
+    cols = ["tensors", "kb_per_part", "to_json", "open_gc_on", "open_gc_paused"]
+    print(f"{'format':>6} " + " ".join(f"{c:>15}" for c in cols))
+    for r in rows:
+        print(f"{r['format']:>6} " + " ".join(f"{float(r[c]):>15.1f}" for c in cols))
+    old, new = rows
+    print(f"open: format 4 paused / format 3 with the collector on = {new['open_gc_paused'] / old['open_gc_on']:.2f}x")
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "open_headers.json"), "w") as f:
+            json.dump({"model": args.model, "parts": args.parts, "rows": rows}, f, indent=1)
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 3.2))
+        labels = ["to_json (1 part)", "open, collector on", "open, paused"]
+        keys = ["to_json", "open_gc_on", "open_gc_paused"]
+        for j, r in enumerate(rows):
+            ax.bar(
+                [i + (j - 0.5) * 0.4 for i in range(3)], [r[k] for k in keys], width=0.4, label=f"format {r['format']}"
+            )
+        ax.set_xticks(range(3), labels)
+        ax.set_ylabel("ms")
+        ax.set_title(f"{args.model}: headers of a {args.parts}-part version", fontsize=9)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(os.path.join(args.out, "open_headers.png"), dpi=110)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
