@@ -46,7 +46,7 @@ from safetensors.torch import save, save_file
 from . import gc_pause, wire
 from .checksums import is_hex, sum_of_parts
 from .errors import FormatError, ShapeMismatchError
-from .wire import Closed, Number, omit_none, omit_when
+from .wire import Closed, Number, omit_none, omit_when, types_of
 
 FORMAT_NAME = "vllm-delta"
 FORMAT_VERSION = 1  # one-file versions
@@ -180,12 +180,12 @@ class TensorTable(Mapping[str, TensorEntry]):
                 nnz = [e.get("nnz", 0) for e in entries]
                 encs = [e.get("enc", _NO_ENC) for e in entries]
                 if (
-                    _types(shapes) <= {list}
-                    and _types(itertools.chain.from_iterable(shapes)) <= {int}
-                    and _types(dtypes) <= {str}
-                    and _types(checksums) <= {str}
-                    and _types(nnz) <= {int}
-                    and _types(encs) <= {dict}
+                    types_of(shapes) <= {list}
+                    and types_of(itertools.chain.from_iterable(shapes)) <= {int}
+                    and types_of(dtypes) <= {str}
+                    and types_of(checksums) <= {str}
+                    and types_of(nnz) <= {int}
+                    and types_of(encs) <= {dict}
                 ):
                     return cls(
                         list(data), shapes, dtypes, checksums, nnz, [dict(e) if e is _NO_ENC else e for e in encs]
@@ -266,17 +266,17 @@ class TensorTable(Mapping[str, TensorEntry]):
         names, shapes, dtypes, checksums, nnz = (data[k] for k in ("name", "shape", "dtype", "checksum", "nnz"))
         at, start = enc["at"], enc["start"]
         columns = (names, shapes, dtypes, checksums, nnz, at, start)
-        if not _types(columns) <= {list} or len(set(map(len, columns))) != 1:
+        if not types_of(columns) <= {list} or len(set(map(len, columns))) != 1:
             raise FormatError(f"malformed tensor columns in {where}: every column is a list, all of one length")
         if not (
-            _types(names) <= {str}
-            and _types(dtypes) <= {str}
-            and _types(checksums) <= {str}
-            and _types(nnz) <= {int}
-            and _types(shapes) <= {list}
-            and _types(itertools.chain.from_iterable(shapes)) <= {int}
-            and _types(at) <= {int, type(None)}
-            and _types(start) <= {int, type(None)}
+            types_of(names) <= {str}
+            and types_of(dtypes) <= {str}
+            and types_of(checksums) <= {str}
+            and types_of(nnz) <= {int}
+            and types_of(shapes) <= {list}
+            and types_of(itertools.chain.from_iterable(shapes)) <= {int}
+            and types_of(at) <= {int, type(None)}
+            and types_of(start) <= {int, type(None)}
             and list(map(operator.is_, at, itertools.repeat(None)))
             == list(map(operator.is_, start, itertools.repeat(None)))
         ):
@@ -304,7 +304,7 @@ class TensorTable(Mapping[str, TensorEntry]):
         try:
             numels = self.numels()
             if (
-                _types(self.checksums) <= {str}
+                types_of(self.checksums) <= {str}
                 and set(map(len, self.checksums)) <= {16}
                 and _HEX_RUN.fullmatch("".join(self.checksums))  # every one 16 long: each is 16 hex digits
                 and set(self.dtypes) <= DTYPES.keys()
@@ -376,15 +376,10 @@ class TensorTable(Mapping[str, TensorEntry]):
         return f"TensorTable({len(self)} tensors)"
 
 
-def _types(values: Any) -> set[type]:
-    """The exact types among `values`, collected in C (a header's columns: one value per tensor)."""
-    return set(map(type, values))
-
-
 def _well_keyed(entries: list[Any]) -> bool:
     """Whether every entry is a dict with the required keys and no others. Fast path: every entry has
     all five keys (what writers write), seen from the entries' lengths and the union of their keys."""
-    if not _types(entries) <= {dict}:
+    if not types_of(entries) <= {dict}:
         return False
     if set(map(len, entries)) <= {len(_ENTRY_KEYS)} and set().union(*entries) <= _ENTRY_KEYS:
         return True  # five distinct keys, all of the five allowed: each entry has exactly those
@@ -590,9 +585,9 @@ def _rows_fit(table: TensorTable, rows: dict[str, Any], anchor: bool) -> bool:
     column: list[Any] = list(map(rows.get, names))
     held = np.fromiter(map(operator.is_not, column, itertools.repeat(None)), dtype=bool, count=len(names))
     owned = list(itertools.compress(column, held))
-    if len(owned) != len(rows) or not _types(owned) <= {list} or not set(map(len, owned)) <= {2}:
+    if len(owned) != len(rows) or not types_of(owned) <= {list} or not set(map(len, owned)) <= {2}:
         return False
-    if not _types(itertools.chain.from_iterable(owned)) <= {int}:
+    if not types_of(itertools.chain.from_iterable(owned)) <= {int}:
         return False
     shapes = list(itertools.compress(table.shapes, held))
     try:

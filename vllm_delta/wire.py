@@ -358,7 +358,13 @@ def _all_lists_of(values: Iterable[Any], cls: Any) -> bool:
 
 def _all_of_type(values: Iterable[Any], cls: Any) -> bool:
     """Whether every value is exactly of type `cls` (True for none); the types collected in C."""
-    return set(map(type, values)) <= {cls}
+    return types_of(values) <= {cls}
+
+
+def types_of(values: Iterable[Any]) -> set[type]:
+    """The exact types among `values`, collected in C (`map(type, ...)`): a column of a header has one
+    value per tensor, ~19K of them for a mixture of experts."""
+    return set(map(type, values))
 
 
 def _plain(hint: Any) -> type | None:
