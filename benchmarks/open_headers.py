@@ -22,8 +22,6 @@ import os
 import random
 import sys
 import tempfile
-import time
-from collections.abc import Callable
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
@@ -43,14 +41,8 @@ from vllm_delta.format import (  # noqa: E402
 )
 from vllm_delta.testing.apply_fixtures import QWEN3, QWEN3_MOE, model_layout  # noqa: E402
 
-
-def least(fn: Callable[[], object], repeat: int) -> float:
-    best = float("inf")
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best * 1e3
+sys.path.insert(0, HERE)
+from open_parts import least  # noqa: E402  (the least of repeated runs, in ms)
 
 
 def part_headers(model: str, parts: int, fv: int, seed: int = 0) -> list[VersionHeader]:
