@@ -103,3 +103,45 @@ def test_an_open_of_many_tensors_runs_one_collection_per_pause_not_one_per_700_o
     with pytest.raises(FormatError):  # a failing merge restores the switch too
         Version([files[0], files[0]], expect_version=2)
     assert gc.isenabled()
+
+
+def test_the_upload_encodes_a_version_of_many_tensors_with_few_collections(tmp_path, monkeypatch):
+    """The upload thread's delta encoding (an object per tensor, the header's columns) runs paused:
+    publishing a version of 10K tensors, the upload thread runs well under half the collections it
+    runs unpaused (counted on that thread only: the training thread's detection is not paused)."""
+    import contextlib
+
+    from vllm_delta import Publisher
+
+    torch.manual_seed(0)
+    weights = {
+        f"model.layers.{i // 100}.mlp.experts.{i % 100}.up_proj.weight": torch.randn(4, 8) for i in range(10_000)
+    }
+    runs: list[int] = []
+
+    def count(phase: str, info: dict) -> None:
+        if phase == "start" and threading.current_thread().name == "vllm-delta-upload":
+            runs.append(info["generation"])
+
+    def upload_collections(root: str) -> int:
+        with Publisher(root, anchor_every=1000) as pub:
+            pub.publish(weights)
+            pub.flush()
+            for t in weights.values():
+                t.add_(torch.randn_like(t) * (torch.rand_like(t) < 0.1))
+            gc.collect()
+            runs.clear()
+            gc.callbacks.append(count)
+            try:
+                assert pub.publish(weights).kind == "delta"
+                pub.flush()
+            finally:
+                gc.callbacks.remove(count)
+        assert gc.isenabled()
+        return len(runs)
+
+    paused = upload_collections(str(tmp_path / "paused"))
+    monkeypatch.setattr(gc_pause, "paused", contextlib.nullcontext)
+    unpaused = upload_collections(str(tmp_path / "unpaused"))
+    print(f"upload thread collections: paused {paused}, unpaused {unpaused}")
+    assert unpaused >= 20 and paused * 10 < unpaused, (paused, unpaused)

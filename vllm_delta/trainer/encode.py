@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import gc_pause
 from ..codec import Codec
 from ..format import VersionHeader, write
 from ..writer import DeltaOf, PreparedTensor, encode_anchor, encode_anchor_part, write_delta
@@ -95,13 +96,6 @@ class VersionEncoder:
         assert job.sections is not None and job.base is not None
         with job.timed("d2h"):
             job.sections.wait()  # the device work queued before the copies, and the copies
-        with job.timed("split"):
-            sections = job.sections.split()  # per tensor, on the host
-        owned = {o.name: (n, s) for o, n, s in zip(job.owned, job.counts, sections)}
-        prepared = {
-            name: PreparedTensor(shape, self.dtype, job.sums[name], *owned.get(name, (0, None)))
-            for name, shape in job.shapes.items()
-        }
         of = DeltaOf(
             version=job.version,
             base=job.base,
@@ -112,11 +106,22 @@ class VersionEncoder:
             columns=self.header_columns,
         )
         busy: list[float] = []
-        try:
-            # zstd releases the GIL: tensors (or chunks) in parallel on the pool (8B, 1%: ~1 s on one thread)
-            return write_delta(path, of, self.codec, prepared, pool=self._pool, busy_ms=busy, timings=job.timings)
-        finally:
-            job.timings["pack_busy"] = sum(busy)
+        # Objects per tensor here (sections, prepared tensors) and a header column per field in
+        # write_delta: ~19K each for a mixture of experts, which the collector would otherwise walk
+        # again and again (gc_pause.py).
+        with gc_pause.paused():
+            with job.timed("split"):
+                sections = job.sections.split()  # per tensor, on the host
+            owned = {o.name: (n, s) for o, n, s in zip(job.owned, job.counts, sections)}
+            prepared = {
+                name: PreparedTensor(shape, self.dtype, job.sums[name], *owned.get(name, (0, None)))
+                for name, shape in job.shapes.items()
+            }
+            try:
+                # zstd releases the GIL: tensors (or chunks) in parallel on the pool (8B, 1%: ~1 s on one thread)
+                return write_delta(path, of, self.codec, prepared, pool=self._pool, busy_ms=busy, timings=job.timings)
+            finally:
+                job.timings["pack_busy"] = sum(busy)
 
     def close(self) -> None:
         """Once no job is being written any more."""
