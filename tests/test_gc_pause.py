@@ -107,7 +107,7 @@ def test_an_open_of_many_tensors_runs_one_collection_per_pause_not_one_per_700_o
 
 def test_the_upload_encodes_a_version_of_many_tensors_with_few_collections(tmp_path, monkeypatch):
     """The upload thread's delta encoding (an object per tensor, the header's columns) runs paused:
-    publishing a version of 10K tensors, the upload thread runs well under half the collections it
+    publishing a version of 10K tensors, the upload thread runs under a tenth of the collections it
     runs unpaused (counted on that thread only: the training thread's detection is not paused)."""
     import contextlib
 
