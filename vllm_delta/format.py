@@ -576,14 +576,20 @@ class VersionHeader(Closed):
             raise FormatError(f"part {part.index} owns rows of unknown tensors {sorted(unknown)[:3]}", version=v)
 
 
+def _row_column(rows: dict[str, Any], names: list[str]) -> tuple[list[Any], np.ndarray]:
+    """A part's row ranges in `names`' order (None where it owns none), and where it owns rows."""
+    column: list[Any] = list(map(rows.get, names))
+    held = np.fromiter(map(operator.is_not, column, itertools.repeat(None)), dtype=bool, count=len(names))
+    return column, held
+
+
 def _rows_fit(table: TensorTable, rows: dict[str, Any], anchor: bool) -> bool:
     """Whether a part's row ranges are well formed and hold its nnz, checked as arrays: every range
     a list of two ints with 0 <= row0 < row1 <= the tensor's rows; nnz at most the owned elements
     (an anchor: exactly); nnz 0 where it owns no rows; no rows of an unlisted tensor. False sends the
     caller to its per-tensor loop, which names what is wrong."""
     names = table.names
-    column: list[Any] = list(map(rows.get, names))
-    held = np.fromiter(map(operator.is_not, column, itertools.repeat(None)), dtype=bool, count=len(names))
+    column, held = _row_column(rows, names)
     owned = list(itertools.compress(column, held))
     if len(owned) != len(rows) or not types_of(owned) <= {list} or not set(map(len, owned)) <= {2}:
         return False
@@ -607,8 +613,7 @@ def _rows_fit(table: TensorTable, rows: dict[str, Any], anchor: bool) -> bool:
 
 def _row_array(rows: dict[str, list[int]], names: list[str]) -> np.ndarray:
     """A part's (validated) rows as an array [tensors, 2] in `names`' order, (0, 0) where it owns none."""
-    column: list[Any] = list(map(rows.get, names))
-    held = np.fromiter(map(operator.is_not, column, itertools.repeat(None)), dtype=bool, count=len(names))
+    column, held = _row_column(rows, names)
     out = np.zeros((len(names), 2), dtype=np.int64)
     n = int(held.sum())
     out[held] = np.fromiter(
