@@ -55,11 +55,15 @@ run() {  # name timeout command...: in its own process group; past the timeout e
   local t0=$(date +%s)
   setsid "$@" > "$OUT/$name.log" 2>&1 &
   local pid=$!
-  ( sleep "$limit"
+  # The watchdog's sleep must end with the stage: a sleep left behind would hold the caller's stdout
+  # open, and a piped caller (`... | tail`) would wait out the whole limit (device time, idle).
+  ( sleep "$limit" & nap=$!
+    trap 'kill "$nap" 2>/dev/null; exit 0' TERM
+    wait "$nap"
     if kill -0 "$pid" 2>/dev/null; then
       echo "== $name: TIMED OUT after $limit s: SIGABRT to its process group (stacks above)" >> "$OUT/$name.log"
       kill -ABRT -- "-$pid" 2>/dev/null; sleep 15; kill -KILL -- "-$pid" 2>/dev/null
-    fi ) &
+    fi ) > /dev/null 2>&1 &
   local dog=$!
   wait "$pid"; local rc=$?
   kill "$dog" 2>/dev/null; wait "$dog" 2>/dev/null
