@@ -17,6 +17,7 @@ hashes included); it needs only torch and numpy.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 from collections.abc import Iterable, Mapping
@@ -120,7 +121,11 @@ def chunk_hash_np(data: np.ndarray) -> int:
     return h - (1 << 64) if h >= 1 << 63 else h
 
 
+@functools.lru_cache(maxsize=1 << 18)
 def name_key(name: str) -> int:
+    """key(name) (module docstring). Memoized: a publish combines every tensor's sum with its key, twice
+    per version, and a model's names never change (19K blake2b digests are ~30 ms per publish at
+    30B-A3B; 2^18 names cover the largest MoE checkpoints)."""
     return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little") | 1
 
 

@@ -163,6 +163,49 @@ def mapping_publish(rank, world, root):
     return owned
 
 
+def reshard_publish(rank, world, root):
+    """Versions 0 and 1 of one mapping object (version 1 reuses version 0's resolution), then version 2
+    of a new mapping whose hand-sharded tensor is split elsewhere. Returns the resolutions reused."""
+    pub = Publisher(
+        os.path.join(root, "reshard"),
+        group=dist.group.WORLD,
+        options=PublisherOptions(sharding=ShardingOptions(timeout_s=60)),
+    )
+    first = _mapping(rank, world, 0, hand_rows=[(0, 4), (4, 9)])
+    pub.publish(first, version=0)
+    with torch.no_grad():
+        first["hand.weight"].local.add_(1.0)
+    pub.publish(first, version=1)
+    pub.publish(_mapping(rank, world, 2, hand_rows=[(0, 6), (6, 9)]), version=2)
+    pub.close()
+    return pub._sources.hits
+
+
+def fsdp_witness(rank, world):
+    """SourceCache over an FSDP2 module with a plain buffer beside its DTensor parameters: reused while
+    nothing changes, resolved again when a DTensor's local shard or the buffer moves to new memory."""
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+
+    from vllm_delta.trainer.sources import SourceCache
+
+    model = nn.Sequential(nn.Linear(8, 6), nn.Linear(6, 4))
+    model.register_buffer("freqs", torch.arange(5.0))
+    fully_shard(model)
+    cache = SourceCache()
+    seen = [cache.ownership(model, rank, world)]
+    seen.append(cache.ownership(model, rank, world))  # nothing changed
+    with torch.no_grad():
+        model[0].weight.add_(1.0)  # in place, as an optimizer step
+    seen.append(cache.ownership(model, rank, world))
+    model[0].weight._local_tensor = model[0].weight._local_tensor.clone()  # the shard in new memory
+    seen.append(cache.ownership(model, rank, world))
+    model.freqs.data = torch.arange(5.0) * 2  # the plain buffer in new memory
+    seen.append(cache.ownership(model, rank, world))
+    reused = [seen[i] is seen[i - 1] for i in range(1, len(seen))]
+    return reused, (cache.hits, cache.misses)
+
+
 def disagreements(rank, world, root):
     """Each disagreement raises the same ShardingError on every rank, and nothing becomes visible."""
     uri = os.path.join(root, "errors")

@@ -180,6 +180,24 @@ def test_dtensors_hand_sharded_and_replicated_three_ranks(tmp_path):
     assert_materialize_equal(sharded, single, 4, tmp_path)
 
 
+def test_fsdp2_witness_sees_shards_and_plain_buffers_move():
+    # sources._addresses reads DTensors' local shards and the plain tensors beside them (a buffer)
+    for reused, counts in run_ranks(W.fsdp_witness, 2, ()):
+        assert reused == [True, True, False, False]
+        assert counts == (2, 3)
+
+
+def test_part_rows_follow_a_new_split_after_a_reused_one(tmp_path):
+    # A part's row ranges are built once per resolution of the model (ShardGroup.part_of), not per
+    # publish: a reused resolution keeps them, a new one (another split) replaces them.
+    hits = run_ranks(W.reshard_publish, 2, (str(tmp_path),))
+    assert hits == [1, 1]  # version 1 reused version 0's resolution; version 2 resolved again
+    store = DeltaStore(str(tmp_path / "reshard"))
+    for v, want in ((1, [[0, 4], [4, 9]]), (2, [[0, 6], [6, 9]])):
+        with store.open(v) as vf:
+            assert [p.header.part.rows.get("hand.weight") for p in vf.parts] == want, v
+
+
 def test_a_mark_releases_a_gated_sharded_publisher_into_an_anchor(tmp_path):
     results = run_ranks(W.gated_mark, 2, (str(tmp_path),))
     assert [(r["kind"], r["base"]) for r in results] == [("anchor", None)] * 2, results

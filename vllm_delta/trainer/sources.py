@@ -23,11 +23,10 @@ source (the last one): a trainer publishes one model.
 
 from __future__ import annotations
 
-import functools
 import operator
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -100,7 +99,7 @@ class _ModuleWitness:
     tables: list[dict[str, Any]]  # per tensor: its module's _parameters or _buffers
     keys: list[str]
     tensors: list[torch.Tensor]
-    data: list[Callable[[], torch.Tensor]] | None  # DTensors: how to reach each one's local shard
+    split: tuple[list[torch.Tensor], list[torch.Tensor]]  # the tensors: (DTensors, the others), for `_addresses`
     addresses: list[int]
     parents: list[dict[str, Any]]  # per submodule: its parent's _modules (a `del` leaves no trace elsewhere)
     names: list[str]
@@ -123,29 +122,33 @@ class _ModuleWitness:
                 parents.append(m._modules)
                 names.append(k)
                 children.append(child)
-        distributed = any(hasattr(v, "to_local") for v in tensors)
-        data: list[Callable[[], torch.Tensor]] | None = (
-            [functools.partial(_data_of, v) for v in tensors] if distributed else None
-        )
-        return cls(registrations, tables, keys, tensors, data, _addresses(tensors, data), parents, names, children)
+        # FSDP2 leaves buffers (rotary frequencies...) plain beside the DTensor parameters
+        split = ([v for v in tensors if _local_of(v) is not None], [v for v in tensors if _local_of(v) is None])
+        return cls(registrations, tables, keys, tensors, split, _addresses(split), parents, names, children)
 
     def holds(self) -> bool:
         return (
             _registrations == self.registrations
             and all(map(operator.is_, map(dict.get, self.tables, self.keys), self.tensors))
             and all(map(operator.is_, map(dict.get, self.parents, self.names), self.children))
-            and _addresses(self.tensors, self.data) == self.addresses
+            and _addresses(self.split) == self.addresses
         )
 
 
-def _data_of(t: torch.Tensor) -> torch.Tensor:
-    return local_tensor(t) if hasattr(t, "to_local") else t
+def _local_of(t: torch.Tensor) -> torch.Tensor | None:
+    """A DTensor's local shard as `_addresses` reads it (None: not a DTensor, or one without it)."""
+    local = getattr(t, "_local_tensor", None) if hasattr(t, "to_local") else None
+    return local if isinstance(local, torch.Tensor) else None
 
 
-def _addresses(tensors: list[torch.Tensor], data: list[Callable[[], torch.Tensor]] | None) -> list[int]:
-    if data is None:
-        return list(map(torch.Tensor.data_ptr, tensors))
-    return [d().data_ptr() for d in data]
+_LOCAL = operator.attrgetter("_local_tensor")  # a DTensor's local shard (shard.local_tensor), without a call
+
+
+def _addresses(split: tuple[list[torch.Tensor], list[torch.Tensor]]) -> list[int]:
+    """Where each tensor's data starts: the DTensors' local shards, then the other tensors. C-level maps
+    (one Python call per tensor was ~20 ms per publish at the 19K tensors of 30B-A3B)."""
+    dtensors, plain = split
+    return list(map(torch.Tensor.data_ptr, map(_LOCAL, dtensors))) + list(map(torch.Tensor.data_ptr, plain))
 
 
 @dataclass
