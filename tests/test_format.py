@@ -234,3 +234,30 @@ def test_payload_writer_size_hint_leaves_the_file_at_its_size(tmp_path, hint):
         n = int.from_bytes(f.read(8), "little")
     assert os.path.getsize(path) == 8 + n + blob.numel()
     assert torch.equal(load_file(path)["blob"], blob)
+
+
+@pytest.mark.parametrize("count", [0, 1, 4])
+def test_payload_writer_header_bytes_are_json_dumps_of_the_whole_doc(tmp_path, count):
+    """The metadata's text is made once and the entries appended to it: the same bytes as dumping the
+    whole document (with no tensors too: still one JSON object), and a file safetensors reads."""
+    from safetensors import safe_open
+
+    from vllm_delta.format import _ST_NAMES, PayloadWriter, _metadata
+
+    names = ["w", 'q"uote::0', "caf\u00e9::1", "blob"][:count]
+    dtypes = [torch.bfloat16, torch.int64, torch.uint8, torch.float32][:count]
+    tensors = {n: (dt, [3, 2 + i][: 1 + i % 2], 8 * i, 8 * i + 8) for i, (n, dt) in enumerate(zip(names, dtypes))}
+    header = anchor_header({"w": torch.zeros(3, 2, dtype=torch.bfloat16)}, 5)
+    path = str(tmp_path / "h")
+    out = PayloadWriter(path, header, [(n, dt, len(shape)) for n, (dt, shape, _, _) in tensors.items()])
+    doc: dict = {"__metadata__": _metadata(header)}
+    for key, (dtype, shape, start, end) in tensors.items():
+        doc[key] = {"dtype": _ST_NAMES[dtype], "shape": shape, "data_offsets": [start, end]}
+    assert out._header_bytes(tensors) == json.dumps(doc, separators=(",", ":")).encode()
+    assert json.loads(out._header_bytes({})) == {"__metadata__": _metadata(header)}
+    if not count:
+        out.close()  # a file of no tensors: the header alone
+        with safe_open(path, framework="pt") as f:
+            assert list(f.keys()) == [] and f.metadata() == _metadata(header)
+    else:
+        out.abort()

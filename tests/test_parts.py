@@ -4,6 +4,7 @@ refuses (overlapping or missing rows, parts that disagree, positions outside a p
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -16,7 +17,13 @@ from vllm_delta.apply.layout import DeviceLayout, Layout
 from vllm_delta.apply.staging import Decoder, FileSet, _piece_items, changed_items
 from vllm_delta.bits import int_view
 from vllm_delta.checksums import MASK64, combine, partial_terms, positional_sum, tensor_sum, to_hex
-from vllm_delta.errors import FormatError, IntegrityError, PositionError, VersionExistsError
+from vllm_delta.errors import (
+    FormatError,
+    IntegrityError,
+    PositionError,
+    ShapeMismatchError,
+    VersionExistsError,
+)
 from vllm_delta.format import PartInfo, Version, VersionFile, VersionHeader, write
 from vllm_delta.reconstruct import replay
 from vllm_delta.store import LEFTOVER_AGE_S, DeltaStore, VersionRecord
@@ -314,6 +321,77 @@ def test_store_commit_rules(tmp_path):
     store.discard_parts(parts[:1])  # what a failed publish does with its own parts (here: a committed one)
     with pytest.raises(IntegrityError, match="missing"):
         DeltaStore(store.uri).open(0)
+
+
+def _counting_opens(monkeypatch) -> list[str]:
+    """The paths put_part opens with VersionFile (the full check: the header parsed again)."""
+    import vllm_delta.store.writes as writes
+
+    opened: list[str] = []
+
+    class Counting(VersionFile):
+        def __init__(self, path, **kw):
+            opened.append(os.fspath(path))
+            super().__init__(path, **kw)
+
+    monkeypatch.setattr(writes, "VersionFile", Counting)
+    return opened
+
+
+def test_put_part_takes_a_delta_holding_its_header_without_parsing_it(tmp_path, monkeypatch):
+    store = DeltaStore(str(tmp_path / "s"))
+    opened = _counting_opens(monkeypatch)
+    for h, p in write_parts(str(tmp_path), 1, 0, codec="chunked"):
+        assert store.put_part(h, p).checksum == h.part.checksum
+    assert opened == []
+
+
+def test_put_part_checks_a_delta_whose_header_differs_in_full(tmp_path, monkeypatch):
+    """Another checksum or part index than the file holds: refused as before; a difference the full
+    check does not compare (the creation time) is still taken, after that check."""
+    store = DeltaStore(str(tmp_path / "s"))
+    opened = _counting_opens(monkeypatch)
+    (h0, p0), (h1, p1) = write_parts(str(tmp_path), 1, 0)
+    other_sum = dataclasses.replace(h0, part=dataclasses.replace(h0.part, checksum="0" * 16))
+    for header, path in [(other_sum, p0), (h1, p0), (dataclasses.replace(h0, checksum="0" * 16), p0)]:
+        with pytest.raises(IntegrityError, match="does not hold the version its header describes"):
+            store.put_part(header, path)
+    assert opened == [p0] * 3
+    store.put_part(dataclasses.replace(h1, created=h1.created + 1), p1)
+    assert opened[3:] == [p1]
+
+
+def test_put_part_refuses_unreadable_files_as_before(tmp_path):
+    store = DeltaStore(str(tmp_path / "s"))
+    (h, p), _ = write_parts(str(tmp_path), 1, 0)
+    data = open(p, "rb").read()
+    with open(p, "wb") as f:
+        f.write(data[:100])  # cut inside the safetensors header
+    with pytest.raises(FormatError, match="not a readable safetensors file"):
+        store.put_part(h, p)
+    from safetensors.torch import save_file
+
+    save_file({"x": torch.zeros(2)}, p, metadata={"format": "other", "header": h.to_json()})
+    with pytest.raises(FormatError, match="is not a vllm-delta version file"):
+        store.put_part(h, p)
+
+
+def test_put_part_checks_an_anchors_payload_in_full(tmp_path, monkeypatch):
+    """An anchor part holding its header but a payload of other shapes is refused (the header alone
+    does not say what the file holds)."""
+    from safetensors.torch import load_file
+
+    store = DeltaStore(str(tmp_path / "s"))
+    opened = _counting_opens(monkeypatch)
+    (h, p), _ = write_parts(str(tmp_path), 0, None)
+    store.put_part(h, p)
+    assert opened == [p]
+    payload = load_file(p)
+    payload["w"] = payload["w"][:-1]
+    bad = str(tmp_path / "bad.safetensors")
+    write(bad, h, payload)
+    with pytest.raises(ShapeMismatchError):
+        store.put_part(h, bad)
 
 
 def test_records_of_parts_are_validated(store, caplog):

@@ -668,7 +668,9 @@ class PayloadWriter:
         allocating is half of a write's time). The file ends at its real size whatever the hint."""
         header.validate()
         self.path = path
-        self._meta = _metadata(header)
+        # '{"__metadata__":{...}' once: the metadata holds the header as a string (~2 MB for a mixture
+        # of experts) that json.dumps would escape again for every header written (placeholder, final)
+        self._prefix = json.dumps({"__metadata__": _metadata(header)}, separators=_SEPARATORS)[:-1].encode()
         self._parts = list(parts)
         self._pool = pool
         placeholder = {key: (dtype, [self._BOUND] * ndim, self._BOUND, self._BOUND) for key, dtype, ndim in self._parts}
@@ -685,10 +687,14 @@ class PayloadWriter:
         self._next = 0  # parts started
 
     def _header_bytes(self, tensors: Mapping[str, tuple[torch.dtype, list[int], int, int]]) -> bytes:
-        doc: dict[str, Any] = {"__metadata__": self._meta}
+        """The safetensors header: the bytes of `json.dumps({"__metadata__": meta, key: entry, ...},
+        separators=(",", ":"))`, with the metadata's text made once (`_prefix`)."""
+        doc: dict[str, Any] = {}
         for key, (dtype, shape, start, end) in tensors.items():
             doc[key] = {"dtype": _ST_NAMES[dtype], "shape": shape, "data_offsets": [start, end]}
-        return json.dumps(doc, separators=(",", ":")).encode()
+        if not doc:
+            return self._prefix + b"}"
+        return self._prefix + b"," + json.dumps(doc, separators=_SEPARATORS)[1:].encode()
 
     def append(self, part: str, data: torch.Tensor, ready: Callable[[], None] | None = None) -> None:
         """Append host tensor `data` to payload `part` (the current part, or the next in order)."""
@@ -807,6 +813,20 @@ class Piece(NamedTuple):
     payload: dict[str, torch.Tensor]
     start: int = 0
     stop: int = 0
+
+
+def header_text(path: str | os.PathLike[str]) -> str | None:
+    """The header text a version file's metadata holds, read without parsing it (safetensors checks
+    the container on open); None when the file is unreadable or not a vllm-delta file (`VersionFile`
+    says why)."""
+    try:
+        with safe_open(os.fspath(path), framework="pt", device="cpu") as f:
+            meta = f.metadata() or {}
+    except (SafetensorError, OSError, ValueError):
+        return None
+    if meta.get("format") != FORMAT_NAME:
+        return None
+    return meta.get("header")
 
 
 class VersionFile:

@@ -24,7 +24,7 @@ from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 
 from ..errors import DeltaError, FormatError, IntegrityError, VersionExistsError
-from ..format import VersionFile, VersionHeader, VersionKind, is_kind
+from ..format import VersionFile, VersionHeader, VersionKind, header_text, is_kind
 from .cache import file_sha256
 from .fs import StoreFS, fsync
 from .record_reader import RecordReader
@@ -241,6 +241,12 @@ class VersionWriter:
             log.warning("%s: could not remove uncommitted parts (retain removes them later): %s", self.uri, exc)
 
     def _check_file_holds(self, header: VersionHeader, local_path: str) -> None:
+        """`local_path` holds the version `header` describes. A delta whose file holds exactly this
+        header's text is not parsed again (its payload is checked by its readers; an MoE's header is
+        ~2 MB of JSON); anything else, and an anchor (whose payload shapes are checked here), is
+        opened and compared field by field, with that check's errors."""
+        if header.kind != "anchor" and header_text(local_path) == header.to_json():
+            return
         v = header.version
         with VersionFile(local_path, expect_version=v) as vf:
             stored = vf.header
