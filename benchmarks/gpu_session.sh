@@ -25,7 +25,7 @@
 #   moe       benchmarks/publish_gpu.py for qwen3-30b-a3b, 12 of its 48 layers          [issue 17]
 #   moe48     benchmarks/publish_gpu.py for the whole qwen3-30b-a3b (48 layers) at --world 2, the engine on a
 #             third card (--engine-gpu 2: fp32 master weights sharded over two cards; a 4-GPU machine)  [issue 25 item 4]
-#   old / oldmoe  publish (8B, W=1, chunked:gpu) / moe from the tree in $OLD_TREE (default .old: the code before,
+#   old / oldmoe / oldmoe48  publish (8B, W=1, chunked:gpu) / moe / moe48 from the tree in $OLD_TREE (default .old: the code before,
 #             `git archive <commit> | tar -x -C .old`, carried): today's path beside the old one in one call
 #   trainer   benchmarks/trainer_gpu.py (detection + prepare alone)
 #   detect    benchmarks/detect_gpu.py (FlatSnapshot.changes: bitmask path vs chunked paths, 2^28/2^30)
@@ -92,6 +92,7 @@ for stage in ${STAGES:-tests publish apply world2}; do
              run stage_tp_parts ${TP_LIMIT:-420} python3 benchmarks/stage_tp.py --models qwen3-8b --tp 1,2 --parts 2 --out "$OUT/parts" ${TP_ARGS:-} ;;
     apply)   run apply_gpu ${APPLY_LIMIT:-420} python3 benchmarks/apply_gpu.py --models qwen3-8b,qwen3-30b-a3b --densities 0.01,0.03 --out "$OUT" ${APPLY_ARGS:-} ;;
     moe48)   run publish_moe48 ${MOE48_LIMIT:-420} python3 benchmarks/publish_gpu.py --model qwen3-30b-a3b --world 2 --engine-gpu 2 --codecs chunked:gpu --steps ${MOE48_STEPS:-2} --warmup 1 --out "$OUT/moe48" ;;
+    oldmoe48) run publish_moe48_old ${MOE48_LIMIT:-420} bash -c 'old_tree "$@"' old python3 benchmarks/publish_gpu.py --model qwen3-30b-a3b --world 2 --engine-gpu 2 --codecs chunked:gpu --steps ${MOE48_STEPS:-2} --warmup 1 --out "$OUT/moe48_old" ;;
     old)     run publish_w1_old ${OLD_LIMIT:-240} bash -c 'old_tree "$@"' old python3 benchmarks/publish_gpu.py --codecs chunked:gpu --out "$OUT/old" ${PUBLISH_ARGS:-} ;;
     oldmoe)  run publish_moe_old ${MOE_LIMIT:-300} bash -c 'old_tree "$@"' old python3 benchmarks/publish_gpu.py --model qwen3-30b-a3b --layers 12 --steps 4 --codecs chunked:gpu --out "$OUT/moe_old" ${MOE_ARGS:-} ;;
     trainer) run trainer_gpu 120 python3 benchmarks/trainer_gpu.py --out "$OUT" ;;
