@@ -49,6 +49,7 @@ SMOKES = [
     ({}, [PY, "benchmarks/open_parts.py", SMOKE_STORES, "--repeat", "2"]),
     ({}, [PY, "benchmarks/detect_gpu.py", "--smoke"]),
     ({}, [PY, "benchmarks/open_headers.py", "--model", "qwen3-moe-tiny", "--repeat", "1"]),
+    ({}, [PY, "benchmarks/publish_sharded_cpu.py", "--model", "qwen3-moe-tiny", "--div", "1", "--steps", "1"]),
 ]
 # Modules marked `vllm` that start no server and no engine (vLLM's own classes, the plugin's code on toy
 # replicas): single-threaded like the rest, so with --lanes 2 or 3 they run in the rest lane, which
