@@ -27,6 +27,8 @@
 #             third card (--engine-gpu 2: fp32 master weights sharded over two cards; a 4-GPU machine)  [issue 25 item 4]
 #   old / oldmoe / oldmoe48  publish (8B, W=1, chunked:gpu) / moe / moe48 from the tree in $OLD_TREE (default .old: the code before,
 #             `git archive <commit> | tar -x -C .old`, carried): today's path beside the old one in one call
+#   profile   benchmarks/profile_stage.py (PROFILE_MODEL, default qwen3-8b): staging under cProfile and torch.profiler,
+#             the device's busy share of the staging's wall time and the host's waits
 #   trainer   benchmarks/trainer_gpu.py (detection + prepare alone)
 #   detect    benchmarks/detect_gpu.py (FlatSnapshot.changes: bitmask path vs chunked paths, 2^28/2^30)
 # Wheels missing on the machine (zstandard; nvCOMP: nvidia-nvcomp-cu13 and nvidia-libnvcomp-cu13, 6.0.0.12)
@@ -95,6 +97,7 @@ for stage in ${STAGES:-tests publish apply world2}; do
     oldmoe48) run publish_moe48_old ${MOE48_LIMIT:-420} bash -c 'old_tree "$@"' old python3 benchmarks/publish_gpu.py --model qwen3-30b-a3b --world 2 --engine-gpu 2 --codecs chunked:gpu --steps ${MOE48_STEPS:-2} --warmup 1 --out "$OUT/moe48_old" ;;
     old)     run publish_w1_old ${OLD_LIMIT:-240} bash -c 'old_tree "$@"' old python3 benchmarks/publish_gpu.py --codecs chunked:gpu --out "$OUT/old" ${PUBLISH_ARGS:-} ;;
     oldmoe)  run publish_moe_old ${MOE_LIMIT:-300} bash -c 'old_tree "$@"' old python3 benchmarks/publish_gpu.py --model qwen3-30b-a3b --layers 12 --steps 4 --codecs chunked:gpu --out "$OUT/moe_old" ${MOE_ARGS:-} ;;
+    profile) run profile_stage ${PROFILE_LIMIT:-300} python3 benchmarks/profile_stage.py --model ${PROFILE_MODEL:-qwen3-8b} ${PROFILE_ARGS:-} ;;
     trainer) run trainer_gpu 120 python3 benchmarks/trainer_gpu.py --out "$OUT" ;;
     detect)  run detect_gpu 300 python3 benchmarks/detect_gpu.py --out "$OUT" ${DETECT_ARGS:-} ;;
     *) echo "unknown stage $stage" ;;

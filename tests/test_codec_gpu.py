@@ -278,3 +278,92 @@ def test_gpu_written_file_from_passes_reads_back_on_the_cpu(nvcomp):
     for it, (name, numel, p, nb, ob) in zip(_items(changes, out), changes):
         ch = codecs.decode("chunked", it.parts, it.enc, numel=numel, nnz=it.nnz, dtype=it.dtype)
         assert torch.equal(ch.positions, p.cpu()) and torch.equal(ch.new_bits(ob.cpu()), nb.cpu()), name
+
+
+def test_nvcomp_c_launches_a_large_batch_in_parts_and_reads_it_whole(nvcomp, monkeypatch):
+    """More frames than one launch takes (`C_FRAMES_PER_LAUNCH`): compressed and decompressed in several
+    launches, sizes in order, bytes round trip (and zstandard reads every frame)."""
+    import numpy as np
+    import zstandard
+
+    assert nvcomp.c_api is not None
+    monkeypatch.setattr(gpu, "C_FRAMES_PER_LAUNCH", 3)
+    gen = torch.Generator().manual_seed(5)
+    sizes = np.array([4096, 8192, 4096, 12288, 4096, 8192, 4096], dtype=np.int64)
+    offsets = np.cumsum(sizes) - sizes
+    raw = torch.randint(0, 30, (int(sizes.sum()),), generator=gen, dtype=torch.uint8).cuda()
+    blob, comp = gpu.compress_frames(nvcomp, raw, offsets, sizes)
+    padded = -(-comp // gpu.FRAME_ALIGN) * gpu.FRAME_ALIGN
+    at = np.cumsum(padded) - padded
+    host = blob.cpu().numpy()
+    for k in range(len(sizes)):
+        frame = host[at[k] : at[k] + comp[k]].tobytes()
+        want = raw[offsets[k] : offsets[k] + sizes[k]].cpu().numpy().tobytes()
+        assert zstandard.ZstdDecompressor().decompress(frame, max_output_size=int(sizes[k])) == want
+    out = torch.zeros_like(raw)
+    got = nvcomp.decompress(blob, at, comp, out, offsets, sizes)
+    assert np.array_equal(got, sizes) and torch.equal(out, raw)
+
+
+def test_nvcomp_c_a_frame_larger_than_its_room_is_a_size_error_not_a_launch(nvcomp):
+    """A frame whose header promises more bytes than its room is never handed to the kernel (it faults
+    there, ending the process's CUDA context): its content size comes back, and the decoder's size
+    check turns it into a CodecError. The same frame with its room decodes to its input."""
+    import numpy as np
+
+    assert nvcomp.c_api is not None
+    raw = torch.randint(0, 40, (50_000,), dtype=torch.uint8, device="cuda")
+    blob, sizes = gpu.compress_frames(nvcomp, raw, np.array([0]), np.array([raw.numel()]))
+    out = torch.zeros(60_000, dtype=torch.uint8, device="cuda")
+    small = nvcomp.decompress(blob, np.array([0]), sizes, out, np.array([0]), np.array([1_024]))
+    assert int(small[0]) == raw.numel()  # what the frame holds, not its room: the caller's check fails
+    assert int(out.count_nonzero()) == 0  # nothing was written
+    ok = nvcomp.decompress(blob, np.array([0]), sizes, out, np.array([0]), np.array([raw.numel()]))
+    assert int(ok[0]) == raw.numel() and torch.equal(out[: raw.numel()], raw)
+
+
+def test_nvcomp_c_refuses_misaligned_frames(nvcomp):
+    """nvCOMP's alignment rules are checked before a launch (breaking them is undefined behaviour there)."""
+    import numpy as np
+
+    from vllm_delta.codec.chunked import nvcomp_c
+
+    c = nvcomp.c_api
+    assert c is not None
+    align = c.compress_align.input
+    assert align > 1, f"nvCOMP 6 asks zstd's compression input aligned to 4 bytes, this one {align}"
+    src = torch.zeros(4096, dtype=torch.uint8, device="cuda")
+    dst = torch.zeros(1 << 20, dtype=torch.uint8, device="cuda")
+    with pytest.raises(nvcomp_c.NvcompCError, match="aligned"):
+        c.compress(src, dst, np.array([[1, 16, 0, 0]], dtype=np.int64))
+
+
+@pytest.mark.parametrize("writer_api,reader_api", [("c", "python"), ("python", "c"), ("c", "c")])
+def test_nvcomp_c_and_python_apis_read_each_others_frames_bit_exact(nvcomp, monkeypatch, writer_api, reader_api):
+    """The C API (nvcomp_c: the batch's pointers built on the device) writes and reads the frames nvCOMP's
+    Python API does; a whole staging through each, bit for bit against the changes."""
+    assert nvcomp.c_api is not None, "nvCOMP's C API did not load: these tests would not exercise it"
+    changes = _changes(seed=3)
+
+    def use(api: str) -> None:
+        monkeypatch.setenv(gpu.API_ENV, "auto" if api == "c" else "python")
+        gpu.reset()
+        be, why = gpu.backend(torch.device("cuda", torch.cuda.current_device()))
+        assert be is not None, why
+        assert (be.c_api is not None) == (api == "c")
+
+    try:
+        for width in (2, 4):
+            group = [c for c in changes if c[3].element_size() == width]
+            use(writer_api)
+            out = _file(group, "gpu")
+            use(reader_api)
+            got, timings = _stage(_items(group, out), torch.device("cuda"), width)
+            assert "inflate" in timings
+            for i, (name, _, pos, new, old) in enumerate(group):
+                p, d = got[i]
+                assert torch.equal(p, pos), name
+                assert torch.equal(apply_diffs(old.cpu(), d.cpu().to(torch.int64)), new.cpu()), name
+    finally:
+        monkeypatch.delenv(gpu.API_ENV, raising=False)
+        gpu.reset()

@@ -34,7 +34,11 @@ from ..format import DTYPES, STREAMS_FORMAT_VERSIONS, Version, VersionFile, Vers
 from ..format import TensorTable as HeaderTable
 from .layout import DeviceLayout
 
-CHUNK_ELEMS = 1 << 23  # changed elements decoded per device chunk (bounds temporary memory)
+# Changed elements decoded per device chunk: bounds staging's temporary memory. Each chunk costs a few
+# host waits and ~40 launches whatever its size, so small chunks leave the GPU idle: Qwen3-8B at 1%
+# (82M changes) staged in 71.4 / 57.3 / 54.0 ms at 2^23 / 2^24 / 2^25 with peaks of 1.80 / 2.09 / 2.49 GB
+# (H100, `benchmarks/profile_stage.py --sweep`, docs/PERFORMANCE.md).
+CHUNK_ELEMS = 1 << 24
 READ_PIECE_BYTES = 4 << 20  # compressed bytes copied into pinned memory per task
 
 Items = Pieces  # a version's changed tensors of one element width (codec/decoding.py)

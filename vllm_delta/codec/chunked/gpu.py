@@ -25,14 +25,17 @@ import numpy as np
 import torch
 
 from ...checksums import chunk_hashes
-from . import kernels
+from . import kernels, nvcomp_c
 from .planes import FRAME_ALIGN  # nvCOMP's alignment divides it
 
 log = logging.getLogger(__name__)
 
 PATH_ENV = "VLLM_DELTA_CODEC_PATH"  # "auto" (default): nvCOMP where it runs; "cpu": never
+API_ENV = "VLLM_DELTA_NVCOMP_API"  # "auto" (default): nvCOMP's C API where it loads (nvcomp_c.py); "python": never
 FRAMES_PER_CALL = 8192  # frames compressed per nvCOMP call: a call costs ~10 ms whatever its size (H100), and
 # its output slots ~66 KB per frame (8192 frames: 540 MB; Qwen3-8B at 1% has 6,250)
+
+C_FRAMES_PER_LAUNCH = 8192  # frames per launch through the C API (`_launches`)
 
 _lock = threading.Lock()
 _backends: dict[tuple[str, int], tuple[GpuZstd | None, str]] = {}
@@ -83,7 +86,14 @@ def _load(device: torch.device) -> tuple[GpuZstd | None, str]:
         return None, f"nvCOMP does not load ({type(exc).__name__}: {exc})"
     try:
         be = GpuZstd(nvcomp, device)
-        be.self_test()
+        try:
+            be.self_test()
+        except Exception as exc:  # noqa: BLE001 - the C API misbehaving: nvCOMP's Python API may still run
+            if be.c_api is None:
+                raise
+            log.warning("vllm-delta: nvCOMP's C API failed its self-test, using its Python API: %s", exc)
+            be = GpuZstd(nvcomp, device, c_api=False)
+            be.self_test()
     except Exception as exc:  # noqa: BLE001 - wrong CUDA build, no driver support, ...
         return None, f"nvCOMP cannot run on {device} ({type(exc).__name__}: {exc})"
     return be, ""
@@ -91,13 +101,22 @@ def _load(device: torch.device) -> tuple[GpuZstd | None, str]:
 
 class GpuZstd:
     """nvCOMP's zstd on one device: batches of frames in one device buffer, compressed into or
-    decompressed from another, on the caller's current CUDA stream."""
+    decompressed from another, on the caller's current CUDA stream. Through nvCOMP's C API where it
+    loads (`nvcomp_c`: the batch described by four columns built on the device), else its Python API
+    (an `Array` object per frame)."""
 
-    def __init__(self, nvcomp: Any, device: torch.device):
+    def __init__(self, nvcomp: Any, device: torch.device, *, c_api: bool | None = None):
         self.nvcomp = nvcomp
         self.device = device
         self.version = getattr(nvcomp, "__version__", "?")
         self._tls = threading.local()
+        self.c_api: nvcomp_c.ZstdC | None = None
+        if c_api is None:
+            c_api = os.environ.get(API_ENV, "auto").strip().lower() != "python"
+        if c_api:
+            self.c_api, why = nvcomp_c.load()
+            if self.c_api is None:
+                log.info("vllm-delta: nvCOMP's Python API for zstd (%s)", why)
 
     def _codec(self) -> Any:
         """One nvCOMP Codec per thread and stream (a Codec is not thread-safe)."""
@@ -123,6 +142,8 @@ class GpuZstd:
     ) -> tuple[torch.Tensor, int, np.ndarray]:
         """Frames buf[offsets[i] : offsets[i] + sizes[i]] (sizes > 0), compressed into slots of `cap`
         bytes (frame i at slots[i * cap :]): (slots, cap, compressed sizes). Waits for nvCOMP."""
+        if self.c_api is not None:
+            return self._compress_c(self.c_api, buf, offsets, sizes)
         nv, codec = self.nvcomp, self._codec()
         stream = self._stream()
         sample = nv.as_array(buf[: int(sizes.max())], stream)
@@ -147,13 +168,33 @@ class GpuZstd:
         dst_sizes: np.ndarray,
     ) -> np.ndarray:
         """Frames src[offsets[i]:+sizes[i]] into dst[dst_offsets[i]:+dst_sizes[i]]; returns the sizes
-        nvCOMP decompressed (the caller compares them with dst_sizes)."""
+        nvCOMP decompressed (the caller compares them with dst_sizes; -1 for a frame nvCOMP reported
+        an error for)."""
+        if self.c_api is not None:
+            frames = np.stack([offsets, sizes, dst_offsets, dst_sizes], axis=1).astype(np.int64, copy=False)
+            c_api = self.c_api
+            return _host_sizes(
+                *[c_api.decompress(src, dst, frames[i : i + C_FRAMES_PER_LAUNCH]) for i in _launches(frames)]
+            )
         nv, codec = self.nvcomp, self._codec()
         stream = self._stream()
         srcs = nv.as_arrays(src, [int(x) for x in offsets], [int(x) for x in sizes], stream)
         dsts = nv.as_arrays(dst, [int(x) for x in dst_offsets], [int(x) for x in dst_sizes], stream)
         res = codec.decode(srcs, out=dsts)
         return np.asarray(res.buffer_sizes, dtype=np.int64)
+
+    def _compress_c(
+        self, c_api: nvcomp_c.ZstdC, buf: torch.Tensor, offsets: np.ndarray, sizes: np.ndarray
+    ) -> tuple[torch.Tensor, int, np.ndarray]:
+        cap = -(-c_api.max_compressed_bytes(int(sizes.max())) // FRAME_ALIGN) * FRAME_ALIGN
+        nf = len(sizes)
+        slots = torch.empty(nf * cap, dtype=torch.uint8, device=self.device)
+        slot_at = np.arange(nf, dtype=np.int64) * cap
+        frames = np.stack([offsets, sizes, slot_at, np.zeros(nf, dtype=np.int64)], axis=1).astype(np.int64, copy=False)
+        got = _host_sizes(*[c_api.compress(buf, slots, frames[i : i + C_FRAMES_PER_LAUNCH]) for i in _launches(frames)])
+        if (got <= 0).any() or (got > cap).any():
+            raise RuntimeError(f"nvCOMP returned compressed sizes outside (0, {cap}] or an error status")
+        return slots, cap, got
 
     def self_test(self) -> None:
         """A round trip against zstandard both ways (raises on any difference)."""
@@ -176,6 +217,21 @@ class GpuZstd:
             )
             if int(got[0]) != raw.size or not torch.equal(out.cpu(), torch.from_numpy(raw)):
                 raise RuntimeError("nvCOMP does not decode zstandard's frame to its input")
+
+
+def _launches(frames: np.ndarray) -> range:
+    """Where each launch of a batch through the C API starts: sub-batches of C_FRAMES_PER_LAUNCH frames,
+    back to back on the stream with one wait after the last. nvCOMP's zstd temporary space grows with
+    the frames of a launch (decompression ~0.2 MB a frame: 1.3 GB for Qwen3-8B's 6,250 at once, on an
+    inference server's GPU), and each launch's space is reused by the next."""
+    return range(0, len(frames), C_FRAMES_PER_LAUNCH)
+
+
+def _host_sizes(*batches: nvcomp_c.Batch) -> np.ndarray:
+    """Launched batches' sizes on the host, in order (one wait), -1 where nvCOMP reported an error."""
+    statuses = torch.cat([b.statuses.to(torch.int64) for b in batches])
+    both = torch.stack([statuses, torch.cat([b.sizes for b in batches])]).cpu().numpy()
+    return np.where(both[0] == nvcomp_c.SUCCESS, both[1], -1)
 
 
 def _encode_stream(device: torch.device) -> Any:
