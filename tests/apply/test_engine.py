@@ -363,3 +363,29 @@ def test_a_version_of_another_dtype_is_refused_even_at_the_same_element_size(tmp
     with pytest.raises(ShapeMismatchError, match="dtype F16"):
         engine.stage([VersionFile(path)])
     assert torch.equal(targets["w"], torch.zeros(8, 16, dtype=torch.bfloat16))  # nothing written
+
+
+@pytest.mark.parametrize("device,backend", cases())
+def test_stage_phases_wait_for_the_device_only_when_asked(tmp_path, device, backend, monkeypatch):
+    """The engine's phase spans wait for its stream only with VLLM_DELTA_STAGE_TIMING=sync; the same
+    staged bits and partials either way, every phase timed either way."""
+    from vllm_delta.apply import staging
+
+    need(device, backend)
+    w = World("qwen3", device)
+    w.step()
+    w.write(tmp_path / "v1.safetensors", 1, "chunked", frame_elems=37)
+    out = {}
+    for mode in ("", "sync"):
+        monkeypatch.setenv(staging.PHASE_TIMING_ENV, mode)
+        eng = w.engine(backend, block=32, chunk_elems=200)
+        assert eng.phase_waits == (mode == "sync")
+        calls: list[int] = []
+        real = eng._sync_stream
+        monkeypatch.setattr(eng, "_sync_stream", lambda calls=calls, real=real: (calls.append(1), real())[1])
+        staged = eng.stage([VersionFile(tmp_path / "v1.safetensors")])
+        assert {"decode", "translate", "gather", "partials", "plan", "total"} <= set(staged.timings)
+        out[mode] = (len(calls), staged.partials, [b.clone() for b in staged.new_bits])
+    assert out[""][0] == 1 < out["sync"][0]  # by default: the one wait before the partials are read
+    assert out[""][1] == out["sync"][1]
+    assert all(torch.equal(a, b) for a, b in zip(out[""][2], out["sync"][2]))

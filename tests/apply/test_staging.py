@@ -405,3 +405,36 @@ def test_a_codec_registered_without_a_decoder_stages_piece_by_piece():
     with pytest.raises(CodecError, match="unknown codec 'lz5'") as exc:
         _decode(items, "lz5", cpu)
     assert exc.value.version == 7
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("codec", ["chunked", "compact", "raw"])
+def test_phases_wait_for_the_device_only_when_asked(device, codec, monkeypatch):
+    """Staging's phase marks wait for the device only with VLLM_DELTA_STAGE_TIMING=sync (per-phase
+    device times for profiling); by default the device runs behind the host. Same decode either way,
+    and every phase is timed either way."""
+    from vllm_delta.apply import staging
+
+    dev = _device(device)
+    tensors = _tensors(seed=2)
+    items = _items(tensors, codec)
+    results, waits = {}, {}
+    for mode in ("", "sync"):
+        monkeypatch.setenv(staging.PHASE_TIMING_ENV, mode)
+        calls: list[int] = []
+        real = Decoder.sync
+
+        def counted(self, calls=calls, real=real):
+            calls.append(1)
+            real(self)
+
+        monkeypatch.setattr(Decoder, "sync", counted)
+        timings: dict[str, float] = {}
+        results[mode] = _decode(items, codec, dev, 100, timings=timings)
+        waits[mode] = len(calls)
+        assert "decode" in timings
+        monkeypatch.setattr(Decoder, "sync", real)
+    # the one wait left by default is the end of each width's decode (pinned buffers reused after it)
+    assert waits[""] <= 2 < waits["sync"], waits
+    for t, (pos, vals) in results["sync"].items():
+        assert torch.equal(results[""][t][0], pos) and torch.equal(results[""][t][1], vals)

@@ -113,7 +113,8 @@ class _Run:
         self.peak = max(self.peak, self.engine._mem())
 
     def span(self, key: str, t0: float) -> float:
-        self.engine._sync_stream()
+        if self.engine.phase_waits:  # VLLM_DELTA_STAGE_TIMING=sync: each phase's device time
+            self.engine._sync_stream()
         return _span(self.timings, key, t0)
 
 
@@ -160,6 +161,7 @@ class ApplyEngine:
             if addressing is not None:
                 self._addressing[width] = addressing
         self._decoder = Decoder(self.device, chunk_elems, threads)
+        self.phase_waits = self._decoder.phase_waits
         # The one side stream of staging (decode, translation, plans): ordered against the writes
         # by the synchronization at the end of `stage`.
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None

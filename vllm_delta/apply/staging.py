@@ -40,11 +40,23 @@ from .layout import DeviceLayout
 # (H100, `benchmarks/profile_stage.py --sweep`, docs/PERFORMANCE.md).
 CHUNK_ELEMS = 1 << 24
 READ_PIECE_BYTES = 4 << 20  # compressed bytes copied into pinned memory per task
+# "sync": every staging phase waits for the device before it is timed (each phase's own device time,
+# for profiling). Default: phases are timed on the host, and the device runs behind the host up to the
+# waits the data needs; those per-phase waits cost Qwen3-8B at 1% ~20 of ~60 ms on an H100
+# (`benchmarks/profile_stage.py`). The staging total is exact either way (`stage` ends in a wait).
+PHASE_TIMING_ENV = "VLLM_DELTA_STAGE_TIMING"
+
+
+def phase_waits() -> bool:
+    """Whether staging's phases each wait for the device (VLLM_DELTA_STAGE_TIMING=sync)."""
+    return os.environ.get(PHASE_TIMING_ENV, "").strip().lower() == "sync"
+
 
 Items = Pieces  # a version's changed tensors of one element width (codec/decoding.py)
 
 __all__ = [
     "CHUNK_ELEMS",
+    "PHASE_TIMING_ENV",
     "Chunk",
     "Decoder",
     "FilePieces",
@@ -78,6 +90,7 @@ class Decoder:
         self.device = device
         self.chunk_elems = chunk_elems
         self.n_threads = threads or _threads()
+        self.phase_waits = phase_waits()
         self._pool: ThreadPoolExecutor | None = None
         self.host_bytes = 0  # pinned / host staging bytes of the last decode
         self.decoded = 0  # changed elements decoded since the last reset (what the plans' units hold)
@@ -165,7 +178,9 @@ class _Host:
         return self._decoder.pool.submit(fn)
 
     def mark(self, phase: str, sync: bool = True) -> None:
-        if sync:
+        """The time since the last mark goes to `phase` (waiting for the device first only with
+        VLLM_DELTA_STAGE_TIMING=sync: a codec never relies on this wait)."""
+        if sync and self._decoder.phase_waits:
             self._decoder.sync()
         t1 = time.perf_counter()
         self._timings[phase] = self._timings.get(phase, 0.0) + (t1 - self._t0) * 1e3

@@ -228,7 +228,9 @@ class StagingHost(Protocol):
         ...
 
     def mark(self, phase: str, sync: bool = True) -> None:
-        """The time since the last mark counts to `phase` (`sync`: after the device's work is done)."""
+        """The time since the last mark counts to `phase` (`sync`: after the device's work is done, where
+        staging times each phase's device work: VLLM_DELTA_STAGE_TIMING=sync). Never a barrier a
+        decoder relies on: its data waits are its own."""
         ...
 
     def restart(self) -> None:
