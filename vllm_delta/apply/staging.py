@@ -42,8 +42,9 @@ CHUNK_ELEMS = 1 << 24
 READ_PIECE_BYTES = 4 << 20  # compressed bytes copied into pinned memory per task
 # "sync": every staging phase waits for the device before it is timed (each phase's own device time,
 # for profiling). Default: phases are timed on the host, and the device runs behind the host up to the
-# waits the data needs; those per-phase waits cost Qwen3-8B at 1% ~20 of ~60 ms on an H100
-# (`benchmarks/profile_stage.py`). The staging total is exact either way (`stage` ends in a wait).
+# waits the data needs. Those timing waits were 29 of the 48 waits, and 16 ms of waiting, in a 62 ms
+# staging of Qwen3-8B at 1% on an H100 (`benchmarks/profile_stage.py`; the time staging gains without
+# them is not measured yet). The staging total is exact either way (`stage` ends in a wait).
 PHASE_TIMING_ENV = "VLLM_DELTA_STAGE_TIMING"
 
 
