@@ -188,7 +188,7 @@ def test_fsdp2_witness_sees_shards_and_plain_buffers_move():
 
 
 def test_part_rows_follow_a_new_split_after_a_reused_one(tmp_path):
-    # A part's row ranges are built once per resolution of the model (ShardGroup.part_of), not per
+    # A part's row ranges are built once per resolution of the model (Ownership.part_rows), not per
     # publish: a reused resolution keeps them, a new one (another split) replaces them.
     hits = run_ranks(W.reshard_publish, 2, (str(tmp_path),))
     assert hits == [1, 1]  # version 1 reused version 0's resolution; version 2 resolved again

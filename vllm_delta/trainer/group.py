@@ -26,7 +26,7 @@ from ..format import PartInfo
 from ..store import DeltaStore
 from .encode import WriteFile
 from .job import BaseMissing, CommitOutcome, Committed, UploadFailure, UploadJob
-from .shard import Owned, Ownership
+from .shard import Ownership
 from .staleness import StalenessGate
 
 
@@ -87,7 +87,7 @@ class PublishGroup(Protocol):
         rank's detection failed (raised on every rank)."""
         ...
 
-    def part_of(self, owned: list[Owned], partials: dict[str, int]) -> PartInfo | None: ...
+    def part_of(self, own: Ownership, partials: dict[str, int]) -> PartInfo | None: ...
 
     def commit(self, job: UploadJob, write: WriteFile, *, base_missing: bool) -> CommitOutcome: ...
 
@@ -120,7 +120,7 @@ class SingleProcess:
             raise error
         return {n: partials.get(n, 0) for n in names}, nnz
 
-    def part_of(self, owned: list[Owned], partials: dict[str, int]) -> PartInfo | None:
+    def part_of(self, own: Ownership, partials: dict[str, int]) -> PartInfo | None:
         return None
 
     def commit(self, job: UploadJob, write: WriteFile, *, base_missing: bool) -> CommitOutcome:

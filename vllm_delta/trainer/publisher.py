@@ -388,7 +388,7 @@ class Publisher:
             counts=detected.counts,
             sections=detected.sections,
             host=detected.host,
-            part=self._group.part_of(own.owned, detected.partials),
+            part=self._group.part_of(own, detected.partials),
         )
 
     def _raise(self, failed: UploadsFailed) -> NoReturn:

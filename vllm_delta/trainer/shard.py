@@ -101,6 +101,13 @@ class Ownership:
     def numel(self) -> int:
         return sum(math.prod(shape) for _, shape, _ in self.spec)
 
+    @functools.cached_property
+    def part_rows(self) -> dict[str, list[int]]:
+        """A part header's row ranges: owned tensor -> [row0, row1). A list per tensor (~19K at
+        Qwen3-30B-A3B), made once per resolution of the model, not per publish; every part shares them
+        (nothing writes them)."""
+        return {o.name: [o.row0, o.row1] for o in self.owned}
+
 
 def _digest(obj: object) -> str:
     return hashlib.sha256(json.dumps(obj, separators=(",", ":")).encode()).hexdigest()[:32]

@@ -41,7 +41,7 @@ from .encode import WriteFile
 from .group import Agreement, Proposal, UploadsFailed
 from .job import BaseMissing, CommitOutcome, Committed, UploadFailure, UploadJob
 from .rendezvous import RankChannel, group_ranks, group_store, next_instance
-from .shard import Owned, check_layouts, describe_mismatch
+from .shard import Ownership, check_layouts, describe_mismatch
 from .staleness import StalenessGate
 
 if TYPE_CHECKING:
@@ -167,7 +167,6 @@ class ShardGroup:
         self._control = channel("control")  # the training thread's exchanges
         self._upload = channel("upload")  # the upload thread's
         self._layouts: list[str] | None = None  # every rank's layout fingerprint, as last checked
-        self._rows: tuple[list[Owned], dict[str, list[int]]] | None = None  # part_of's ranges, per `owned`
 
     # -- the training thread ---------------------------------------------------------------------
     def agree(self, failure: UploadFailure | None, propose: Callable[[], Proposal]) -> Agreement | UploadsFailed:
@@ -236,16 +235,12 @@ class ShardGroup:
             raise ShardingError(total.error)
         return dict(zip(names, total.values)), total.nnz
 
-    def part_of(self, owned: list[Owned], partials: dict[str, int]) -> PartInfo | None:
-        if self._rows is None or self._rows[0] is not owned:
-            # Once per resolution of the model (sources.py keeps `owned` while it holds), not per publish:
-            # a list per tensor, ~19K at 30B-A3B. Every part shares the ranges (nothing writes them).
-            self._rows = (owned, {o.name: [o.row0, o.row1] for o in owned})
+    def part_of(self, own: Ownership, partials: dict[str, int]) -> PartInfo | None:
         return PartInfo(
             index=self.rank,
             count=self.world,
-            checksum=to_hex(combine((o.name, partials[o.name]) for o in owned)),
-            rows=dict(self._rows[1]),
+            checksum=to_hex(combine((o.name, partials[o.name]) for o in own.owned)),
+            rows=dict(own.part_rows),  # the ranges are shared; the mapping is the part's own
         )
 
     # -- the upload thread -----------------------------------------------------------------------
