@@ -438,3 +438,18 @@ def test_phases_wait_for_the_device_only_when_asked(device, codec, monkeypatch):
     assert waits[""] <= 2 < waits["sync"], waits
     for t, (pos, vals) in results["sync"].items():
         assert torch.equal(results[""][t][0], pos) and torch.equal(results[""][t][1], vals)
+
+
+def test_staging_chunk_defaults_by_device():
+    """A GPU stages in chunks of 2^24 changed elements (its per-chunk host cost, measured), the CPU in
+    2^23 (half the host temporaries); a chunk size the caller names is kept on either."""
+    from vllm_delta.apply import staging
+
+    assert staging.default_chunk_elems(torch.device("cuda", 0)) == staging.GPU_CHUNK_ELEMS == 1 << 24
+    assert staging.default_chunk_elems(torch.device("cpu")) == staging.CHUNK_ELEMS == 1 << 23
+    dec = Decoder(torch.device("cpu"))
+    assert dec.chunk_elems == 1 << 23
+    dec.close()
+    dec = Decoder(torch.device("cpu"), chunk_elems=1000)
+    assert dec.chunk_elems == 1000
+    dec.close()

@@ -57,7 +57,7 @@ from ..format import TensorTable as HeaderTable
 from . import scatter as scatter_ops
 from .chain import merge_chain
 from .layout import DeviceLayout, Layout, Segment, Selection
-from .staging import CHUNK_ELEMS, Chunk, Decoder, changed_items, item_indices
+from .staging import Chunk, Decoder, changed_items, item_indices
 
 _STATE = itertools.count(1)
 
@@ -126,7 +126,7 @@ class ApplyEngine:
         device: torch.device | str | None = None,
         *,
         backend: str | None = None,
-        chunk_elems: int = CHUNK_ELEMS,
+        chunk_elems: int | None = None,
         threads: int | None = None,
         block: int = scatter_ops.BLOCK,
     ):
@@ -152,7 +152,6 @@ class ApplyEngine:
             )
         self.fused = self.backend != "torch"
         self.block = block
-        self.chunk_elems = chunk_elems
         layout.check([f.numel() for f in self.flats])
         self.dlayout = DeviceLayout(layout, self.device)
         self._addressing: dict[int, scatter_ops.FusedAddressing] = {}
@@ -161,6 +160,7 @@ class ApplyEngine:
             if addressing is not None:
                 self._addressing[width] = addressing
         self._decoder = Decoder(self.device, chunk_elems, threads)
+        self.chunk_elems = self._decoder.chunk_elems  # staging.default_chunk_elems(device) unless named
         self.phase_waits = self._decoder.phase_waits
         # The one side stream of staging (decode, translation, plans): ordered against the writes
         # by the synchronization at the end of `stage`.

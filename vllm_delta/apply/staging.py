@@ -34,11 +34,20 @@ from ..format import DTYPES, STREAMS_FORMAT_VERSIONS, Version, VersionFile, Vers
 from ..format import TensorTable as HeaderTable
 from .layout import DeviceLayout
 
-# Changed elements decoded per device chunk: bounds staging's temporary memory. Each chunk costs a few
-# host waits and ~40 launches whatever its size, so small chunks leave the GPU idle: Qwen3-8B at 1%
-# (82M changes) staged in 71.4 / 57.3 / 54.0 ms at 2^23 / 2^24 / 2^25 with peaks of 1.80 / 2.09 / 2.49 GB
-# (H100, `benchmarks/profile_stage.py --sweep`, docs/PERFORMANCE.md).
-CHUNK_ELEMS = 1 << 24
+# Changed elements decoded per device chunk: bounds staging's temporary memory. On a GPU each chunk
+# costs a few host waits and ~40 launches whatever its size, so small chunks leave the GPU idle:
+# Qwen3-8B at 1% (82M changes) staged in 71.4 / 57.3 / 54.0 ms at 2^23 / 2^24 / 2^25 with peaks of 1.80 /
+# 2.09 / 2.49 GB (H100, `benchmarks/profile_stage.py --sweep`, docs/PERFORMANCE.md). On the CPU a chunk's
+# fixed cost is small beside its work, and the smaller chunk keeps the host's temporaries at half.
+CHUNK_ELEMS = 1 << 23
+GPU_CHUNK_ELEMS = 1 << 24
+
+
+def default_chunk_elems(device: torch.device) -> int:
+    """Staging's device chunk for `device` when the caller names none."""
+    return GPU_CHUNK_ELEMS if device.type == "cuda" else CHUNK_ELEMS
+
+
 READ_PIECE_BYTES = 4 << 20  # compressed bytes copied into pinned memory per task
 # "sync": every staging phase waits for the device before it is timed (each phase's own device time,
 # for profiling). Default: phases are timed on the host, and the device runs behind the host up to the
@@ -57,8 +66,10 @@ Items = Pieces  # a version's changed tensors of one element width (codec/decodi
 
 __all__ = [
     "CHUNK_ELEMS",
+    "GPU_CHUNK_ELEMS",
     "PHASE_TIMING_ENV",
     "Chunk",
+    "default_chunk_elems",
     "Decoder",
     "FilePieces",
     "FileSet",
@@ -87,9 +98,9 @@ class Decoder:
     changed elements decoded (`decoded`, summed over decodes until reset). Each `decode` lends a
     codec's decoder a `_Host` (codec.decoding.StagingHost)."""
 
-    def __init__(self, device: torch.device, chunk_elems: int = CHUNK_ELEMS, threads: int | None = None):
+    def __init__(self, device: torch.device, chunk_elems: int | None = None, threads: int | None = None):
         self.device = device
-        self.chunk_elems = chunk_elems
+        self.chunk_elems = chunk_elems or default_chunk_elems(device)
         self.n_threads = threads or _threads()
         self.phase_waits = phase_waits()
         self._pool: ThreadPoolExecutor | None = None
