@@ -315,8 +315,8 @@ def fused_plan(
     del pad
     # A block holds one run, so one target: its offsets from the block's base are below that target's
     # size, known on the host (no wait for the device) when every target used is in `flats`.
-    sizes = [f.numel() for f in (flats[t] for t in np.unique(ids_h).tolist()) if f is not None]
-    fits = sizes and len(sizes) == len(np.unique(ids_h)) and max(sizes) - 1 <= _INT32_MAX
+    used = [flats[t] for t in np.unique(ids_h).tolist()]
+    fits = None not in used and max(f.numel() for f in used if f is not None) - 1 <= _INT32_MAX
     if rel_dtype is None:
         rel_dtype = torch.int32 if fits or int(rel.max()) <= _INT32_MAX else torch.int64
     elif rel_dtype == torch.int32 and not fits and int(rel.max()) > _INT32_MAX:
