@@ -62,6 +62,7 @@ from vllm_delta.codec.chunked import gpu  # noqa: E402
 from vllm_delta.store import DeltaStore  # noqa: E402
 from vllm_delta.testing.apply_fixtures import QWEN3, QWEN3_MOE, model_layout  # noqa: E402
 from vllm_delta.trainer import DetectOptions, Publisher, PublisherOptions, ShardingOptions, UploadOptions  # noqa: E402
+from vllm_delta.trainer.detect import STREAM_PASS_ELEMS  # noqa: E402
 
 LINK_BYTES_PER_S = 10e9 / 8  # 10 Gbit/s
 
@@ -161,6 +162,7 @@ class Config:
     engine_gpu: int | None = None  # the engine's card (default: rank 0's)
     keep_stores: bool = False  # --store given: the stores stay (benchmarks/open_parts.py reads them)
     header_format: int = 4  # chunked deltas' header: 4 (columns) or 3 (an object per tensor), for A/B
+    stream_pass_elems: int = STREAM_PASS_ELEMS  # detection's pass when the codec encodes pass by pass
 
 
 def _sync(dev: torch.device) -> None:
@@ -278,7 +280,9 @@ def _publish_run(cfg, codec_name, store_dir, module, layout, targets, engine, st
         codec=codec_name,
         group=group,
         options=PublisherOptions(
-            detect=DetectOptions(backend=cfg.backend, chunk_elems=cfg.chunk_elems),
+            detect=DetectOptions(
+                backend=cfg.backend, chunk_elems=cfg.chunk_elems, stream_pass_elems=cfg.stream_pass_elems
+            ),
             upload=UploadOptions(queue_size=2, pack_threads=cfg.threads, header_columns=cfg.header_format == 4),
             sharding=ShardingOptions(timeout_s=600),
         ),
@@ -496,6 +500,12 @@ def main() -> int:
     ap.add_argument("--chunk-elems", type=int, default=1 << 28)
     ap.add_argument("--backend", choices=["triton", "triton-chunked", "torch"], default=None, help="detection backend")
     ap.add_argument(
+        "--stream-pass-elems",
+        type=int,
+        default=STREAM_PASS_ELEMS,
+        help="detection's pass when the codec encodes pass by pass (DetectOptions.stream_pass_elems)",
+    )
+    ap.add_argument(
         "--store",
         default=None,
         help="a folder for the stores, kept afterwards (store-w<W>-<codec>-...; default: a fresh one in /dev/shm "
@@ -550,6 +560,7 @@ def main() -> int:
             engine_gpu=args.engine_gpu,
             keep_stores=args.store is not None,
             header_format=args.header_format,
+            stream_pass_elems=args.stream_pass_elems,
         )
         try:
             if world == 1:

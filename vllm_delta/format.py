@@ -32,6 +32,7 @@ import operator
 import os
 import re
 import struct
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
@@ -43,7 +44,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save, save_file
 
-from . import gc_pause, wire
+from . import gc_pause, mapped_writes, wire
 from .checksums import is_hex, sum_of_parts
 from .errors import FormatError, ShapeMismatchError
 from .wire import Closed, Number, omit_none, omit_when, types_of
@@ -644,7 +645,8 @@ def write(path: str, header: VersionHeader, payload: dict[str, torch.Tensor]) ->
 class PayloadWriter:
     """A version file written while its payload is produced (the chunked codec's pipelined upload):
     the data section first, every payload part appended in order at the next offset by positioned
-    writes (on `pool`'s threads when given, each after its `ready()`: a device-to-host copy), the
+    writes (on `pool`'s threads when given, each after its `ready()`: a device-to-host copy; on tmpfs,
+    copies into a mapping of the space allocated ahead, `mapped_writes`), the
     header last, into room reserved before the data and padded with spaces (which safetensors
     allows). The same file as `write` up to the order of the payload and the header's padding.
 
@@ -665,7 +667,8 @@ class PayloadWriter:
     ):
         """`size_hint`: the payload's expected bytes: allocated for the file up front, on the pool,
         while the payload is still being encoded (a write into allocated pages is a copy; on tmpfs
-        allocating is half of a write's time). The file ends at its real size whatever the hint."""
+        allocating is half of a write's time, and pieces inside the allocated bytes are copied
+        through a mapping). The file ends at its real size whatever the hint."""
         header.validate()
         self.path = path
         # '{"__metadata__":{...}' once: the metadata holds the header as a string (~2 MB for a mixture
@@ -675,11 +678,21 @@ class PayloadWriter:
         self._pool = pool
         placeholder = {key: (dtype, [self._BOUND] * ndim, self._BOUND, self._BOUND) for key, dtype, ndim in self._parts}
         self._room = -(-len(self._header_bytes(placeholder)) // 8) * 8
-        self._fd: int | None = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        self._futures: list[Future[None]] = []
+        # read and write: a shared mapping of the file (mapped_writes) needs both
+        self._fd: int | None = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        self._futures: list[Future[Any]] = []
         self._restart()
+        # Bytes of the file allocated up front (mapped_writes.allocate), once that has run; pieces
+        # inside them go through a mapping where the filesystem is tmpfs.
+        self._allocated: Future[int] | None = None
+        self._mapped = False
+        self._measured = False  # the pieces' speed goes to mapped_writes.CHOOSER (a file on tmpfs)
+        self._spent: list[tuple[int, float]] = []  # (bytes, seconds) per piece written the file's way
         if size_hint > 0 and self._pool is not None:
-            self._futures.append(self._pool.submit(_preallocate, self._fd, 8 + self._room + size_hint))
+            self._measured = mapped_writes.fs_type(path) == "tmpfs"
+            self._mapped = mapped_writes.maps_well(path)
+            self._allocated = self._pool.submit(mapped_writes.allocate, self._fd, 8 + self._room + size_hint)
+            self._futures.append(self._allocated)
 
     def _restart(self) -> None:
         self._at = 0  # next offset in the data section
@@ -731,9 +744,22 @@ class PayloadWriter:
             piece = raw[a : a + self.PIECE_BYTES]
             offset = 8 + self._room + at + a
             if self._pool is None:
-                _pwrite(self._fd, piece, offset, ready)
+                self._write_piece(self._fd, piece, offset, ready)
             else:
-                self._futures.append(self._pool.submit(_pwrite, self._fd, piece, offset, ready))
+                self._futures.append(self._pool.submit(self._write_piece, self._fd, piece, offset, ready))
+
+    def _write_piece(self, fd: int, piece: torch.Tensor, offset: int, ready: Callable[[], None] | None) -> None:
+        if ready is not None:
+            ready()
+        t0 = time.perf_counter()
+        # The allocation was submitted to the pool before any piece, so it runs first: no deadlock.
+        mapped = self._mapped and self._allocated is not None and offset + piece.numel() <= self._allocated.result()
+        if mapped:
+            mapped_writes.copy_mapped(fd, piece, offset)
+        else:
+            mapped_writes.pwrite_all(fd, piece, offset)
+        if mapped == self._mapped:  # the file's way (not a piece past the allocated bytes)
+            self._spent.append((piece.numel(), time.perf_counter() - t0))  # list.append: atomic
 
     def _drain(self) -> BaseException | None:
         first = None
@@ -767,6 +793,10 @@ class PayloadWriter:
             head = struct.pack("<Q", self._room) + text + b" " * (self._room - len(text))
             os.pwrite(self._fd, head, 0)
             os.ftruncate(self._fd, 8 + self._room + self._at)
+            if self._measured:
+                mapped_writes.CHOOSER.record(
+                    self._mapped, sum(n for n, _ in self._spent), sum(t for _, t in self._spent)
+                )
         finally:
             self.abort()
 
@@ -785,22 +815,6 @@ class PayloadWriter:
             self.close()
         else:
             self.abort()
-
-
-def _preallocate(fd: int, size: int) -> None:
-    try:
-        os.posix_fallocate(fd, 0, size)
-    except OSError:  # a filesystem without it, or no room: the writes allocate as they go
-        pass
-
-
-def _pwrite(fd: int, data: torch.Tensor, offset: int, ready: Callable[[], None] | None) -> None:
-    if ready is not None:
-        ready()
-    view = memoryview(data.numpy()).cast("B")  # type: ignore[arg-type]  # numpy arrays are buffers
-    while view.nbytes:
-        n = os.pwrite(fd, view, offset)
-        view, offset = view[n:], offset + n
 
 
 class Piece(NamedTuple):

@@ -498,16 +498,15 @@ def test_changes_handed_on_pass_by_pass_make_the_same_file(device, path, monkeyp
     """`changes(consume=...)` (the Publisher with the chunked codec): the passes' changes, encoded as
     they come, give the same file as the changes all at once; the counts and sums are the same; and
     the device never holds more than one pass's changes."""
-    from vllm_delta.trainer import detect
 
     dev = _device(device)
     monkeypatch.setattr(kernels, "DETECT_BLOCK", 256)
-    monkeypatch.setattr(detect, "STREAM_PASS_ELEMS", 1024)  # 4 blocks a pass: many passes
     sizes = [1000, 0, 31, 256, 4096, 1, 513, 0, 2000]
     xs = _tensors(dev, sizes, seed=3)
     owned = _as_owned(xs, starts=[0, 0, 7, 0, 0, 3, 0, 0, 100])
     backend = "triton" if path == "bitmask" else "triton-chunked"
-    snaps = {k: FlatSnapshot(backend=backend, chunk_elems=1500) for k in ("stream", "whole")}
+    # 4 blocks a pass when handed on: many passes
+    snaps = {k: FlatSnapshot(backend=backend, chunk_elems=1500, stream_pass_elems=1024) for k in ("stream", "whole")}
     for s in snaps.values():
         s.anchor(owned)
     c = codecs.ChunkedCodec(chunk_elems=128, slice_elems=256)

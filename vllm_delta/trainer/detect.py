@@ -42,7 +42,7 @@ from .shard import Owned, ShardedTensor, local_tensor
 CHUNK_ELEMS = 1 << 28  # elements compared per chunk: bounds the temporaries (2 B image + 1 B mask each)
 BACKENDS = (None, "torch", "triton", "triton-chunked")
 PASS_ELEMS = 1 << 34  # elements per pass of the bitmask path (1/8 B each): one pass for any model that fits
-STREAM_PASS_ELEMS = 1 << 30  # ... when each pass's changes are handed on (`consume`): bounded memory
+STREAM_PASS_ELEMS = 1 << 31  # ... when each pass's changes are handed on (`consume`): bounded memory
 
 
 def named_tensors(source: nn.Module | Mapping[str, object] | Iterable[tuple[str, object]]):
@@ -112,6 +112,7 @@ class FlatSnapshot:
         chunk_elems: int = CHUNK_ELEMS,
         backend: str | None = None,
         pass_elems: int = PASS_ELEMS,
+        stream_pass_elems: int = STREAM_PASS_ELEMS,
         bitmask: bool = True,
         fused: bool = True,
     ):
@@ -125,6 +126,9 @@ class FlatSnapshot:
         chunked int8-mask path (per chunk `mask_`, `nonzero`, `gather_image`) when the snapshot lives
         elsewhere (host memory) or the kernels can't address the sources (mixed dtypes), and
         `bitmask=False` selects that path always. All paths give the same bits, positions and sums.
+        `stream_pass_elems`: the bitmask path's pass when each pass's changes are handed on
+        (`changes(consume=...)`): fewer passes wait on the host fewer times, larger ones hold more
+        changes on the device at once (~20 B per change at once: positions, tensor, new, old).
         `fused=False` runs the bitmask path's compaction in two launches instead of one."""
         backend = backend or os.environ.get("VLLM_DELTA_DETECT_BACKEND") or None
         if backend not in BACKENDS:
@@ -149,6 +153,7 @@ class FlatSnapshot:
         self._addr: dict[int, tuple[tuple[int, ...], kernels.ChunkAddressing]] = {}
         self._stream: Any = None  # torch.cuda.Stream once used on CUDA
         self.pass_elems = max(1, int(pass_elems))
+        self.stream_pass_elems = max(1, int(stream_pass_elems))
         self.bitmask = bitmask
         self.fused = fused
         self._table: tuple[tuple[int, ...], kernels.DetectTable] | None = None
@@ -296,7 +301,7 @@ class FlatSnapshot:
         """Elements whose image bits differ from the snapshot; the snapshot takes the new bits.
 
         With `consume`, the changes are handed to it as they are found (the bitmask path: pass by
-        pass, passes of STREAM_PASS_ELEMS elements, so that only one pass's changes are on the device
+        pass, passes of `stream_pass_elems` elements, so that only one pass's changes are on the device
         at a time; other paths: once), on the detection's stream, and the returned Detected has
         empty tensors (its counts and sums as always)."""
         if not self.matches(owned):
@@ -377,7 +382,7 @@ class FlatSnapshot:
         counts = self._buffer("counts", nb, torch.int32, dev)
         bsums = self._buffer("bsums", nb, torch.int64, dev)
         found: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
-        pass_elems = self.pass_elems if consume is None else min(self.pass_elems, STREAM_PASS_ELEMS)
+        pass_elems = self.pass_elems if consume is None else min(self.pass_elems, self.stream_pass_elems)
         for b0, b1 in table.passes(pass_elems):
             words = self._buffer("words", (b1 - b0) * wpb, torch.int32, dev)
             kernels.bitmask_(table, b0, b1, self.bits, words, counts[b0:b1])

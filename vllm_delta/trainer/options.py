@@ -25,7 +25,7 @@ import torch
 
 from ..format import DTYPE_NAMES
 from ..store import DeltaStore
-from .detect import CHUNK_ELEMS
+from .detect import CHUNK_ELEMS, STREAM_PASS_ELEMS
 from .staleness import StalenessPolicy
 
 
@@ -37,12 +37,17 @@ class DetectOptions:
 
     backend: str | None = None
     chunk_elems: int = CHUNK_ELEMS  # elements compared per chunk on the chunked paths (bounds temporaries)
+    # elements per pass when the codec encodes detection's passes as they come (chunked): a pass's
+    # changes are on the device at once (~20 B per change); fewer passes, fewer host waits
+    stream_pass_elems: int = STREAM_PASS_ELEMS
     snapshot_device: str | torch.device | None = None  # None: the parameters' device
     pin_snapshot: bool = False  # pinned host memory, with snapshot_device="cpu"
 
     def __post_init__(self) -> None:
         if self.chunk_elems < 1:
             raise ValueError(f"chunk_elems must be >= 1, not {self.chunk_elems}")
+        if self.stream_pass_elems < 1:
+            raise ValueError(f"stream_pass_elems must be >= 1, not {self.stream_pass_elems}")
 
 
 @dataclass(frozen=True)

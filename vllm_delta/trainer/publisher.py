@@ -157,7 +157,12 @@ class Publisher:
         self.dtype = opts.dtype
         d = opts.detect
         self.snapshot = FlatSnapshot(
-            opts.dtype, device=d.snapshot_device, pin=d.pin_snapshot, chunk_elems=d.chunk_elems, backend=d.backend
+            opts.dtype,
+            device=d.snapshot_device,
+            pin=d.pin_snapshot,
+            chunk_elems=d.chunk_elems,
+            backend=d.backend,
+            stream_pass_elems=d.stream_pass_elems,
         )
         self._gate = StalenessGate(self.store, staleness) if staleness is not None else None
         self._chain = _Chain(last=self.store.latest())
