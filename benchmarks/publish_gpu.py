@@ -55,6 +55,7 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
+from vllm_delta import mapped_writes  # noqa: E402
 from vllm_delta.apply.engine import ApplyEngine  # noqa: E402
 from vllm_delta.checksums import combine, to_hex  # noqa: E402
 from vllm_delta.codec import chunked  # noqa: E402
@@ -268,6 +269,10 @@ def run_rank(rank: int, world: int, cfg: Config) -> dict:
                 shutil.rmtree(store_dir, ignore_errors=True)
     if engine is not None:
         engine.close()
+    # how fast this rank's files were written each way (mapped_writes: the way of each next file)
+    out["write_gbps"] = {
+        ("mapped" if k else "pwrite"): [r / 1e9 for r in v] for k, v in mapped_writes.CHOOSER.rates().items()
+    }
     return out
 
 
@@ -434,6 +439,11 @@ def report(results: list[dict], cfg: Config, card: str, log: list[str]) -> list[
             f"(max {s['publish_peak_max_mb']:.0f}); "
             f"live checksum = publisher's: {s['checksum_ok']}"
         )
+    rates = results[0].get("write_gbps") or {}
+    log.append(
+        "rank 0's files on tmpfs, GB/s per file (mapped_writes.CHOOSER; its first file not counted): "
+        + "; ".join(f"{way} " + ", ".join(f"{r:.1f}" for r in v) for way, v in rates.items())
+    )
     log.append(
         f"{'codec':>12} {'added':>7} | {'publish':>8} {'upload':>7} {'open':>6} {'stage':>7} {'commit':>7} "
         f"{'live':>7} | {'MB':>7} {'+10Gb/s':>8} {'peak MB':>8}"

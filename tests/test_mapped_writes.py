@@ -4,6 +4,7 @@ positioned writes, only inside allocated space, and positioned writes wherever t
 from __future__ import annotations
 
 import errno
+import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
 
@@ -165,10 +166,12 @@ def test_the_switch_turns_mapped_writes_on_and_off(monkeypatch):
     assert not mapped_writes.maps_well("/data/x")  # never off tmpfs
 
 
-def test_the_chooser_tries_both_ways_then_takes_the_faster_and_rechecks():
+def test_the_chooser_tries_both_ways_then_takes_the_faster_and_rechecks(caplog):
+    caplog.set_level(logging.INFO, logger="vllm_delta")
     c = mapped_writes.WriteChooser(explore=2, keep=3, recheck=5)
     first = [c.choose() for _ in range(2)]
     assert first == [True, True]  # nothing measured: mapped first
+    c.record(False, 10**9, 1.0)  # the process's first file: not counted (one-time costs)
     c.record(True, 100, 1.0)
     c.record(True, 100, 1.0)  # mapped: 100 B/s
     assert [c.choose() for _ in range(2)] == [False, False]  # then pwrite, until it has two files
@@ -176,6 +179,8 @@ def test_the_chooser_tries_both_ways_then_takes_the_faster_and_rechecks():
     c.record(False, 300, 1.0)  # pwrite: 300 B/s
     picks = [c.choose() for _ in range(10)]  # choices 5..14: the 5th and 10th recheck the slower way
     assert picks == [True, False, False, False, False, True, False, False, False, False]
+    said = [r.getMessage() for r in caplog.records if "files on tmpfs" in r.getMessage()]
+    assert len(said) == 1 and "by pwrite" in said[0]  # once, when the choice is made
     for _ in range(3):
         c.record(True, 900, 1.0)  # mapping got faster (only the last 3 count)
     assert [c.choose() for _ in range(4)] == [False, True, True, True]  # choice 15: a recheck of pwrite
@@ -189,6 +194,7 @@ def test_files_on_tmpfs_feed_the_chooser_with_their_ways_speed(tmp_path, monkeyp
     """By default each file on tmpfs reports how fast its pieces were written, under the way it used;
     the first files try both ways, and every file has the same bytes."""
     chooser = mapped_writes.WriteChooser(explore=1)
+    chooser.record(True, 1, 1.0)  # as if this process had written its first file already
     monkeypatch.setattr(mapped_writes, "CHOOSER", chooser)
     monkeypatch.delenv(mapped_writes.ENV, raising=False)
     blob = torch.arange(30_000, dtype=torch.int64).to(torch.uint8)

@@ -687,7 +687,7 @@ class PayloadWriter:
         self._allocated: Future[int] | None = None
         self._mapped = False
         self._measured = False  # the pieces' speed goes to mapped_writes.CHOOSER (a file on tmpfs)
-        self._spent: list[tuple[int, float]] = []  # (bytes, seconds) per piece written the file's way
+        self._spent: list[tuple[int, float, float]] = []  # (bytes, start, end) per piece written the file's way
         if size_hint > 0 and self._pool is not None:
             self._measured = mapped_writes.fs_type(path) == "tmpfs"
             self._mapped = mapped_writes.maps_well(path)
@@ -759,7 +759,7 @@ class PayloadWriter:
         else:
             mapped_writes.pwrite_all(fd, piece, offset)
         if mapped == self._mapped:  # the file's way (not a piece past the allocated bytes)
-            self._spent.append((piece.numel(), time.perf_counter() - t0))  # list.append: atomic
+            self._spent.append((piece.numel(), t0, time.perf_counter()))  # list.append: atomic
 
     def _drain(self) -> BaseException | None:
         first = None
@@ -793,10 +793,11 @@ class PayloadWriter:
             head = struct.pack("<Q", self._room) + text + b" " * (self._room - len(text))
             os.pwrite(self._fd, head, 0)
             os.ftruncate(self._fd, 8 + self._room + self._at)
-            if self._measured:
-                mapped_writes.CHOOSER.record(
-                    self._mapped, sum(n for n, _ in self._spent), sum(t for _, t in self._spent)
-                )
+            if self._measured and self._spent:
+                # the pieces run side by side (and pwrites wait on each other): the span they took
+                # together, not the sum of their times
+                span = max(e for _, _, e in self._spent) - min(b for _, b, _ in self._spent)
+                mapped_writes.CHOOSER.record(self._mapped, sum(n for n, _, _ in self._spent), span)
         finally:
             self.abort()
 
