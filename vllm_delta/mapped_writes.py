@@ -160,7 +160,7 @@ def copy_mapped(fd: int, data: torch.Tensor, offset: int) -> None:
     start = offset - offset % _PAGE
     mm = mmap.mmap(fd, offset - start + n, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE, offset=start)
     try:
-        dst = torch.frombuffer(mm, dtype=torch.uint8)  # type: ignore[call-overload]  # a writable buffer
+        dst = torch.frombuffer(mm, dtype=torch.uint8)  # a writable buffer
         try:
             dst[offset - start :].copy_(data)
         finally:

@@ -179,3 +179,56 @@ def test_targets_over_2_31_elements(device, backend):
         S.scatter_(plan, old, backend)
         assert torch.equal(S.gather(plan, backend), old)
     del big
+
+
+@pytest.mark.parametrize("interleave", [False, True])
+def test_fused_plan_from_host_runs_is_the_plan_found_on_the_device(interleave):
+    """The engine hands fused_plan the runs of equal target ids from the chunk's tensors (host
+    arrays): the plan is the one found on the device, field by field, with no device-to-host wait."""
+    import numpy as np
+
+    from vllm_delta.apply.layout import TargetRuns
+
+    sizes = [1000, 37, 5000, 1]
+    got = _targets("cpu", sizes)
+    ids, offs = _pairs(sizes, 300, seed=2, device="cpu", interleave=interleave)
+    if not interleave:  # sorted by target, as a decoded chunk's elements are: long runs
+        order = torch.argsort(ids, stable=True)
+        ids, offs = ids[order], offs[order]
+    found = S.build_fused_plan(got, ids, offs, block=16)
+    change = np.flatnonzero(np.r_[True, ids.numpy()[1:] != ids.numpy()[:-1]])
+    lengths = np.diff(np.r_[change, ids.numel()])
+    split = np.repeat(lengths, 2) // 2  # each run cut in two: the host's runs are merged again
+    split[1::2] = lengths - split[0::2]
+    runs = TargetRuns.merged(np.repeat(ids.numpy()[change], 2), split)
+    flats = [S.flat_bits(t) for t in got]
+    b, tbase = S.address_base(flats)
+    given = S.fused_plan(flats, flats[b], tbase, torch.tensor(tbase), ids, offs, block=16, runs=runs)
+    device = S.fused_plan(flats, flats[b], tbase, torch.tensor(tbase), ids, offs, block=16)
+    assert np.array_equal(given.bounds, device.bounds)
+    for field in ("block_base", "rel", "slots"):
+        assert torch.equal(getattr(given, field), getattr(device, field)), field
+    assert given.count == device.count == ids.numel()
+    with pytest.raises(ValueError, match="runs given hold"):
+        S.fused_plan(
+            flats,
+            flats[b],
+            tbase,
+            torch.tensor(tbase),
+            ids,
+            offs,
+            block=16,
+            runs=TargetRuns.merged(runs[0], runs[1] + 1),
+        )
+    assert np.array_equal(found.bounds[:, 0], device.bounds[:, 0])
+
+
+def test_target_runs_merge_adjacent_runs_of_one_target_and_drop_empty_ones():
+    import numpy as np
+
+    from vllm_delta.apply.layout import TargetRuns
+
+    r = TargetRuns.merged(np.array([3, 3, 1, 1, 3, 2, 2]), np.array([2, 5, 0, 4, 1, 0, 6]))
+    assert r.targets.tolist() == [3, 1, 3, 2] and r.lengths.tolist() == [7, 4, 1, 6]
+    empty = TargetRuns.merged(np.array([1]), np.array([0]))
+    assert empty.targets.size == 0 and empty.lengths.size == 0

@@ -453,3 +453,36 @@ def test_staging_chunk_defaults_by_device():
     dec = Decoder(torch.device("cpu"), chunk_elems=1000)
     assert dec.chunk_elems == 1000
     dec.close()
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_translate_gives_whole_tensor_selections_their_target_runs(tp):
+    """With the chunk's runs (tensor, count), a Selection of every element carries its runs of equal
+    target on the host (what lets a fused plan skip its device-to-host wait): the same runs as the
+    device's target ids, on Qwen3's layout (fused q/k/v and gate/up targets) at TP=1 and TP=2."""
+    import numpy as np
+
+    from vllm_delta.apply.layout import DeviceLayout
+    from vllm_delta.codec.decoding import Runs
+    from vllm_delta.testing.apply_fixtures import QWEN3, model_layout
+
+    _, layout = model_layout(QWEN3["qwen3-tiny"], tp=tp, rank=tp - 1)
+    dl = DeviceLayout(layout, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(tp)
+    ids = torch.unique(torch.randint(0, int(dl.numels.sum()), (3000,), generator=gen))  # sorted global ids
+    t_idx, p, runs = dl.split_global(ids)
+    runs = Runs(runs.tensors, runs.counts).nonempty()
+    with_runs = 0
+    for s in dl.translate(t_idx, p, runs.tensors, runs.counts):
+        if s.mask is not None:
+            assert s.runs is None
+            continue
+        with_runs += 1
+        target = s.target.numpy()
+        change = np.flatnonzero(np.r_[True, target[1:] != target[:-1]])
+        assert s.runs is not None
+        assert s.runs.targets.tolist() == target[change].tolist()
+        assert s.runs.lengths.tolist() == np.diff(np.r_[change, target.size]).tolist()
+    if tp == 1:  # every tensor whole on one rank: one selection of every element (at TP=2, split tensors mask)
+        assert with_runs == 1
+    assert all(s.runs is None for s in dl.translate(t_idx, p, runs.tensors))  # no counts given: no runs

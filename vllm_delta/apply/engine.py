@@ -339,7 +339,7 @@ class ApplyEngine:
         """`source`: a decoded Chunk (new bits from its values or diffs) or a tensor of new bits."""
         t0 = time.perf_counter()
         runs = runs.nonempty()
-        sels = self.dlayout.translate(t_idx, p, runs.tensors)
+        sels = self.dlayout.translate(t_idx, p, runs.tensors, runs.counts)
         t0 = run.span("translate", t0)
         if not sels:
             return
@@ -395,6 +395,7 @@ class ApplyEngine:
         """Every segment holding an element gets it; rollback bits are read through that segment."""
         out = run.outs.setdefault(width, _Outputs())
         for k, s in enumerate(sels):
+            idx = None
             if s.mask is None:
                 tid, local, nb = s.target, s.offset, new
                 ob = live if k == 0 else self._gather(width, tid, local)
@@ -405,7 +406,7 @@ class ApplyEngine:
                 tid, local, nb = s.target[idx], s.offset[idx], new[idx]
                 ob = live[idx] if k == 0 else self._gather(width, tid, local)
             if self.fused:
-                plan = self._addressing[width].plan(tid, local, block=self.block)
+                plan = self._addressing[width].plan(tid, local, block=self.block, runs=s.runs if idx is None else None)
                 out.plans.append(plan)
                 out.new.append(plan.arrange(nb))
                 out.old.append(plan.arrange(ob))

@@ -150,6 +150,26 @@ class Selection(NamedTuple):
     target: torch.Tensor  # int64 per element: target index
     offset: torch.Tensor  # int64 per element: element offset in the target (0 where not held)
     owner: torch.Tensor | bool  # counts in checksums: per element, or one value for the whole chunk
+    # With no mask and the chunk's runs known: the runs of equal `target`, on the host (target per
+    # run, elements per run), so that a fused plan needs no device-to-host wait to find them.
+    runs: TargetRuns | None = None
+
+
+class TargetRuns(NamedTuple):
+    """Consecutive elements of one target, in element order (host arrays)."""
+
+    targets: np.ndarray  # int64 target index per run
+    lengths: np.ndarray  # int64 elements per run (each > 0)
+
+    @classmethod
+    def merged(cls, targets: np.ndarray, lengths: np.ndarray) -> TargetRuns:
+        """Runs of `lengths` elements going to `targets`, adjacent runs of one target merged."""
+        keep = lengths > 0
+        targets, lengths = targets[keep], lengths[keep]
+        if not targets.size:
+            return cls(targets.astype(np.int64), lengths.astype(np.int64))
+        first = np.flatnonzero(np.r_[True, targets[1:] != targets[:-1]])
+        return cls(targets[first].astype(np.int64), np.add.reduceat(lengths, first).astype(np.int64))
 
 
 class SegmentTable:
@@ -191,6 +211,7 @@ class SegmentTable:
         self.arrays = {
             f: torch.tensor(v, dtype=torch.int64).to(device) for f, v in columns.items()
         }  # name -> int64 per tensor
+        self.target_h = np.array(columns["target"], dtype=np.int64)  # the target column, on the host
         self.valid_t = torch.tensor(self.valid, dtype=torch.bool, device=device)
         self.owner_t = torch.tensor(self.owner, dtype=torch.bool, device=device)
         # the flags as arrays: a chunk's tensors are looked up at once (thousands in a MoE chunk)
@@ -250,8 +271,16 @@ class DeviceLayout:
         uniq, counts = torch.unique_consecutive(t_idx, return_counts=True)
         return t_idx, ids - self.starts_t[t_idx], Runs(uniq.cpu().numpy(), counts.cpu().numpy())
 
-    def translate(self, t_idx: torch.Tensor, p: torch.Tensor, tensors: Sequence[int] | np.ndarray) -> list[Selection]:
-        """One Selection per segment slot that any of `tensors` (the chunk's tensor indices) uses."""
+    def translate(
+        self,
+        t_idx: torch.Tensor,
+        p: torch.Tensor,
+        tensors: Sequence[int] | np.ndarray,
+        counts: np.ndarray | None = None,
+    ) -> list[Selection]:
+        """One Selection per segment slot that any of `tensors` (the chunk's tensor indices) uses.
+        With `counts` (the chunk's elements of each of `tensors`, which come in element order), a
+        Selection of every element carries its target runs (`Selection.runs`)."""
         out = []
         ts = np.asarray(tensors, dtype=np.int64)
         for tab in self.tables:
@@ -263,7 +292,8 @@ class DeviceLayout:
             mine = owners[valid]
             owner: torch.Tensor | bool = bool(mine[0]) if (mine == mine[0]).all() else tab.owner_t[t_idx]
             if (valid & full).all():
-                out.append(Selection(None, target, p + a["shift"][t_idx], owner))
+                runs = None if counts is None else TargetRuns.merged(tab.target_h[ts], np.asarray(counts))
+                out.append(Selection(None, target, p + a["shift"][t_idx], owner, runs))
             elif (valid & row_run).all():
                 mask = (p >= a["pos_lo"][t_idx]) & (p < a["pos_hi"][t_idx])
                 out.append(Selection(mask, target, p + a["shift"][t_idx], owner))

@@ -26,13 +26,16 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 import torch
 
 from ..bits import bit_view
 from ..codec import segment_ids
+
+if TYPE_CHECKING:
+    from .layout import TargetRuns
 
 try:  # Triton is optional: CPU installs work without it (the torch path).
     import triton
@@ -273,10 +276,13 @@ def fused_plan(
     *,
     block: int = BLOCK,
     rel_dtype: torch.dtype | None = None,
+    runs: TargetRuns | None = None,
 ) -> FusedPlan:
     """`build_fused_plan` without the argument checks, from precomputed tables (the engine's path):
     flat views, the base view, each target's element offset from the base (list and device tensor),
-    int64 target ids and in-range int64 target-local offsets. Two host synchronizations."""
+    int64 target ids and in-range int64 target-local offsets. The runs of equal ids are found on the
+    device (one host synchronization), or given on the host (`runs`, which must describe `ids`: the
+    engine knows them from the decoded chunk's tensors) with none."""
     device = offs.device
     n = offs.numel()
     if not n:
@@ -291,13 +297,20 @@ def fused_plan(
             target_base=tbase,
             count=0,
         )
-    runs_at = torch.ones(n, dtype=torch.bool, device=device)
-    torch.ne(ids[1:], ids[:-1], out=runs_at[1:])
-    starts = runs_at.nonzero().reshape(-1)
-    host = torch.cat([starts, ids[starts]]).cpu().numpy()
-    k = host.size // 2
-    starts_h, ids_h = host[:k], host[k:]
-    lengths_h = np.diff(np.append(starts_h, n))
+    if runs is not None:
+        ids_h, lengths_h = runs.targets, runs.lengths
+        if int(lengths_h.sum()) != n:
+            raise ValueError(f"the runs given hold {int(lengths_h.sum())} elements, the ids {n}")
+        k = ids_h.size
+        starts_h = np.cumsum(lengths_h) - lengths_h
+    else:
+        runs_at = torch.ones(n, dtype=torch.bool, device=device)
+        torch.ne(ids[1:], ids[:-1], out=runs_at[1:])
+        starts = runs_at.nonzero().reshape(-1)
+        host = torch.cat([starts, ids[starts]]).cpu().numpy()
+        k = host.size // 2
+        starts_h, ids_h = host[:k], host[k:]
+        lengths_h = np.diff(np.append(starts_h, n))
     padded_h = -(-lengths_h // block) * block  # runs in whole blocks (arrays: a MoE has ~2 runs per expert)
     pad_starts_h = np.cumsum(padded_h) - padded_h
     n_slots = int(padded_h.sum())
@@ -362,8 +375,12 @@ class FusedAddressing:
             offsets_t=torch.tensor(offsets, dtype=torch.int64, device=device),
         )
 
-    def plan(self, target_ids: torch.Tensor, offsets: torch.Tensor, *, block: int = BLOCK) -> FusedPlan:
-        return fused_plan(self.flats, self.base, self.offsets, self.offsets_t, target_ids, offsets, block=block)
+    def plan(
+        self, target_ids: torch.Tensor, offsets: torch.Tensor, *, block: int = BLOCK, runs: TargetRuns | None = None
+    ) -> FusedPlan:
+        return fused_plan(
+            self.flats, self.base, self.offsets, self.offsets_t, target_ids, offsets, block=block, runs=runs
+        )
 
     def gather(self, target_ids: torch.Tensor, offsets: torch.Tensor, backend: str | None = None) -> torch.Tensor:
         """Live bits at (target, offset) pairs."""
