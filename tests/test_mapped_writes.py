@@ -20,6 +20,20 @@ needs_shm = pytest.mark.skipif(
     reason="needs a tmpfs at /dev/shm (Linux)",
 )
 
+
+@pytest.fixture
+def shm_dir():
+    """A fresh folder on the tmpfs at /dev/shm, removed afterwards."""
+    import shutil
+    import tempfile
+
+    folder = tempfile.mkdtemp(prefix="vllm-delta-test-", dir=SHM)
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 MOUNTINFO = [
     "22 1 8:1 / / rw,relatime shared:1 - ext4 /dev/vda rw",
     "25 22 0:5 / /dev rw,nosuid shared:2 - devtmpfs udev rw",
@@ -72,7 +86,7 @@ class _Count:
 
 @needs_shm
 @pytest.mark.parametrize("hint_share", [2.0, 0.5])
-def test_a_file_on_tmpfs_is_the_same_bytes_by_mapping(tmp_path, monkeypatch, hint_share):
+def test_a_file_on_tmpfs_is_the_same_bytes_by_mapping(tmp_path, monkeypatch, shm_dir, hint_share):
     """Pieces inside the allocated bytes are mapped copies, the rest positioned writes (hint_share
     0.5: the allocation covers about half); the file equals the one written by positioned writes on
     the same payload, and its size is the payload's whatever was allocated."""
@@ -83,22 +97,15 @@ def test_a_file_on_tmpfs_is_the_same_bytes_by_mapping(tmp_path, monkeypatch, hin
     reference = _write(str(tmp_path), blob, index, hint=0, pool=None)  # no hint, no pool: pwrite only
     mapped = _Count(monkeypatch, "copy_mapped")
     written = _Count(monkeypatch, "pwrite_all")
-    folder = os.path.join(SHM, f"vllm-delta-test-{os.getpid()}")
-    os.makedirs(folder, exist_ok=True)
-    try:
-        with ThreadPoolExecutor(4) as pool:
-            data = _write(folder, blob, index, hint=int(hint_share * (blob.numel() + index.numel() * 8)), pool=pool)
-    finally:
-        for name in os.listdir(folder):
-            os.unlink(os.path.join(folder, name))
-        os.rmdir(folder)
+    with ThreadPoolExecutor(4) as pool:
+        data = _write(shm_dir, blob, index, hint=int(hint_share * (blob.numel() + index.numel() * 8)), pool=pool)
     assert data == reference
     assert mapped.calls > 0
     assert (written.calls > 0) == (hint_share < 1)
 
 
 @needs_shm
-def test_no_mapped_write_where_allocation_failed(tmp_path, monkeypatch):
+def test_no_mapped_write_where_allocation_failed(tmp_path, monkeypatch, shm_dir):
     """A tmpfs without room for the allocation (simulated: posix_fallocate raises ENOSPC, which a
     full /dev/shm would; it cannot be filled here) writes every piece by pwrite: a mapped page that
     cannot be allocated would kill the process with SIGBUS instead of raising."""
@@ -111,15 +118,8 @@ def test_no_mapped_write_where_allocation_failed(tmp_path, monkeypatch):
     blob = torch.arange(20_000, dtype=torch.int64).to(torch.uint8)
     index = torch.arange(5, dtype=torch.int64)
     reference = _write(str(tmp_path), blob, index, hint=0, pool=None)
-    folder = os.path.join(SHM, f"vllm-delta-test-{os.getpid()}-b")
-    os.makedirs(folder, exist_ok=True)
-    try:
-        with ThreadPoolExecutor(2) as pool:
-            data = _write(folder, blob, index, hint=10**6, pool=pool)
-    finally:
-        for name in os.listdir(folder):
-            os.unlink(os.path.join(folder, name))
-        os.rmdir(folder)
+    with ThreadPoolExecutor(2) as pool:
+        data = _write(shm_dir, blob, index, hint=10**6, pool=pool)
     assert data == reference
     assert mapped.calls == 0
 
@@ -190,7 +190,7 @@ def test_the_chooser_tries_both_ways_then_takes_the_faster_and_rechecks(caplog):
 
 
 @needs_shm
-def test_files_on_tmpfs_feed_the_chooser_with_their_ways_speed(tmp_path, monkeypatch):
+def test_files_on_tmpfs_feed_the_chooser_with_their_ways_speed(tmp_path, monkeypatch, shm_dir):
     """By default each file on tmpfs reports how fast its pieces were written, under the way it used;
     the first files try both ways, and every file has the same bytes."""
     chooser = mapped_writes.WriteChooser(explore=1)
@@ -200,15 +200,8 @@ def test_files_on_tmpfs_feed_the_chooser_with_their_ways_speed(tmp_path, monkeyp
     blob = torch.arange(30_000, dtype=torch.int64).to(torch.uint8)
     index = torch.arange(5, dtype=torch.int64)
     reference = _write(str(tmp_path), blob, index, hint=0, pool=None)
-    folder = os.path.join(SHM, f"vllm-delta-test-{os.getpid()}-c")
-    os.makedirs(folder, exist_ok=True)
-    try:
-        with ThreadPoolExecutor(2) as pool:
-            files = [_write(folder, blob, index, hint=10**6, pool=pool) for _ in range(3)]
-    finally:
-        for name in os.listdir(folder):
-            os.unlink(os.path.join(folder, name))
-        os.rmdir(folder)
+    with ThreadPoolExecutor(2) as pool:
+        files = [_write(shm_dir, blob, index, hint=10**6, pool=pool) for _ in range(3)]
     assert all(f == reference for f in files)
     rates = chooser.rates()
     assert len(rates[True]) >= 1 and len(rates[False]) >= 1 and len(rates[True]) + len(rates[False]) == 3
