@@ -58,6 +58,27 @@ def test_truncated_file(anchor, tmp_path):
             VersionFile(str(bad), expect_version=7)
 
 
+def test_an_opened_file_reads_in_full_after_its_path_is_removed(anchor, tmp_path):
+    """A download cache shared by two servers: one prunes a copy the other opened but had not read yet.
+    The opened file reads through its own descriptor; the path is not opened again."""
+    path, tensors = anchor
+    vf = VersionFile(path, expect_version=7)
+    os.remove(path)
+    other = tmp_path / "a.safetensors"  # a new file under the same name must not be what is read
+    save_file({"x": torch.zeros(2)}, str(other))
+    for n, t in tensors.items():
+        assert torch.equal(vf.dense(n).view(torch.int16), t.view(torch.int16))
+    vf.close()
+    with pytest.raises(ValueError, match="closed"):
+        vf.dense("w")
+
+
+def test_a_missing_file_is_file_not_found_not_a_format_error(tmp_path):
+    # DeltaStore.open tells a copy pruned before its open (fetched again) from a damaged file (refused).
+    with pytest.raises(FileNotFoundError):
+        VersionFile(str(tmp_path / "gone.safetensors"))
+
+
 def test_not_a_version_file(tmp_path):
     p = str(tmp_path / "plain.safetensors")
     save_file({"x": torch.zeros(2)}, p)

@@ -280,6 +280,79 @@ def test_old_records_without_a_digest_are_checked_by_size_and_dropped_on_demand(
     assert reader.local_path(1) == path and open(path, "rb").read() == good
 
 
+def _pruned_after_check(store: DeltaStore, times: int) -> list[str]:
+    """The window a shared cache opens: another process prunes the copy after this one checked it and
+    before it opened it (the first `times` checks). Returns the paths pruned that way."""
+    real, pruned = store._cache.copy, []
+
+    def copy(data, *, version, download):
+        path = real(data, version=version, download=download)
+        if len(pruned) < times:
+            os.remove(path)
+            pruned.append(path)
+        return path
+
+    store._cache.copy = copy  # type: ignore[method-assign]
+    return pruned
+
+
+def test_a_copy_pruned_before_its_open_is_fetched_again_once(s3, history, tmp_path, caplog):
+    uri = new_uri(s3)
+    writer = DeltaStore(uri, s3.storage_options)
+    publish_history(writer, history, str(tmp_path), [(0, None), (1, 0)])
+    reader = reader_of(s3, uri, str(tmp_path / "cache"))
+    pruned = _pruned_after_check(reader, 1)
+    with caplog.at_level("WARNING", logger="vllm_delta.store.delta_store"), reader.open(1) as vf:
+        history.check_file(vf)
+    assert len(pruned) == 1 and os.path.exists(pruned[0])  # fetched again, verified, in the cache
+    assert "vanished before it was opened: fetching it again" in caplog.text
+    # Twice in a row: a clear, transient error (503); nothing is left half-done, the next open works.
+    pruned = _pruned_after_check(reader, 2)
+    with pytest.raises(CacheError, match="vanished twice") as err:
+        reader.open(0)
+    assert err.value.http_status == 503 and err.value.version == 0
+    with reader.open(0) as vf:
+        history.check_file(vf)
+
+
+def test_a_local_version_deleted_before_its_open_is_not_found(tmp_path, history, monkeypatch):
+    store = DeltaStore(str(tmp_path / "s"))
+    (rec,) = publish_history(store, history, str(tmp_path), [(0, None)])
+    real = store.local_paths
+
+    def deleted_after_check(version, *, record=None):
+        paths = real(version, record=record)
+        os.remove(os.path.join(store.root, rec.file))
+        os.remove(os.path.join(store.root, "versions", "0000000000.json"))  # retention took it whole
+        return paths
+
+    monkeypatch.setattr(store, "local_paths", deleted_after_check)
+    with pytest.raises(VersionNotFoundError, match="removed"):
+        store.open(0)
+
+
+def test_a_server_pruning_a_shared_cache_keeps_what_a_peer_ahead_of_it_stages(s3, history, tmp_path):
+    """Two servers following one store share a host's cache folder (vLLM's `delta_cache_dir`). The one
+    behind prunes after its update: the newer copies the one ahead downloaded (and may be staging) stay;
+    older ones off its chain go."""
+    from vllm_delta.vllm.shared.cache_keep import CacheKeeper
+
+    uri = new_uri(s3)
+    writer = DeltaStore(uri, s3.storage_options)
+    publish_history(writer, history, str(tmp_path), [(0, None), (1, 0), (2, 1), (3, None), (4, 3), (5, 4)])
+    behind, ahead = (reader_of(s3, uri, str(tmp_path / "cache")) for _ in range(2))
+    paths = {v: ahead.local_path(v) for v in range(6)}
+    CacheKeeper(behind, None).prune(served=3)
+    assert {v for v, p in paths.items() if os.path.exists(p)} == {3, 4, 5}  # 3's chain is 3 itself
+    for v in (4, 5):
+        with ahead.open(v) as vf:
+            history.check_file(vf)
+    CacheKeeper(ahead, None).prune(served=5)
+    assert {v for v, p in paths.items() if os.path.exists(p)} == {3, 4, 5}
+    CacheKeeper(behind, None).prune(served=5, staged=[])
+    assert behind.cache_bytes() == sum(os.path.getsize(paths[v]) for v in (3, 4, 5))
+
+
 def test_prune_keeps_what_is_asked_removes_leftovers_and_caps(s3, history, tmp_path):
     uri = new_uri(s3)
     writer = DeltaStore(uri, s3.storage_options)

@@ -33,6 +33,7 @@ import os
 import re
 import struct
 import time
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
@@ -844,14 +845,34 @@ def header_text(path: str | os.PathLike[str]) -> str | None:
     return meta.get("header")
 
 
+def _held_path(fd: int, path: str) -> str:
+    """A path that opens the file `fd` holds, even after `path` was unlinked or replaced: Linux's
+    /proc/self/fd/N (elsewhere `path` itself, and the window between two opens stays)."""
+    held = f"/proc/self/fd/{fd}"
+    return held if os.path.exists(held) else path
+
+
 class VersionFile:
     """A local version file (one-file version, or one part of a multi-part version), memory-mapped.
-    Validates the container and header on open."""
+    Validates the container and header on open.
+
+    The file is opened once, here, and every later read goes through that descriptor: a path that
+    goes away after the open (a download cache shared by two servers, pruned by one while the other
+    stages) takes nothing away from this object. A path missing at the open raises FileNotFoundError
+    (not a FormatError: the file is absent, not malformed; `DeltaStore.open` fetches it again)."""
 
     def __init__(self, path: str | os.PathLike[str], *, expect_version: int | None = None):
         self.path = os.fspath(path)
         try:
-            self._f = safe_open(self.path, framework="pt", device="cpu")
+            fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except FileNotFoundError:
+            raise
+        except OSError as exc:
+            raise FormatError(f"not a readable safetensors file {self.path}: {exc}", version=expect_version) from None
+        self._fd: int | None = fd
+        self._closer = weakref.finalize(self, os.close, fd)  # closed with this object, at the latest
+        try:
+            self._f = safe_open(_held_path(fd, self.path), framework="pt", device="cpu")
             meta = self._f.metadata() or {}
             keys = list(self._f.keys())
         except (SafetensorError, OSError, ValueError) as exc:
@@ -929,11 +950,12 @@ class VersionFile:
         call, which a server applying tens of thousands of versions would accumulate. The container
         was validated by safe_open; its header gives each tensor's dtype, shape and byte range."""
         if self._map is None:
-            with open(self.path, "rb") as f:
-                (n,) = struct.unpack("<Q", f.read(8))
-                self._entries = json.loads(f.read(n))
-                self._base = 8 + n
-                self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+            if self._fd is None:
+                raise ValueError(f"{self.path} was closed")
+            (n,) = struct.unpack("<Q", os.pread(self._fd, 8, 0))
+            self._entries = json.loads(os.pread(self._fd, n, 8))
+            self._base = 8 + n
+            self._map = mmap.mmap(self._fd, 0, access=mmap.ACCESS_COPY)
         entry = self._entries[key]
         dtype = _ST_DTYPES.get(entry["dtype"])
         if dtype is None:
@@ -980,10 +1002,13 @@ class VersionFile:
         return [Piece(entry.nnz, entry.enc, self.parts(name), start, stop)]
 
     def close(self) -> None:
-        # The memory maps go with the last reference (tensors handed out keep theirs alive).
+        # The memory maps go with the last reference (tensors handed out keep theirs alive: a mapping
+        # holds its own reference to the file, so the descriptor can go now).
         self._f = None  # type: ignore[assignment]
         self._map = None
         self._file_payload = None
+        self._fd = None
+        self._closer()
 
     def __enter__(self) -> VersionFile:
         return self

@@ -226,11 +226,12 @@ class DownloadCache:
         *,
         max_bytes: int | None = None,
         protect: Iterable[int] = (),
+        newer_than: int | None = None,
     ) -> list[str]:
-        """Delete copies of `versions` (default: all) except `keep`, and temp downloads and download locks
-        nobody has touched for TMP_STALE_S (a killed process's). Then, with `max_bytes`, delete
-        kept copies too, oldest version first, until the cache fits, except those of `protect` (a
-        staged update's). Returns the deleted names."""
+        """Delete copies of `versions` (default: all) except `keep` and those of versions above
+        `newer_than`, and temp downloads and download locks nobody has touched for TMP_STALE_S (a killed
+        process's). Then, with `max_bytes`, delete kept copies too, oldest version first, until the
+        cache fits, except those of `protect` (a staged update's). Returns the deleted names."""
         kept_versions, protected = set(keep), set(protect)
         only = None if versions is None else set(versions)
         removed: list[str] = []
@@ -246,7 +247,8 @@ class DownloadCache:
                 drop = st.st_mtime < stale
             elif m:
                 v = int(m.group(1))
-                drop = v not in kept_versions and (only is None or v in only)
+                newer = newer_than is not None and v > newer_than
+                drop = v not in kept_versions and not newer and (only is None or v in only)
                 if not drop:
                     kept.append((v, e.path, e.name, st.st_size))
             else:

@@ -40,7 +40,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from .. import gc_pause
-from ..errors import IntegrityError, MissingBaseError, VersionNotFoundError
+from ..errors import CacheError, IntegrityError, MissingBaseError, VersionNotFoundError
 from ..format import Version, VersionFile, VersionHeader, VersionKind, VersionLike
 from . import replicas
 from .cache import DownloadCache, cache_entries
@@ -303,16 +303,43 @@ class DeltaStore:
         """The version's data, checked against its record: a `VersionFile` (one file) or a `Version`
         (several parts); both give `header`, `pieces(name)` and `dense(name)`."""
         rec = record if record is not None else self.record(version, fresh=fresh)
-        paths = self.local_paths(version, record=rec)
-        with gc_pause.paused():  # one pause over every part's header and the merge (gc_pause.py)
-            return self._open_files(version, rec, paths)
+        for attempt in range(2):
+            paths = self.local_paths(version, record=rec)
+            try:
+                with gc_pause.paused():  # one pause over every part's header and the merge (gc_pause.py)
+                    return self._open_files(version, rec, paths)
+            except FileNotFoundError as exc:
+                # Gone between its check and its open: a local store's version was deleted (retention),
+                # or a cached copy was pruned by another process sharing the cache folder. A copy is
+                # fetched again once; an open file is never affected (VersionFile holds it).
+                missing = os.path.basename(exc.filename or "")
+                file = next((d.file for d in rec.data_files if os.path.basename(d.file) == missing), missing)
+                if self.is_local:
+                    raise self._missing_data(rec, file) from None
+                if attempt:
+                    raise CacheError(
+                        f"the cached copy of {file} vanished twice before it could be opened: another process "
+                        f"keeps pruning the download cache {self._cache.folder()}",
+                        version=version,
+                    ) from None
+                log.warning(
+                    "%s: the cached copy of %s vanished before it was opened: fetching it again", self.uri, file
+                )
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def _open_files(self, version: int, rec: VersionRecord, paths: list[str]) -> VersionLike:
         vf: VersionLike
         if rec.file is not None:
             vf = VersionFile(paths[0], expect_version=version)
         else:
-            files = [VersionFile(path, expect_version=version) for path in paths]
+            files: list[VersionFile] = []
+            try:
+                for path in paths:
+                    files.append(VersionFile(path, expect_version=version))
+            except BaseException:
+                for g in files:
+                    g.close()
+                raise
             for i, (f, part) in enumerate(zip(files, rec.parts)):
                 info = f.header.part
                 if info is None or info.index != i or info.count != len(rec.parts) or info.checksum != part.checksum:
@@ -364,13 +391,14 @@ class DeltaStore:
         *,
         max_bytes: int | None = None,
         protect: Iterable[int] = (),
+        newer_than: int | None = None,
     ) -> list[str]:
         """Prune the download cache of a remote store (`cache.DownloadCache.prune`: copies of `versions`
-        but `keep`, dead temp files, then the oldest beyond `max_bytes` but `protect`); returns the
-        deleted names. A local store has no cache: nothing to do."""
+        but `keep` and those above `newer_than`, dead temp files, then the oldest beyond `max_bytes` but
+        `protect`); returns the deleted names. A local store has no cache: nothing to do."""
         if self.is_local:
             return []
-        return self._cache.prune(keep, versions, max_bytes=max_bytes, protect=protect)
+        return self._cache.prune(keep, versions, max_bytes=max_bytes, protect=protect, newer_than=newer_than)
 
     # -- retention ---------------------------------------------------------------------------
     def retain(self, keep_anchors: int, *, protect: Iterable[int] = ()) -> list[int]:

@@ -2,9 +2,11 @@
 both paths that update a server, the API process (api_server/) and the weight-transfer backend
 (worker/backend.py).
 
-    keep   the served version's chain (its anchor .. the served version) and the versions staged
-           for the next update (a prefetch)
-    drop   every other version's copies, and a dead process's partial downloads
+    keep   the served version's chain (its anchor .. the served version), the versions staged
+           for the next update (a prefetch), and every version newer than the served one: where
+           several servers share a host's cache folder, a newer copy is the one a peer that got
+           ahead is staging now (and this server's next update)
+    drop   every other (older) version's copies, and a dead process's partial downloads
     cap    then `cache_max_bytes`: the oldest copies beyond it, never the staged ones
 
 A local store has no cache: nothing to do. Pruning never fails an update: the callers log a failure
@@ -47,4 +49,4 @@ class CacheKeeper:
         if self._chain is None or self._chain[-1] != served:
             self._chain = [r.version for r in self.store.chain(served)]
         keep = set(self._chain) | set(staged)
-        self.store.prune_cache(keep, max_bytes=self.max_bytes, protect=set(staged))
+        self.store.prune_cache(keep, max_bytes=self.max_bytes, protect=set(staged), newer_than=served)
