@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -206,3 +207,33 @@ def test_files_on_tmpfs_feed_the_chooser_with_their_ways_speed(tmp_path, monkeyp
     rates = chooser.rates()
     assert len(rates[True]) >= 1 and len(rates[False]) >= 1 and len(rates[True]) + len(rates[False]) == 3
     assert all(r > 0 for r in rates[True] + rates[False])
+
+
+@needs_shm
+def test_a_restarted_file_reports_only_the_pass_that_stays(monkeypatch, shm_dir):
+    """A codec that falls back writes the payload again (`restart`): the chooser hears the bytes and
+    span of the second pass only, not the failed first one's as well."""
+    heard: list[tuple[bool, int, float]] = []
+
+    class Listening(mapped_writes.WriteChooser):
+        def record(self, mapped: bool, nbytes: int, seconds: float) -> None:
+            heard.append((mapped, nbytes, seconds))
+
+    monkeypatch.setattr(mapped_writes, "CHOOSER", Listening())
+    monkeypatch.setenv(mapped_writes.ENV, "1")
+    first, second = torch.zeros(40_000, dtype=torch.uint8), torch.ones(10_000, dtype=torch.uint8)
+    index = torch.arange(5, dtype=torch.int64)
+    header = VersionHeader(version=1, kind="anchor", tensors={}, checksum="0" * 16)
+    parts = [("blob", torch.uint8, 1), ("index", torch.int64, 1)]
+    with ThreadPoolExecutor(2) as pool:
+        with PayloadWriter(os.path.join(shm_dir, "r.safetensors"), header, parts, pool, size_hint=10**6) as out:
+            out.append("blob", first)
+            time.sleep(0.2)  # a failed first pass that took long
+            out.restart()
+            second_pass = time.perf_counter()
+            out.append("blob", second)
+            out.append("index", index)
+        closed = time.perf_counter()
+    assert len(heard) == 1
+    mapped, nbytes, seconds = heard[0]
+    assert mapped and nbytes == second.numel() + index.numel() * 8 and 0 < seconds <= closed - second_pass

@@ -776,6 +776,7 @@ class PayloadWriter:
         """Drop what was appended (a codec falling back to another path writes the payload again)."""
         self._drain()
         self._restart()
+        self._spent.clear()  # the file's speed is that of the pass that stays, not of the dropped one
 
     def close(self) -> None:
         """Wait for every write, then write the header; raises the first write error."""

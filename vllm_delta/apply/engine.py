@@ -395,7 +395,6 @@ class ApplyEngine:
         """Every segment holding an element gets it; rollback bits are read through that segment."""
         out = run.outs.setdefault(width, _Outputs())
         for k, s in enumerate(sels):
-            idx = None
             if s.mask is None:
                 tid, local, nb = s.target, s.offset, new
                 ob = live if k == 0 else self._gather(width, tid, local)
@@ -406,7 +405,9 @@ class ApplyEngine:
                 tid, local, nb = s.target[idx], s.offset[idx], new[idx]
                 ob = live[idx] if k == 0 else self._gather(width, tid, local)
             if self.fused:
-                plan = self._addressing[width].plan(tid, local, block=self.block, runs=s.runs if idx is None else None)
+                plan = self._addressing[width].plan(
+                    tid, local, block=self.block, runs=s.runs
+                )  # set only without a mask
                 out.plans.append(plan)
                 out.new.append(plan.arrange(nb))
                 out.old.append(plan.arrange(ob))
