@@ -169,3 +169,27 @@ def test_prune_removes_a_dead_process_lock_file(tmp_path, age_s, kept):
     os.utime(lock, (old, old))
     cache.prune()
     assert os.path.exists(lock) == kept
+
+
+def test_a_copy_pruned_while_it_is_hashed_is_downloaded_again(tmp_path, monkeypatch):
+    """Another process sharing the folder prunes the copy while this one checks its sha256: the copy is
+    not there, so it is downloaded again (not a FileNotFoundError out of the check)."""
+    from vllm_delta.store import cache as cache_mod
+
+    cache = DownloadCache("s3://bucket/store", str(tmp_path / "cache"))
+    log_path = str(tmp_path / "downloads")
+    path = cache.copy(DATA, version=1, download=slow_download(log_path, 0.0))
+    fresh = DownloadCache("s3://bucket/store", str(tmp_path / "cache"))  # another process: hashes it again
+    real, pruned = cache_mod.file_sha256, []
+
+    def pruned_while_hashed(p: str) -> str:
+        if not pruned:
+            pruned.append(p)
+            os.remove(p)
+        return real(p)
+
+    monkeypatch.setattr(cache_mod, "file_sha256", pruned_while_hashed)
+    assert fresh.copy(DATA, version=1, download=slow_download(log_path, 0.0)) == path
+    assert pruned == [path] and calls(log_path) == 2
+    with open(path, "rb") as f:
+        assert f.read() == BODY

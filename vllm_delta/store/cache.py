@@ -116,7 +116,10 @@ class DownloadCache:
             if self._verified.get(path) == stamp:
                 self._verified.move_to_end(path)
                 return True
-        if file_sha256(path) != data.sha256:
+        try:
+            if file_sha256(path) != data.sha256:
+                return False
+        except FileNotFoundError:  # pruned meanwhile by another process sharing the folder
             return False
         self._remember(path, stamp)
         return True
