@@ -33,7 +33,6 @@ import os
 import re
 import struct
 import time
-import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
@@ -857,10 +856,11 @@ class VersionFile:
     """A local version file (one-file version, or one part of a multi-part version), memory-mapped.
     Validates the container and header on open.
 
-    The file is opened once, here, and every later read goes through that descriptor: a path that
-    goes away after the open (a download cache shared by two servers, pruned by one while the other
-    stages) takes nothing away from this object. A path missing at the open raises FileNotFoundError
-    (not a FormatError: the file is absent, not malformed; `DeltaStore.open` fetches it again)."""
+    The file is opened once, here, and mapped whole (no page is read until a tensor is); every later
+    read goes through the mappings, never the path. A path that goes away after the open (a download
+    cache shared by two servers, pruned by one while the other stages) takes nothing away from this
+    object. A path missing at the open raises FileNotFoundError (not a FormatError: the file is
+    absent, not malformed; `DeltaStore.open` fetches it again)."""
 
     def __init__(self, path: str | os.PathLike[str], *, expect_version: int | None = None):
         self.path = os.fspath(path)
@@ -870,19 +870,20 @@ class VersionFile:
             raise
         except OSError as exc:
             raise FormatError(f"not a readable safetensors file {self.path}: {exc}", version=expect_version) from None
-        self._fd: int | None = fd
-        self._closer = weakref.finalize(self, os.close, fd)  # closed with this object, at the latest
         try:
             self._f = safe_open(_held_path(fd, self.path), framework="pt", device="cpu")
             meta = self._f.metadata() or {}
             keys = list(self._f.keys())
+            # our own private (copy-on-write) mapping of the payload (see `_tensor`)
+            self._map: mmap.mmap | None = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
         except (SafetensorError, OSError, ValueError) as exc:
             raise FormatError(f"not a readable safetensors file {self.path}: {exc}", version=expect_version) from None
+        finally:
+            os.close(fd)  # the mappings hold the file from here on (Python's mmap keeps a duplicate)
         if meta.get("format") != FORMAT_NAME or "header" not in meta:
             raise FormatError(f"{self.path} is not a vllm-delta version file", version=expect_version)
         self._keys = set(keys)
-        self._map: mmap.mmap | None = None  # our own private mapping of the payload (see `_tensor`)
-        self._entries: dict[str, dict[str, Any]] = {}
+        self._entries: dict[str, dict[str, Any]] | None = None  # the container's table, read at first use
         self._base = 0
         self._parts: dict[str, list[str]] = {}
         self._file_payload: dict[str, torch.Tensor] | None = None
@@ -951,12 +952,11 @@ class VersionFile:
         call, which a server applying tens of thousands of versions would accumulate. The container
         was validated by safe_open; its header gives each tensor's dtype, shape and byte range."""
         if self._map is None:
-            if self._fd is None:
-                raise ValueError(f"{self.path} was closed")
-            (n,) = struct.unpack("<Q", os.pread(self._fd, 8, 0))
-            self._entries = json.loads(os.pread(self._fd, n, 8))
+            raise ValueError(f"{self.path} was closed")
+        if self._entries is None:
+            (n,) = struct.unpack_from("<Q", self._map, 0)
+            self._entries = json.loads(self._map[8 : 8 + n])
             self._base = 8 + n
-            self._map = mmap.mmap(self._fd, 0, access=mmap.ACCESS_COPY)
         entry = self._entries[key]
         dtype = _ST_DTYPES.get(entry["dtype"])
         if dtype is None:
@@ -1003,13 +1003,10 @@ class VersionFile:
         return [Piece(entry.nnz, entry.enc, self.parts(name), start, stop)]
 
     def close(self) -> None:
-        # The memory maps go with the last reference (tensors handed out keep theirs alive: a mapping
-        # holds its own reference to the file, so the descriptor can go now).
+        # The memory maps go with the last reference (tensors handed out keep theirs alive).
         self._f = None  # type: ignore[assignment]
         self._map = None
         self._file_payload = None
-        self._fd = None
-        self._closer()
 
     def __enter__(self) -> VersionFile:
         return self
