@@ -405,9 +405,8 @@ class ApplyEngine:
                 tid, local, nb = s.target[idx], s.offset[idx], new[idx]
                 ob = live[idx] if k == 0 else self._gather(width, tid, local)
             if self.fused:
-                plan = self._addressing[width].plan(
-                    tid, local, block=self.block, runs=s.runs
-                )  # set only without a mask
+                # s.runs is set only without a mask (the host's runs of a whole-tensor selection)
+                plan = self._addressing[width].plan(tid, local, block=self.block, runs=s.runs)
                 out.plans.append(plan)
                 out.new.append(plan.arrange(nb))
                 out.old.append(plan.arrange(ob))
