@@ -27,7 +27,11 @@ LAYERS: list[tuple[str, ...]] = [
     ("checksums",),  # the checksum definition
     ("wire",),  # the generic dataclass <-> plain values codec, and the store's JSON documents
     ("server_api", "attribution"),  # the HTTP contract of a server: bodies (clients and plugin); attribution
-    ("format", "codec"),  # the wire: version files, codecs
+    ("format.layout",),  # the version file's names: format versions, kinds, dtypes, payload keys
+    ("format.table",),  # a header's tensor table
+    ("format.header",),  # the version header
+    ("format.payload_writer", "format.version_file"),  # writing a file; an opened file
+    ("format.parts", "format", "codec"),  # a multi-part version read as one, the package; codecs
     ("writer", "store.records", "store.replicas"),  # building versions; commit records and replica reports
     ("store.marks",),  # bad-version marks and the rule that reads them (on records)
     (

@@ -1,4 +1,4 @@
-"""The one delta writer: per-tensor changes -> a version's header and payload (layout: format.py).
+"""The one delta writer: per-tensor changes -> a version's header and payload (layout: format/).
 
     header, payload = encode_delta(version=7, base=6, base_checksum=..., codec="chunked",
                                    shapes=..., dtypes=..., changes={name: (positions, new, old)}, sums=...)

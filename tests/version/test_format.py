@@ -263,7 +263,9 @@ def test_payload_writer_header_bytes_are_json_dumps_of_the_whole_doc(tmp_path, c
     whole document (with no tensors too: still one JSON object), and a file safetensors reads."""
     from safetensors import safe_open
 
-    from vllm_delta.format import _ST_NAMES, PayloadWriter, _metadata
+    from vllm_delta.format import PayloadWriter
+    from vllm_delta.format.layout import ST_NAMES
+    from vllm_delta.format.payload_writer import file_metadata
 
     names = ["w", 'q"uote::0', "caf\u00e9::1", "blob"][:count]
     dtypes = [torch.bfloat16, torch.int64, torch.uint8, torch.float32][:count]
@@ -271,14 +273,14 @@ def test_payload_writer_header_bytes_are_json_dumps_of_the_whole_doc(tmp_path, c
     header = anchor_header({"w": torch.zeros(3, 2, dtype=torch.bfloat16)}, 5)
     path = str(tmp_path / "h")
     out = PayloadWriter(path, header, [(n, dt, len(shape)) for n, (dt, shape, _, _) in tensors.items()])
-    doc: dict = {"__metadata__": _metadata(header)}
+    doc: dict = {"__metadata__": file_metadata(header)}
     for key, (dtype, shape, start, end) in tensors.items():
-        doc[key] = {"dtype": _ST_NAMES[dtype], "shape": shape, "data_offsets": [start, end]}
+        doc[key] = {"dtype": ST_NAMES[dtype], "shape": shape, "data_offsets": [start, end]}
     assert out._header_bytes(tensors) == json.dumps(doc, separators=(",", ":")).encode()
-    assert json.loads(out._header_bytes({})) == {"__metadata__": _metadata(header)}
+    assert json.loads(out._header_bytes({})) == {"__metadata__": file_metadata(header)}
     if not count:
         out.close()  # a file of no tensors: the header alone
         with safe_open(path, framework="pt") as f:
-            assert list(f.keys()) == [] and f.metadata() == _metadata(header)
+            assert list(f.keys()) == [] and f.metadata() == file_metadata(header)
     else:
         out.abort()

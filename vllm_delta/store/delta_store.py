@@ -3,7 +3,7 @@
 Layout under the store root (names: `records.py`):
 
     versions/<version:010d>.json                                  commit record of one version (VersionRecord)
-    data/<version:010d>.<kind>.<token>.safetensors                the version file (format.py), or
+    data/<version:010d>.<kind>.<token>.safetensors                the version file (format/), or
     data/<version:010d>.<kind>.<token>.part<index:05d>.safetensors  one part of a multi-part version
     assets/<name>                                                 config.json, tokenizer files, ...
 
