@@ -97,7 +97,9 @@ def register_backend(factory: Any = None) -> list[str]:
     "delta" too): a name taken by someone else is said at start-up, naming both, never silently lost.
     Returns the names that lead to our engine."""
     if factory is None:
-        from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory as factory
+        from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+        factory = WeightTransferEngineFactory
     ours = []
     for name in (BACKEND_OWN, BACKEND):
         loader = factory._registry.get(name)
