@@ -1,5 +1,5 @@
 """The signing leaf (vllm_delta/signatures.py): key files, what a signature binds, and every bad input a
-clear error naming the file. No store here (tests/test_signed_store.py)."""
+clear error naming the file. No store here (tests/store/test_signed_store.py)."""
 
 from __future__ import annotations
 

@@ -27,7 +27,7 @@ from vllm_delta.trainer import PublisherOptions, StoreOptions
 from vllm_delta.vllm.shared.plan import plan_update
 from vllm_delta.vllm.shared.trust import TrustPolicy, check_start
 
-OLD = os.path.join(os.path.dirname(__file__), "data", "store_fcd5eec")
+OLD = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "store_fcd5eec")
 
 
 @pytest.fixture(scope="module")
