@@ -154,7 +154,9 @@ def cmd_verify(args) -> int:
         for s in states:
             who = f"by {s.key}" if s.key else ""
             trust = " (trusted)" if s.status == "signed" and trusted is not None else ""
-            print(f"{s.version:>8} {s.status:9} {who}{trust}  run {s.run or '-'}" + (f"  {s.reason}" if s.reason else ""))
+            print(
+                f"{s.version:>8} {s.status:9} {who}{trust}  run {s.run or '-'}" + (f"  {s.reason}" if s.reason else "")
+            )
         bad = [s.version for s in states if not s.ok]
         print(f"{len(states) - len(bad)} of {len(states)} version(s) signed" + (" by a trusted key" if trusted else ""))
     return 0 if all(s.ok for s in states) else 1

@@ -39,9 +39,7 @@ import logging
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
-
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .errors import KeyFileError, SignatureError, short
 
@@ -252,7 +250,9 @@ def load_public_key(path: str) -> Ed25519PublicKey:
 
     data = _read_key_file(path)
     if b"PRIVATE KEY" in data:
-        raise KeyFileError(f"{path} is a private key: trust its public key ({path}{PUBLIC_SUFFIX}), never share this one")
+        raise KeyFileError(
+            f"{path} is a private key: trust its public key ({path}{PUBLIC_SUFFIX}), never share this one"
+        )
     try:
         key = serialization.load_pem_public_key(data)
     except (ValueError, UnsupportedAlgorithm):
@@ -288,7 +288,9 @@ def keygen(path: str | os.PathLike[str]) -> SigningKey:
     private_pem = key.private_bytes(
         serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
     )
-    public_pem = key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+    public_pem = key.public_key().public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
     _create(path, private_pem, 0o600)
     try:
         _create(public_path, public_pem, 0o644)

@@ -228,7 +228,8 @@ def test_rank_0_signs_the_record_that_binds_every_part(tmp_path):
             assert part.sha256 == file_sha256(os.path.join(store.uri, part.file))
         assert check_signed(rec, trusted) == key.fingerprint
     swapped = dataclasses.replace(
-        store.record(2), parts=(store.record(2).parts[0], dataclasses.replace(store.record(2).parts[1], sha256="0" * 64))
+        store.record(2),
+        parts=(store.record(2).parts[0], dataclasses.replace(store.record(2).parts[1], sha256="0" * 64)),
     )
     with pytest.raises(SignatureError, match=r"does not verify.*\(version 2\)"):
         check_signed(swapped, trusted)

@@ -21,7 +21,9 @@ def factory(monkeypatch):
 
     from vllm_delta.vllm import plugin
 
-    builtin = {k: v for k, v in WeightTransferEngineFactory._registry.items() if k not in (plugin.BACKEND, plugin.BACKEND_OWN)}
+    builtin = {
+        k: v for k, v in WeightTransferEngineFactory._registry.items() if k not in (plugin.BACKEND, plugin.BACKEND_OWN)
+    }
     monkeypatch.setattr(WeightTransferEngineFactory, "_registry", builtin)
     return WeightTransferEngineFactory
 

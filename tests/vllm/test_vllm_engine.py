@@ -121,7 +121,9 @@ def sign_store(store: DeltaStore, key) -> None:
     for rec in store.records():
         files = [file_sha256(os.path.join(store.uri, d.file)) for d in rec.data_files]
         if rec.parts:
-            rec = dataclasses.replace(rec, parts=tuple(dataclasses.replace(p, sha256=h) for p, h in zip(rec.parts, files)))
+            rec = dataclasses.replace(
+                rec, parts=tuple(dataclasses.replace(p, sha256=h) for p, h in zip(rec.parts, files))
+            )
         else:
             rec = dataclasses.replace(rec, sha256=files[0])
         store.io.write_small(store.record_reader.record_path(rec.version), signer.seal(rec).to_json().encode())

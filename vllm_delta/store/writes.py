@@ -28,7 +28,6 @@ from ..format import VersionFile, VersionHeader, VersionKind, header_text, is_ki
 from .cache import file_sha256
 from .fs import StoreFS, fsync
 from .record_reader import RecordReader
-from .signed import RecordSigner
 from .records import (
     DATA_DIR,
     HEAD_NAME,
@@ -43,6 +42,7 @@ from .records import (
     data_name,
     record_name,
 )
+from .signed import RecordSigner
 
 log = logging.getLogger("vllm_delta.store")
 

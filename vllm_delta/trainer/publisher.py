@@ -45,8 +45,8 @@ from .. import gc_pause
 from ..checksums import MASK64, combine, to_hex
 from ..errors import PublishError
 from ..format import DTYPE_NAMES, VersionKind
-from ..store import DeltaStore, VersionRecord
 from ..signatures import SigningKey
+from ..store import DeltaStore, VersionRecord
 from ..store.marks import BadMark
 from ..store.signed import RecordSigner, new_run_id
 from .detect import FlatSnapshot

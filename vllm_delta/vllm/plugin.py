@@ -111,7 +111,7 @@ def register_backend(factory: Any = None) -> list[str]:
         else:
             log.warning(
                 "vllm-delta: the weight-transfer backend name %r is already registered by %s: vllm-delta's "
-                "backend is registered as %r only (--weight-transfer-config '{\"backend\": \"%s\"}')",
+                'backend is registered as %r only (--weight-transfer-config \'{"backend": "%s"}\')',
                 name,
                 _owner(loader),
                 BACKEND_OWN,

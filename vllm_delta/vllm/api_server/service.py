@@ -51,7 +51,6 @@ from ..shared.eplb import refuse_eplb, refuse_operation
 from ..shared.messages import WorkerStatus
 from ..shared.options import FollowOptions, ServiceOptions, StoreSpec
 from ..shared.plan import UpdatePlan, plan_update
-from ..shared.trust import TrustPolicy
 from ..shared.two_phase import Update, WriteOptions
 from .follower import Follower, readiness
 from .gating import VersionGate
@@ -91,8 +90,6 @@ class DeltaService:
         self.last_update: AppliedUpdate | None = None
         self.follower: Follower | None = None
         self._inflight_refused: str | None = None  # why this engine refused an in-flight update (follow mode)
-        keys = self.spec.trust()  # delta_trusted_keys: every plan is checked (shared/trust.py)
-        self.trust = TrustPolicy(keys) if keys is not None else None
 
     @classmethod
     def of(
@@ -194,7 +191,7 @@ class DeltaService:
         return out
 
     async def _plan(self, served: WorkerStatus, request: StageRequest | UpdateRequest) -> UpdatePlan:
-        args = (self.store, served.version, served.checksum, request.version, request.allow_reanchor, self.trust)
+        args = (self.store, served.version, served.checksum, request.version, request.allow_reanchor, self.api.trust)
         return await self.api.deadline.in_thread(functools.partial(plan_update, *args))
 
     def _steps(self, served: WorkerStatus, plan: UpdatePlan) -> WorkerUpdate:
@@ -224,12 +221,6 @@ class DeltaService:
         and label outputs with the served version (vLLM says "default")."""
         async with self.operations.lock:
             served = await self.checks.at_startup()
-            if self.trust is not None:  # the run this server serves, from the record it started at
-                learn = functools.partial(self.trust.learn, self.store, served.version, served.checksum)
-                try:
-                    await self.api.deadline.in_thread(learn)
-                except Exception as exc:  # noqa: BLE001 - the first plan learns it then
-                    log.warning("vllm-delta: the served version's run was not read: %s", exc)
             if served.version is not None and self.ranks.disagreement is None:
                 try:
                     await self.api.engine_core.set_label(served.version, "startup")

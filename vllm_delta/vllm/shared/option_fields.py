@@ -137,7 +137,11 @@ def names(key: str, value: Any) -> tuple[str, ...]:
 def key_files(key: str, value: Any) -> tuple[str, ...]:
     """A list of key file paths; each must load (KeyFileError naming the file): a server must not start
     believing it checks signatures with a key it cannot use."""
-    if isinstance(value, str) or not isinstance(value, (list, tuple)) or not all(isinstance(p, str) and p for p in value):
+    if (
+        isinstance(value, str)
+        or not isinstance(value, (list, tuple))
+        or not all(isinstance(p, str) and p for p in value)
+    ):
         raise ValueError(f"{key} must be a list of public-key file paths, not {value!r}")
     if value:
         from ...errors import KeyFileError

@@ -109,7 +109,7 @@ class StoreSpec:
         (),
         "public-key files (`vllm-delta keygen` writes PATH.pub): the server takes only versions signed by one "
         "of them, of the run it serves; a push of any other answers 403 `SignatureError`, a follower skips "
-        'it, a start-up at one refuses to start (docs/SECURITY.md). Empty: signatures are not checked',
+        "it, a start-up at one refuses to start (docs/SECURITY.md). Empty: signatures are not checked",
         key_files,
         default_doc="`[]`",
         env=key_files_env,

@@ -3,8 +3,8 @@
 Checked before anything is staged, on every record an update or a start-up would apply (the plan's
 records, a start-up's whole chain): each one signed by a trusted key over its own run, number, base and
 checksums (store/signed.py), and all of one run: the run of the version the server serves, learnt
-from the store once (the served version's record, when its checksum is the served one) or, for a
-server that serves no store version yet, from the first plan it takes. So a version signed for another
+from the store before its first update (the served version's record, when its checksum is the served
+one) or, for a server that serves no store version yet, from the first plan it takes. So a version signed for another
 run of the same key (another store, or this store before it was rewritten) is refused like an unsigned
 one: `SignatureError` (403), naming the version and the signature, nothing staged or applied. A
 follower skips such a version, and every version built on it, until an anchor it can take, as it
@@ -36,6 +36,11 @@ class TrustPolicy:
         self._learnt = False
         self._lock = threading.Lock()
 
+    @classmethod
+    def of(cls, keys: TrustedKeys | None) -> TrustPolicy | None:
+        """The policy of a server with these trusted keys; None (no checks) without keys."""
+        return None if keys is None else cls(keys)
+
     def check(self, records: Sequence[VersionRecord]) -> str | None:
         """Every record signed by a trusted key and of the pinned run (or, none pinned yet, of one run,
         which is pinned). Returns the run; SignatureError naming the first record refused."""
@@ -57,17 +62,19 @@ class TrustPolicy:
             return run
 
     def learn(self, store: DeltaStore, served_version: int | None, served_checksum: str | None) -> None:
-        """Pin the run of the served version from its record in the store (once; when the record's checksum
-        is the served one and its signature is trusted). Nothing to learn: the first plan pins it."""
+        """Before the first plan: pin the run of the served version from its record in the store (when the
+        record's checksum is the served one and its signature is trusted). Nothing to learn (no served
+        version, its record gone): the first plan pins it."""
         with self._lock:
             if self._learnt or self.run is not None or served_version is None:
                 return
-            self._learnt = True
         try:
             rec = store.record(served_version, fresh=True)
         except VersionNotFoundError:
-            return
-        if served_checksum is not None and rec.checksum == served_checksum:
+            rec = None
+        with self._lock:
+            self._learnt = True
+        if rec is not None and served_checksum is not None and rec.checksum == served_checksum:
             try:
                 self.check([rec])
             except SignatureError as exc:  # not ours to refuse here: the next plan pins the run

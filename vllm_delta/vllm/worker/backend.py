@@ -107,8 +107,7 @@ class DeltaWeightTransferEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateI
         target = store.resolve(update_info.version)
         if not replica.probed:  # every rank gets here together: the probe's exchange is collective
             replica.probe_layout(store.open(target, fresh=True).header.tensors.shape_map())
-        if self.trust is None and (keys := self.spec.trust()) is not None:
-            self.trust = TrustPolicy(keys)
+        self.trust = self.trust or TrustPolicy.of(self.spec.trust())  # the run pinned once, by the first plan
         served = replica.served
         plan = plan_update(store, served.version, served.checksum, target, update_info.allow_reanchor, self.trust)
         if not plan.versions:

@@ -11,9 +11,9 @@ transformed or shadowed, checks the layout against vLLM's sparse path, and compa
 the live checksum of the loaded parameters over all ranks with the version's header: a server whose
 live weights don't match what it loaded refuses to start, naming the tensor. With `delta_trusted_keys`,
 every record of the start version's chain must be signed by a trusted key (shared/trust.py), checked
-before any data file is read: else the server refuses to start (SignatureError naming the version). A version that does not
-fit the model (another shape: the model's loader fails; another dtype: the probed parameters say so)
-is refused with a message that names the store, the version and the tensor.
+before any data file is read: else the server refuses to start (SignatureError naming the version).
+A version that does not fit the model (another shape: the model's loader fails; another dtype: the
+probed parameters say so) is refused with a message that names the store, the version and the tensor.
 """
 
 from __future__ import annotations
