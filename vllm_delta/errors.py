@@ -148,6 +148,19 @@ class StoreAccessError(DeltaError):
     http_status = 403
 
 
+class SignatureError(DeltaError):
+    """A version this server may not take: not signed by a key of its `delta_trusted_keys`, a signature
+    that does not parse or does not verify over the version's record (signed over other checksums, or
+    the signature of another version or run). Nothing is staged or applied (403)."""
+
+    http_status = 403
+
+
+class KeyFileError(DeltaError, ValueError):
+    """A key file (a Publisher's `signing_key`, a server's `delta_trusted_keys`) that is not a usable
+    Ed25519 key; the message names the file."""
+
+
 class MirrorLeaseError(DeltaError):
     """Another mirror holds the destination store's lease (`vllm_delta.mirror`): two mirrors must not
     write one store. The message names the holder and its last heartbeat."""

@@ -82,7 +82,9 @@ class DeltaStore:
     """Versions of one model in a directory, S3 prefix or Hugging Face bucket (any fsspec URI).
 
     `timeout_s` bounds every remote operation (a download gets `timeout_s + bytes / 5 MB/s`);
-    `cache_dir` is where remote version files are downloaded (default: a private temp dir)."""
+    `cache_dir` is where remote version files are downloaded (default: a private temp dir);
+    `check_digests`: a local store's own files are checked against their record's sha256 too (a server
+    that takes signed versions only: the signature binds the digests, docs/SECURITY.md)."""
 
     def __init__(
         self,
@@ -91,8 +93,10 @@ class DeltaStore:
         cache_dir: str | None = None,
         *,
         timeout_s: float = DEFAULT_TIMEOUT_S,
+        check_digests: bool = False,
     ):
         self.uri = normalize_uri(uri)
+        self.check_digests = check_digests
         self.storage_options = dict(storage_options or {})
         self.timeout_s = float(timeout_s)
         self.io = StoreFS(self.uri, self.storage_options, self.timeout_s)
@@ -297,6 +301,11 @@ class DeltaStore:
         except FileNotFoundError:
             raise self._missing_data(rec, data.file) from None
         check_size(data, size, version=rec.version)
+        if self.check_digests and data.sha256 is not None and not self._cache.holds(path, data):
+            raise IntegrityError(
+                f"data file {data.file} does not have the sha256 its record says (damaged or replaced)",
+                version=rec.version,
+            )
         return path
 
     def open(self, version: int, *, record: VersionRecord | None = None, fresh: bool = False) -> VersionLike:

@@ -191,7 +191,7 @@ class DeltaService:
         return out
 
     async def _plan(self, served: WorkerStatus, request: StageRequest | UpdateRequest) -> UpdatePlan:
-        args = (self.store, served.version, served.checksum, request.version, request.allow_reanchor)
+        args = (self.store, served.version, served.checksum, request.version, request.allow_reanchor, self.api.trust)
         return await self.api.deadline.in_thread(functools.partial(plan_update, *args))
 
     def _steps(self, served: WorkerStatus, plan: UpdatePlan) -> WorkerUpdate:

@@ -44,6 +44,7 @@ from ..shared import rpc
 from ..shared.messages import StageSummary, WorkerStatus, WrittenAll
 from ..shared.options import StoreSpec
 from ..shared.plan import UpdatePlan
+from ..shared.trust import TrustPolicy
 from ..shared.two_phase import AllRolledBack, AllWritten, Staged, TwoPhaseUpdate, Update, WriteOptions, write_all
 from .deadline import Deadline
 
@@ -66,6 +67,7 @@ class ApiProcess:
     engine_core: rpc.EngineCore
     spec: StoreSpec
     deadline: Deadline
+    trust: TrustPolicy | None = None  # delta_trusted_keys: every plan checked (shared/trust.py)
 
     @property
     def vllm_config(self) -> Any:
@@ -86,6 +88,7 @@ class ApiProcess:
             rpc.EngineCore(transport),
             spec,
             Deadline(spec.update_timeout_s, spec.uri),
+            TrustPolicy.of(spec.trust()),
         )
 
 

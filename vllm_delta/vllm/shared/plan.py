@@ -10,6 +10,8 @@ A server at S asked for T (T > S):
   run), else 409.
 Anything else needs `"allow_reanchor": true` (409 without it): T older than S (a deliberate
 rollback of the policy), or S unknown (a server not started with --load-format delta).
+A server with trusted keys first checks every record the plan would apply (trust.py): a version not
+signed by a trusted key, for the run it serves, is refused (403) whatever the rule says.
 
 Every record the decision depends on is read afresh from the store (`fresh=True`): a store wiped and
 refilled by another run reuses version numbers, and a record remembered from the old run would
@@ -22,6 +24,7 @@ from dataclasses import dataclass, field
 
 from ...errors import NotSuccessorError, VersionNotFoundError
 from ...store import DeltaStore, VersionRecord
+from .trust import TrustPolicy
 
 
 @dataclass
@@ -40,12 +43,18 @@ def plan_update(
     served_checksum: str | None,
     requested: int | str,
     allow_reanchor: bool = False,
+    trust: TrustPolicy | None = None,
 ) -> UpdatePlan:
+    """`trust`: a server with trusted keys: every record to apply is checked before anything else
+    (trust.py: SignatureError, 403)."""
     target = store.resolve(requested)
     if served_version == target:
         store.record(target, fresh=True)
         return UpdatePlan(target, [], False)
     records = store.plan(served_version, target, fresh=True)
+    if trust is not None:
+        trust.learn(store, served_version, served_checksum)
+        trust.check(records)
     first = records[0]
     through_served = served_version is not None and first.kind == "delta" and first.base == served_version
     if through_served:

@@ -43,13 +43,13 @@ log = logging.getLogger(__name__)
 A = TypeVar("A")
 R = TypeVar("R")
 
-_stores: dict[tuple[str, str, str], DeltaStore] = {}
+_stores: dict[tuple[str, str, str, bool], DeltaStore] = {}
 _stores_lock = threading.Lock()
 
 
 def open_store(spec: StoreSpec) -> DeltaStore:
     """One DeltaStore per (uri, options, cache dir) in this process: records are cached inside it."""
-    key = (spec.uri, repr(sorted(spec.storage_options.items())), spec.cache_dir)
+    key = (spec.uri, repr(sorted(spec.storage_options.items())), spec.cache_dir, bool(spec.trusted_keys))
     with _stores_lock:
         if key not in _stores:
             _stores[key] = spec.open()
