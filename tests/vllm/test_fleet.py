@@ -4,7 +4,8 @@ a trainer publishes to it; nobody calls a server to update it (except where a te
 The tests run in file order against the same fleet: servers A and C follow from the start; server B
 joins late from an old version; a manual update beside the follower; a corrupt version skipped until the
 trainer's next anchor; the store going down and coming back; the ledger and `vllm-delta fleet`;
-bounded staleness released by the followers' reports.
+bounded staleness released by the followers' reports; a served version marked bad, left by every
+follower on its own (backward updates).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from vllm_delta import DeltaStore, Publisher, checksum
 from vllm_delta.cli import main as cli_main
 from vllm_delta.server_api import FollowStatus, from_wire
 from vllm_delta.store.ledger import Ledger
+from vllm_delta.testing.client import metric_total
 from vllm_delta.testing.models import PROMPTS, save_tiny_model
 from vllm_delta.testing.s3 import S3Server
 from vllm_delta.testing.server import VllmServer, start_all
@@ -353,3 +355,45 @@ def test_a_version_marked_bad_frees_a_gated_trainer(server_a, server_b, server_c
             assert 15 in follow_of(srv).skipped and follow_of(srv).lag == 0
     finally:
         gated.pub.close()
+
+
+def test_a_served_version_marked_bad_is_left_by_itself(server_a, server_b, server_c, trainer, s3):
+    # Issue 36: every follower serves 19; 19 is marked bad; each moves back to 18 by itself within a poll or
+    # two, by the backward path (19's changes undone: no replay), in its own mode (C in flight); then 18 is
+    # marked too, and they go back to the anchor 17. Each says so in its status and its metrics.
+    servers = [server_a, server_b, server_c]
+    line = Trainer(
+        trainer.model_dir,
+        Publisher(
+            s3.uri("fleet"),
+            anchor_every=ANCHOR_EVERY,
+            options=PublisherOptions(store=StoreOptions(storage_options=s3.storage_options)),
+        ),
+        trainer.model,
+        trainer.checksums,
+    )
+    try:
+        for v in (17, 18, 19):  # a new Publisher's first version is an anchor: 17, then deltas 18, 19
+            line.publish(v)
+        converge(servers, trainer, 19)
+        line.pub.mark_bad(19, "reward hacking")
+        converge(servers, trainer, 18)
+        for srv in servers:
+            st = srv.status()
+            assert st["last_update"]["undone"] == [19] and st["last_update"]["applied"] == []
+            f = follow_of(srv)
+            assert f.leave_marked and f.last_left is not None
+            assert (f.last_left.version, f.last_left.to, f.last_left.marked) == (19, 18, 19)
+            assert f.last_left.reason == "reward hacking"
+        assert server_c.status()["last_update"]["mode"] == "inflight"
+        line.pub.mark_bad(18, "reward hacking, earlier")
+        converge(servers, trainer, 17)  # back to the anchor itself: 18 undone
+        for srv in servers:
+            assert srv.status()["last_update"]["undone"] == [18]
+            assert metric_total(srv.get("/metrics").text, "vllm_delta_marked_left_total") == 2
+        time.sleep(1.5)  # a few more polls: they stay (19 is blocked by the marks)
+        for srv in servers:
+            assert_serving(srv, trainer, 17)
+            assert follow_of(srv).last_error is None
+    finally:
+        line.pub.close()

@@ -141,22 +141,40 @@ class DeltaService:
     async def follow_update(self, version: int, mode: UpdateMode) -> UpdateResult | None:
         """The follower's update: as /v1/delta/update_weights, unless the server already serves `version`
         or a newer one (a client's update got there first between the follower's poll and this lock):
-        then None, and nothing is staged or applied. A follower never moves a server backwards."""
+        then None, and nothing is staged or applied. It never moves a server backwards (`follow_back` does)."""
         async with self.operations.run("update", version):
             served, _ = await self.ranks.read()
             if served.version is not None and served.version >= version:
                 return None
-            if mode == "inflight" and self._inflight_refused is not None:
-                mode = "keep"
-            try:
-                return await self._update(served, UpdateRequest(version, mode=mode))
-            except InflightRefusedError as exc:
-                # This engine can't take in-flight updates (the reason does not change while it runs):
-                # the follower goes on in keep mode, instead of skipping a good version as refused.
-                log.warning("vllm-delta: follow mode falls back from inflight to keep: %s", exc)
-                self._inflight_refused = str(exc)
-                served, _ = await self.ranks.read()
-                return await self._update(served, UpdateRequest(version, mode="keep"))
+            return await self._follow(served, UpdateRequest(version, mode=mode))
+
+    async def follow_back(self, from_version: int, version: int, mode: UpdateMode) -> UpdateResult | None:
+        """The follower leaving a version marked bad: from `from_version` back to the older `version`, by a
+        backward update where the store has the path (else `version`'s chain replayed: allow_reanchor).
+        None, with nothing staged, when the server no longer serves `from_version` (a client moved it).
+        The gate admits requests as if `version` were served from now on (gating.hold_at): a request bounded
+        above it that still runs refuses the move (409, the follower tries again at its next poll)."""
+        async with self.operations.run("update", version):
+            served, _ = await self.ranks.read()
+            if served.version != from_version:
+                return None
+            self.gate.hold_at(version)
+            return await self._follow(served, UpdateRequest(version, mode=mode, allow_reanchor=True))
+
+    async def _follow(self, served: WorkerStatus, request: UpdateRequest) -> UpdateResult:
+        """A follower's update (under the lock). An engine that refuses in-flight updates makes it, and every
+        later one, fall back to keep mode (logged once)."""
+        if request.mode == "inflight" and self._inflight_refused is not None:
+            request = dataclasses.replace(request, mode="keep")
+        try:
+            return await self._update(served, request)
+        except InflightRefusedError as exc:
+            # This engine can't take in-flight updates (the reason does not change while it runs):
+            # the follower goes on in keep mode, instead of skipping a good version as refused.
+            log.warning("vllm-delta: follow mode falls back from inflight to keep: %s", exc)
+            self._inflight_refused = str(exc)
+            served, _ = await self.ranks.read()
+            return await self._update(served, dataclasses.replace(request, mode="keep"))
 
     async def _update(self, served: WorkerStatus, request: UpdateRequest) -> UpdateResult:
         """One update from `served` (read under the lock, which the caller holds)."""
@@ -239,7 +257,13 @@ class DeltaService:
             result = await self.follow_update(version, options.mode)
             return None if result is None else result.pause_ms
 
-        self.follower = Follower(self.store, options, served=self.served_version, apply=apply, checksums=self.checksums)
+        async def back(from_version: int, version: int) -> float | None:
+            result = await self.follow_back(from_version, version, options.mode)
+            return None if result is None else result.pause_ms
+
+        self.follower = Follower(
+            self.store, options, served=self.served_version, apply=apply, checksums=self.checksums, back=back
+        )
         self.follower.start()
         what = "following" if options.follow else "reporting to the ledger of"
         log.info("vllm-delta: %s %s (poll every %.1f s)", what, self.store.uri, options.poll_s)

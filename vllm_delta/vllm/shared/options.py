@@ -134,6 +134,14 @@ class FollowOptions:
     chain_cap: int = option(
         "delta_chain_cap", 64, "at most this many versions per update; a longer chain is walked in steps", at_least_one
     )
+    leave_marked: bool = option(
+        "delta_leave_marked",
+        True,
+        "a follower serving a version marked bad (or built on one) moves back to the newest unmarked version on "
+        "its chain by itself, at its next poll (a backward update); `false`: it keeps serving it until a newer "
+        "usable version appears",
+        boolean,
+    )
     report: bool = option(
         "delta_report",
         False,
