@@ -58,11 +58,11 @@ def test_each_key_is_spelled_once_in_the_server_package():
                         spelled[key].append(f"{path.relative_to(ROOT)}:{node.lineno}")
     options = "vllm_delta/vllm/shared/options.py"
     assert {k: len(v) for k, v in spelled.items() if len(v) != 1 or not v[0].startswith(options)} == {}, spelled
-    assert len(LOADER_KEYS) == len(set(LOADER_KEYS)) == 19
+    assert len(LOADER_KEYS) == len(set(LOADER_KEYS)) == 20
 
 
 def test_defaults_and_a_full_config():
-    assert FollowOptions() == FollowOptions(False, 2.0, "keep", 64, False, 10.0, None)
+    assert FollowOptions() == FollowOptions(False, 2.0, "keep", 64, False, 10.0, None, True)
     assert ServiceOptions() == ServiceOptions(5.0, 0.0, "requested")
     spec = StoreSpec("/s")
     assert (spec.storage_options, spec.timeout_s, spec.update_timeout_s, spec.cache_max_bytes) == (
@@ -111,6 +111,7 @@ BAD = {
     "delta_report": 1,
     "delta_report_s": float("nan"),
     "delta_replica_id": "../etc",
+    "delta_leave_marked": "no",
     "delta_min_version_wait_s": 3601,
     "delta_audit_s": True,
     "delta_weight_versions": "sometimes",

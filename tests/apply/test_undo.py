@@ -14,17 +14,26 @@ from vllm_delta.bits import bit_view, wrap_add, wrap_sub
 from vllm_delta.checksums import verify_partials
 from vllm_delta.errors import ChecksumMismatchError, NotSuccessorError
 from vllm_delta.format import VersionFile
-from vllm_delta.testing.apply_fixtures import hf_view, write_anchor
+from vllm_delta.testing.apply_fixtures import hf_view, reference_apply, write_anchor
 
 
 def _images_equal(w: World, version: int) -> None:
-    """The live weights, read through the layout, are the trainer's image of `version`, bit for bit."""
-    for name in w.layout.hf_shapes:
-        assert torch.equal(bit_view(hf_view(w.layout, w.targets, name)), bit_view(w.hf[version][name])), name
+    """The live weights are the trainer's image of `version`, bit for bit: every target equals version 0's
+    targets with the changes of versions 1..`version` written through the layout (what the engine holds
+    of each HF tensor: a column box, a row shard, tied copies), and every HF tensor the layout holds
+    whole reads back as the trainer's."""
+    want = [t.clone() for t in w.at_zero]
+    for changes in w.changes[1 : version + 1]:
+        reference_apply(want, w.layout, changes)
+    assert _equal(w.bits(), [bit_view(t) for t in want]), f"not version {version}"
+    if w.owned:
+        for name in w.layout.hf_shapes:
+            assert torch.equal(bit_view(hf_view(w.layout, w.targets, name)), bit_view(w.hf[version][name])), name
 
 
 def _published(w: World, tmp_path, codecs: dict[int, str]) -> dict[int, VersionFile]:
     """Versions 1.. as delta files (each coded with `codecs[v]`), the engine's targets still at version 0."""
+    w.at_zero = [t.clone() for t in w.targets]
     files = {}
     for v, codec in codecs.items():
         w.step(density=0.15, seed=v)

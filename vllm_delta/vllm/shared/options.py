@@ -134,14 +134,6 @@ class FollowOptions:
     chain_cap: int = option(
         "delta_chain_cap", 64, "at most this many versions per update; a longer chain is walked in steps", at_least_one
     )
-    leave_marked: bool = option(
-        "delta_leave_marked",
-        True,
-        "a follower serving a version marked bad (or built on one) moves back to the newest unmarked version on "
-        "its chain by itself, at its next poll (a backward update); `false`: it keeps serving it until a newer "
-        "usable version appears",
-        boolean,
-    )
     report: bool = option(
         "delta_report",
         False,
@@ -155,6 +147,14 @@ class FollowOptions:
         "the report's name (`replicas/<id>.json`)",
         replica_name,
         default_doc="host-pid-random",
+    )
+    leave_marked: bool = option(
+        "delta_leave_marked",
+        True,
+        "a follower serving a version marked bad (or built on one) moves back to the newest unmarked version on "
+        "its chain by itself, at its next poll (a backward update); `false`: it keeps serving it until a newer "
+        "usable version appears",
+        boolean,
     )
 
     def __post_init__(self) -> None:
