@@ -181,7 +181,7 @@ def report(rows: list[dict]) -> None:
         for what in ("stage", "write", "total"):
             b, f = r[f"back_{what}"], r[f"fwd_{what}"]
             log(
-                f"| {r['model']} | {r['density']:.1%} | {r['nnz'] / 1e6:.2f}M | {r['backend']} | {what} "
+                f"| {r['model']} | {r['density']:.1%} | {r['nnz']:,} | {r['backend']} | {what} "
                 f"| {b['p50']:.2f} ms | {b['p95']:.2f} ms | {f['p50']:.2f} ms | {f['p95']:.2f} ms "
                 f"| {b['p50'] / f['p50']:.3f} |"
             )
