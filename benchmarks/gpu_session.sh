@@ -3,7 +3,7 @@
 # repository root (those four are the default: the sharded path always runs). Stages (each in its own
 # process group, bounded by its own timeout; one that times out gets SIGABRT and prints every
 # process's Python stacks into its log under $OUT):
-#   tests     pytest -m gpu tests/apply tests/trainer tests/test_codec_gpu.py tests/test_codec_kernels.py (kernels,
+#   tests     pytest -m gpu tests/apply tests/trainer tests/codec/test_codec_gpu.py tests/codec/test_codec_kernels.py (kernels,
 #             engine, detection, the chunked codec's nvCOMP path against its CPU path, its Triton kernels
 #             against its torch reference)
 #   calls     benchmarks/codec_calls.py: the chunked codec's GPU steps by call size (tuning)     [issue 17]
@@ -80,7 +80,7 @@ old_tree() {  # command...: run in the old tree (its root first on the path, and
 export -f old_tree  # `run` starts it through bash -c (setsid runs programs, not functions)
 for stage in ${STAGES:-tests publish apply world2}; do
   case $stage in
-    tests)   run pytest_gpu ${TESTS_LIMIT:-200} python3 -m pytest -q -m gpu tests/apply tests/trainer tests/test_codec_gpu.py tests/test_codec_kernels.py --maxfail=20 -p no:cacheprovider ;;
+    tests)   run pytest_gpu ${TESTS_LIMIT:-200} python3 -m pytest -q -m gpu tests/apply tests/trainer tests/codec/test_codec_gpu.py tests/codec/test_codec_kernels.py --maxfail=20 -p no:cacheprovider ;;
     calls)   run codec_calls ${CALLS_LIMIT:-200} python3 benchmarks/codec_calls.py --out "$OUT" ${CALLS_ARGS:-} ;;
     codec)   run codec_gpu 300 python3 benchmarks/codec_gpu.py --out "$OUT" ${CODEC_ARGS:-} ;;
     moe)     run publish_moe ${MOE_LIMIT:-300} python3 benchmarks/publish_gpu.py --model qwen3-30b-a3b --layers 12 --steps 4 --codecs chunked:gpu --out "$OUT/moe" ${MOE_ARGS:-} ;;

@@ -236,7 +236,7 @@ def _corrupt_chunked(items, what):
 )
 def test_corrupt_chunked_payloads_raise_like_the_codec(device, what, exc):
     """Every fault is the same exception from the per-piece decode and from staging (CPU path here;
-    the GPU path in tests/test_codec_gpu.py), naming the version and a tensor; a corrupt chunk
+    the GPU path in tests/codec/test_codec_gpu.py), naming the version and a tensor; a corrupt chunk
     names the chunk."""
     dev = _device(device)
     items = _corrupt_chunked(_file_items(_tensors()), what)
@@ -330,7 +330,7 @@ class _StandInZstd:
     """A stand-in for nvCOMP's zstd (codec/chunked/gpu.GpuZstd), made of zstandard on the CPU: no
     GPU here, and the chunked decoder's GPU path (hash check before inflating, one call per run,
     sizes checked after, the CPU fallback on a failure) is control flow that must hold without one.
-    The real backend runs in tests/test_codec_gpu.py (`pytest -m gpu`)."""
+    The real backend runs in tests/codec/test_codec_gpu.py (`pytest -m gpu`)."""
 
     version = "stand-in"
 

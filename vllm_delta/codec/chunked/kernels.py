@@ -1,7 +1,7 @@
 """Triton kernels of the chunked codec: the device halves of encode and decode, fused.
 
 The torch code in encode.py and decode.py is the reference (and the path on machines without Triton); these
-kernels compute the same bytes, bit for bit (tests/test_codec_kernels.py runs both under
+kernels compute the same bytes, bit for bit (tests/codec/test_codec_kernels.py runs both under
 TRITON_INTERPRET=1 on the CPU, and on the GPU):
 
 * `encode_chunks`: one program per chunk of E elements turns a batch's changes (positions, tensor

@@ -21,7 +21,7 @@ from vllm_delta.format import COLUMNS_FORMAT_VERSION, STREAMS_FORMAT_VERSION
 from vllm_delta.reconstruct import open_chain
 from vllm_delta.store import DeltaStore
 
-OLD = os.path.join(os.path.dirname(__file__), "data", "store_fcd5eec")
+OLD = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "store_fcd5eec")
 
 
 @pytest.fixture

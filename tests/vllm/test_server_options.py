@@ -20,7 +20,7 @@ from vllm_delta.vllm.shared.options import (
     weight_versions_policy,
 )
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parent.parent.parent
 BEGIN, END = "<!-- options table: generated, do not edit by hand -->\n", "<!-- end of options table -->\n"
 
 
