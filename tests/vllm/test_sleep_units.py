@@ -27,7 +27,7 @@ from vllm_delta.store import DeltaStore
 from vllm_delta.vllm.shared import rpc
 from vllm_delta.vllm.shared.messages import ErrorReply
 
-pytestmark = [pytest.mark.vllm, pytest.mark.vllm_objects]
+pytestmark = pytest.mark.vllm_objects  # no engine, no server: vLLM's objects only
 
 
 def sleepy_engine(uri: str, cache: str):
