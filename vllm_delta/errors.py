@@ -99,6 +99,13 @@ class InflightRefusedError(DeltaError):
     http_status = 409
 
 
+class EngineSleepingError(DeltaError):
+    """The engine sleeps (vLLM's sleep mode, `/sleep`): its weights are offloaded or discarded, and an update
+    then would read and write memory that is not there (vLLM #57853: the engine dies). Wake it first."""
+
+    http_status = 409
+
+
 class EplbRefusedError(DeltaError):
     """The server runs with expert-parallel load balancing (`--enable-eplb`): vLLM moves expert weights
     between physical slots at run time, the plugin's layout is probed once, so no update is taken."""

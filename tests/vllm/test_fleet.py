@@ -7,6 +7,7 @@ trainer's next anchor; the store going down and coming back; the ledger and `vll
 bounded staleness released by the followers' reports. The trainer signs every version and the servers
 trust its key only (`delta_trusted_keys`): an unsigned version, one signed by another key and a version
 built on one are refused (a push answers 403, the followers skip them) until the trainer's next anchor.
+A served version marked bad is left by every follower on its own (backward updates).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from vllm_delta.server_api import FollowStatus, from_wire
 from vllm_delta.signatures import SigningKey, keygen
 from vllm_delta.store.ledger import Ledger
 from vllm_delta.store.signed import RecordSigner
+from vllm_delta.testing.client import metric_total
 from vllm_delta.testing.models import PROMPTS, save_tiny_model
 from vllm_delta.testing.s3 import S3Server
 from vllm_delta.testing.server import VllmServer, start_all
@@ -412,3 +414,48 @@ def test_unsigned_and_foreign_signed_versions_are_refused(server_a, server_b, se
     converge(servers, trainer, 21)
     for srv in servers:
         assert {18, 19, 20} <= set(follow_of(srv).skipped) and follow_of(srv).lag == 0
+
+
+def test_a_served_version_marked_bad_is_left_by_itself(server_a, server_b, server_c, trainer, s3):
+    # Issue 36: every follower serves 24; 24 is marked bad; each moves back to 23 by itself within a poll or
+    # two, by the backward path (24's changes undone: no replay), in its own mode (C in flight); then 23 is
+    # marked too, and they go back to the anchor 22. Each says so in its status and its metrics. The line is
+    # signed with the trainer's key (the followers trust nothing else).
+    servers = [server_a, server_b, server_c]
+    line = Trainer(
+        trainer.model_dir,
+        Publisher(
+            s3.uri("fleet"),
+            anchor_every=ANCHOR_EVERY,
+            options=PublisherOptions(store=StoreOptions(storage_options=s3.storage_options)),
+            signing_key=trainer.signing_key,
+        ),
+        trainer.model,
+        trainer.checksums,
+    )
+    errors_before = [follow_of(srv).last_error_time for srv in servers]
+    try:
+        for v in (22, 23, 24):  # a new Publisher's first version is an anchor: 22, then deltas 23, 24
+            line.publish(v)
+        converge(servers, trainer, 24)
+        line.pub.mark_bad(24, "reward hacking")
+        converge(servers, trainer, 23)
+        for srv in servers:
+            st = srv.status()
+            assert st["last_update"]["undone"] == [24] and st["last_update"]["applied"] == []
+            f = follow_of(srv)
+            assert f.leave_marked and f.last_left is not None
+            assert (f.last_left.version, f.last_left.to, f.last_left.marked) == (24, 23, 24)
+            assert f.last_left.reason == "reward hacking"
+        assert server_c.status()["last_update"]["mode"] == "inflight"
+        line.pub.mark_bad(23, "reward hacking, earlier")
+        converge(servers, trainer, 22)  # back to the anchor itself: 23 undone
+        for srv in servers:
+            assert srv.status()["last_update"]["undone"] == [23]
+            assert metric_total(srv.get("/metrics").text, "vllm_delta_marked_left_total") == 2
+        time.sleep(1.5)  # a few more polls: they stay (24 is blocked by the marks), and nothing failed
+        for srv, before in zip(servers, errors_before):
+            assert_serving(srv, trainer, 22)
+            assert follow_of(srv).last_error_time == before, follow_of(srv).last_error
+    finally:
+        line.pub.close()

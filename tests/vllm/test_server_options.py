@@ -64,7 +64,7 @@ def test_each_key_is_spelled_once_in_the_server_package():
 
 
 def test_defaults_and_a_full_config():
-    assert FollowOptions() == FollowOptions(False, 2.0, "keep", 64, False, 10.0, None)
+    assert FollowOptions() == FollowOptions(False, 2.0, "keep", 64, False, 10.0, None, True)
     assert ServiceOptions() == ServiceOptions(5.0, 0.0, "requested")
     spec = StoreSpec("/s")
     assert (spec.storage_options, spec.timeout_s, spec.update_timeout_s, spec.cache_max_bytes, spec.trusted_keys) == (
@@ -115,6 +115,7 @@ BAD = {
     "delta_report": 1,
     "delta_report_s": float("nan"),
     "delta_replica_id": "../etc",
+    "delta_leave_marked": "no",
     "delta_min_version_wait_s": 3601,
     "delta_audit_s": True,
     "delta_weight_versions": "sometimes",

@@ -157,7 +157,8 @@ def test_a_version_that_does_not_fit_the_model_refuses_to_start(llama_run, tmp_p
 
 def test_plain_checkpoint_server_and_native_backend(llama_run, llama_fresh, tmp_path):
     """A server loaded from an ordinary HF checkpoint knows no version: the first update must say
-    allow_reanchor; then vLLM's own LLM.update_weights moves it along the store like any other."""
+    allow_reanchor; then vLLM's own LLM.update_weights moves it along the store like any other, back along
+    its chain too (5 -> 4 by undoing 5, then 5 again)."""
     res = run_engine_script(
         {
             "task": "plain",
@@ -165,16 +166,26 @@ def test_plain_checkpoint_server_and_native_backend(llama_run, llama_fresh, tmp_
             "store": llama_run.store,
             "start": 2,
             "out": str(tmp_path / "ckpt"),
-            "updates": [{"version": 3}, {"version": 3, "allow_reanchor": True}, {"version": 5}, {"version": 1}],
+            "updates": [
+                {"version": 3},
+                {"version": 3, "allow_reanchor": True},
+                {"version": 5},
+                {"version": 1},  # back through the anchor 4: no backward path
+                {"version": 4},  # back along the chain: 5's differences undone (issue 36)
+                {"version": 5},
+            ],
             "prompts": list(PROMPTS),
         }
     )
     assert res["status"]["version"] is None
-    refused, reanchored, forward, backwards = res["steps"]
+    refused, reanchored, forward, backwards, undone, again = res["steps"]
     assert "NotSuccessorError" in refused["error"] and refused["version"] is None
     assert refused["checksum"] == llama_run.checksums[2]  # the checkpoint it was loaded from, untouched
     assert reanchored["error"] is None and reanchored["version"] == 3
     assert reanchored["checksum"] == llama_run.checksums[3]
     assert forward["error"] is None and forward["checksum"] == llama_run.checksums[5]
     assert "NotSuccessorError" in backwards["error"] and backwards["checksum"] == llama_run.checksums[5]
+    assert "version 4 is an anchor" in backwards["error"]
+    assert (undone["error"], undone["version"], undone["checksum"]) == (None, 4, llama_run.checksums[4])
+    assert (again["error"], again["version"], again["checksum"]) == (None, 5, llama_run.checksums[5])
     assert res["outputs"] == llama_fresh["5"]["outputs"][: len(PROMPTS)]

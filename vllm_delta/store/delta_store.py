@@ -71,6 +71,7 @@ from .records import (
     check_size,
 )
 from .retention import LEFTOVER_AGE_S, check_keep_anchors, doomed_versions, is_leftover
+from .undo import UndoPath, undo_path
 from .writes import VersionWriter
 
 log = logging.getLogger(__name__)
@@ -226,6 +227,16 @@ class DeltaStore:
                 break  # held's record and what lies below it are not needed
             chain.append(self._base_of(chain[-1], fresh))
         return chain[::-1]
+
+    def undo_path(self, held: int, held_checksum: str | None, target: int, *, fresh: bool = True) -> UndoPath:
+        """What a reader serving `held` (with `held_checksum`) undoes, newest first, to go back to the older
+        `target` on its chain (undo.py); NotSuccessorError saying why there is no such path. Each data file
+        it needs is looked up in the store (a remote store: one request each)."""
+
+        def missing(rec: VersionRecord) -> str | None:
+            return next((f for f in rec.files if not self.io.exists(self._path(f))), None)
+
+        return undo_path(held, held_checksum, target, lambda v: self.record(v, fresh=fresh), missing)
 
     # -- writing (writes.py: the store's VersionWriter) -------------------------------------------
     def publish(self, header: VersionHeader, local_path: str, *, move: bool = False) -> VersionRecord:

@@ -174,6 +174,14 @@ class FollowOptions:
         replica_name,
         default_doc="host-pid-random",
     )
+    leave_marked: bool = option(
+        "delta_leave_marked",
+        True,
+        "a follower serving a version marked bad (or built on one) moves back to the newest unmarked version on "
+        "its chain by itself, at its next poll (a backward update); `false`: it keeps serving it until a newer "
+        "usable version appears",
+        boolean,
+    )
 
     def __post_init__(self) -> None:
         check_fields(self)

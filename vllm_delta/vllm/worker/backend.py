@@ -3,7 +3,8 @@
     init_weight_transfer_engine {"init_info": {}}            (optional {"store": URI} if the server
                                                                was not started with --load-format delta)
     start_weight_update                                       (no-op: updates are in place)
-    update_weights {"update_info": {"version": N | "latest", "allow_reanchor": false}}
+    update_weights {"update_info": {"version": N | "latest", "allow_reanchor": false}}   (an older N on the
+                                                               served chain: backward, shared/plan.py)
     finish_weight_update                                      (no-op)
 
 `update_weights` runs on every rank at once: each stages its share, the ranks exchange checksum
@@ -155,8 +156,8 @@ class RankUpdate(TwoPhaseUpdate[None]):
     async def stage_ranks(self, update: Update) -> rpc.Replies[StageSummary]:
         def stage() -> StageSummary:
             # Opened inside the exchanged step: a rank that can't read a file reports it to every rank.
-            self.files = [self.store.open(r.version, record=r) for r in self.plan.records]
-            return self.replica.stage(update.ticket, self.files)
+            self.files = [self.store.open(r.version, record=r) for r in self.plan.files]
+            return self.replica.stage(update.ticket, self.files, undo=self.plan.undo_to is not None)
 
         return rpc.Replies.decode(StageSummary, dist.all_gather_object(rpc.answer("staging", stage)))
 

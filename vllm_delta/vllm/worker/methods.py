@@ -96,7 +96,7 @@ def served_sums(r: DeltaReplica, args: rpc.NoArgs) -> RankSums:
 
 def stage_start(r: DeltaReplica, args: rpc.StageArgs) -> StageStarted:
     """Stage `versions` on a background thread, each file checked against the records the API process
-    decided on (or, without records, read afresh)."""
+    decided on (or, without records, read afresh); with `undo`, back to the last of them."""
     st = open_store(args.store)
     if args.records is not None:
         recs = [VersionRecord.from_json(text) for text in args.records]
@@ -108,6 +108,7 @@ def stage_start(r: DeltaReplica, args: rpc.StageArgs) -> StageStarted:
             lambda: [st.open(rec.version, record=rec) for rec in recs],
             method=args.method,
             fault=args.fault,
+            undo=args.undo,
         )
     else:
         versions = list(args.versions)
@@ -117,6 +118,7 @@ def stage_start(r: DeltaReplica, args: rpc.StageArgs) -> StageStarted:
             lambda: [st.open(v, fresh=True) for v in versions],
             method=args.method,
             fault=args.fault,
+            undo=args.undo,
         )
     return StageStarted(args.ticket)
 
