@@ -106,12 +106,15 @@ def test_an_open_of_many_tensors_runs_one_collection_per_pause_not_one_per_700_o
 
 
 def test_the_upload_encodes_a_version_of_many_tensors_with_few_collections(tmp_path, monkeypatch):
-    """The upload thread's delta encoding (an object per tensor, the header's columns) runs paused:
-    publishing a version of 10K tensors, the upload thread runs under a tenth of the collections it
-    runs unpaused (counted on that thread only: the training thread's detection is not paused)."""
+    """Publishing versions of 10K tensors (counted on the upload thread only, its second delta: the
+    first makes the per-run table template; the training thread's detection is not paused): in format
+    5 (the default) the encoding makes no object per tensor, so the upload thread runs (almost) no
+    collection, paused or not; in format 4 (an object per tensor: the header's columns, prepared
+    tensors, sections) it runs under a tenth of the collections it runs unpaused."""
     import contextlib
 
     from vllm_delta import Publisher
+    from vllm_delta.trainer.options import PublisherOptions, UploadOptions
 
     torch.manual_seed(0)
     weights = {
@@ -123,25 +126,30 @@ def test_the_upload_encodes_a_version_of_many_tensors_with_few_collections(tmp_p
         if phase == "start" and threading.current_thread().name == "vllm-delta-upload":
             runs.append(info["generation"])
 
-    def upload_collections(root: str) -> int:
-        with Publisher(root, anchor_every=1000) as pub:
+    def upload_collections(root: str, header_format: int) -> int:
+        options = PublisherOptions(upload=UploadOptions(header_format=header_format))
+        with Publisher(root, anchor_every=1000, options=options) as pub:
             pub.publish(weights)
             pub.flush()
-            for t in weights.values():
-                t.add_(torch.randn_like(t) * (torch.rand_like(t) < 0.1))
-            gc.collect()
-            runs.clear()
-            gc.callbacks.append(count)
-            try:
-                assert pub.publish(weights).kind == "delta"
-                pub.flush()
-            finally:
-                gc.callbacks.remove(count)
+            for _ in range(2):
+                for t in weights.values():
+                    t.add_(torch.randn_like(t) * (torch.rand_like(t) < 0.1))
+                gc.collect()
+                runs.clear()
+                gc.callbacks.append(count)
+                try:
+                    assert pub.publish(weights).kind == "delta"
+                    pub.flush()
+                finally:
+                    gc.callbacks.remove(count)
         assert gc.isenabled()
         return len(runs)
 
-    paused = upload_collections(str(tmp_path / "paused"))
+    arrays = upload_collections(str(tmp_path / "f5"), 5)
+    paused = upload_collections(str(tmp_path / "f4-paused"), 4)
     monkeypatch.setattr(gc_pause, "paused", contextlib.nullcontext)
-    unpaused = upload_collections(str(tmp_path / "unpaused"))
-    print(f"upload thread collections: paused {paused}, unpaused {unpaused}")
+    arrays_unpaused = upload_collections(str(tmp_path / "f5-unpaused"), 5)
+    unpaused = upload_collections(str(tmp_path / "f4-unpaused"), 4)
+    print(f"upload thread collections: format 5 {arrays} ({arrays_unpaused} unpaused), format 4 {paused} ({unpaused})")
+    assert arrays <= 2 and arrays_unpaused <= 2, (arrays, arrays_unpaused)
     assert unpaused >= 20 and paused * 10 < unpaused, (paused, unpaused)

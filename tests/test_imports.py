@@ -28,6 +28,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("wire",),  # the generic dataclass <-> plain values codec, and the store's JSON documents
     ("server_api", "attribution"),  # the HTTP contract of a server: bodies (clients and plugin); attribution
     ("format.layout",),  # the version file's names: format versions, kinds, dtypes, payload keys
+    ("format.arrays",),  # format 5: a tensor table and a part's rows as packed arrays
     ("format.table",),  # a header's tensor table
     ("format.header",),  # the version header
     ("format.payload_writer", "format.version_file"),  # writing a file; an opened file

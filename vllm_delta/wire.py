@@ -313,7 +313,7 @@ def _value_decoder(base: Any, extras: tuple[Any, ...]) -> Decoder:
             return tuple(items) if as_tuple else items
 
         return sequence
-    if base is dict or origin is dict:
+    if base is dict or origin is dict or origin is Mapping:  # a Mapping field decodes to a dict
         key_hint, item_hint = args if len(args) == 2 else (Any, Any)
         key = _decoder(key_hint)
         item = _decoder(item_hint)

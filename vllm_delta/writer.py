@@ -15,18 +15,23 @@ nnz and payload).
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from . import codec as codecs
 from .checksums import combine, to_hex
 from .format import (
+    ARRAYS_FORMAT_VERSION,
     COLUMNS_FORMAT_VERSION,
+    DTYPE_CODES,
     DTYPE_NAMES,
     FILE_PAYLOAD,
     FORMAT_VERSION,
@@ -34,8 +39,11 @@ from .format import (
     STREAMS_FORMAT_VERSION,
     PartInfo,
     PayloadWriter,
+    RowMap,
+    TableArrays,
     TensorTable,
     VersionHeader,
+    join_names,
     payload_key,
     write,
 )
@@ -223,6 +231,122 @@ def write_delta(
     return header
 
 
+@dataclass(frozen=True)
+class TableTemplate:
+    """What a delta's tensor table holds that depends only on its tensor set and this writer's share of
+    it (the same for every version of a run): the names in header order (sorted) and joined, shapes and
+    dtypes as arrays, where each tensor of the source order and each owned tensor lands in the header,
+    and a part's rows as an array. Made once (`of`); each version then adds its own columns (`table`)
+    as array operations: format 5, written with no object per tensor."""
+
+    source: list[str]  # the tensor set in the caller's order (what `sums` lists)
+    names: list[str]  # header order
+    text: str
+    order: np.ndarray  # header position -> source index
+    owned_at: np.ndarray  # owned tensor (in the caller's owned order) -> header position
+    ndim: np.ndarray
+    dims: np.ndarray
+    codes: np.ndarray
+    rows: np.ndarray  # [T, 2] in header order: the rows the writer owns, -1, -1 where none
+
+    @classmethod
+    def of(
+        cls,
+        shapes: Mapping[str, tuple[int, ...]],
+        dtype: torch.dtype,
+        owned: Sequence[tuple[str, int, int]],
+    ) -> TableTemplate:
+        """`shapes`: every tensor of the version; `owned`: (name, row0, row1) of each tensor this
+        writer changes, in the order its batch lists them."""
+        source = list(shapes)
+        order = np.array(sorted(range(len(source)), key=source.__getitem__), dtype=np.int64)
+        names = [source[i] for i in order.tolist()]
+        pos = {n: i for i, n in enumerate(names)}
+        ordered = [shapes[n] for n in names]
+        n = len(names)
+        rows = np.full((n, 2), -1, dtype=np.int64)
+        owned_at = np.fromiter((pos[name] for name, _, _ in owned), dtype=np.int64, count=len(owned))
+        if len(owned):
+            rows[owned_at] = np.array([(r0, r1) for _, r0, r1 in owned], dtype=np.int64)
+        return cls(
+            source=source,
+            names=names,
+            text=join_names(names),
+            order=order,
+            owned_at=owned_at,
+            ndim=np.fromiter(map(len, ordered), dtype=np.uint8, count=n),
+            dims=np.fromiter(itertools.chain.from_iterable(ordered), dtype=np.int64),
+            codes=np.full(n, DTYPE_CODES.index(DTYPE_NAMES[dtype]), dtype=np.uint8),
+            rows=rows,
+        )
+
+    def table(self, sums: Mapping[str, int], counts: Sequence[int], at: np.ndarray, start: np.ndarray) -> TensorTable:
+        """One version's table: whole-tensor checksums `sums` (every tensor, in the source order), and
+        per owned tensor its changed elements and place in the streams (`at`, `start`: -1 for none)."""
+        n = len(self.names)
+        if len(sums) != n or list(sums) != self.source:  # list compare: the same str objects, in C
+            raise ValueError("the version's checksums do not list the table's tensors in its order")
+        by_source = np.fromiter(sums.values(), dtype=np.uint64, count=n)
+        nnz = np.zeros(n, dtype=np.int64)
+        at_col = np.full(n, -1, dtype=np.int64)
+        start_col = np.full(n, -1, dtype=np.int64)
+        nnz[self.owned_at] = np.asarray(counts, dtype=np.int64)
+        at_col[self.owned_at] = at
+        start_col[self.owned_at] = start
+        arrays = TableArrays(
+            self.text, n, self.ndim, self.dims, self.codes, by_source[self.order], nnz, at_col, start_col
+        )
+        return TensorTable.from_arrays(arrays, self.names)
+
+
+def write_delta_arrays(
+    path: str,
+    of: DeltaOf,
+    codec: codecs.FileCodec,
+    batch: codecs.BatchSections,
+    template: TableTemplate,
+    sums: Mapping[str, int],
+    counts: Sequence[int],
+    *,
+    pool: Executor | None = None,
+    busy_ms: list[float] | None = None,
+    timings: dict[str, float] | None = None,
+) -> VersionHeader:
+    """`write_delta` for a file-level codec's whole batch, in format 5: the header's table made from
+    arrays (`template` and this version's `sums`, `counts` and the codec's places), no dict,
+    `PreparedTensor` or `Sections` per tensor. `of.checksum`: the whole version's (required)."""
+    if of.checksum is None:
+        raise ValueError("write_delta_arrays needs the version's checksum")
+    times = timings if timings is not None else {}
+    t0 = time.perf_counter()
+    plan = codec.plan_batch(batch)
+    at, start = plan.enc_arrays()
+    table = template.table(sums, counts, at, start)
+    part = of.part
+    if part is not None:
+        part = dataclasses.replace(part, rows=RowMap(template.text, template.rows, template.names))
+    header = VersionHeader(
+        version=of.version,
+        kind="delta",
+        tensors=table,
+        checksum=of.checksum,
+        base=of.base,
+        base_checksum=of.base_checksum,
+        codec=codec.name,
+        created=of.created,
+        format_version=ARRAYS_FORMAT_VERSION,
+        part=part,
+        enc=plan.enc,
+    )
+    parts = [(payload_key(FILE_PAYLOAD, key), dtype, ndim) for key, dtype, ndim in plan.parts]
+    with PayloadWriter(path, header, parts, pool, size_hint=plan.size_hint) as out:
+        plan.write_to(_FileParts(out), pool, busy_ms)
+        t1 = time.perf_counter()
+    t2 = time.perf_counter()
+    times["pack"], times["write"] = (t1 - t0) * 1e3, (t2 - t1) * 1e3
+    return header
+
+
 class _FileParts:
     """A file-level codec's parts, stored under `::<part>` (codecs.PayloadSink)."""
 
@@ -323,10 +447,12 @@ __all__ = [
     "Changes",
     "DeltaOf",
     "PreparedTensor",
+    "TableTemplate",
     "assemble_delta",
     "encode_anchor",
     "encode_anchor_part",
     "encode_delta",
     "prepare_changes",
     "write_delta",
+    "write_delta_arrays",
 ]

@@ -174,7 +174,7 @@ class ApplyEngine:
         self._state = 0
         self._warm: set[tuple[torch.dtype, torch.dtype]] = set()
         self._fits: dict[str, tuple[str, list[int]]] = {}  # tensors whose header entry fits the model
-        self._fitting: tuple[tuple[str, ...], list[str], list[list[int]]] | None = None  # the last table that fit
+        self._fitting: tuple[object, ...] | None = None  # the last tensor set that fit (TensorTable.set_key)
 
     # -- checksums -------------------------------------------------------------------------
     def live_sums(self, names: Iterable[str] | None = None) -> dict[str, int]:
@@ -224,10 +224,10 @@ class ApplyEngine:
         """Every tensor of a version fits the model (name, shape, dtype): ShapeMismatchError or
         UnsupportedModelError naming the first that does not. A tensor seen with the same shape and
         dtype before is not checked again (a mixture of experts lists ~20K tensors per version)."""
-        columns = HeaderTable.of(header.tensors)  # no entry object per tensor on the way to the compare
-        # copies: a header's columns can be changed in place later (table[name] = entry)
-        table = (tuple(columns.names), list(columns.dtypes), [list(shape) for shape in columns.shapes])
-        if table == self._fitting:  # the tensor table of a version checked before: three C-level compares
+        # immutable copies (a header's columns can be changed in place later: table[name] = entry); a
+        # format-5 table's are its names string and array bytes (no object per tensor)
+        table = HeaderTable.of(header.tensors).set_key()
+        if table == self._fitting:  # the tensor table of a version checked before: C-level compares
             return
         seen = self._fits
         for name, entry in header.tensors.items():

@@ -21,16 +21,26 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
 from ..codec import get_decoder
-from ..codec.decoding import Chunk, Fetch, FilePieces, FileSet, Item, Pieces
-from ..format import DTYPES, STREAMS_FORMAT_VERSIONS, Version, VersionFile, VersionHeader, VersionLike, row_size
+from ..codec.decoding import Chunk, Fetch, FilePieces, FileSet, Item, PieceEncs, Pieces
+from ..format import (
+    DTYPES,
+    STREAMS_FORMAT_VERSIONS,
+    RowMap,
+    Version,
+    VersionFile,
+    VersionHeader,
+    VersionLike,
+    row_size,
+)
 from ..format import TensorTable as HeaderTable
 from .layout import DeviceLayout
 
@@ -267,11 +277,15 @@ class LayoutTable:
 
     @classmethod
     def of(cls, header: VersionHeader, layout: DeviceLayout) -> LayoutTable:
-        """The table of `header`'s tensor set on `layout`, remembered on the layout for later versions."""
-        names = tuple(header.tensors)
+        """The table of `header`'s tensor set on `layout`, remembered on the layout for later versions
+        (keyed by the names, shapes and dtypes as one string and bytes: a format-5 header's as read, no
+        object per tensor)."""
+        columns = HeaderTable.of(header.tensors)
+        key = columns.set_key()
         cache = layout.caches.setdefault("tensor_tables", {})
-        table: LayoutTable | None = cache.get(names)
+        table: LayoutTable | None = cache.get(key)
         if table is None:
+            names = columns.names
             entries = list(header.tensors.values())
             held = layout.layout.segments
             index = np.array([layout.index[n] if held.get(n) else -1 for n in names], dtype=np.int64)
@@ -287,7 +301,7 @@ class LayoutTable:
             )
             if len(cache) >= 4:  # a server sees one tensor set; a few in tests
                 cache.clear()
-            cache[names] = table
+            cache[key] = table
         return table
 
 
@@ -297,11 +311,10 @@ def _file_pieces(vf: VersionFile, layout: DeviceLayout) -> dict[int, FilePieces]
     h = vf.header
     table = LayoutTable.of(h, layout)
     columns = HeaderTable.of(h.tensors)  # the header's columns: no entry object per tensor
-    nnz = np.asarray(columns.nnz, dtype=np.int64)
+    nnz = columns.nnz_array()
     start, stop = np.zeros_like(nnz), table.numel
     if h.part is not None:  # a part: the rows it owns (a tensor it does not own has nnz 0)
-        rows = h.part.rows
-        bounds = np.array([rows.get(n) or (0, 0) for n in table.names], dtype=np.int64).reshape(-1, 2)
+        bounds = _part_bounds(h.part.rows, columns, table)
         start, stop = bounds[:, 0] * table.row, bounds[:, 1] * table.row
     keep = np.flatnonzero((nnz > 0) & (table.index >= 0))
     out: dict[int, FilePieces] = {}
@@ -316,7 +329,7 @@ def _file_pieces(vf: VersionFile, layout: DeviceLayout) -> dict[int, FilePieces]
             payload=payload,
             file_enc=h.enc,
             names=table.names[sel].tolist(),
-            encs=[columns.encs[i] for i in sel.tolist()],
+            encs=_encs_of(columns, sel),
             index=table.index[sel],
             numel=table.numel[sel],
             nnz=nnz[sel],
@@ -326,6 +339,23 @@ def _file_pieces(vf: VersionFile, layout: DeviceLayout) -> dict[int, FilePieces]
             need_hi=table.need_hi[sel],
         )
     return out
+
+
+def _part_bounds(rows: Mapping[str, list[int]], columns: HeaderTable, table: LayoutTable) -> np.ndarray:
+    """A part's rows [T, 2] in the header's order, (0, 0) where it owns none (format 5: its array)."""
+    aligned = rows.array_for(columns.names_text) if isinstance(rows, RowMap) else None
+    if aligned is not None:
+        assert isinstance(rows, RowMap)
+        return np.where(rows.held()[:, None], aligned, 0)
+    return np.array([rows.get(n) or (0, 0) for n in table.names], dtype=np.int64).reshape(-1, 2)
+
+
+def _encs_of(columns: HeaderTable, sel: np.ndarray) -> list[Any] | PieceEncs:
+    """The selected pieces' `enc`: as arrays where the table has them (format 5), else the dicts."""
+    arrays = columns._arrays  # noqa: SLF001 - read as arrays (format 5): no dict per piece
+    if arrays is not None:
+        return PieceEncs(arrays.at[sel], arrays.start[sel])
+    return [columns.encs[i] for i in sel.tolist()]
 
 
 _WIDTH = {name: dtype.itemsize for name, dtype in DTYPES.items()}

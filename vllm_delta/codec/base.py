@@ -250,6 +250,11 @@ class FileWrite(Protocol):
 
     def write_to(self, sink: PayloadSink, pool: Executor | None = None, busy_ms: list[float] | None = None) -> None: ...
 
+    def enc_arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """Each tensor's place in the streams, in batch order: (`at`, `start`), -1 and -1 where it did
+        not change (a plan of `plan_batch`: format 5's columns)."""
+        ...
+
 
 class FileCodec(Codec, Protocol):
     """A codec whose payload covers every changed tensor of a file (format 3): `plan_file` lays out
@@ -259,6 +264,10 @@ class FileCodec(Codec, Protocol):
     file_level: bool
 
     def plan_file(self, tensors: Sequence[tuple[str, Sections]]) -> FileWrite: ...
+
+    def plan_batch(self, batch: BatchSections) -> FileWrite:
+        """`plan_file` of every tensor of one `prepare_batch` (or stream) result, no per-tensor object."""
+        ...
 
     def pack_file(
         self, tensors: Sequence[tuple[str, Sections]], pool: Executor | None = None, busy_ms: list[float] | None = None

@@ -63,6 +63,25 @@ class Item:
         return self.numel if self.stop is None else min(self.stop, self.numel)
 
 
+class PieceEncs(Sequence[dict[str, Any]]):
+    """Pieces' `enc` of a file-level codec held as two arrays (a format-5 header's columns): `at` and
+    `start`, -1 and -1 where a piece has none. Indexing gives the dict a format-4 header would."""
+
+    __slots__ = ("at", "start")
+
+    def __init__(self, at: np.ndarray, start: np.ndarray):
+        self.at, self.start = at, start
+
+    def __len__(self) -> int:
+        return len(self.at)
+
+    def __getitem__(self, k: Any) -> Any:
+        if isinstance(k, slice):
+            return PieceEncs(self.at[k], self.start[k])
+        a, s = int(self.at[k]), int(self.start[k])
+        return {} if a == -1 and s == -1 else {"at": a, "start": s}
+
+
 @dataclass
 class FilePieces:
     """The changed pieces of one file of a file-level codec (format 3) that a layout holds, as
@@ -73,7 +92,7 @@ class FilePieces:
     payload: Mapping[str, torch.Tensor]  # the file's streams
     file_enc: Any  # the file's codec metadata (the header's `enc`)
     names: list[str]
-    encs: list[Any]  # each piece's own codec metadata
+    encs: Sequence[Any]  # each piece's own codec metadata (a list of dicts, or PieceEncs)
     index: np.ndarray  # int64: tensor index in the engine's layout order
     numel: np.ndarray  # int64: elements of the whole tensor
     nnz: np.ndarray  # int64

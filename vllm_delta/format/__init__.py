@@ -13,6 +13,9 @@ in the header's `enc`, and each tensor's place in the streams in its own `enc`. 
 writers write for a file-level codec) is format 3 with the header's tensor table written as columns
 (one list per field, `TensorTable.to_columns`) and a part's rows as one list in the table's order: a
 header is parsed without a JSON object per tensor, and a part's header without each name twice.
+Format version 5 (what writers write for a file-level codec since issue 35) is format 4 with those
+columns as packed arrays (base64 of little-endian values; the names one string): written from arrays
+and read into arrays, with no Python object per tensor.
 A part file's header is the whole version's header (every tensor's shape, dtype and whole-tensor
 checksum) with the part's own `nnz` and codec metadata per tensor, plus `part`: its index, the part
 count, the rows of dim 0 it owns of each tensor, and the additive checksum of what it contributes.
@@ -20,7 +23,8 @@ count, the rows of dim 0 it owns of each tensor, and the additive checksum of wh
 `dense`) for one file and for many.
 
     layout.py          the layout's names: format versions, kinds, dtypes, payload keys, rows
-    table.py           TensorEntry, TensorTable   a header's tensors, as columns
+    table.py           TensorEntry, TensorTable   a header's tensors, as columns (lists, or arrays)
+    arrays.py          TableArrays, RowMap        format 5: the table and a part's rows as packed arrays
     header.py          VersionHeader, PartInfo    the header: read by format version, checked, written
     payload_writer.py  write, serialize, PayloadWriter   a file at once, or while its payload is made
     version_file.py    VersionFile, Piece         an opened file, memory-mapped, checked on open
@@ -29,9 +33,12 @@ count, the rows of dim 0 it owns of each tensor, and the additive checksum of wh
 `from vllm_delta.format import X` is the public import of every name below.
 """
 
+from .arrays import RowMap, TableArrays, join_names
 from .header import PartInfo, VersionHeader
 from .layout import (
+    ARRAYS_FORMAT_VERSION,
     COLUMNS_FORMAT_VERSION,
+    DTYPE_CODES,
     DTYPE_NAMES,
     DTYPES,
     FILE_PAYLOAD,
@@ -55,7 +62,9 @@ from .table import TensorEntry, TensorTable
 from .version_file import Piece, VersionFile, header_text
 
 __all__ = [
+    "ARRAYS_FORMAT_VERSION",
     "COLUMNS_FORMAT_VERSION",
+    "DTYPE_CODES",
     "DTYPE_NAMES",
     "DTYPES",
     "FILE_PAYLOAD",
@@ -70,6 +79,8 @@ __all__ = [
     "PartInfo",
     "PayloadWriter",
     "Piece",
+    "RowMap",
+    "TableArrays",
     "TensorEntry",
     "TensorTable",
     "Version",
@@ -79,6 +90,7 @@ __all__ = [
     "VersionLike",
     "header_text",
     "is_kind",
+    "join_names",
     "num_rows",
     "payload_key",
     "row_size",

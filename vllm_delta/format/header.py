@@ -8,6 +8,7 @@ import itertools
 import json
 import math
 import operator
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,7 +18,9 @@ from .. import wire
 from ..checksums import is_hex
 from ..errors import FormatError
 from ..wire import Closed, Number, omit_none, omit_when, types_of
+from .arrays import RowMap, TableArrays, pack, unpack
 from .layout import (
+    ARRAYS_FORMAT_VERSION,
     COLUMNS_FORMAT_VERSION,
     FORMAT_VERSION,
     JSON_SEPARATORS,
@@ -41,7 +44,8 @@ class PartInfo(Closed):
     index: int  # 0 <= index < count
     count: int  # parts of the version
     checksum: str  # Σ_t key(t) · (partial sum of t over the elements this part owns); parts add up to the whole
-    rows: dict[str, list[int]] = field(default_factory=dict)  # tensor -> [row0, row1): the dim-0 rows it owns
+    # tensor -> [row0, row1): the dim-0 rows it owns (a dict; read from format 5: a RowMap, one array)
+    rows: Mapping[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -69,25 +73,31 @@ class VersionHeader(Closed):
 
     @property
     def nnz(self) -> int:
-        return sum(self.tensors.nnz)
+        return int(self.tensors.nnz_array().sum())
 
     @property
     def numel(self) -> int:
-        return sum(self.tensors.numels())
+        return int(self.tensors.numel_array().sum())
 
     def to_json(self) -> str:
         """Keys sorted, no spaces. Format 4: the tensor table as columns and a part's rows as one list
         in the table's order (`_columns_doc`). Formats 1-3: the tensor table is written as text by the
         table itself (the same bytes `json.dumps` makes of its plain form, without a dict per tensor)
         into the rest."""
+        if self.format_version == ARRAYS_FORMAT_VERSION:
+            return json.dumps(self._arrays_doc(), separators=JSON_SEPARATORS, sort_keys=True)
         if self.format_version == COLUMNS_FORMAT_VERSION:
             return json.dumps(self._columns_doc(), separators=JSON_SEPARATORS, sort_keys=True)
-        doc = wire.encode(dataclasses.replace(self, tensors=EMPTY_TABLE))
+        part = self.part
+        if part is not None and type(part.rows) is not dict:
+            part = dataclasses.replace(part, rows=dict(part.rows))
+        doc = wire.encode(dataclasses.replace(self, tensors=EMPTY_TABLE, part=part))
         doc["tensors"] = _TABLE_MARK
         text = json.dumps(doc, separators=JSON_SEPARATORS, sort_keys=True)
         head, mark, tail = text.rpartition(_TABLE_MARK_JSON)
         if not mark or _TABLE_MARK_JSON in head:  # a field of the header holds the mark's text: no shortcut
-            return json.dumps(wire.encode(self), separators=JSON_SEPARATORS, sort_keys=True)
+            whole = dataclasses.replace(self, part=part)
+            return json.dumps(wire.encode(whole), separators=JSON_SEPARATORS, sort_keys=True)
         return head + self.tensors.to_json() + tail
 
     def _columns_doc(self) -> dict[str, Any]:
@@ -103,6 +113,38 @@ class VersionHeader(Closed):
             part["rows"] = [rows.get(table.names[i]) for i in order]
             doc["part"] = part
         return doc
+
+    def _arrays_doc(self) -> dict[str, Any]:
+        """Format 5: the table as packed arrays (in the table's order: writers give it sorted) and a
+        part's rows as one packed array in that order."""
+        table = self.tensors
+        doc: dict[str, Any] = wire.encode(dataclasses.replace(self, tensors=EMPTY_TABLE, part=None))
+        arrays = table.arrays()
+        doc["tensors"] = arrays.to_doc()
+        if self.part is not None:
+            rows = RowMap.of(self.part.rows, table.names, arrays.text)
+            part = wire.encode(dataclasses.replace(self.part, rows={}))
+            part["rows"] = pack(rows.array, "i64")
+            doc["part"] = part
+        return doc
+
+    @classmethod
+    def _from_arrays(cls, raw: dict[str, Any], where: str) -> VersionHeader:
+        """A format-5 header: the arrays made a table and a part's rows a RowMap, the rest through the
+        wire codec."""
+        raw = dict(raw)
+        arrays = TableArrays.from_doc(raw.pop("tensors", None), where or "header")
+        raw["tensors"] = {}
+        packed = None
+        if isinstance(raw.get("part"), dict):
+            raw["part"] = dict(raw["part"])
+            packed = raw["part"].pop("rows", None)
+        header = wire.decode(cls, raw)
+        header.tensors = TensorTable.from_arrays(arrays)
+        if header.part is not None:
+            rows = unpack(packed, "i64", 2 * arrays.count, "part rows", where or "header")
+            header.part.rows = RowMap(arrays.text, rows.reshape(-1, 2))
+        return header
 
     @classmethod
     def _from_columns(cls, raw: dict[str, Any], where: str) -> VersionHeader:
@@ -150,6 +192,8 @@ class VersionHeader(Closed):
                 raise FormatError(f"format version {fv} {'needs' if fv == 2 else 'has no'} a part description")
             if fv not in STREAMS_FORMAT_VERSIONS and "enc" in raw:
                 raise FormatError(f"format version {fv} has no file-level codec metadata")
+            if fv == ARRAYS_FORMAT_VERSION:
+                return cls._from_arrays(raw, where)
             return cls._from_columns(raw, where) if fv == COLUMNS_FORMAT_VERSION else wire.decode(cls, raw)
         except FormatError:
             raise
@@ -177,7 +221,7 @@ class VersionHeader(Closed):
     def _validate_part(self, part: PartInfo) -> None:
         v = self.version
         ok = all(isinstance(x, int) and not isinstance(x, bool) for x in (part.index, part.count))
-        if not ok or not 0 <= part.index < part.count or not isinstance(part.rows, dict):
+        if not ok or not 0 <= part.index < part.count or not isinstance(part.rows, (dict, RowMap)):
             raise FormatError(f"bad part description {part.index!r} of {part.count!r}", version=v)
         if not is_hex(part.checksum):
             raise FormatError(f"a checksum is 16 lower-case hex digits, not {part.checksum!r:.40}", version=v)
@@ -207,18 +251,20 @@ class VersionHeader(Closed):
             raise FormatError(f"part {part.index} owns rows of unknown tensors {sorted(unknown)[:3]}", version=v)
 
 
-def row_column(rows: dict[str, Any], names: list[str]) -> tuple[list[Any], np.ndarray]:
+def row_column(rows: Mapping[str, Any], names: list[str]) -> tuple[list[Any], np.ndarray]:
     """A part's row ranges in `names`' order (None where it owns none), and where it owns rows."""
     column: list[Any] = list(map(rows.get, names))
     held = np.fromiter(map(operator.is_not, column, itertools.repeat(None)), dtype=bool, count=len(names))
     return column, held
 
 
-def _rows_fit(table: TensorTable, rows: dict[str, Any], anchor: bool) -> bool:
+def _rows_fit(table: TensorTable, rows: Mapping[str, Any], anchor: bool) -> bool:
     """Whether a part's row ranges are well formed and hold its nnz, checked as arrays: every range
     a list of two ints with 0 <= row0 < row1 <= the tensor's rows; nnz at most the owned elements
     (an anchor: exactly); nnz 0 where it owns no rows; no rows of an unlisted tensor. False sends the
     caller to its per-tensor loop, which names what is wrong."""
+    if isinstance(rows, RowMap):
+        return _row_array_fits(table, rows, anchor)
     names = table.names
     column, held = row_column(rows, names)
     owned = list(itertools.compress(column, held))
@@ -240,3 +286,20 @@ def _rows_fit(table: TensorTable, rows: dict[str, Any], anchor: bool) -> bool:
     own = (r1 - r0) * (numel // np.maximum(dim0, 1))  # rows x row size (dim0 > 0 wherever r0 < r1 <= dim0)
     mine = nnz[held]
     return bool((mine == own).all() if anchor else (mine <= own).all()) and not nnz[~held].any()
+
+
+def _row_array_fits(table: TensorTable, rows: RowMap, anchor: bool) -> bool:
+    """`_rows_fit` for rows held as an array (format 5), aligned with the table's names."""
+    r = rows.array_for(table.names_text)
+    if r is None:
+        return False
+    arrays = table.arrays()
+    held = rows.held()
+    r0, r1 = r[:, 0], r[:, 1]
+    dim0, numel, nnz = arrays.dim0(), arrays.numel(), arrays.nnz
+    fits = (r0 >= 0) & (r0 < r1) & (r1 <= dim0)
+    if not fits[held].all():
+        return False
+    own = (r1 - r0) * (numel // np.maximum(dim0, 1))
+    mine, theirs = nnz[held], own[held]
+    return bool((mine == theirs).all() if anchor else (mine <= theirs).all()) and not nnz[~held].any()

@@ -12,8 +12,10 @@ FORMAT_VERSION = 1  # one-file versions
 PART_FORMAT_VERSION = 2  # part files of multi-part versions
 STREAMS_FORMAT_VERSION = 3  # deltas of a file-level codec (one file or a part)
 COLUMNS_FORMAT_VERSION = 4  # format 3 with the tensor table and a part's rows written as columns
-STREAMS_FORMAT_VERSIONS = (STREAMS_FORMAT_VERSION, COLUMNS_FORMAT_VERSION)  # what a file-level codec's deltas are
-READ_FORMAT_VERSIONS = (FORMAT_VERSION, PART_FORMAT_VERSION, STREAMS_FORMAT_VERSION, COLUMNS_FORMAT_VERSION)
+ARRAYS_FORMAT_VERSION = 5  # format 4 with those columns as packed arrays (base64, little-endian)
+# what a file-level codec's deltas are
+STREAMS_FORMAT_VERSIONS = (STREAMS_FORMAT_VERSION, COLUMNS_FORMAT_VERSION, ARRAYS_FORMAT_VERSION)
+READ_FORMAT_VERSIONS = (FORMAT_VERSION, PART_FORMAT_VERSION, *STREAMS_FORMAT_VERSIONS)
 FILE_PAYLOAD = ""  # the tensor name of a file-level codec's payload keys (`::<part>`)
 VersionKind = Literal["anchor", "delta"]  # what a version is: a full image, or the changes since its base
 KINDS: tuple[VersionKind, ...] = get_args(VersionKind)
@@ -21,6 +23,7 @@ SEP = "::"
 JSON_SEPARATORS = (",", ":")  # headers are JSON without spaces (keys sorted)
 
 DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+DTYPE_CODES = ("BF16", "F16", "F32")  # format 5's dtype column: the index of the dtype's name here
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 # Every safetensors dtype a version file's payload uses (codec parts: positions, blobs, values).
 ST_DTYPES = {

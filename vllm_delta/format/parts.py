@@ -4,7 +4,9 @@ into the whole version's header and a row index, in named steps (`_in_order`, `_
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+from collections.abc import Mapping
 
 import numpy as np
 import torch
@@ -12,6 +14,7 @@ import torch
 from .. import gc_pause
 from ..checksums import sum_of_parts
 from ..errors import FormatError
+from .arrays import RowMap
 from .header import PartInfo, VersionHeader, row_column
 from .layout import num_rows
 from .table import TensorTable
@@ -37,12 +40,15 @@ class Version:
         tensors need), and the whole version's header."""
         self.parts = _in_order(parts, expect_version)
         head = _common_table(self.parts)
-        self._names = {n: i for i, n in enumerate(head.names)}
+        self._head = head
+        self._names: dict[str, int] | None = None  # name -> column, at the first `owners`
         self._rows, self._order = _row_index(self.parts, head)
         self.header = _merged_header(self.parts, head)
 
     def owners(self, name: str) -> list[tuple[int, int, VersionFile]]:
         """The parts holding rows of `name`, in row order: (first row, end row, part)."""
+        if self._names is None:
+            self._names = {n: i for i, n in enumerate(self._head.names)}
         i = self._names[name]
         out = []
         for k in self._order[:, i].tolist():
@@ -111,7 +117,7 @@ def _common_table(parts: list[VersionFile]) -> TensorTable:
     first = parts[0].header
     v = first.version
     head = TensorTable.of(first.tensors)
-    names = head.names
+    names = head.names if not _held_as_arrays(head) else []  # format 5: the names only if a part differs
     for p in parts[1:]:
         h = p.header
         for key in _SAME:
@@ -122,6 +128,9 @@ def _common_table(parts: list[VersionFile]) -> TensorTable:
                     version=v,
                 )
         table = TensorTable.of(h.tensors)
+        if _same_arrays(table, head):  # format 5: whole arrays and one string compared
+            continue
+        names = names or head.names
         if table.names != names:  # the same tensors (writers list them in one order)
             table = h.tensors = _reordered(table, names, v)
         # column by column (lists compare in C); the odd tensor looked for only on failure
@@ -134,6 +143,20 @@ def _common_table(parts: list[VersionFile]) -> TensorTable:
             )
             raise FormatError("parts disagree on the tensor's shape, dtype or checksum", version=v, tensor=name)
     return head
+
+
+def _held_as_arrays(table: TensorTable) -> bool:
+    return table._arrays is not None  # noqa: SLF001 - format 5 (a table read as arrays)
+
+
+def _same_arrays(table: TensorTable, head: TensorTable) -> bool:
+    """Two tables read as arrays (format 5) list the same tensors in the same order with the same
+    shapes, dtypes and checksums (whole arrays and the names string compared)."""
+    if not (_held_as_arrays(table) and _held_as_arrays(head)):
+        return False
+    a, b = table.arrays(), head.arrays()
+    keys = ("ndim", "dims", "codes", "sums")
+    return a.text == b.text and all(np.array_equal(getattr(a, k), getattr(b, k)) for k in keys)
 
 
 def _reordered(table: TensorTable, names: list[str], version: int) -> TensorTable:
@@ -152,7 +175,7 @@ def _reordered(table: TensorTable, names: list[str], version: int) -> TensorTabl
     )
 
 
-def _row_array(rows: dict[str, list[int]], names: list[str]) -> np.ndarray:
+def _row_array(rows: Mapping[str, list[int]], names: list[str]) -> np.ndarray:
     """A part's (validated) rows as an array [tensors, 2] in `names`' order, (0, 0) where it owns none."""
     column, held = row_column(rows, names)
     out = np.zeros((len(names), 2), dtype=np.int64)
@@ -167,23 +190,28 @@ def _row_index(parts: list[VersionFile], head: TensorTable) -> tuple[np.ndarray,
     """Every part's rows of every tensor as an array [parts, tensors, 2] ((0, 0): not owned) and, per
     tensor, its parts by first row; the rows checked as arrays: no two parts overlap, and an anchor's
     parts cover every row of every tensor."""
-    v, names = parts[0].header.version, head.names
-    rows = np.zeros((len(parts), len(names), 2), dtype=np.int64)
+    v, n = parts[0].header.version, len(head)
+    rows = np.zeros((len(parts), n, 2), dtype=np.int64)
     for k, p in enumerate(parts):
         assert p.header.part is not None
-        rows[k] = _row_array(p.header.part.rows, names)
+        part_rows = p.header.part.rows
+        aligned = part_rows.array_for(head.names_text) if isinstance(part_rows, RowMap) else None
+        if aligned is not None and isinstance(part_rows, RowMap):  # format 5: an array in the table's order
+            rows[k] = np.where(part_rows.held()[:, None], aligned, 0)
+        else:
+            rows[k] = _row_array(part_rows, head.names)
     order = np.argsort(rows[:, :, 0], axis=0, kind="stable")  # per tensor, its parts by first row
     r0 = np.take_along_axis(rows[:, :, 0], order, axis=0)
     r1 = np.take_along_axis(rows[:, :, 1], order, axis=0)
     held = r1 > r0
     covered = np.maximum.accumulate(np.where(held, r1, 0), axis=0)  # rows covered by the parts up to each
-    before = np.vstack([np.zeros((1, len(names)), dtype=np.int64), covered[:-1]])
+    before = np.vstack([np.zeros((1, n), dtype=np.int64), covered[:-1]])
     overlap = held & (r0 < before)
     if overlap.any():
         k, i = (int(x[0]) for x in np.nonzero(overlap))
         at = int(r0[k, i])
         raise FormatError(
-            f"parts overlap at rows {at}..{min(int(r1[k, i]), int(before[k, i]))}", version=v, tensor=names[i]
+            f"parts overlap at rows {at}..{min(int(r1[k, i]), int(before[k, i]))}", version=v, tensor=head.names[i]
         )
     if parts[0].header.kind == "anchor":
         total = np.array([num_rows(shape) for shape in head.shapes], dtype=np.int64)
@@ -193,7 +221,7 @@ def _row_index(parts: list[VersionFile], head: TensorTable) -> tuple[np.ndarray,
             i = int(np.flatnonzero(missing)[0])
             ks = np.flatnonzero(gap[:, i])
             a, b = (int(before[ks[0], i]), int(r0[ks[0], i])) if ks.size else (int(covered[-1, i]), int(total[i]))
-            raise FormatError(f"no part holds rows {a}..{b}", version=v, tensor=names[i])
+            raise FormatError(f"no part holds rows {a}..{b}", version=v, tensor=head.names[i])
     return rows, order
 
 
@@ -204,15 +232,21 @@ def _merged_header(parts: list[VersionFile], head: TensorTable) -> VersionHeader
     first = parts[0].header
     nnz = np.zeros(len(head), dtype=np.int64)
     for p in parts:  # the columns, not an entry per tensor (~19K per part at 30B-A3B)
-        nnz += np.asarray(TensorTable.of(p.header.tensors).nnz, dtype=np.int64)
-    tensors = TensorTable(
-        list(head.names),
-        [list(shape) for shape in head.shapes],
-        list(head.dtypes),
-        list(head.checksums),
-        nnz.tolist(),
-        [{} for _ in range(len(head))],
-    )
+        nnz += TensorTable.of(p.header.tensors).nnz_array()
+    if _held_as_arrays(head):  # format 5: arrays in, arrays out
+        a = head.arrays()
+        none = np.full(len(head), -1, dtype=np.int64)
+        merged = dataclasses.replace(a, nnz=nnz, at=none, start=none)
+        tensors = TensorTable.from_arrays(merged, head._names)  # noqa: SLF001 - the names, if made already
+    else:
+        tensors = TensorTable(
+            list(head.names),
+            [list(shape) for shape in head.shapes],
+            list(head.dtypes),
+            list(head.checksums),
+            nnz.tolist(),
+            [{} for _ in range(len(head))],
+        )
     infos: list[PartInfo] = [p.header.part for p in parts if p.header.part is not None]
     total_sum = sum_of_parts(info.checksum for info in infos)
     if total_sum != first.checksum:

@@ -1,6 +1,7 @@
 """The header's tensor table: `TensorEntry` (one tensor's shape, dtype, checksum, nnz and codec
 metadata) and `TensorTable`, the same as columns, read, checked and written without an object per
-tensor (formats 1-3: a JSON object per tensor; format 4: one list per field)."""
+tensor (formats 1-3: a JSON object per tensor; format 4: one list per field; format 5: packed arrays,
+`arrays.py`)."""
 
 from __future__ import annotations
 
@@ -15,13 +16,15 @@ from dataclasses import dataclass, field
 from json.encoder import encode_basestring_ascii as _quote
 from typing import Any
 
+import numpy as np
 import torch
 
 from .. import wire
 from ..checksums import is_hex
 from ..errors import FormatError
 from ..wire import Closed, types_of
-from .layout import DTYPES, JSON_SEPARATORS
+from .arrays import NAME_SEP, TableArrays, join_names, split_names
+from .layout import DTYPE_CODES, DTYPES, JSON_SEPARATORS
 
 
 @dataclass
@@ -59,9 +62,14 @@ class TensorTable(Mapping[str, TensorEntry]):
     back with a handful of list passes instead of an object and a generic decode per tensor (issue 25:
     per-tensor Python on the publish-to-live path); `table[name]` and iteration still give
     `TensorEntry`s (made afresh: changing one changes nothing; `table[name] = entry` replaces one).
+
+    Its columns are held as lists (formats 1-4, `TensorTable(...)`) or as arrays (format 5,
+    `from_arrays`): each form is made from the other on first use, so readers that work on arrays
+    (`arrays()`, `names_text`) never make a Python object per tensor for a table read as arrays, and
+    the list attributes (`names`, `shapes`, `dtypes`, `checksums`, `nnz`, `encs`) stay what they were.
     """
 
-    __slots__ = ("names", "shapes", "dtypes", "checksums", "nnz", "encs", "_index")
+    __slots__ = ("_names", "_shapes", "_dtypes", "_checksums", "_nnz", "_encs", "_arrays", "_text", "_index")
 
     def __init__(
         self,
@@ -74,9 +82,24 @@ class TensorTable(Mapping[str, TensorEntry]):
     ):
         if not len(names) == len(shapes) == len(dtypes) == len(checksums) == len(nnz) == len(encs):
             raise ValueError("a tensor table's columns differ in length")
-        self.names, self.shapes, self.dtypes = names, shapes, dtypes
-        self.checksums, self.nnz, self.encs = checksums, nnz, encs
+        self._names: list[str] | None = names
+        self._shapes: list[list[int]] | None = shapes
+        self._dtypes: list[str] | None = dtypes
+        self._checksums: list[str] | None = checksums
+        self._nnz: list[int] | None = nnz
+        self._encs: list[dict[str, Any]] | None = encs
+        self._arrays: TableArrays | None = None
+        self._text: str | None = None
         self._index: dict[str, int] | None = None
+
+    @classmethod
+    def from_arrays(cls, arrays: TableArrays, names: list[str] | None = None) -> TensorTable:
+        """A table held as arrays (format 5); `names`: the names as a list, if the caller has them."""
+        table = cls.__new__(cls)
+        table._names = names
+        table._shapes = table._dtypes = table._checksums = table._nnz = table._encs = None
+        table._arrays, table._text, table._index = arrays, arrays.text, None
+        return table
 
     @classmethod
     def of(cls, entries: Mapping[str, TensorEntry]) -> TensorTable:
@@ -91,6 +114,125 @@ class TensorTable(Mapping[str, TensorEntry]):
             [e.nnz for e in values],
             [e.enc for e in values],
         )
+
+    # -- the columns as lists (made from the arrays on first use) ---------------------------------
+    @property
+    def names(self) -> list[str]:
+        if self._names is None:
+            assert self._arrays is not None
+            self._names = split_names(self._arrays.text, self._arrays.count)
+        return self._names
+
+    @property
+    def shapes(self) -> list[list[int]]:
+        if self._shapes is None:
+            a = self._require()
+            off = a.shape_offsets().tolist()
+            dims = a.dims.tolist()
+            self._shapes = [dims[off[i] : off[i + 1]] for i in range(a.count)]
+        return self._shapes
+
+    @property
+    def dtypes(self) -> list[str]:
+        if self._dtypes is None:
+            codes = self._require().codes
+            if codes.size and int(codes.max()) >= len(DTYPE_CODES):
+                raise FormatError("unknown dtype code in a tensor table")
+            self._dtypes = np.array(DTYPE_CODES, dtype=object)[codes].tolist()
+        return self._dtypes
+
+    @property
+    def checksums(self) -> list[str]:
+        if self._checksums is None:
+            text = self._require().sums.astype(">u8").tobytes().hex()
+            self._checksums = [text[i : i + 16] for i in range(0, len(text), 16)]
+        return self._checksums
+
+    @property
+    def nnz(self) -> list[int]:
+        if self._nnz is None:
+            self._nnz = self._require().nnz.tolist()
+        return self._nnz
+
+    @property
+    def encs(self) -> list[dict[str, Any]]:
+        if self._encs is None:
+            a = self._require()
+            self._encs = [{} if x < 0 else {"at": x, "start": y} for x, y in zip(a.at.tolist(), a.start.tolist())]
+        return self._encs
+
+    def _require(self) -> TableArrays:
+        assert self._arrays is not None, "a table holds its columns as lists or as arrays"
+        return self._arrays
+
+    # -- the columns as arrays (made from the lists on first use) ---------------------------------
+    @property
+    def names_text(self) -> str:
+        """The names joined by "\n" (format 5's form; a key that equals only for the same names in the
+        same order)."""
+        if self._text is None:
+            self._text = NAME_SEP.join(self.names)
+        return self._text
+
+    def arrays(self) -> TableArrays:
+        """The table as arrays (ValueError where a value has no array form: an `enc` other than a
+        file-level codec's {at, start}, a dtype other than format 5's, an unsigned checksum that is not
+        16 hex digits)."""
+        if self._arrays is None:
+            self._arrays = self._to_arrays()
+        return self._arrays
+
+    def _to_arrays(self) -> TableArrays:
+        names, shapes, n = self.names, self.shapes, len(self.names)
+        codes = {name: i for i, name in enumerate(DTYPE_CODES)}
+        try:
+            if not all(not e or (len(e) == 2 and "at" in e and "start" in e) for e in self.encs):
+                raise TypeError("an enc other than a file-level codec's {at, start}")
+            at = np.fromiter((e.get("at", -1) if e else -1 for e in self.encs), dtype=np.int64, count=n)
+            start = np.fromiter((e.get("start", -1) if e else -1 for e in self.encs), dtype=np.int64, count=n)
+            hexes = "".join(self.checksums)
+            if not (set(map(len, self.checksums)) <= {16} and _HEX_RUN.fullmatch(hexes)):
+                raise ValueError("a checksum is not 16 lower-case hex digits")
+            return TableArrays(
+                text=join_names(names),
+                count=n,
+                ndim=np.fromiter(map(len, shapes), dtype=np.uint8, count=n),
+                dims=np.fromiter(itertools.chain.from_iterable(shapes), dtype=np.int64),
+                codes=np.fromiter(map(codes.__getitem__, self.dtypes), dtype=np.uint8, count=n),
+                sums=np.frombuffer(bytes.fromhex(hexes), dtype=">u8").astype(np.uint64),
+                nnz=np.fromiter(self.nnz, dtype=np.int64, count=n),
+                at=at,
+                start=start,
+            )
+        except (KeyError, TypeError, OverflowError, AttributeError) as exc:
+            raise ValueError(f"the tensor table has no array form: {exc}") from None
+
+    def set_key(self) -> tuple[object, ...]:
+        """The tensor set (names in order, shapes, dtypes) as a hashable value of immutable copies: a
+        string and bytes for a table read as arrays (what readers key their per-set work by, with no
+        object per tensor), tuples otherwise."""
+        if self._arrays is not None:
+            a = self._arrays
+            return (a.text, a.ndim.tobytes(), a.dims.tobytes(), a.codes.tobytes())
+        return (tuple(self.names), tuple(map(tuple, self.shapes)), tuple(self.dtypes))
+
+    def sum_values(self) -> list[int]:
+        """The per-tensor checksums as ints (a table read as arrays: its column, no hex per tensor)."""
+        if self._arrays is not None:
+            out: list[int] = self._arrays.sums.tolist()
+            return out
+        return [int(c, 16) for c in self.checksums]
+
+    def numel_array(self) -> np.ndarray:
+        """Elements per tensor (int64)."""
+        if self._arrays is not None:
+            return self._arrays.numel()
+        return np.fromiter(map(math.prod, self.shapes), dtype=np.int64, count=len(self))
+
+    def nnz_array(self) -> np.ndarray:
+        if self._arrays is not None:
+            return self._arrays.nnz
+        return np.fromiter(self.nnz, dtype=np.int64, count=len(self))
 
     # -- the plain form (wire.py) ----------------------------------------------------------------
     def to_plain(self) -> dict[str, dict[str, Any]]:
@@ -228,11 +370,26 @@ class TensorTable(Mapping[str, TensorEntry]):
 
     # -- checks ----------------------------------------------------------------------------------
     def numels(self) -> list[int]:
+        if self._arrays is not None and self._shapes is None:
+            out: list[int] = self._arrays.numel().tolist()
+            return out
         return list(map(math.prod, self.shapes))
 
     def check(self, version: int) -> None:
         """Every entry well formed (FormatError naming the first bad tensor): columns at C speed, the
-        bad tensor looked for only when a column fails."""
+        bad tensor looked for only when a column fails (a table read as arrays: array operations)."""
+        if self._arrays is not None:
+            bad = np.flatnonzero(self._arrays.bad())
+            if bad.size:
+                i = int(bad[0])
+                a = self._arrays
+                raise FormatError(
+                    f"bad entry: shape {self.shapes[i]}, dtype code {int(a.codes[i])}, nnz {int(a.nnz[i])}, "
+                    f"at {int(a.at[i])}, start {int(a.start[i])}",
+                    version=version,
+                    tensor=self.names[i],
+                )
+            return
         try:
             numels = self.numels()
             if (
@@ -267,7 +424,11 @@ class TensorTable(Mapping[str, TensorEntry]):
         return TensorEntry(self.shapes[i], self.dtypes[i], self.checksums[i], self.nnz[i], self.encs[i])
 
     def __setitem__(self, name: str, entry: TensorEntry) -> None:
-        """Replace (or add) one tensor's entry: tests that craft a bad header, and nothing on a hot path."""
+        """Replace (or add) one tensor's entry: tests that craft a bad header, and nothing on a hot path.
+        The table is held as lists from here on."""
+        for _ in (self.names, self.shapes, self.dtypes, self.checksums, self.nnz, self.encs):
+            pass  # each list made, from the arrays if need be
+        self._arrays, self._text = None, None
         i = self.index(name) if name in self else None
         cols = (self.shapes, self.dtypes, self.checksums, self.nnz, self.encs)
         vals = (entry.shape, entry.dtype, entry.checksum, entry.nnz, entry.enc)
@@ -289,9 +450,13 @@ class TensorTable(Mapping[str, TensorEntry]):
         return iter(self.names)
 
     def __len__(self) -> int:
-        return len(self.names)
+        return self._arrays.count if self._names is None and self._arrays is not None else len(self.names)
 
     def __eq__(self, other: object) -> bool:
+        if isinstance(other, TensorTable) and self._arrays is not None and other._arrays is not None:
+            a, b = self._arrays, other._arrays
+            keys = ("ndim", "dims", "codes", "sums", "nnz", "at", "start")
+            return a.text == b.text and all(np.array_equal(getattr(a, k), getattr(b, k)) for k in keys)
         if isinstance(other, TensorTable) and self.names == other.names:
             return (
                 self.shapes == other.shapes

@@ -20,6 +20,7 @@ left of it afterwards.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import tempfile
@@ -31,9 +32,17 @@ from dataclasses import dataclass
 import torch
 
 from .. import gc_pause
-from ..codec import Codec
+from ..codec import Codec, is_file_level
 from ..format import VersionHeader, write
-from ..writer import DeltaOf, PreparedTensor, encode_anchor, encode_anchor_part, write_delta
+from ..writer import (
+    DeltaOf,
+    PreparedTensor,
+    TableTemplate,
+    encode_anchor,
+    encode_anchor_part,
+    write_delta,
+    write_delta_arrays,
+)
 from .job import UploadJob
 
 
@@ -51,12 +60,13 @@ WriteFile = Callable[[], AbstractContextManager[EncodedFile]]  # one job's `writ
 class VersionEncoder:
     """Encodes and writes jobs' files on the upload thread (one job at a time)."""
 
-    def __init__(
-        self, codec: Codec, dtype: torch.dtype, *, pack_threads: int | None = None, header_columns: bool = True
-    ):
+    def __init__(self, codec: Codec, dtype: torch.dtype, *, pack_threads: int | None = None, header_format: int = 5):
+        if header_format not in (3, 4, 5):
+            raise ValueError(f"a file-level codec's deltas are written in format 3, 4 or 5, not {header_format}")
         self.codec = codec
         self.dtype = dtype
-        self.header_columns = header_columns  # format 4 (else 3) for a file-level codec's deltas
+        self.header_format = header_format  # a file-level codec's deltas (5: arrays, 4: columns, 3: dicts)
+        self._template: tuple[object, object, TableTemplate] | None = None  # (shapes, owned, template)
         self._tmpdir = tempfile.mkdtemp(prefix="vllm-delta-pub-")
         self._pool = ThreadPoolExecutor(
             max_workers=pack_threads or min(16, os.cpu_count() or 1), thread_name_prefix="vllm-delta-pack"
@@ -103,9 +113,27 @@ class VersionEncoder:
             created=job.created,
             checksum=job.checksum if job.part is not None else None,
             part=job.part,
-            columns=self.header_columns,
+            columns=self.header_format >= 4,
         )
         busy: list[float] = []
+        if self.header_format == 5 and is_file_level(self.codec):
+            # format 5: the header's table from arrays, no object per tensor (split, pack and header)
+            of = dataclasses.replace(of, checksum=job.checksum)
+            try:
+                return write_delta_arrays(
+                    path,
+                    of,
+                    self.codec,
+                    job.sections,
+                    self._table_template(job),
+                    job.sums,
+                    job.counts,
+                    pool=self._pool,
+                    busy_ms=busy,
+                    timings=job.timings,
+                )
+            finally:
+                job.timings["pack_busy"] = sum(busy)
         # Objects per tensor here (sections, prepared tensors) and a header column per field in
         # write_delta: ~19K each for a mixture of experts, which the collector would otherwise walk
         # again and again (gc_pause.py).
@@ -122,6 +150,16 @@ class VersionEncoder:
                 return write_delta(path, of, self.codec, prepared, pool=self._pool, busy_ms=busy, timings=job.timings)
             finally:
                 job.timings["pack_busy"] = sum(busy)
+
+    def _table_template(self, job: UploadJob) -> TableTemplate:
+        """The table's per-run part (writer.TableTemplate), made again only when the job's tensor set or
+        share is another (an Ownership is reused by every publish of the same tensors: sources.py)."""
+        cached = self._template
+        if cached is not None and cached[0] is job.shapes and cached[1] is job.owned:
+            return cached[2]
+        template = TableTemplate.of(job.shapes, self.dtype, [(o.name, o.row0, o.row1) for o in job.owned])
+        self._template = (job.shapes, job.owned, template)
+        return template
 
     def close(self) -> None:
         """Once no job is being written any more."""

@@ -56,15 +56,24 @@ class UploadOptions:
 
     queue_size: int = 2  # versions waiting for the upload thread; `publish` blocks beyond (bounds memory)
     pack_threads: int | None = None  # zstd packing pool (zstd releases the GIL); None: min(16, CPUs)
-    # `chunked` deltas' headers as columns (format 4: faster to open, most at many parts); False writes
-    # format 3, which servers of releases before format 4 read (upgrade them, then drop this)
-    header_columns: bool = True
+    # `chunked` deltas' header format: 5 (packed arrays: written and read with no object per tensor),
+    # 4 (JSON columns) or 3 (an object per tensor), for servers of releases before format 5 (or 4):
+    # upgrade them, then drop this
+    header_format: int = 5
+    header_columns: bool = True  # False: format 3 whatever `header_format` says (the option before it)
+
+    @property
+    def chunked_format(self) -> int:
+        """The format `chunked` deltas are written in."""
+        return self.header_format if self.header_columns else 3
 
     def __post_init__(self) -> None:
         if self.queue_size < 1:
             raise ValueError(f"queue_size must be >= 1, not {self.queue_size}")
         if self.pack_threads is not None and self.pack_threads < 1:
             raise ValueError(f"pack_threads must be >= 1 (or None), not {self.pack_threads}")
+        if self.header_format not in (3, 4, 5):
+            raise ValueError(f"header_format must be 3, 4 or 5, not {self.header_format}")
 
 
 @dataclass(frozen=True)

@@ -188,7 +188,7 @@ class Publisher:
                 self.codec,
                 opts.dtype,
                 pack_threads=opts.upload.pack_threads,
-                header_columns=opts.upload.header_columns,
+                header_format=opts.upload.chunked_format,
             ),
             self._group,
             queue_size=opts.upload.queue_size,

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from ...bits import int_view
-from ..base import Batch, Changes, Ctx, MemorySink, Sections, segment_ids
+from ..base import Batch, BatchSections, Changes, Ctx, MemorySink, Sections, segment_ids
 from .decode import Carry, Spans, decode_planes
 from .encode import encode_planes
 from .planes import CHUNK_ELEMS, INDEX_WIDTH, PAYLOAD_LAYOUT, SLICE_ELEMS, ZSTD_LEVEL, PlanesBackend
@@ -75,9 +75,18 @@ class ChunkedCodec:
             name: prepared.tensor_enc(s.meta["tensor"] if "batch" in s.meta else i)
             for i, (name, s) in enumerate(tensors)
         }
+        return FilePlan(prepared, prepared.file_enc(), tensor_enc, list(PAYLOAD_LAYOUT), self._size_hint(prepared.n))
+
+    def plan_batch(self, batch: BatchSections) -> FilePlan:
+        """`plan_file` of a whole `prepare_batch` (or stream) result, every tensor in batch order, with
+        no per-tensor object: the tensors' places are the batch's arrays (`ChunkedBatch.enc_arrays`)."""
+        if not isinstance(batch, ChunkedBatch):
+            raise ValueError(f"plan_batch takes what prepare_batch or stream return, not {type(batch).__name__}")
+        return FilePlan(batch, batch.file_enc(), {}, list(PAYLOAD_LAYOUT), self._size_hint(batch.n))
+
+    def _size_hint(self, n: int) -> int:
         # ~1.1-1.4 B per changed element (docs/PERFORMANCE.md), the index 72 B per chunk
-        hint = prepared.n * 5 // 4 + -(-prepared.n // self.chunk_elems) * INDEX_WIDTH * 8
-        return FilePlan(prepared, prepared.file_enc(), tensor_enc, list(PAYLOAD_LAYOUT), hint)
+        return n * 5 // 4 + -(-n // self.chunk_elems) * INDEX_WIDTH * 8
 
     def pack_file(
         self, tensors: Sequence[tuple[str, Sections]], pool: Executor | None = None, busy_ms: list[float] | None = None

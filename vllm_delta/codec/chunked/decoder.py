@@ -36,7 +36,7 @@ from ...bits import INT_DTYPE
 from ...checksums import chunk_hashes_np
 from ...errors import CodecError, DeltaError, PositionError
 from ..base import Ctx, err
-from ..decoding import Chunk, Fetch, FilePieces, Pieces, Runs, StagingHost, ctx_of, files_of
+from ..decoding import Chunk, Fetch, FilePieces, PieceEncs, Pieces, Runs, StagingHost, ctx_of, files_of
 from . import gpu
 from .decode import Carry, Spans, decode_planes
 from .planes import COL_HASH, N_PLANES, PLANES, PlaneLayout, PlaneViews, views_over
@@ -439,8 +439,11 @@ def _offsets(version: int, pieces: FilePieces) -> tuple[np.ndarray, np.ndarray]:
     checked (CodecError naming the tensor): one pass, no per-piece objects."""
     n = len(pieces)
     try:
-        at = np.fromiter((enc["at"] for enc in pieces.encs), dtype=np.int64, count=n)
-        start = np.fromiter((enc.get("start", 0) for enc in pieces.encs), dtype=np.int64, count=n)
+        if isinstance(pieces.encs, PieceEncs):  # a format-5 header's columns (-1: a piece without enc)
+            at, start = pieces.encs.at, pieces.encs.start
+        else:
+            at = np.fromiter((enc["at"] for enc in pieces.encs), dtype=np.int64, count=n)
+            start = np.fromiter((enc.get("start", 0) for enc in pieces.encs), dtype=np.int64, count=n)
     except (KeyError, TypeError, ValueError, AttributeError, OverflowError):
         for k, enc in enumerate(pieces.encs):  # find the piece, and raise naming its tensor
             piece_at(enc, int(pieces.numel[k]), ctx_of(version, pieces.names[k]))

@@ -79,6 +79,15 @@ class ChunkedBatch(BatchSections):
     def tensor_enc(self, i: int) -> dict[str, Any]:
         return {"at": int(self.ats[i]), "start": int(self.starts[i])}
 
+    def enc_arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """Every tensor's place in the streams as arrays in batch order: `at` (its first element) and
+        `start` (where its gap chain counts from), -1 and -1 where it did not change (format 5)."""
+        counts = np.asarray(self.counts, dtype=np.int64)
+        changed = counts > 0
+        at = np.where(changed, np.asarray(self.ats, dtype=np.int64), -1)
+        start = np.where(changed, np.asarray(self.starts, dtype=np.int64), -1)
+        return at, start
+
     def file_enc(self) -> dict[str, Any]:
         return {"chunk_elems": self.codec.chunk_elems, "elems": self.n}
 
@@ -202,12 +211,15 @@ class FilePlan:
 
     batch: ChunkedBatch
     enc: dict[str, Any]
-    tensor_enc: dict[str, dict[str, Any]]
+    tensor_enc: dict[str, dict[str, Any]]  # by name (plan_file); empty from plan_batch, whose batch has them as arrays
     parts: list[tuple[str, torch.dtype, int]]
     size_hint: int = 0
 
     def write_to(self, sink: PayloadSink, pool: Executor | None = None, busy_ms: list[float] | None = None) -> None:
         self.batch.write_to(sink, pool, busy_ms)
+
+    def enc_arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        return self.batch.enc_arrays()
 
 
 class StreamEncoder:

@@ -156,7 +156,7 @@ class Ranks:
 
     def written(self, plan: UpdatePlan, header: VersionHeader) -> Sums:
         """An update wrote `plan`: the target is served, with its header's sums (returned) and chain."""
-        recorded = dict(zip(header.tensors.names, (int(c, 16) for c in header.tensors.checksums)))
+        recorded = dict(zip(header.tensors.names, header.tensors.sum_values()))
         self.note_served(plan.target, header.checksum, recorded)
         if plan.undo_to is not None:
             self._cache().undone(plan.target)

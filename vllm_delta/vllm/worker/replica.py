@@ -59,7 +59,7 @@ class Served:
     @classmethod
     def from_header(cls, header: VersionHeader) -> Served:
         t = header.tensors
-        return cls(header.version, header.checksum, dict(zip(t.names, (int(c, 16) for c in t.checksums))))
+        return cls(header.version, header.checksum, dict(zip(t.names, t.sum_values())))
 
 
 @dataclass

@@ -1,0 +1,79 @@
+"""The upload of a format-5 delta (issue 35: versions built from arrays): the same version as format 4,
+byte for byte in its payload and field for field in its table, with no `PreparedTensor`, `Sections` or
+per-tensor dict made on the way."""
+
+from __future__ import annotations
+
+import torch
+from safetensors import safe_open
+
+import vllm_delta
+from vllm_delta import Publisher, replay
+from vllm_delta.codec import base as codec_base
+from vllm_delta.format import ARRAYS_FORMAT_VERSION, COLUMNS_FORMAT_VERSION
+from vllm_delta.store import DeltaStore
+from vllm_delta.trainer.options import PublisherOptions, UploadOptions
+
+
+def _weights() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(5)
+    shapes = {f"model.layers.{i // 8}.mlp.experts.{i % 8}.up_proj.weight": (16, 8) for i in range(40)}
+    shapes |= {"model.norm.weight": (8,), "scale": (), "model.embed_tokens.weight": (64, 8)}
+    return {n: torch.randn(s, generator=gen) * 0.05 for n, s in shapes.items()}
+
+
+def _publish(root: str, header_format: int, steps: int = 3) -> tuple[DeltaStore, list[int]]:
+    weights = _weights()
+    gen = torch.Generator().manual_seed(7)
+    versions = []
+    options = PublisherOptions(upload=UploadOptions(header_format=header_format))
+    with Publisher(root, anchor_every=100, options=options) as pub:
+        for step in range(steps + 1):
+            if step:
+                for t in weights.values():
+                    hit = torch.rand(t.shape, generator=gen) < 0.2
+                    t.add_(hit * 1e-2 * torch.randn(t.shape, generator=gen))
+            versions.append(pub.publish(weights).version)
+    return DeltaStore(root), versions
+
+
+def test_format_5_writes_the_version_format_4_does(tmp_path):
+    five, versions = _publish(str(tmp_path / "f5"), 5)
+    four, _ = _publish(str(tmp_path / "f4"), 4)
+    for v in versions[1:]:
+        with five.open(v) as a, four.open(v) as b:
+            assert (a.header.format_version, b.header.format_version) == (ARRAYS_FORMAT_VERSION, COLUMNS_FORMAT_VERSION)
+            assert a.header.checksum == b.header.checksum and a.header.enc == b.header.enc
+            assert dict(a.header.tensors.items()) == dict(b.header.tensors.items())
+        (pa,), (pb,) = five.local_paths(v), four.local_paths(v)
+        with safe_open(pa, "pt") as fa, safe_open(pb, "pt") as fb:
+            assert sorted(fa.keys()) == sorted(fb.keys())
+            assert all(torch.equal(fa.get_tensor(k), fb.get_tensor(k)) for k in fa.keys())
+    _, got = replay(five, versions[-1])
+    _, want = replay(four, versions[-1])
+    assert vllm_delta.checksum(got) == vllm_delta.checksum(want) == five.record(versions[-1]).checksum
+
+
+def test_a_format_5_upload_makes_no_object_per_tensor(tmp_path, monkeypatch):
+    """Counted on the upload thread's path: `Sections` (the codec's per-tensor host form) and
+    `PreparedTensor` (the writer's) are never made for a format-5 delta; format 4 makes one of each per
+    tensor."""
+    from vllm_delta import writer
+
+    made = {"sections": 0, "prepared": 0}
+    real_sections, real_prepared = codec_base.Sections.__init__, writer.PreparedTensor.__init__
+
+    def sections(self, *a, **k):
+        made["sections"] += 1
+        real_sections(self, *a, **k)
+
+    def prepared(self, *a, **k):
+        made["prepared"] += 1
+        real_prepared(self, *a, **k)
+
+    monkeypatch.setattr(codec_base.Sections, "__init__", sections)
+    monkeypatch.setattr(writer.PreparedTensor, "__init__", prepared)
+    _publish(str(tmp_path / "f5"), 5)
+    assert made == {"sections": 0, "prepared": 0}
+    _publish(str(tmp_path / "f4"), 4, steps=1)
+    assert made["prepared"] >= len(_weights()) and made["sections"] > 0
