@@ -6,6 +6,7 @@ CPU only: it reads stores that `benchmarks/publish_gpu.py --store DIR` kept.
 
     python benchmarks/publish_gpu.py --world 1,2,4 --codecs chunked:gpu --store /dev/shm/open
     python benchmarks/open_parts.py /dev/shm/open       # every store in the folder, or name stores
+    python benchmarks/open_parts.py NEW_STORE --tree /tmp/old --tree-stores OLD_STORE   # old beside new
 
 Each time is the least of `--repeat` runs (the machine is shared; the least is the code's own cost),
 in ms. One row per store: its newest version.
@@ -22,6 +23,10 @@ from collections.abc import Callable
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+from trees import child_output, in_tree, tree_first  # noqa: E402
+
+tree_first()  # a child run: the measured checkout's package first
 
 from safetensors import safe_open  # noqa: E402
 
@@ -79,26 +84,40 @@ def measure(store_dir: str, repeat: int) -> dict[str, float | int | str]:
     }
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("stores", nargs="+", help="store folders (local), or folders of stores (publish_gpu's --store)")
-    ap.add_argument("--repeat", type=int, default=30)
-    args = ap.parse_args()
-    cols = ["safetensors", "json", "decode", "validate", "files", "merge", "open"]
-    print(f"# open of a version of W parts, least of {args.repeat} runs, ms (all parts); cpus={os.cpu_count()}")
-    print(f"{'store':>40} {'parts':>5} {'tensors':>7} {'KB/part':>7} " + " ".join(f"{c:>11}" for c in cols))
+def stores_in(folders: list[str]) -> list[str]:
     stores = []
-    for d in args.stores:
+    for d in folders:
         if os.path.exists(os.path.join(d, "head.json")) or os.path.isdir(os.path.join(d, "versions")):
             stores.append(d)
         else:
             stores += sorted(os.path.join(d, n) for n in os.listdir(d) if n.startswith("store-"))
-    if not stores:
-        raise SystemExit(f"no store in {args.stores}")
-    for d in stores:
-        r = measure(d, args.repeat)
+    return stores
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("stores", nargs="*", help="store folders (local), or folders of stores (publish_gpu's --store)")
+    ap.add_argument("--repeat", type=int, default=30)
+    ap.add_argument("--tree", default="", help="another checkout: it opens the --tree-stores, in the same run")
+    ap.add_argument("--tree-stores", nargs="*", default=[], help="stores the other checkout opens")
+    ap.add_argument("--child", default="", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        child_output(args.child, {"rows": [measure(d, args.repeat) for d in stores_in(args.stores)]})
+        return 0
+    cols = ["safetensors", "json", "decode", "validate", "files", "merge", "open"]
+    print(f"# open of a version of W parts, least of {args.repeat} runs, ms (all parts); cpus={os.cpu_count()}")
+    rows = [{"tree": "this", **measure(d, args.repeat)} for d in stores_in(args.stores)]
+    if args.tree:
+        other = in_tree(os.path.abspath(args.tree), __file__, [*args.tree_stores, "--repeat", str(args.repeat)])
+        rows += [{"tree": "other", **r} for r in other["rows"]]
+        print(f"# this: {os.path.dirname(HERE)}; other: {os.path.abspath(args.tree)}")
+    if not rows:
+        raise SystemExit(f"no store in {args.stores} {args.tree_stores}")
+    print(f"{'tree':>5} {'store':>30} {'parts':>5} {'tensors':>7} {'KB/part':>7} " + " ".join(f"{c:>11}" for c in cols))
+    for r in rows:
         print(
-            f"{r['store']:>40} {r['parts']:>5} {r['tensors']:>7} {r['header_kb']:>7.1f} "
+            f"{r['tree']:>5} {r['store'][-30:]:>30} {r['parts']:>5} {r['tensors']:>7} {r['header_kb']:>7.1f} "
             + " ".join(f"{float(r[c]):>11.2f}" for c in cols)
         )
     print("files: VersionFile per part (safetensors + json + decode + validate + its own checks); merge: Version()")

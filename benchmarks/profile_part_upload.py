@@ -7,9 +7,11 @@ elements changed per version (as `publish_sharded_cpu.py`). Rank 0's `VersionEnc
 (the upload thread's split and pack of its part) and its `store.open` of each version run under
 cProfile after a warm-up version; the two profiles are printed, by cumulative and by own time.
 
-    python benchmarks/profile_part_upload.py [--div 32] [--versions 2] [--rows 35]
+    python benchmarks/profile_part_upload.py [--div 32] [--versions 2] [--rows 35] [--tree DIR]
 
-A profile on a shared 2-core machine: the shares are what it shows, not the times.
+--tree DIR profiles another checkout too, in the same run (benchmarks/trees.py); a table of the two
+trees' totals (ms per version, under the profiler) comes last. A profile on a shared 2-core machine:
+the shares are what it shows, not the times.
 """
 
 from __future__ import annotations
@@ -25,6 +27,9 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
+from trees import child_output, in_tree, tree_first  # noqa: E402
+
+tree_first()  # a child run: the measured checkout's package first
 
 
 def rank_fn(rank: int, world: int, root: str, div: int, versions: int, rows: int) -> dict:
@@ -80,6 +85,13 @@ def rank_fn(rank: int, world: int, root: str, div: int, versions: int, rows: int
                 out = io.StringIO()
                 pstats.Stats(prof, stream=out).sort_stats(order).print_stats(rows)
                 print(f"===== {name}, by {order}\n{out.getvalue()}", flush=True)
+        timed = versions  # the versions after the warm-up one
+        return {
+            "write_delta_ms": pstats.Stats(upload).total_tt * 1e3 / timed,  # type: ignore[attr-defined]
+            "open_ms": pstats.Stats(opening).total_tt * 1e3 / timed,  # type: ignore[attr-defined]
+            "calls_write_delta": pstats.Stats(upload).total_calls / timed,  # type: ignore[attr-defined]
+            "calls_open": pstats.Stats(opening).total_calls / timed,  # type: ignore[attr-defined]
+        }
     return {}
 
 
@@ -88,13 +100,28 @@ def main() -> int:
     ap.add_argument("--div", type=int, default=32)
     ap.add_argument("--versions", type=int, default=2)
     ap.add_argument("--rows", type=int, default=35)
+    ap.add_argument("--tree", default="", help="another checkout, profiled beside this one")
+    ap.add_argument("--child", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    child_args = ["--div", str(args.div), "--versions", str(args.versions), "--rows", str(args.rows)]
+    if not args.child:  # each tree in a child of its own, this one first
+        trees = [("this", os.path.dirname(HERE))] + ([("other", os.path.abspath(args.tree))] if args.tree else [])
+        results = [(label, in_tree(tree, __file__, child_args)) for label, tree in trees]
+        print(f"# rank 0 under cProfile, ms per version (calls per version), div {args.div}; cpus={os.cpu_count()}")
+        print(f"{'tree':>6} {'_write_delta':>14} {'calls':>9} {'store.open':>12} {'calls':>9}")
+        for label, r in results:
+            print(
+                f"{label:>6} {r['write_delta_ms']:>14.1f} {r['calls_write_delta']:>9.0f} "
+                f"{r['open_ms']:>12.1f} {r['calls_open']:>9.0f}"
+            )
+        return 0
     import profile_part_upload  # the ranks import rank_fn by this name
 
     from vllm_delta.testing.sharded import run_ranks
 
     with tempfile.TemporaryDirectory() as root:
-        run_ranks(profile_part_upload.rank_fn, 2, (root, args.div, args.versions, args.rows), timeout=900)
+        out = run_ranks(profile_part_upload.rank_fn, 2, (root, args.div, args.versions, args.rows), timeout=900)
+    child_output(args.child, out[0])
     return 0
 
 

@@ -16,7 +16,7 @@ For each tree, the medians over the timed steps, ms:
 * rank 0's `store.open` of the version (the W part headers parsed and merged).
 
     python benchmarks/publish_sharded_cpu.py [--model qwen3-30b-a3b] [--world 2] [--steps 3] [--div 32]
-                                             [--tree DIR] [--repeat 2] [--out DIR]
+                                             [--tree DIR] [--repeat 2] [--out DIR] [--keep DIR]
 
 --tree DIR measures another checkout beside this one (for example the commit before a change:
 `git worktree add /tmp/base <rev>`). Its package comes first on the ranks' path, and the two trees run
@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -119,7 +120,11 @@ def child(args: argparse.Namespace) -> int:
     """One tree's measurement (this process has the tree's package first on its path)."""
     from vllm_delta.testing.sharded import run_ranks
 
-    with tempfile.TemporaryDirectory(prefix="publish-sharded-") as root:
+    if args.keep:  # the store stays (benchmarks/open_parts.py reads it)
+        shutil.rmtree(args.keep, ignore_errors=True)
+        os.makedirs(args.keep)
+    with tempfile.TemporaryDirectory(prefix="publish-sharded-") as tmp:
+        root = args.keep or tmp
         results = run_ranks(rank_run, args.world, (root, args.model, args.div, args.steps, args.warmup))
     rows = results[0]["rows"]
     keys = sorted({k for r in rows for k in r})
@@ -136,6 +141,8 @@ def measure(tree: str, args: argparse.Namespace) -> dict:
     os.close(fd)
     cmd = [sys.executable, os.path.abspath(__file__), "--child", path, "--model", args.model, "--div", str(args.div)]
     cmd += ["--world", str(args.world), "--steps", str(args.steps), "--warmup", str(args.warmup)]
+    if args.keep:
+        cmd += ["--keep", os.path.join(os.path.abspath(args.keep), "this" if tree == ROOT else "other")]
     env = {**os.environ, TREE_ENV: tree, "PYTHONPATH": tree + os.pathsep + os.environ.get("PYTHONPATH", "")}
     try:
         # In the tree's folder: the ranks' forkserver imports its preloads with the working folder first
@@ -164,6 +171,7 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=1, help="runs per tree (alternating)")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
     ap.add_argument("--out", default="")
+    ap.add_argument("--keep", default="", help="keep each tree's store of its last run in DIR/this, DIR/other")
     ap.add_argument("--child", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
