@@ -14,7 +14,7 @@ writers write for a file-level codec) is format 3 with the header's tensor table
 (one list per field, `TensorTable.to_columns`) and a part's rows as one list in the table's order: a
 header is parsed without a JSON object per tensor, and a part's header without each name twice.
 Format version 5 (what writers write for a file-level codec since issue 35) is format 4 with those
-columns as packed arrays (base64 of little-endian values; the names one string): written from arrays
+columns as packed arrays (hex digits of little-endian values; the names one string): written from arrays
 and read into arrays, with no Python object per tensor.
 A part file's header is the whole version's header (every tensor's shape, dtype and whole-tensor
 checksum) with the part's own `nnz` and codec metadata per tensor, plus `part`: its index, the part

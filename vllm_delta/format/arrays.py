@@ -1,6 +1,6 @@
 """Format 5: a header's tensor table and a part's rows as packed arrays (docs/FORMAT.md, "Arrays").
 
-Each numeric column is the base64 of its little-endian values, the names one string joined by "\\n".
+Each numeric column is the hex digits of its little-endian values, the names one string joined by "\\n".
 Written from arrays and read into arrays: no Python object per tensor and field on the way (a mixture
 of experts lists ~19K tensors, in every part of every version, on the publisher and on every reader).
 `TableArrays` is the table's columns as arrays; `RowMap` is a part's rows over its table's names.
@@ -8,8 +8,6 @@ of experts lists ~19K tensors, in every part of every version, on the publisher 
 
 from __future__ import annotations
 
-import base64
-import binascii
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -25,21 +23,25 @@ _LE = {"u8": "<u1", "i64": "<i8", "u64": "<u8"}
 
 
 def pack(values: np.ndarray, kind: str) -> str:
-    """`values` as the base64 of their little-endian bytes (`kind`: "u8", "i64" or "u64")."""
-    return base64.b64encode(np.ascontiguousarray(values, dtype=_LE[kind]).tobytes()).decode("ascii")
+    """`values` as the hex digits of their little-endian bytes (`kind`: "u8", "i64" or "u64"). Hex, not
+    base64: bytes.fromhex reads ~4x faster than base64 decodes, which outweighs the longer text."""
+    return np.ascontiguousarray(values, dtype=_LE[kind]).tobytes().hex()
 
 
 def unpack(text: Any, kind: str, count: int, what: str, where: str) -> np.ndarray:
     """A packed column of `count` values (FormatError naming it otherwise), in native byte order."""
     if type(text) is not str:
-        raise FormatError(f"malformed tensor arrays in {where}: {what} is not a base64 string")
-    try:
-        raw = base64.b64decode(text, validate=True)
-    except (binascii.Error, ValueError):
-        raise FormatError(f"malformed tensor arrays in {where}: {what} is not base64") from None
+        raise FormatError(f"malformed tensor arrays in {where}: {what} is not a string of hex digits")
     dtype = np.dtype(_LE[kind])
-    if len(raw) != count * dtype.itemsize:
-        raise FormatError(f"malformed tensor arrays in {where}: {what} holds {len(raw)} B, not {count} values")
+    nbytes = count * dtype.itemsize
+    if len(text) != 2 * nbytes:
+        raise FormatError(f"malformed tensor arrays in {where}: {what} holds {len(text) // 2} B, not {count} values")
+    try:
+        raw = bytes.fromhex(text)
+    except ValueError:
+        raise FormatError(f"malformed tensor arrays in {where}: {what} is not hex digits") from None
+    if len(raw) != nbytes:  # fromhex skips whitespace: fewer bytes than digits/2
+        raise FormatError(f"malformed tensor arrays in {where}: {what} is not hex digits")
     return np.frombuffer(raw, dtype=dtype).astype(dtype.newbyteorder("="), copy=False)
 
 

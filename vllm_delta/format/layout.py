@@ -12,7 +12,7 @@ FORMAT_VERSION = 1  # one-file versions
 PART_FORMAT_VERSION = 2  # part files of multi-part versions
 STREAMS_FORMAT_VERSION = 3  # deltas of a file-level codec (one file or a part)
 COLUMNS_FORMAT_VERSION = 4  # format 3 with the tensor table and a part's rows written as columns
-ARRAYS_FORMAT_VERSION = 5  # format 4 with those columns as packed arrays (base64, little-endian)
+ARRAYS_FORMAT_VERSION = 5  # format 4 with those columns as packed arrays (hex digits of little-endian values)
 # what a file-level codec's deltas are
 STREAMS_FORMAT_VERSIONS = (STREAMS_FORMAT_VERSION, COLUMNS_FORMAT_VERSION, ARRAYS_FORMAT_VERSION)
 READ_FORMAT_VERSIONS = (FORMAT_VERSION, PART_FORMAT_VERSION, *STREAMS_FORMAT_VERSIONS)
