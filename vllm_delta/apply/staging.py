@@ -152,6 +152,10 @@ class Decoder:
                 for chunk in plan.decode(unit, fetched):
                     yield chunk
                     host.restart()
+            finish = getattr(plan, "finish", None)  # a decoder's checks read once, after every unit
+            if finish is not None:
+                finish()
+                host.mark("check", sync=False)
         finally:
             for fetched in fetches:
                 fetched.cancel()

@@ -278,7 +278,9 @@ class DecodePlan(Protocol[Unit]):
     def decode(self, unit: Unit, fetched: Fetch) -> Iterator[Chunk]:
         """The unit's device work once `fetched` is done: its changes, checked, on `host.device`.
         Marks its phases on the host's clock ("h2d", "inflate", "decode") before each yield; staging
-        restarts the clock when the consumer hands control back."""
+        restarts the clock when the consumer hands control back. A plan may also have `finish()`,
+        which staging calls after the last unit: checks it deferred (read once, not per unit), raising
+        what `decode` would have; the units' changes count only once it returned."""
         ...
 
 

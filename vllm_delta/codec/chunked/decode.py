@@ -179,19 +179,32 @@ class Decoded(NamedTuple):
     span: torch.Tensor  # int64: index into the spans, per element
     first: int  # the spans [first, first + len(counts)) have elements here, in element order
     counts: np.ndarray  # int64: elements of each of them
+    # `decode_planes(defer=True)`: the run's checks folded into one device flag, not yet read; the
+    # positions are clamped into their spans' ranges meanwhile (a flagged run's garbage addresses
+    # nothing outside its tensors), and the caller reads the flag later (`recheck` names the fault)
+    flag: torch.Tensor | None = None
 
 
 def decode_planes(
-    v: PlaneViews, elem0: int, spans: Spans, carry: Carry, ctx_of: CtxOfSpan, backend: PlanesBackend | None = None
+    v: PlaneViews,
+    elem0: int,
+    spans: Spans,
+    carry: Carry,
+    ctx_of: CtxOfSpan,
+    backend: PlanesBackend | None = None,
+    *,
+    defer: bool = False,
 ) -> Decoded:
     """Device work of the decoder for one run of whole chunks (its first element is the file's
     `elem0`): escapes patched and checked against the chunks' counts, positions from the gap chains
     of the spans (a span that began in an earlier run continues from `carry`, updated here), every
     position checked against its span's range. Vectorized over the spans: no per-tensor work, and
     one host synchronization (every check folded into one flag; when it is set, the run is decoded
-    again checking as it goes, by torch, to find the fault and raise the error naming it). `ctx_of(span
-    index)` names a tensor for errors. `backend`: the planes' decode ("triton": one fused kernel;
-    "torch": the reference; None: Triton on CUDA where it runs)."""
+    again checking as it goes, by torch, to find the fault and raise the error naming it: `recheck`).
+    With `defer`, not even that: the flag comes back unread in `Decoded.flag` (positions clamped into
+    their spans' ranges), for the caller to read once for many runs. `ctx_of(span index)` names a
+    tensor for errors. `backend`: the planes' decode ("triton": one fused kernel; "torch": the
+    reference; None: Triton on CUDA where it runs)."""
     dev = v.lo.device
     chosen = backend or default_backend(dev)
     if chosen not in PLANES_BACKENDS or (chosen == "triton" and not kernels.available(dev)):
@@ -202,25 +215,35 @@ def decode_planes(
         raise err(CodecError, "a tensor's elements continue a run that was not decoded", ctx_of(i0))
     saved = carry.copy()
     try:
-        out, checks = _decode(v, elem0, spans, carry, _Checks(eager=False), chosen)
+        out, checks = _decode(v, elem0, spans, carry, _Checks(eager=False, clamp=defer), chosen)
     except Exception as exc:
         if backend is not None or chosen != "triton" or isinstance(exc, DeltaError):
             raise
         KERNEL_FAILED.add(str(dev))  # a kernel that does not build here: the torch path from now on
         log.warning("vllm-delta: the Triton decoder failed on %s, decoding with torch: %s", dev, exc)
         carry.span, carry.last, carry.first = saved.span, saved.last, saved.first
-        out, checks = _decode(v, elem0, spans, carry, _Checks(eager=False), "torch")
+        out, checks = _decode(v, elem0, spans, carry, _Checks(eager=False, clamp=defer), "torch")
+    if defer:
+        flag = checks.flag if checks.flag is not None else torch.zeros((), dtype=torch.bool, device=dev)
+        return out._replace(flag=flag)
     if checks.flag is not None and bool(checks.flag):  # the one synchronization
-        _decode(
-            v,
-            elem0,
-            spans,
-            saved,
-            _Checks(eager=True, elem0=elem0, chunk_elems=v.chunk_elems, spans=spans, ctx_of=ctx_of),
-            "torch",
-        )
-        raise err(CodecError, f"elements {elem0}..{elem0 + v.n} do not decode", ctx_of(min(i0, len(spans) - 1)))
+        recheck(v, elem0, spans, saved, ctx_of)
     return out
+
+
+def recheck(v: PlaneViews, elem0: int, spans: Spans, carry: Carry, ctx_of: CtxOfSpan) -> None:
+    """A run whose checks failed, decoded again by torch checking as it goes from the carry it started
+    with: raises the error naming the chunk and a tensor (a generic CodecError if no check names one)."""
+    _decode(
+        v,
+        elem0,
+        spans,
+        carry.copy(),
+        _Checks(eager=True, elem0=elem0, chunk_elems=v.chunk_elems, spans=spans, ctx_of=ctx_of),
+        "torch",
+    )
+    i0 = int(np.searchsorted(spans.end, elem0, side="right"))
+    raise err(CodecError, f"elements {elem0}..{elem0 + v.n} do not decode", ctx_of(min(i0, len(spans) - 1)))
 
 
 class _Checks:
@@ -234,8 +257,10 @@ class _Checks:
         chunk_elems: int = 1,
         spans: Spans | None = None,
         ctx_of: CtxOfSpan | None = None,
+        clamp: bool = False,
     ):
         self.eager, self.elem0, self.e, self.spans, self.ctx_of = eager, elem0, chunk_elems, spans, ctx_of
+        self.clamp = clamp  # the flag is read later: keep positions inside their spans meanwhile
         self.flag: torch.Tensor | None = None
 
     def __call__(self, bad: torch.Tensor, exc_type: type[DeltaError], what: str) -> None:
@@ -373,7 +398,10 @@ def _decode(
         cc, d = c[sel], diffs[sel]
     before = torch.where(at_t > 0, c[(at_t - 1).clamp(min=0)], torch.zeros_like(at_t))
     positions = cc.sub_(before[local]).add_(base[local])
-    check.positions((positions < lo_t[local]) | (positions >= hi_t[local]), positions, local, sel, i0)
+    lo_e, hi_e = lo_t[local], hi_t[local]
+    check.positions((positions < lo_e) | (positions >= hi_e), positions, local, sel, i0)
+    if check.clamp:  # unread checks: nothing downstream may address outside the span's tensor
+        positions = torch.maximum(torch.minimum(positions, hi_e.sub_(1)), lo_e)
     if v.first is not None:  # each chunk's first element decoded where the file's `first` says
         check(_first_differs(v, positions, sel), CodecError, "its first position differs from the file's `first`")
     if spans.end[i1 - 1] > elem0 + n:  # the last span continues in the next run

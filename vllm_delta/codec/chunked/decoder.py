@@ -38,7 +38,7 @@ from ...errors import CodecError, DeltaError, PositionError
 from ..base import Ctx, err
 from ..decoding import Chunk, Fetch, FilePieces, PieceEncs, Pieces, Runs, StagingHost, ctx_of, files_of
 from . import gpu
-from .decode import Carry, Spans, decode_planes
+from .decode import Carry, Spans, decode_planes, recheck
 from .planes import COL_HASH, N_PLANES, PLANES, PlaneLayout, PlaneViews, views_over
 from .streams import FileStreams, piece_at
 
@@ -83,12 +83,29 @@ class _Run(NamedTuple):
     fresh: bool
 
 
+class _Pending(NamedTuple):
+    """A decoded sub-run (chunks [j0, j1) of `run`) whose checks' flag is not read yet, and the gap
+    chain it started from (to decode it again, checking, if the flag is set)."""
+
+    flag: torch.Tensor
+    run: _Run
+    j0: int
+    j1: int
+    carry: Carry
+
+
 class _Plan:
-    """Every sequence's runs, one after the other (decoding.DecodePlan)."""
+    """Every sequence's runs, one after the other (decoding.DecodePlan); `finish` reads every
+    sequence's deferred checks."""
 
     def __init__(self, seqs: list[_Sequence]):
+        self.seqs = seqs
         self.units = [run for s in seqs for run in s.runs]
         self.elements = sum(s.elements for s in seqs)
+
+    def finish(self) -> None:
+        for s in self.seqs:
+            s.finish()
 
     def fetch(self, unit: _Run) -> Fetch:
         return unit.seq.fetch(unit)
@@ -159,6 +176,7 @@ class _Sequence:
         self.elements = int(self.elems[needed_all].sum())
         self.compressed: set[int] = set()  # runs (by first chunk) fetched as compressed bytes
         self.carry = Carry()
+        self.pending: list[_Pending] = []  # decoded sub-runs whose checks are not read yet (`finish`)
 
     # -- errors ------------------------------------------------------------------------------------
     def ctx_of(self, i: int) -> Ctx:
@@ -347,17 +365,24 @@ class _Sequence:
         edges = sorted(cuts)
         return list(zip(edges[:-1], edges[1:]))
 
+    def _sub_views(self, views: PlaneViews, g0: int, j0: int, j1: int) -> PlaneViews:
+        esc = (
+            (int(self.gap_at[g0 + j0] - self.gap_at[g0]), int(self.gap_at[g0 + j1] - self.gap_at[g0])),
+            (int(self.mag_at[g0 + j0] - self.mag_at[g0]), int(self.mag_at[g0 + j1] - self.mag_at[g0])),
+        )
+        return views.sub(j0, j1, esc, int(self.elems[g0 + j1 - 1]))
+
     def _decode_planes(self, run: _Run, buf: torch.Tensor) -> Iterator[Chunk]:
-        """The run's planes (`buf`, on the device) in sub-runs (`_sub_runs`)."""
+        """The run's planes (`buf`, on the device) in sub-runs (`_sub_runs`). No sub-run waits for its
+        checks: each one's flag is kept (with the carry it started from) and read once, by `finish`."""
         g0, g1, e = run.g0, run.g1, self.e
         views = self._views(g0, g1, buf)
         for j0, j1 in self._sub_runs(g0, g1):
-            esc = (
-                (int(self.gap_at[g0 + j0] - self.gap_at[g0]), int(self.gap_at[g0 + j1] - self.gap_at[g0])),
-                (int(self.mag_at[g0 + j0] - self.mag_at[g0]), int(self.mag_at[g0 + j1] - self.mag_at[g0])),
-            )
-            sub = views.sub(j0, j1, esc, int(self.elems[g0 + j1 - 1]))
-            out = decode_planes(sub, (g0 + j0) * e, self.spans, self.carry, self.ctx_of)
+            sub = self._sub_views(views, g0, j0, j1)
+            before = self.carry.copy()
+            out = decode_planes(sub, (g0 + j0) * e, self.spans, self.carry, self.ctx_of, defer=True)
+            assert out.flag is not None
+            self.pending.append(_Pending(out.flag, run, j0, j1, before))
             if not out.counts.size:
                 continue
             chunk = Chunk(
@@ -369,6 +394,30 @@ class _Sequence:
             )
             self.host.mark("decode")
             yield chunk
+
+    def finish(self) -> None:
+        """Every decoded sub-run's checks, read at once (one host wait for the whole sequence); a
+        flagged one, the first in order, decoded again from its bytes checking as it goes, to raise
+        the error that names its chunk and a tensor. Nothing is written before this returns (staging
+        calls it before the engine's plans are final)."""
+        pending, self.pending = self.pending, []
+        if not pending:
+            return
+        flags = torch.stack([p.flag.reshape(()) for p in pending])
+        bad = np.flatnonzero(flags.cpu().numpy())  # the one synchronization of the sequence's checks
+        if not bad.size:
+            return
+        p = pending[int(bad[0])]
+        g0, g1 = p.run.g0, p.run.g1
+        fetched = self.fetch(p.run)
+        fetched.wait()
+        assert fetched.data is not None
+        if self.backend is not None:
+            buf = self._inflate_gpu(self.backend, p.run, fetched.data)
+        else:
+            buf = fetched.data.to(self.host.device)
+        sub = self._sub_views(self._views(g0, g1, buf), g0, p.j0, p.j1)
+        recheck(sub, (g0 + p.j0) * self.e, self.spans, p.carry, self.ctx_of)
 
     def _inflate_gpu(self, backend: gpu.GpuZstd, run: _Run, host: torch.Tensor) -> torch.Tensor:
         """GPU path of one run of chunks: its compressed bytes to the device, each chunk's hash
