@@ -38,12 +38,12 @@ Prints a short table last; writes DIR/publish_gpu[_w<W>].json and .log.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import json
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -51,15 +51,19 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
+sys.path.insert(0, HERE)
 
 import torch  # noqa: E402
+from publish_report import by_world, final_table, report  # noqa: E402
+from publish_syncs import DeviceMemory, sync_row  # noqa: E402
 from torch import nn  # noqa: E402
 
 from vllm_delta import mapped_writes  # noqa: E402
 from vllm_delta.apply.engine import ApplyEngine  # noqa: E402
-from vllm_delta.checksums import combine, to_hex  # noqa: E402
+from vllm_delta.checksums import add_sums, combine, to_hex, verify_partials  # noqa: E402
 from vllm_delta.codec import chunked  # noqa: E402
 from vllm_delta.codec.chunked import gpu  # noqa: E402
+from vllm_delta.errors import ChecksumMismatchError  # noqa: E402
 from vllm_delta.store import DeltaStore  # noqa: E402
 from vllm_delta.testing.apply_fixtures import QWEN3, QWEN3_MOE, model_layout  # noqa: E402
 from vllm_delta.trainer import DetectOptions, Publisher, PublisherOptions, ShardingOptions, UploadOptions  # noqa: E402
@@ -162,8 +166,10 @@ class Config:
     smoke: bool
     engine_gpu: int | None = None  # the engine's card (default: rank 0's)
     keep_stores: bool = False  # --store given: the stores stay (benchmarks/open_parts.py reads them)
-    header_format: int = 4  # chunked deltas' header: 4 (columns) or 3 (an object per tensor), for A/B
+    header_format: int = 5  # chunked deltas' header: 5 (arrays), 4 (columns) or 3 (an object per tensor), for A/B
     stream_pass_elems: int = STREAM_PASS_ELEMS  # detection's pass when the codec encodes pass by pass
+    mem_syncs: int = 2  # syncs after the timed ones with the device's free memory sampled (DeviceMemory)
+    encode_frames: int | None = None  # UploadOptions(gpu_encode_frames): the publish's GPU memory bound
 
 
 def _sync(dev: torch.device) -> None:
@@ -278,7 +284,8 @@ def run_rank(rank: int, world: int, cfg: Config) -> dict:
 
 def _publish_run(cfg, codec_name, store_dir, module, layout, targets, engine, step, group, dev, world, rank) -> dict:
     """One codec configuration: a fresh store, an anchor of the current weights (the engine starts
-    from them), then (b) steps with publish and the time to live."""
+    from them), a first delta (untimed: kernels, pinned buffers, nvCOMP), then the steady syncs (each
+    one's live checksum checked), then `cfg.mem_syncs` more with the device's memory sampled."""
     pub = Publisher(
         store_dir,
         anchor_every=10**9,
@@ -288,7 +295,12 @@ def _publish_run(cfg, codec_name, store_dir, module, layout, targets, engine, st
             detect=DetectOptions(
                 backend=cfg.backend, chunk_elems=cfg.chunk_elems, stream_pass_elems=cfg.stream_pass_elems
             ),
-            upload=UploadOptions(queue_size=2, pack_threads=cfg.threads, header_columns=cfg.header_format == 4),
+            upload=UploadOptions(
+                queue_size=2,
+                pack_threads=cfg.threads,
+                header_format=cfg.header_format,
+                gpu_encode_frames=cfg.encode_frames,
+            ),
             sharding=ShardingOptions(timeout_s=600),
         ),
     )
@@ -304,193 +316,104 @@ def _publish_run(cfg, codec_name, store_dir, module, layout, targets, engine, st
         del full
     _sync(dev)
     _barrier(world)
-    # a first delta (untimed): kernels, pinned buffers, nvCOMP
-    v = 1
+    live = Live(engine)
     step()
-    pub.publish(module, version=v)
-    pub.flush()
-    if engine is not None:
-        with store.open(v) as vf:
-            engine.write(engine.stage([vf]))
-    rows = []
-    for i in range(cfg.warmup + cfg.steps):
-        v += 1
+    live.sync(pub, store, module, 1)  # the first delta, untimed
+    rows, mem = [], []
+    for i in range(cfg.warmup + cfg.steps + cfg.mem_syncs):
         _barrier(world)
         _sync(dev)
         t0 = time.perf_counter()
         step()
         _sync(dev)
-        t_step = time.perf_counter()
+        row = live.sync(pub, store, module, i + 2, t_step0=t0, memory=i >= cfg.warmup + cfg.steps)
+        if i >= cfg.warmup + cfg.steps:
+            mem.append(row)
+        elif i >= cfg.warmup:
+            rows.append(row)
+        _barrier(world)
+    pub.close()
+    out: dict = {"rows": rows, "mem_rows": mem, "anchor_s": anchor_s, "anchor_checksum": info0.checksum}
+    if engine is not None:
+        whole = to_hex(combine(engine.live_sums().items()))  # once, over every weight: what the engine holds
+        out["checksum_ok"] = whole == live.checksum and all(r["checksum_ok"] for r in rows + mem)
+        out["live_checksum"], out["publisher_checksum"] = whole, live.checksum
+    return out
+
+
+class Live:
+    """Rank 0's view of the syncs: the engine's per-tensor sums kept up to date from each staging's
+    partials, checked against the version's header and the publisher's checksum at every sync."""
+
+    def __init__(self, engine: ApplyEngine | None):
+        self.engine = engine
+        self.sums = engine.live_sums() if engine is not None else {}
+        self.checksum = ""
+
+    def sync(self, pub, store, module, v: int, *, t_step0: float | None = None, memory: bool = False) -> dict:
+        """Publish version `v` (the step just ran), wait until it is visible, and (rank 0) open, stage and
+        write it: the sync's row (publish_syncs.sync_row), with the device-wide memory when asked."""
+        dev = next(module.parameters()).device
+        times = {"step": time.perf_counter()}
         mem0 = 0
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
             mem0 = torch.cuda.memory_allocated(dev)
-        info = pub.publish(module, version=v)
-        t_pub = time.perf_counter()
-        rec = info.uploaded.result()
-        t_vis = time.perf_counter()
+        sampler = DeviceMemory(dev) if memory and dev.type == "cuda" else contextlib.nullcontext()
+        with sampler:
+            info = pub.publish(module, version=v)
+            times["pub"] = time.perf_counter()
+            rec = info.uploaded.result()
+            times["vis"] = time.perf_counter()
         peak = (torch.cuda.max_memory_allocated(dev) - mem0) if dev.type == "cuda" else 0
-        row = {
-            "version": v,
-            "step_ms": (t_step - t0) * 1e3,
-            "step_publish_ms": (t_pub - t0) * 1e3,
-            "publish_ms": (t_pub - t_step) * 1e3,
-            "upload_ms": (t_vis - t_pub) * 1e3,
-            "publish_peak_mb": peak / 1e6,
-            "nnz": info.nnz,
-            "density": info.density,
-            "bytes": rec.bytes,
-            **{f"pub_{k}_ms": x for k, x in info.timings.items()},
-            **{f"up_{k}_ms": x for k, x in pub.upload_timings.get(v, {}).items()},
-        }
-        if engine is not None:
-            vf = store.open(v)
-            t_open = time.perf_counter()
-            staged = engine.stage([vf])
-            t_stage = time.perf_counter()
-            engine.write(staged)
-            t_live = time.perf_counter()
-            vf.close()
-            t_again = time.perf_counter()
-            store.open(v).close()  # once more, warm (after live): how much of `open` is the first time's
-            row.update(
-                open_ms=(t_open - t_vis) * 1e3,
-                reopen_ms=(time.perf_counter() - t_again) * 1e3,
-                stage_ms=(t_stage - t_open) * 1e3,
-                commit_ms=(t_live - t_stage) * 1e3,
-                live_ms=(t_live - t_step) * 1e3,
-                link_10g_ms=2 * rec.bytes / LINK_BYTES_PER_S * 1e3,
-                **{f"st_{k}_ms": x for k, x in staged.timings.items() if k != "total"},
-                decoded=staged.decoded,
-            )
-            del staged
-        if i >= cfg.warmup:
-            rows.append(row)
-        _barrier(world)
-    pub.close()
-    out: dict = {"rows": rows, "anchor_s": anchor_s, "anchor_checksum": info0.checksum}
-    if engine is not None:
-        live = to_hex(combine(engine.live_sums().items()))
-        out["checksum_ok"] = live == info.checksum
-        out["live_checksum"], out["publisher_checksum"] = live, info.checksum
-    return out
+        self.checksum = info.checksum
+        stage: dict[str, float] = {}
+        extra: dict = {}
+        if self.engine is not None:
+            with store.open(v) as vf:
+                times["open"] = time.perf_counter()
+                staged = self.engine.stage([vf])
+                times["staged"] = time.perf_counter()
+                self.engine.write(staged)
+                times["live"] = time.perf_counter()
+                stage = staged.timings
+                extra = {"decoded": staged.decoded, "checksum_ok": self._check(staged.partials, vf.header)}
+        else:
+            times.update(open=times["vis"], staged=times["vis"], live=times["vis"])
+        row = sync_row(times, info.timings, pub.upload_timings.get(v, {}), stage)
+        row.update(extra, version=v, nnz=info.nnz, density=info.density, bytes=rec.bytes, publish_peak_mb=peak / 1e6)
+        row.update({f"{k}_ms": x for k, x in row.items() if k.startswith(("pub_", "up_", "st_"))})
+        row.update(  # the names of the earlier tables
+            publish_ms=row["detect/encode"],
+            upload_ms=row["upload"],
+            open_ms=row["fetch"],
+            stage_ms=row["stage"],
+            commit_ms=row["apply"],
+            live_ms=row["wall"],
+            link_10g_ms=2 * rec.bytes / LINK_BYTES_PER_S * 1e3,
+        )
+        if isinstance(sampler, DeviceMemory):
+            row["publish_device_mb"] = sampler.used_mb
+        if t_step0 is not None:
+            row["step_publish_ms"] = (times["pub"] - t_step0) * 1e3
+        return row
+
+    def _check(self, partials: dict[str, int], header) -> bool:
+        """The engine's sums plus the staged partials give the header's per-tensor checksums (what a
+        server verifies before it writes) and the publisher's whole-model checksum."""
+        self.sums = add_sums([self.sums, partials])
+        try:
+            verify_partials(self.sums, [], header)
+        except ChecksumMismatchError:
+            return False
+        return to_hex(combine(self.sums.items())) == header.checksum == self.checksum
 
 
 def _rank_entry(rank: int, world: int, cfg: Config) -> dict:
     return run_rank(rank, world, cfg)
 
 
-# -- report ---------------------------------------------------------------------------------------------
-
-
-def med(xs: list[float]) -> float:
-    return statistics.median(xs) if xs else float("nan")
-
-
-def summarize(results: list[dict], codec_cfg: str, cfg: Config) -> dict:
-    """Medians of one codec configuration's steps (rank 0), with every phase."""
-    r0 = results[0]
-    run = r0["runs"][codec_cfg]
-    if "skipped" in run:
-        return {"codec": codec_cfg, "skipped": run["skipped"]}
-    rows = run["rows"]
-    keys = sorted(
-        {k for r in rows for k in r if k.endswith(("_ms", "_mb")) or k in ("bytes", "density", "decoded", "nnz")}
-    )
-    s = {k: med([r[k] for r in rows if k in r]) for k in keys}
-    s.update(codec=codec_cfg, world=cfg.world, params=r0["params"], lr=r0["lr"], step_ms=med(r0["plain_step_ms"]))
-    s["added_ms"] = s["step_publish_ms"] - s["step_ms"]
-    s["checksum_ok"] = run.get("checksum_ok")
-    s["anchor_s"] = run["anchor_s"]
-    s["publish_peak_max_mb"] = max(r["publish_peak_mb"] for r in rows)
-    for other in results[1:]:
-        o = other["runs"][codec_cfg]
-        if "rows" in o:
-            s[f"rank{other['rank']}_added_ms"] = med([r["step_publish_ms"] for r in o["rows"]]) - med(
-                other["plain_step_ms"]
-            )
-    return s
-
-
-def report(results: list[dict], cfg: Config, card: str, log: list[str]) -> list[dict]:
-    summaries = [summarize(results, c, cfg) for c in cfg.codecs]
-    first = next(s for s in summaries if "skipped" not in s)
-    log.append("")
-    log.append(
-        f"# {card}: {cfg.model}{'' if cfg.layers is None else f' ({cfg.layers} layers)'}, "
-        f"{first['params'] / 1e9:.2f}B params, W={cfg.world}, density {first['density']:.2%} "
-        f"(median of {cfg.steps} steps), ms; step without publish {first['step_ms']:.1f}"
-    )
-    for s in summaries:
-        if "skipped" in s:
-            log(f"{s['codec']}: skipped ({s['skipped']})") if False else log.append(
-                f"## {s['codec']}: skipped ({s['skipped']})"
-            )
-            continue
-        log.append(f"## codec {s['codec']}")
-        log.append(
-            "publish on the training thread: "
-            + " ".join(f"{k[4:-3]} {v:.1f}" for k, v in s.items() if k.startswith("pub_") and k.endswith("_ms"))
-        )
-        log.append("upload thread: " + " ".join(f"{k[3:-3]} {v:.1f}" for k, v in s.items() if k.startswith("up_")))
-        log.append("server staging: " + " ".join(f"{k[3:-3]} {v:.1f}" for k, v in s.items() if k.startswith("st_")))
-        log.append(
-            f"publish peak GPU memory beyond the snapshot: {s['publish_peak_mb']:.0f} MB "
-            f"(max {s['publish_peak_max_mb']:.0f}); "
-            f"live checksum = publisher's: {s['checksum_ok']}"
-        )
-    rates = results[0].get("write_gbps") or {}
-    log.append(
-        "rank 0's files on tmpfs, GB/s per file (mapped_writes.CHOOSER; its first file not counted): "
-        + "; ".join(f"{way} " + ", ".join(f"{r:.1f}" for r in v) for way, v in rates.items())
-    )
-    log.append(
-        f"{'codec':>12} {'added':>7} | {'publish':>8} {'upload':>7} {'open':>6} {'stage':>7} {'commit':>7} "
-        f"{'live':>7} | {'MB':>7} {'+10Gb/s':>8} {'peak MB':>8}"
-    )
-    for s in summaries:
-        if "skipped" in s:
-            continue
-        log.append(
-            f"{s['codec']:>12} {s['added_ms']:>7.1f} | {s['publish_ms']:>8.1f} {s['upload_ms']:>7.1f} "
-            f"{s['open_ms']:>6.1f} {s['stage_ms']:>7.1f} {s['commit_ms']:>7.1f} {s['live_ms']:>7.1f} | "
-            f"{s['bytes'] / 1e6:>7.1f} {s['link_10g_ms']:>8.1f} {s['publish_peak_mb']:>8.0f}"
-        )
-    return summaries
-
-
-WORLD_PHASES = ("read", "h2d", "inflate", "decode", "translate", "gather", "partials", "plan")
-
-
-def by_world(summaries: list[dict], card: str, log: list[str]) -> None:
-    """One table over the world sizes run: per (W, codec), the server's open (and a second, warm open of
-    the same version after it went live), staging by phase, the changed elements decoded and step end ->
-    live (medians of the timed steps, ms)."""
-    log.append("")
-    log.append(f"# {card}: the server's side of a version of W parts (one engine), by world size; ms")
-    head = ["W", "codec", "open", "reopen", "stage", *WORLD_PHASES, "decoded", "live"]
-    log.append(" ".join(f"{h:>9}" for h in head))
-    rows = [s for w in summaries for s in w["summary"] if "skipped" not in s]
-    for s in rows:
-        cells = [str(s["world"]), s["codec"], f"{s['open_ms']:.1f}", f"{s.get('reopen_ms', float('nan')):.1f}"]
-        cells.append(f"{s['stage_ms']:.1f}")
-        cells += [f"{s.get(f'st_{p}_ms', 0.0):.1f}" for p in WORLD_PHASES]
-        cells += [f"{s.get('decoded', float('nan')):.0f}", f"{s['live_ms']:.1f}"]
-        log.append(" ".join(f"{c:>9}" for c in cells))
-    for codec in dict.fromkeys(s["codec"] for s in rows):
-        one = next((s for s in rows if s["codec"] == codec and s["world"] == 1), None)
-        if one is None:
-            continue
-        for s in rows:
-            if s["codec"] == codec and s["world"] > 1:
-                log.append(
-                    f"  {codec} W={s['world']}: stage {s['stage_ms'] / one['stage_ms']:.2f}x W=1, live "
-                    f"{s['live_ms'] / one['live_ms']:.2f}x W=1 (issue 25: <= 1), open {s['open_ms']:.1f} ms "
-                    f"(issue 25: < 10)"
-                )
-
-
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="qwen3-8b", choices=sorted({**QWEN3, **QWEN3_MOE}))
     ap.add_argument(
@@ -501,8 +424,9 @@ def main() -> int:
     )
     ap.add_argument("--layers", type=int, default=None, help="decoder layers (default: the model's)")
     ap.add_argument("--density", type=float, default=0.01)
-    ap.add_argument("--steps", type=int, default=6, help="timed steps per loop")
-    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=20, help="timed steady syncs per codec (p50 and p95 over them)")
+    ap.add_argument("--warmup", type=int, default=1, help="syncs before the timed ones (excluded)")
+    ap.add_argument("--mem-syncs", type=int, default=2, help="syncs after them, the device's memory sampled")
     ap.add_argument(
         "--world", default="1", help="ranks (FSDP2 over NCCL, one GPU each); several (1,2,4): one after the other"
     )
@@ -522,6 +446,7 @@ def main() -> int:
         "or /tmp, removed)",
     )
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
+    ap.add_argument("--name", default="", help="the output files' name (default: publish_gpu[_w<W>])")
     ap.add_argument(
         "--engine-gpu",
         type=int,
@@ -530,10 +455,66 @@ def main() -> int:
         "whose training state and engine do not fit one card together)",
     )
     ap.add_argument(
-        "--header-format", type=int, choices=(3, 4), default=4, help="chunked deltas' header format (A/B of open)"
+        "--header-format", type=int, choices=(3, 4, 5), default=5, help="chunked deltas' header format (A/B)"
+    )
+    ap.add_argument(
+        "--encode-frames",
+        type=int,
+        default=None,
+        help="UploadOptions(gpu_encode_frames): frames per nvCOMP compression call (bounds the publish's GPU memory)",
     )
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU, W=1 then W=2 (gloo); checks only")
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def config_for(args: argparse.Namespace, world: int, root: str) -> Config:
+    return Config(
+        model=args.model,
+        layers=args.layers,
+        codecs=args.codecs.split(","),
+        density=args.density if not args.smoke else 0.05,
+        steps=args.steps,
+        warmup=args.warmup,
+        world=world,
+        store=os.path.join(root, f"store-w{world}"),
+        threads=args.threads,
+        chunk_elems=args.chunk_elems if not args.smoke else 5000,
+        backend=args.backend,
+        smoke=args.smoke,
+        engine_gpu=args.engine_gpu,
+        keep_stores=args.store is not None,
+        header_format=args.header_format,
+        stream_pass_elems=args.stream_pass_elems,
+        mem_syncs=args.mem_syncs if not args.smoke else 0,
+        encode_frames=args.encode_frames,
+    )
+
+
+def run_world(args: argparse.Namespace, world: int) -> tuple[Config, list[dict]]:
+    """Every rank's results of one world size (a fresh folder of stores unless --store)."""
+    base = "/dev/shm" if os.path.isdir("/dev/shm") and not args.smoke else tempfile.gettempdir()
+    root = args.store or tempfile.mkdtemp(prefix="publish-gpu-", dir=base)
+    os.makedirs(root, exist_ok=True)
+    cfg = config_for(args, world, root)
+    try:
+        if world == 1:
+            saved = tempfile.tempdir
+            try:
+                return cfg, [run_rank(0, 1, cfg)]
+            finally:
+                tempfile.tempdir = saved
+        from vllm_delta.testing.sharded import run_ranks
+
+        backend = "gloo" if args.smoke else "nccl"
+        threads = 1 if args.smoke else max(1, (os.cpu_count() or 2) // world)
+        return cfg, run_ranks(_rank_entry, world, (cfg,), backend=backend, threads=threads, timeout=3600)
+    finally:
+        if args.store is None:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def main() -> int:
+    args = parse_args()
     if args.smoke:
         args.model, args.steps, args.warmup, args.threads = "qwen3-tiny", 2, 1, 2
         args.codecs = "compact,chunked"
@@ -549,64 +530,37 @@ def main() -> int:
     ]
     print("\n".join(log), flush=True)
     worlds = [1, 2, 4] if args.smoke else [int(w) for w in args.world.split(",")]
-    summaries = []
-    base = "/dev/shm" if os.path.isdir("/dev/shm") and not args.smoke else tempfile.gettempdir()
+    summaries, status = [], 0
     for world in worlds:
-        root = args.store or tempfile.mkdtemp(prefix="publish-gpu-", dir=base)
-        os.makedirs(root, exist_ok=True)
-        cfg = Config(
-            model=args.model,
-            layers=args.layers,
-            codecs=args.codecs.split(","),
-            density=args.density if not args.smoke else 0.05,
-            steps=args.steps,
-            warmup=args.warmup,
-            world=world,
-            store=os.path.join(root, f"store-w{world}"),
-            threads=args.threads,
-            chunk_elems=args.chunk_elems if not args.smoke else 5000,
-            backend=args.backend,
-            smoke=args.smoke,
-            engine_gpu=args.engine_gpu,
-            keep_stores=args.store is not None,
-            header_format=args.header_format,
-            stream_pass_elems=args.stream_pass_elems,
-        )
-        try:
-            if world == 1:
-                saved = tempfile.tempdir
-                try:
-                    results = [run_rank(0, 1, cfg)]
-                finally:
-                    tempfile.tempdir = saved
-            else:
-                from vllm_delta.testing.sharded import run_ranks
-
-                backend = "gloo" if args.smoke else "nccl"
-                threads = 1 if args.smoke else max(1, (os.cpu_count() or 2) // world)
-                results = run_ranks(_rank_entry, world, (cfg,), backend=backend, threads=threads, timeout=3600)
-        finally:
-            if args.store is None:
-                shutil.rmtree(root, ignore_errors=True)
+        gpus = torch.cuda.device_count() if not args.smoke else world
+        if world > gpus:
+            log.append(f"# W={world}: skipped: needs {world} GPUs, this host has {gpus}")
+            print(log[-1], flush=True)
+            continue
+        cfg, results = run_world(args, world)
         n0 = len(log)
         summary = report(results, cfg, card, log)
         summaries.append({"summary": summary, "ranks": results})
         print("\n".join(log[n0:]), flush=True)
         if any(x.get("checksum_ok") is False for x in summary):
             print("MISMATCH: the engine's live checksum differs from the publisher's", file=sys.stderr)
-            return 1
-    if len(worlds) > 1:
+            status = 1
+    if len(summaries) > 1:
         n0 = len(log)
         by_world(summaries, card, log)
         print("\n".join(log[n0:]), flush=True)
+    log.extend(final_table(summaries, card))
+    print("\n".join(log[-len(final_table(summaries, card)) :]), flush=True)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-        name = "publish_gpu" + ("_smoke" if args.smoke else "" if worlds == [1] else f"_w{'-'.join(map(str, worlds))}")
+        name = args.name or "publish_gpu" + (
+            "_smoke" if args.smoke else "" if worlds == [1] else f"_w{'-'.join(map(str, worlds))}"
+        )
         with open(os.path.join(args.out, name + ".json"), "w") as f:
             json.dump({"command": " ".join(sys.argv), "log": log, "runs": summaries}, f, indent=1, default=str)
         with open(os.path.join(args.out, name + ".log"), "w") as f:
             f.write("\n".join(log) + "\n")
-    return 0
+    return status
 
 
 if __name__ == "__main__":

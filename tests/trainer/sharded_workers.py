@@ -163,6 +163,16 @@ def mapping_publish(rank, world, root):
     return owned
 
 
+def timed_publish(rank, world, root):
+    """Versions 0..2 of the mapping; the phases the last delta's publish and upload timed on this rank."""
+    options = PublisherOptions(sharding=ShardingOptions(timeout_s=60))
+    with Publisher(os.path.join(root, "timed"), group=dist.group.WORLD, options=options) as pub:
+        for v in range(3):
+            info = pub.publish(_mapping(rank, world, v), version=v)
+            info.uploaded.result()
+        return {"publish": sorted(info.timings), "upload": sorted(pub.upload_timings[2]), "kind": info.kind}
+
+
 def reshard_publish(rank, world, root):
     """Versions 0 and 1 of one mapping object (version 1 reuses version 0's resolution), then version 2
     of a new mapping whose hand-sharded tensor is split elsewhere. Returns the resolutions reused."""

@@ -185,6 +185,19 @@ def test_dtensors_hand_sharded_and_replicated_three_ranks(tmp_path):
     assert_materialize_equal(sharded, single, 4, tmp_path)
 
 
+def test_every_wait_of_a_sharded_publish_is_a_named_phase(tmp_path):
+    """The training thread's waits for the other ranks (agree, sums) and the upload thread's (the queue,
+    the commit's wait for the other ranks' parts; rank 0's record written and marks read) are timed
+    under their own names (issue 35: every millisecond of step end -> live in a named phase)."""
+    timed = run_ranks(W.timed_publish, 3, (str(tmp_path),))
+    for rank, t in enumerate(timed):
+        assert t["kind"] == "delta"
+        assert {"agree", "agree_wait", "detect", "sums", "sums_wait", "job", "queue"} <= set(t["publish"]), rank
+        assert {"queued", "pack", "put_part", "commit", "commit_wait"} <= set(t["upload"]), rank
+    assert {"record", "after_commit"} <= set(timed[0]["upload"])  # rank 0 writes the record, reads the marks
+    assert "record" not in timed[1]["upload"]
+
+
 def test_fsdp2_witness_sees_shards_and_plain_buffers_move():
     # sources._addresses reads DTensors' local shards and the plain tensors beside them (a buffer)
     for reused, counts in run_ranks(W.fsdp_witness, 2, ()):

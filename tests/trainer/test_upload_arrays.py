@@ -77,3 +77,57 @@ def test_a_format_5_upload_makes_no_object_per_tensor(tmp_path, monkeypatch):
     assert made == {"sections": 0, "prepared": 0}
     _publish(str(tmp_path / "f4"), 4, steps=1)
     assert made["prepared"] >= len(_weights()) and made["sections"] > 0
+
+
+class _StandInCompress:
+    """nvCOMP's compression stood in for by zstandard (no GPU here): what `gpu.compress_frames` calls."""
+
+    def __init__(self) -> None:
+        self.calls: list[int] = []
+
+    def compress(self, buf, offsets, sizes):
+        import numpy as np
+        import zstandard
+
+        self.calls.append(len(sizes))
+        frames = [zstandard.ZstdCompressor().compress(buf[a : a + n].numpy().tobytes()) for a, n in zip(offsets, sizes)]
+        cap = -(-max(map(len, frames)) // 16) * 16
+        slots = torch.zeros(len(frames) * cap, dtype=torch.uint8)
+        for i, f in enumerate(frames):
+            slots[i * cap : i * cap + len(f)] = torch.frombuffer(bytearray(f), dtype=torch.uint8)
+        return slots, cap, np.array([len(f) for f in frames], dtype=np.int64)
+
+
+def test_gpu_encode_frames_bounds_each_compression_call_and_writes_the_same_bytes():
+    """`UploadOptions(gpu_encode_frames=N)`: at most N frames per compression call (each call's output
+    slots and nvCOMP's temporary space are what the publish holds beyond the planes), the same
+    compressed bytes as one call of every frame."""
+    import numpy as np
+
+    from vllm_delta.codec.chunked import gpu
+
+    gen = torch.Generator().manual_seed(0)
+    buf = (torch.rand(10 * 4096, generator=gen) < 0.1).to(torch.uint8)
+    offsets, sizes = np.arange(10, dtype=np.int64) * 4096, np.full(10, 4096, dtype=np.int64)
+    whole, bounded = _StandInCompress(), _StandInCompress()
+    blob, got = gpu.compress_frames(whole, buf, offsets, sizes)
+    blob3, got3 = gpu.compress_frames(bounded, buf, offsets, sizes, per_call=3)
+    assert whole.calls == [10] and bounded.calls == [3, 3, 3, 1]
+    assert torch.equal(blob, blob3) and np.array_equal(got, got3)
+
+
+def test_gpu_encode_frames_is_this_publisher_s_own(tmp_path):
+    """The option sets the frames on this Publisher's copy of the codec (the registry's instance is the
+    process's), refuses a codec that does not encode on the GPU, and a bad value fails where it is built."""
+    import pytest
+
+    from vllm_delta.codec import get_codec
+
+    options = PublisherOptions(upload=UploadOptions(gpu_encode_frames=512))
+    with Publisher(str(tmp_path / "a"), options=options) as pub:
+        assert pub.codec.encode_frames == 512 and get_codec("chunked").encode_frames is None
+    with pytest.raises(ValueError, match="gpu_encode_frames"):
+        Publisher(str(tmp_path / "b"), codec="compact", options=options)
+    assert not (tmp_path / "b").exists()  # refused before anything is created
+    with pytest.raises(ValueError, match="gpu_encode_frames"):
+        UploadOptions(gpu_encode_frames=0)

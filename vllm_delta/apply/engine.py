@@ -261,6 +261,7 @@ class ApplyEngine:
             if h.kind == "delta":
                 codecs.get_codec(h.codec or "", {"version": h.version})
             self.check_header(h)
+        t_header = time.perf_counter()
         staged = StagedUpdate(
             versions=[vf.version for vf in files],
             header=back_to if back_to is not None else files[-1].header,
@@ -270,6 +271,7 @@ class ApplyEngine:
         )
         with self._stage_lock, self._stream_ctx():
             run = _Run(self, staged)
+            _span(run.timings, "header", t_start, t_header)  # the tensor table checked against the model
             self._decoder.decoded = 0
             self._stage_changes(run, files)
             staged.decoded = self._decoder.decoded
@@ -277,8 +279,10 @@ class ApplyEngine:
             self._finish(run)
             self._sync_stream()
             _span(run.timings, "plan", t0)
+            t0 = time.perf_counter()
             sums = run.sums.tolist()
             staged.partials = {self.dlayout.names[i]: sums[i] & MASK64 for i in sorted(run.changed)}
+            run.span("sums", t0)
             run.note_mem()
         staged.memory = {
             "device_peak_bytes": max(0, run.peak - run.mem0),
@@ -292,7 +296,10 @@ class ApplyEngine:
         """Decode (and for chains, merge) the versions' changes and emit them chunk by chunk."""
         if len(files) == 1 and files[0].header.kind == "delta":
             vf = files[0]
-            for width, items in changed_items(vf, self.dlayout).items():
+            t0 = time.perf_counter()
+            changed = changed_items(vf, self.dlayout)
+            run.span("items", t0)  # the pieces this layout needs, from the header
+            for width, items in changed.items():
                 run.changed.update(item_indices(items))
                 for chunk in self._decoder.decode(vf.version, vf.header.codec or "", items, width, run.timings):
                     self._emit(run, width, chunk.t_idx, chunk.p, chunk.runs, chunk)
@@ -530,8 +537,9 @@ class ApplyEngine:
         self._decoder.close()
 
 
-def _span(timings: dict[str, float], key: str, t0: float) -> float:
-    t1 = time.perf_counter()
+def _span(timings: dict[str, float], key: str, t0: float, t1: float | None = None) -> float:
+    """Add [t0, t1) (t1: now) to `timings[key]`, in ms; returns t1."""
+    t1 = time.perf_counter() if t1 is None else t1
     timings[key] = timings.get(key, 0.0) + (t1 - t0) * 1e3
     return t1
 

@@ -39,6 +39,7 @@ class UploadJob:
     part: PartInfo | None = None  # sharded publishers: this rank's part
     future: Future[VersionRecord] = field(default_factory=Future)
     timings: dict[str, float] = field(default_factory=dict)  # ms per upload phase
+    submitted: float = 0.0  # perf_counter() when the training thread queued it (the wait for the thread: "queued")
 
     @contextmanager
     def timed(self, phase: str) -> Iterator[None]:

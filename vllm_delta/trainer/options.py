@@ -61,6 +61,12 @@ class UploadOptions:
     # upgrade them, then drop this
     header_format: int = 5
     header_columns: bool = True  # False: format 3 whatever `header_format` says (the option before it)
+    # The chunked codec's GPU encode: frames per nvCOMP compression call. None: as many as a call takes
+    # (fastest; nvCOMP's temporary space for a whole Qwen3-8B version at 1% is ~1.8 GB). A number bounds
+    # the publish's device memory beyond the snapshot (each call's space is reused by the next, and the
+    # parts of a version are compressed one after the other), at the cost of more calls
+    # (docs/PERFORMANCE.md, issue 35: the memory and time measured side by side)
+    gpu_encode_frames: int | None = None
 
     @property
     def chunked_format(self) -> int:
@@ -74,6 +80,8 @@ class UploadOptions:
             raise ValueError(f"pack_threads must be >= 1 (or None), not {self.pack_threads}")
         if self.header_format not in (3, 4, 5):
             raise ValueError(f"header_format must be 3, 4 or 5, not {self.header_format}")
+        if self.gpu_encode_frames is not None and self.gpu_encode_frames < 1:
+            raise ValueError(f"gpu_encode_frames must be >= 1 (or None), not {self.gpu_encode_frames}")
 
 
 @dataclass(frozen=True)

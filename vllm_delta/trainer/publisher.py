@@ -27,6 +27,7 @@ passes through a mark, recovers at once. The rarer settings come in `options` (o
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
@@ -157,8 +158,13 @@ class Publisher:
         if anchor_every < 1:
             raise ValueError("anchor_every must be >= 1")
         staleness = opts.staleness_policy(max_staleness, min_replicas)
-        self.store = opts.store.open_store(uri, storage_options)
         self.codec = codecs.get_codec(codec)
+        if opts.upload.gpu_encode_frames is not None:
+            if not hasattr(self.codec, "encode_frames"):
+                raise ValueError(f"gpu_encode_frames bounds the chunked codec's GPU encode, not {self.codec.name!r}'s")
+            self.codec = copy.copy(self.codec)  # the registry's instance is the process's: this Publisher's own
+            self.codec.encode_frames = opts.upload.gpu_encode_frames
+        self.store = opts.store.open_store(uri, storage_options)
         self.anchor_every = anchor_every
         self.dtype = opts.dtype
         d = opts.detect
@@ -233,6 +239,8 @@ class Publisher:
                 t1 = time.perf_counter()
                 job = self._job(agreed, detected, sums, nnz)
                 timings["job"] = _ms(t1)
+            # the group's waits for the other ranks (ShardGroup.waits), named inside agree and sums
+            timings.update({f"{k}_wait": v for k, v in getattr(self._group, "waits", {}).items()})
             t1 = time.perf_counter()
             self._uploader.submit(job)  # blocks when the uploader is behind
             timings["queue"] = _ms(t1)

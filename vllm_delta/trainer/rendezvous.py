@@ -108,6 +108,7 @@ class RankChannel:
         self._n = 0  # the next exchange
         self._unread_answers: list[str] = []  # rank 0: answers written, not yet known read by everyone
         self.broken: str | None = None
+        self.last_wait_ms = 0.0  # how long the last exchange waited for other ranks (a phase's named wait)
 
     # -- the exchanges -------------------------------------------------------------------------------
     def exchange(self, mine: M, decide: Callable[[list[M]], R], *, what: str) -> R:
@@ -115,13 +116,18 @@ class RankChannel:
         n = self._begin(what)
         key_in = f"{self._prefix}/{n}/in/{self.rank}"
         key_out = f"{self._prefix}/{n}/out"
+        t0 = time.perf_counter()
         if self.rank != 0:
             self._store.set(key_in, _blob(mine))
+            t0 = time.perf_counter()
             answer: _Answer[R] = pickle.loads(self._wait_get([key_out], what, n)[0])
+            self.last_wait_ms = (time.perf_counter() - t0) * 1e3  # for rank 0's gather and decide
             self._store.delete_key(key_in)
         else:
             others = [f"{self._prefix}/{n}/in/{r}" for r in range(1, self.world)]
-            msgs = [mine] + [pickle.loads(b) for b in self._wait_get(others, what, n)]
+            received = self._wait_get(others, what, n)
+            self.last_wait_ms = (time.perf_counter() - t0) * 1e3  # for the other ranks' messages
+            msgs = [mine] + [pickle.loads(b) for b in received]
             self._forget_read_answers()  # every rank arrived here: it read every earlier answer
             try:
                 answer = _Answer(decide(msgs))

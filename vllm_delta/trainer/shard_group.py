@@ -167,6 +167,9 @@ class ShardGroup:
         self._control = channel("control")  # the training thread's exchanges
         self._upload = channel("upload")  # the upload thread's
         self._layouts: list[str] | None = None  # every rank's layout fingerprint, as last checked
+        # ms the training thread's last exchanges waited for the other ranks, by step ("agree", "sums"):
+        # named waits in the publish's timings (Publisher.publish adds them as "<step>_wait")
+        self.waits: dict[str, float] = {}
 
     # -- the training thread ---------------------------------------------------------------------
     def agree(self, failure: UploadFailure | None, propose: Callable[[], Proposal]) -> Agreement | UploadsFailed:
@@ -186,6 +189,7 @@ class ShardGroup:
                 ),
             )
         msgs = self._control.all_gather(msg, what="agree")
+        self.waits["agree"] = self._control.last_wait_ms
         try:
             settled = settle(msgs)
         except ShardingError as exc:
@@ -229,6 +233,7 @@ class ShardGroup:
             else PartialSums([partials.get(n, 0) for n in names], nnz)
         )
         total = self._control.exchange(mine, add_partials, what="the checksum partials")
+        self.waits["sums"] = self._control.last_wait_ms
         if total.error is not None:
             if error is not None:
                 raise error
@@ -252,8 +257,11 @@ class ShardGroup:
         try:
             with job.timed("commit"):
                 decision: Decision = self._upload.exchange(
-                    report, lambda reports: self._decide(job, reports), what=f"the commit of version {job.version}"
+                    report,
+                    lambda reports: self._timed_decide(job, reports),
+                    what=f"the commit of version {job.version}",
                 )
+            job.timings["commit_wait"] = self._upload.last_wait_ms  # for the other ranks' parts (or rank 0)
         except Exception as exc:  # noqa: BLE001 - a rank died or timed out: the outcome is unknown here
             raise PublishError(
                 f"rank {self.rank}: the publisher group failed while committing "
@@ -275,6 +283,10 @@ class ShardGroup:
         except Exception as exc:  # noqa: BLE001 - reported to every rank
             log.error("rank %d: part of version %d failed: %s", self.rank, job.version, exc)
             return PartFailed(_describe(exc))
+
+    def _timed_decide(self, job: UploadJob, reports: Sequence[PartReport]) -> Decision:
+        with job.timed("record"):  # rank 0: the commit record written (the rest of "commit" is waiting)
+            return self._decide(job, reports)
 
     def _decide(self, job: UploadJob, reports: Sequence[PartReport]) -> Decision:
         """Rank 0: the record, if every part is in the store."""

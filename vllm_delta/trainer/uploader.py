@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
@@ -67,6 +68,7 @@ class Uploader:
         self.timings[job.version] = job.timings
         for old in sorted(self.timings)[:-KEEP_TIMINGS]:
             del self.timings[old]
+        job.submitted = time.perf_counter()
         self._queue.put(job)
 
     def join(self) -> None:
@@ -107,6 +109,8 @@ class Uploader:
         self._queue.task_done()
 
     def _upload(self, job: UploadJob) -> None:
+        if job.submitted:  # the wait for this thread (a version before it still uploading), a named phase
+            job.timings["queued"] = (time.perf_counter() - job.submitted) * 1e3
         base_missing = self._broken_at is not None and job.base is not None and job.base >= self._broken_at
         try:
             outcome = self._committer.commit(job, lambda: self._encoder.written(job), base_missing=base_missing)
@@ -125,7 +129,8 @@ class Uploader:
         self._broken_at = None
         if self._after_commit is not None:
             try:
-                self._after_commit(outcome.record)
+                with job.timed("after_commit"):  # rank 0: the store's marks read (a listing of bad/)
+                    self._after_commit(outcome.record)
             except Exception as exc:  # noqa: BLE001 - the version is visible: nothing failed
                 log.warning("after the commit of version %d: %s", job.version, exc)
         job.future.set_result(outcome.record)

@@ -35,12 +35,18 @@ class ChunkedCodec:
         chunk_elems: int = CHUNK_ELEMS,
         slice_elems: int = SLICE_ELEMS,
         encode_backend: PlanesBackend | None = None,
+        encode_frames: int | None = None,
     ):
-        """`encode_backend`: the device encoder (`encode_planes`): None picks Triton on CUDA."""
+        """`encode_backend`: the device encoder (`encode_planes`): None picks Triton on CUDA.
+        `encode_frames`: frames per nvCOMP compression call (None: as many as a call takes; fewer bound
+        the publish's GPU memory, at the cost of more calls: UploadOptions(gpu_encode_frames))."""
+        if encode_frames is not None and encode_frames < 1:
+            raise ValueError(f"encode_frames must be >= 1 (or None), not {encode_frames}")
         self.level = level
         self.chunk_elems = chunk_elems
         self.slice_elems = slice_elems
         self.encode_backend = encode_backend
+        self.encode_frames = encode_frames
 
     # -- trainer side ------------------------------------------------------------------------
     def prepare(

@@ -252,14 +252,17 @@ def encode_stream(device: torch.device) -> Any:
 
 
 def compress_frames(
-    be: GpuZstd, buf: torch.Tensor, offsets: np.ndarray, sizes: np.ndarray
+    be: GpuZstd, buf: torch.Tensor, offsets: np.ndarray, sizes: np.ndarray, per_call: int | None = None
 ) -> tuple[torch.Tensor, np.ndarray]:
     """Frames of `buf` (sizes > 0) -> (their compressed bytes, each zero-padded to FRAME_ALIGN, end to
-    end on the device; compressed sizes), at most FRAMES_PER_CALL frames per nvCOMP call."""
+    end on the device; compressed sizes), at most `per_call` (default FRAMES_PER_CALL) frames per
+    nvCOMP call: a call's output slots and temporary space are freed (reused) before the next."""
+    step = max(1, min(per_call or FRAMES_PER_CALL, FRAMES_PER_CALL))
     blobs, got_all = [], []
-    for i in range(0, len(sizes), FRAMES_PER_CALL):
-        slots, cap, got = be.compress(buf, offsets[i : i + FRAMES_PER_CALL], sizes[i : i + FRAMES_PER_CALL])
+    for i in range(0, len(sizes), step):
+        slots, cap, got = be.compress(buf, offsets[i : i + step], sizes[i : i + step])
         blobs.append(compact(slots, cap, got))
+        del slots
         got_all.append(got)
     if not blobs:
         return torch.zeros(0, dtype=torch.uint8, device=buf.device), np.zeros(0, dtype=np.int64)
@@ -289,13 +292,14 @@ def hashes(blob: torch.Tensor, chunk_bytes: np.ndarray) -> torch.Tensor:
 
 
 def compress_chunks(
-    be: GpuZstd, buf: torch.Tensor, offsets: np.ndarray, sizes: np.ndarray
+    be: GpuZstd, buf: torch.Tensor, offsets: np.ndarray, sizes: np.ndarray, per_call: int | None = None
 ) -> tuple[torch.Tensor, np.ndarray, torch.Tensor]:
     """A run of chunks of a planes buffer (their frames' `offsets` and raw `sizes`, [chunks, planes])
     -> (the chunks' compressed bytes end to end on the device, compressed sizes [chunks, planes] (0
-    for empty frames), the chunks' hashes (device int64)), on the current stream."""
+    for empty frames), the chunks' hashes (device int64)), on the current stream; `per_call`: frames
+    per nvCOMP call (compress_frames)."""
     used = sizes.reshape(-1) > 0
-    blob, got = compress_frames(be, buf, offsets.reshape(-1)[used], sizes.reshape(-1)[used])
+    blob, got = compress_frames(be, buf, offsets.reshape(-1)[used], sizes.reshape(-1)[used], per_call)
     flat = np.zeros(sizes.size, dtype=np.int64)
     flat[used] = got
     comp = flat.reshape(sizes.shape)

@@ -33,6 +33,10 @@ class EncodeSettings(Protocol):
     chunk_elems: int
     slice_elems: int
     encode_backend: PlanesBackend | None
+    # GPU path: frames per nvCOMP compression call (None: as many as a call takes, gpu.FRAMES_PER_CALL);
+    # fewer bound the publish's device memory (nvCOMP's temporary space and output slots grow with a
+    # call's frames) at the cost of more calls
+    encode_frames: int | None
 
 
 @dataclass
@@ -128,20 +132,30 @@ class ChunkedBatch(BatchSections):
     def _write_gpu(self, sink: PayloadSink, backend: gpu.GpuZstd) -> None:
         """nvCOMP over every frame of the file in as few calls as memory allows (a call costs ~10 ms
         on an H100 whatever its size: benchmarks/codec_calls.py), then the blob to pinned memory in
-        pieces, each handed to the sink (written) as its copy lands."""
+        pieces, each handed to the sink (written) as its copy lands. With `encode_frames` the parts
+        are compressed one after the other (no merged copy of the planes), in calls of that many frames."""
         if not self.parts:
             sink.append("blob", torch.zeros(0, dtype=torch.uint8))
             sink.append("index", _index([]))
             self._write_escapes(sink)
             return
-        merged, bases = self._merge()
         counts = torch.cat([torch.stack([p.n_big, p.n_gap_esc, p.n_mag_esc], dim=1) for p in self.parts])
         counts_np = counts.cpu().numpy()
         frames = [p.layout.frames(counts_np[k0 : k0 + p.layout.chunks, 0]) for p, k0 in zip(self.parts, self._firsts())]
-        offsets = np.concatenate([off + base for (off, _), base in zip(frames, bases)])
-        sizes = np.concatenate([size for _, size in frames])
-        blob, comp, hashes = gpu.compress_chunks(backend, merged, offsets, sizes)
-        del merged
+        per_call = getattr(self.codec, "encode_frames", None)
+        if per_call:
+            pieces = [
+                gpu.compress_chunks(backend, p.buf, off, size, per_call) for p, (off, size) in zip(self.parts, frames)
+            ]
+            blob = pieces[0][0] if len(pieces) == 1 else torch.cat([b for b, _, _ in pieces])
+            comp = np.concatenate([c for _, c, _ in pieces])
+            hashes = torch.cat([h for _, _, h in pieces])
+        else:
+            merged, bases = self._merge()
+            offsets = np.concatenate([off + base for (off, _), base in zip(frames, bases)])
+            sizes = np.concatenate([size for _, size in frames])
+            blob, comp, hashes = gpu.compress_chunks(backend, merged, offsets, sizes)
+            del merged
         host = torch.empty(blob.numel(), dtype=torch.uint8, pin_memory=True)
         for a in range(0, blob.numel(), COPY_PIECE_BYTES):
             b = min(blob.numel(), a + COPY_PIECE_BYTES)
