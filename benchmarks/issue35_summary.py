@@ -36,7 +36,7 @@ def lines_of(path: str) -> list[str]:
             continue
         for s in world.get("summary", []):
             if "skipped" in s:
-                out.append(f"{tree:>4} {name[:28]:>28} {'':>3} {s['codec']:>12}  skipped: {s['skipped']}")
+                out.append(f"{tree:>4} {name[-28:]:>28} {'':>3} {s['codec']:>12}  skipped: {s['skipped']}")
                 continue
             rows = rows_of(ranks[0]["runs"].get(s["codec"], {}))
             live = [r.get("wall", r.get("live_ms")) for r in rows]
@@ -45,7 +45,7 @@ def lines_of(path: str) -> list[str]:
             dev = s.get("publish_device_mb", float("nan"))
             ok = "equal" if s.get("checksum_ok") else "DIFFER"
             out.append(
-                f"{tree:>4} {name[:28]:>28} {s.get('world', 1):>3} {s['codec']:>12} {len(live):>5} {p50:>8.1f} "
+                f"{tree:>4} {name[-28:]:>28} {s.get('world', 1):>3} {s['codec']:>12} {len(live):>5} {p50:>8.1f} "
                 f"{p95:>8.1f} {named:>6.1%} {s.get('publish_peak_mb', float('nan')):>8.0f} {dev:>7.0f} {ok:>9}"
             )
     return out

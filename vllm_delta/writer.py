@@ -320,6 +320,7 @@ def write_delta_arrays(
     times = timings if timings is not None else {}
     t0 = time.perf_counter()
     plan = codec.plan_batch(batch)
+    plan.set_tensor_rows(template.owned_at)  # a file with rank blocks names its tensors by header row
     at, start = plan.enc_arrays()
     table = template.table(sums, counts, at, start)
     part = of.part

@@ -22,11 +22,11 @@ def _weights() -> dict[str, torch.Tensor]:
     return {n: torch.randn(s, generator=gen) * 0.05 for n, s in shapes.items()}
 
 
-def _publish(root: str, header_format: int, steps: int = 3) -> tuple[DeltaStore, list[int]]:
+def _publish(root: str, header_format: int, steps: int = 3, **upload) -> tuple[DeltaStore, list[int]]:
     weights = _weights()
     gen = torch.Generator().manual_seed(7)
     versions = []
-    options = PublisherOptions(upload=UploadOptions(header_format=header_format))
+    options = PublisherOptions(upload=UploadOptions(header_format=header_format, **upload))
     with Publisher(root, anchor_every=100, options=options) as pub:
         for step in range(steps + 1):
             if step:
@@ -38,7 +38,8 @@ def _publish(root: str, header_format: int, steps: int = 3) -> tuple[DeltaStore,
 
 
 def test_format_5_writes_the_version_format_4_does(tmp_path):
-    five, versions = _publish(str(tmp_path / "f5"), 5)
+    """Without rank blocks, byte for byte in the payload (with them: tests/trainer/test_rank_blocks.py)."""
+    five, versions = _publish(str(tmp_path / "f5"), 5, rank_blocks=0)
     four, _ = _publish(str(tmp_path / "f4"), 4)
     for v in versions[1:]:
         with five.open(v) as a, four.open(v) as b:

@@ -258,11 +258,17 @@ class DeviceLayout:
         # decoder, which skips the chunks of other ranks' rows.
         self.need_lo = np.zeros(len(self.names), dtype=np.int64)
         self.need_hi = np.zeros(len(self.names), dtype=np.int64)
+        # ... and its columns in [need_c0, need_c1) (a rank's columns of a tensor split by columns: a file
+        # with rank blocks skips the other ranks' column blocks)
+        self.need_c0 = np.zeros(len(self.names), dtype=np.int64)
+        self.need_c1 = np.zeros(len(self.names), dtype=np.int64)
         for i, name in enumerate(self.names):
             segs = [s for s in layout.segments.get(name, ()) if s.rows and s.cols]
             if segs:
                 self.need_lo[i] = min(s.row0 * cols[i] + s.col0 for s in segs)
                 self.need_hi[i] = max((s.row0 + s.rows - 1) * cols[i] + s.col0 + s.cols for s in segs)
+                self.need_c0[i] = min(s.col0 for s in segs)
+                self.need_c1[i] = max(s.col0 + s.cols for s in segs)
         self.caches: dict[str, dict[Any, Any]] = {}  # what depends only on this layout (staging's tables)
 
     def split_global(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Runs]:

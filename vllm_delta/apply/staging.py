@@ -278,6 +278,8 @@ class LayoutTable:
     row: np.ndarray  # int64: elements per row of dim 0 (a part owns rows)
     need_lo: np.ndarray  # int64: the layout holds positions in [need_lo, need_hi) of the tensor
     need_hi: np.ndarray
+    need_c0: np.ndarray  # int64: ... and of each row, the columns [need_c0, need_c1)
+    need_c1: np.ndarray
 
     @classmethod
     def of(cls, header: VersionHeader, layout: DeviceLayout) -> LayoutTable:
@@ -302,6 +304,8 @@ class LayoutTable:
                 row=np.array([row_size(e.shape) for e in entries], dtype=np.int64),
                 need_lo=np.where(index >= 0, layout.need_lo[at], 0),
                 need_hi=np.where(index >= 0, layout.need_hi[at], 0),
+                need_c0=np.where(index >= 0, layout.need_c0[at], 0),
+                need_c1=np.where(index >= 0, layout.need_c1[at], 0),
             )
             if len(cache) >= 4:  # a server sees one tensor set; a few in tests
                 cache.clear()
@@ -341,6 +345,10 @@ def _file_pieces(vf: VersionFile, layout: DeviceLayout) -> dict[int, FilePieces]
             stop=stop[sel],
             need_lo=table.need_lo[sel],
             need_hi=table.need_hi[sel],
+            header_index=sel,  # what a file with rank blocks names its split tensors by
+            row_size=table.row[sel],
+            need_c0=table.need_c0[sel],
+            need_c1=table.need_c1[sel],
         )
     return out
 

@@ -16,7 +16,7 @@ time its name is asked for; so does this package for the codecs' own names (`Chu
 from __future__ import annotations
 
 import importlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
@@ -71,10 +71,16 @@ def is_file_level(codec: Codec) -> TypeGuard[FileCodec]:
     return bool(getattr(codec, "file_level", False))
 
 
-def stream_encoder(codec: Codec, starts: list[int]) -> PassEncoder | None:
-    """A codec's encoder for changes that arrive in passes (chunked: `StreamEncoder`), else None."""
+def stream_encoder(
+    codec: Codec, starts: list[int], tensors: Sequence[tuple[str, Sequence[int], int, int]] | None = None
+) -> PassEncoder | None:
+    """A codec's encoder for changes that arrive in passes (chunked: `StreamEncoder`), else None.
+    `tensors`: each one's (name, shape, row0, row1), for a codec that lays files out by rank blocks."""
     make = getattr(codec, "stream", None)
-    return make(starts) if make is not None else None
+    if make is None:
+        return None
+    encoder: PassEncoder = make(starts, tensors) if tensors is not None else make(starts)
+    return encoder
 
 
 def encode(

@@ -81,7 +81,7 @@ class Batch:
     old: torch.Tensor  # old bit patterns
     seg: torch.Tensor  # int64 tensor index of each element
     counts: list[int]  # changed elements per tensor (host)
-    starts: list[int]  # per tensor: the position its first frame starts from
+    starts: list[int] | np.ndarray  # per tensor: the position its first frame starts from
     numels: list[int]  # per tensor: elements of the whole tensor
 
 
@@ -253,6 +253,11 @@ class FileWrite(Protocol):
     def enc_arrays(self) -> tuple[np.ndarray, np.ndarray]:
         """Each tensor's place in the streams, in batch order: (`at`, `start`), -1 and -1 where it did
         not change (a plan of `plan_batch`: format 5's columns)."""
+        ...
+
+    def set_tensor_rows(self, rows: np.ndarray) -> None:
+        """Each tensor's (batch order) row in the header's table, which the payload may name (format 5:
+        the spans of rank blocks); before `write_to`."""
         ...
 
 

@@ -76,10 +76,18 @@ class PieceEncs(Sequence[dict[str, Any]]):
         return len(self.at)
 
     def __getitem__(self, k: Any) -> Any:
-        if isinstance(k, slice):
+        if isinstance(k, (slice, np.ndarray)):
             return PieceEncs(self.at[k], self.start[k])
         a, s = int(self.at[k]), int(self.start[k])
         return {} if a == -1 and s == -1 else {"at": a, "start": s}
+
+    @classmethod
+    def of(cls, encs: Sequence[dict[str, Any]]) -> PieceEncs:
+        """A file-level codec's `enc` dicts as arrays ({at, start}; {}: -1, -1)."""
+        n = len(encs)
+        at = np.fromiter((e.get("at", -1) if e else -1 for e in encs), dtype=np.int64, count=n)
+        start = np.fromiter((e.get("start", -1) if e else -1 for e in encs), dtype=np.int64, count=n)
+        return cls(at, start)
 
 
 @dataclass
@@ -100,6 +108,16 @@ class FilePieces:
     stop: np.ndarray
     need_lo: np.ndarray | None = None  # int64: the layout needs its positions in [need_lo, need_hi)
     need_hi: np.ndarray | None = None  # (a rank's rows of the tensor); None: all of [start, stop)
+    # a file with rank blocks (codec/chunked/blocks.py) needs, per piece: its tensor's row in the header
+    # (its spans name it), its row size, and the columns [need_c0, need_c1) the layout holds of it
+    header_index: np.ndarray | None = None
+    row_size: np.ndarray | None = None
+    need_c0: np.ndarray | None = None
+    need_c1: np.ndarray | None = None
+    # a piece of a column block: its positions are written in the block's own coordinates
+    # (blocks.to_block_positions): the block's first column and width (0: positions as they are)
+    block_c0: np.ndarray | None = None
+    block_width: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.names)

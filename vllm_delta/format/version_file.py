@@ -198,7 +198,13 @@ class VersionFile:
             size = row_size(entry.shape)
             start, stop = rows[0] * size, rows[1] * size
         if h.format_version in STREAMS_FORMAT_VERSIONS:
-            return [Piece(entry.nnz, {**entry.enc, "file": h.enc}, self.file_payload(), start, stop)]
+            enc = {**entry.enc, "file": h.enc}
+            if not entry.enc and "blocks" in h.enc:  # rank blocks: the codec finds the tensor's pieces by its row
+                size = row_size(entry.shape)
+                enc.update(
+                    tensor=h.tensors.index(name), row_size=size, rows=[start // max(size, 1), stop // max(size, 1)]
+                )
+            return [Piece(entry.nnz, enc, self.file_payload(), start, stop)]
         return [Piece(entry.nnz, entry.enc, self.parts(name), start, stop)]
 
     def close(self) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from vllm_delta import codec as codecs
@@ -22,7 +23,15 @@ from vllm_delta.apply.layout import Layout, Segment, hf_2d
 from vllm_delta.bits import bit_view
 from vllm_delta.checksums import combine, positional_sum, tensor_sum, to_hex
 from vllm_delta.format import PartInfo, VersionHeader, num_rows, row_size, write
-from vllm_delta.writer import PreparedTensor, assemble_delta, encode_anchor, encode_delta
+from vllm_delta.writer import (
+    DeltaOf,
+    PreparedTensor,
+    TableTemplate,
+    assemble_delta,
+    encode_anchor,
+    encode_delta,
+    write_delta_arrays,
+)
 
 # -- model shapes -----------------------------------------------------------------------------------
 
@@ -483,6 +492,57 @@ def write_delta_parts(
     return out
 
 
+def write_delta_blocks(
+    paths: list[str],
+    *,
+    version: int,
+    base: int,
+    new: dict[str, torch.Tensor],
+    changes: dict,
+    chunk_elems: int,
+    passes: int = 2,
+) -> list[VersionHeader]:
+    """A chunked delta laid out by rank blocks (format 5, codec/chunked/blocks.py), one file or `len(paths)`
+    parts (rows as `write_delta_parts` cuts them), through the Publisher's own path: a stream encoder fed
+    the changes in `passes` passes, then `write_delta_arrays`."""
+    c = codecs.ChunkedCodec(chunk_elems=chunk_elems, slice_elems=4 * chunk_elems, rank_blocks=8)
+    w, sums = len(paths), hf_sums(new)
+    shapes = {n: tuple(t.shape) for n, t in new.items()}
+    checksum = to_hex(combine(sums.items()))
+    out = []
+    for k, path in enumerate(paths):
+        owned: list[tuple[str, tuple[int, ...], int, int]] = []
+        own: dict[str, int] = {}
+        pos, seg, nb, ob, counts = [], [], [], [], []
+        for name, t in new.items():
+            nrows, size = num_rows(shapes[name]), row_size(shapes[name])
+            per = -(-nrows // w)
+            r0, r1 = min(nrows, k * per), min(nrows, (k + 1) * per)
+            if r1 <= r0:
+                continue
+            a, b = r0 * size, r1 * size
+            own[name] = positional_sum(bit_view(t).reshape(-1)[a:b], a)
+            p, n_, o_ = changes.get(name, (torch.zeros(0, dtype=torch.int64),) * 3)
+            keep = (p >= a) & (p < b)
+            pos.append(p[keep])
+            seg.append(torch.full((int(keep.sum()),), len(owned), dtype=torch.int64))
+            nb.append(n_[keep])
+            ob.append(o_[keep])
+            counts.append(int(keep.sum()))
+            owned.append((name, shapes[name], r0, r1))
+        stream = c.stream([r0 * row_size(shape) for _, shape, r0, _ in owned], owned)
+        all_pos, all_seg, all_new, all_old = (torch.cat(x) for x in (pos, seg, nb, ob))
+        cuts = np.linspace(0, all_pos.numel(), passes + 1).astype(np.int64).tolist()
+        for a, b in zip(cuts[:-1], cuts[1:]):
+            stream.add(all_pos[a:b], all_seg[a:b], all_new[a:b], all_old[a:b])
+        batch = stream.finish(counts)
+        template = TableTemplate.of(shapes, next(iter(new.values())).dtype, [(n, r0, r1) for n, _, r0, r1 in owned])
+        part = None if w == 1 else PartInfo(index=k, count=w, checksum=to_hex(combine(own.items())), rows={})
+        of = DeltaOf(version=version, base=base, base_checksum="0" * 16, checksum=checksum, part=part)
+        out.append(write_delta_arrays(path, of, c, batch, template, sums, counts))
+    return out
+
+
 def write_anchor(path: str, version: int, tensors: dict[str, torch.Tensor]) -> VersionHeader:
     header, payload = encode_anchor(version, tensors, hf_sums(tensors))
     write(path, header, {n: t.cpu() for n, t in payload.items()})
@@ -515,6 +575,7 @@ __all__ = [
     "realistic_diffs",
     "reference_apply",
     "write_anchor",
+    "write_delta_blocks",
     "write_delta_parts",
     "write_delta",
 ]

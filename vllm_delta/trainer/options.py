@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from ..codec.chunked.blocks import RANK_BLOCKS
 from ..format import DTYPE_NAMES
 from ..store import DeltaStore
 from .detect import CHUNK_ELEMS, STREAM_PASS_ELEMS
@@ -67,6 +68,11 @@ class UploadOptions:
     # parts of a version are compressed one after the other), at the cost of more calls
     # (docs/PERFORMANCE.md, issue 35: the memory and time measured side by side)
     gpu_encode_frames: int | None = None
+    # `chunked` deltas (format 5) laid out by rank blocks: the elements of each tensor that TP 2, 4 and 8
+    # split (by its name: q/k/v, gate/up, embeddings by rows; o_proj, down_proj by columns) ordered so that
+    # a tensor-parallel server rank decodes only its share's chunks (codec/chunked/blocks.py); 0: one
+    # stream, every tensor whole (what formats 3 and 4 write)
+    rank_blocks: int = RANK_BLOCKS
 
     @property
     def chunked_format(self) -> int:
@@ -80,6 +86,10 @@ class UploadOptions:
             raise ValueError(f"pack_threads must be >= 1 (or None), not {self.pack_threads}")
         if self.header_format not in (3, 4, 5):
             raise ValueError(f"header_format must be 3, 4 or 5, not {self.header_format}")
+        if self.rank_blocks not in (0, RANK_BLOCKS):
+            raise ValueError(
+                f"rank_blocks must be 0 or {RANK_BLOCKS} (the boundaries of TP 2, 4 and 8), not {self.rank_blocks}"
+            )
         if self.gpu_encode_frames is not None and self.gpu_encode_frames < 1:
             raise ValueError(f"gpu_encode_frames must be >= 1 (or None), not {self.gpu_encode_frames}")
 

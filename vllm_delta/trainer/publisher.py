@@ -54,7 +54,7 @@ from .detect import FlatSnapshot
 from .encode import VersionEncoder
 from .group import Agreement, Proposal, PublishGroup, SingleProcess, UploadsFailed
 from .job import UploadJob
-from .options import PublisherOptions
+from .options import PublisherOptions, UploadOptions
 from .sources import SourceCache
 from .staleness import StalenessGate
 from .uploader import Uploader
@@ -159,11 +159,7 @@ class Publisher:
             raise ValueError("anchor_every must be >= 1")
         staleness = opts.staleness_policy(max_staleness, min_replicas)
         self.codec = codecs.get_codec(codec)
-        if opts.upload.gpu_encode_frames is not None:
-            if not hasattr(self.codec, "encode_frames"):
-                raise ValueError(f"gpu_encode_frames bounds the chunked codec's GPU encode, not {self.codec.name!r}'s")
-            self.codec = copy.copy(self.codec)  # the registry's instance is the process's: this Publisher's own
-            self.codec.encode_frames = opts.upload.gpu_encode_frames
+        self.codec = _own_codec(self.codec, opts.upload)
         self.store = opts.store.open_store(uri, storage_options)
         self.anchor_every = anchor_every
         self.dtype = opts.dtype
@@ -364,7 +360,8 @@ class Publisher:
                 return _Detected(partials, [o.count for o in owned], host=image.host)
             # A codec that encodes detection's passes as they come (chunked, issue 17) keeps one pass's
             # changes on the device at a time; "detect" then includes that encoding.
-            stream = codecs.stream_encoder(self.codec, [o.start for o in owned])
+            tensors = [(o.name, o.shape, o.row0, o.row1) for o in owned]  # rank blocks (a codec that lays them out)
+            stream = codecs.stream_encoder(self.codec, [o.start for o in owned], tensors)
             found = self.snapshot.changes(owned, consume=stream.add if stream is not None else None)
             timings["detect"] = _ms(t0)
             t0 = time.perf_counter()
@@ -440,6 +437,22 @@ def record_signer(
     signing = key if isinstance(key, SigningKey) or key is None else SigningKey.load(key)
     run = store.record(latest).run if latest is not None else None
     return RecordSigner(run or new_run_id(), signing)
+
+
+def _own_codec(codec: codecs.Codec, upload: UploadOptions) -> codecs.Codec:
+    """The codec with this Publisher's settings (a copy: the registry's instance is the process's):
+    the GPU encode's frames per call, and rank blocks where the header format can record them (5)."""
+    blocks = upload.rank_blocks if upload.chunked_format == 5 else 0
+    if upload.gpu_encode_frames is None and not (blocks and hasattr(codec, "rank_blocks")):
+        return codec
+    if upload.gpu_encode_frames is not None and not hasattr(codec, "encode_frames"):
+        raise ValueError(f"gpu_encode_frames bounds the chunked codec's GPU encode, not {codec.name!r}'s")
+    own = copy.copy(codec)
+    if upload.gpu_encode_frames is not None:
+        own.encode_frames = upload.gpu_encode_frames  # type: ignore[attr-defined]
+    if hasattr(own, "rank_blocks"):
+        own.rank_blocks = blocks
+    return own
 
 
 def _model_config(source: Source) -> dict[str, object] | None:

@@ -38,8 +38,10 @@ from ...errors import CodecError, DeltaError, PositionError
 from ..base import Ctx, err
 from ..decoding import Chunk, Fetch, FilePieces, PieceEncs, Pieces, Runs, StagingHost, ctx_of, files_of
 from . import gpu
+from .blocks import from_block_positions
 from .decode import Carry, Spans, decode_planes, recheck
 from .planes import COL_HASH, N_PLANES, PLANES, PlaneLayout, PlaneViews, views_over
+from .regions import has_blocks, region_pieces
 from .streams import FileStreams, piece_at
 
 log = logging.getLogger(__name__)
@@ -59,7 +61,8 @@ class ChunkedDecoder:
     """The chunked codec's staging decoder (stateless: each `plan` holds one decode's state)."""
 
     def plan(self, version: int, pieces: Pieces, width: int, host: StagingHost) -> _Plan:
-        files = files_of(pieces)
+        # a file with rank blocks is read as its regions, each a file of its own (regions.py)
+        files = [r for f in files_of(pieces) for r in (region_pieces(f, version) if has_blocks(f.file_enc) else [f])]
         groups: list[list[FilePieces]] = []  # consecutive files of one chunk size read as one sequence
         streams: list[list[FileStreams]] = []
         for f in files:
@@ -168,6 +171,7 @@ class _Sequence:
         self.backend: gpu.GpuZstd | None = backend
         gpu.note_path("decodes", f"on {dev} with nvCOMP {backend.version}" if backend else f"on the CPU: {why}")
         self.index_of = torch.from_numpy(self.index_np).to(dev, non_blocking=self.nb)
+        self.unblock = _column_blocks(files, self.spans.key, dev)  # per span (first column, width, row size)
         self.per_decode = max(1, host.chunk_elems // e)
         per_run = max(self.per_decode, GPU_RUN_ELEMS // e) if backend is not None else self.per_decode
         skip_min = GPU_SKIP_MIN_ELEMS if backend is not None else CPU_SKIP_MIN_ELEMS
@@ -385,9 +389,12 @@ class _Sequence:
             self.pending.append(_Pending(out.flag, run, j0, j1, before))
             if not out.counts.size:
                 continue
+            p = out.positions  # a column block's in its own coordinates: the tensor's (blocks.py)
+            if self.unblock is not None:
+                p = from_block_positions(p, *(t[out.span] for t in self.unblock))
             chunk = Chunk(
                 t_idx=self.index_of[out.span],
-                p=out.positions,
+                p=p,
                 diffs=out.diffs.to(INT_DTYPE[self.width]),
                 values=None,
                 runs=Runs(self.index_np[out.first : out.first + out.counts.size], out.counts),
@@ -445,6 +452,20 @@ class _Sequence:
             self._clear_padding(out, g0, g1, short)
         self.host.mark("inflate")
         return out
+
+
+def _column_blocks(files: list[FilePieces], key: np.ndarray, dev: torch.device) -> tuple[torch.Tensor, ...] | None:
+    """Per span of the sequence (by `key`), on `dev`: the first column, width and row size of the column
+    block it is a piece of (width 0: not one); None where no span is (no transform)."""
+    if all(f.block_width is None or not f.block_width.any() for f in files):
+        return None
+    cols = []
+    for name in ("block_c0", "block_width", "row_size"):
+        parts = [getattr(f, name) if getattr(f, name) is not None else np.zeros(len(f), np.int64) for f in files]
+        cols.append(np.concatenate(parts)[key])
+    host = torch.from_numpy(np.stack(cols).astype(np.int64))
+    c0, width, size = host.to(dev, non_blocking=dev.type == "cuda")
+    return c0, width, size
 
 
 def _cat(arrays: list[np.ndarray], empty: tuple[int, ...]) -> np.ndarray:

@@ -117,7 +117,7 @@ def _encode_triton(
     pos, dev, n = batch.positions, batch.positions.device, batch.positions.numel()
     layout = PlaneLayout(n, chunk_elems)
     buf = torch.empty(layout.size, dtype=torch.uint8, device=dev)
-    starts_t = torch.tensor(batch.starts, dtype=torch.int64).to(dev, non_blocking=dev.type == "cuda")
+    starts_t = torch.from_numpy(np.asarray(batch.starts, dtype=np.int64)).to(dev, non_blocking=dev.type == "cuda")
     if context is not None:
         ctx = torch.cat([context[0].reshape(1), context[1].reshape(1)]).to(torch.int64)
     else:
@@ -163,7 +163,7 @@ def _encode_torch(
     counts = torch.zeros(3, layout.chunks, dtype=torch.int64, device=dev)  # big, gap escapes, mag escapes
     gap_esc: list[torch.Tensor] = []
     mag_esc: list[torch.Tensor] = []
-    starts_t = torch.tensor(batch.starts, dtype=torch.int64).to(dev, non_blocking=True)
+    starts_t = torch.from_numpy(np.asarray(batch.starts, dtype=np.int64)).to(dev, non_blocking=True)
     for a in range(0, n, slice_elems):
         b = min(n, a + slice_elems)
         k0 = a // chunk_elems

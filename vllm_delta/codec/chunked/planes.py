@@ -36,6 +36,8 @@ PAYLOAD_LAYOUT: list[tuple[str, torch.dtype, int]] = [
     ("mag_esc", torch.int64, 1),
     (FIRST_PART, torch.int64, 1),
 ]
+SPANS_PART = "spans"  # files with rank blocks (blocks.py): int32 [spans, 4], after `first`
+SPANS_LAYOUT = (SPANS_PART, torch.int32, 2)
 PlanesBackend = Literal["torch", "triton"]  # planes on the device: the fused kernels, or the torch reference
 PLANES_BACKENDS: tuple[PlanesBackend, ...] = get_args(PlanesBackend)
 PLANES_ENV = "VLLM_DELTA_PLANES_BACKEND"  # "torch": never the Triton kernels (default: Triton on CUDA)

@@ -18,8 +18,9 @@ import torch
 
 from ..base import Batch, BatchSections, HostCopy, MemorySink, PayloadSink, Sections
 from . import gpu
+from .blocks import BlockLayout, regions_of, to_block_positions
 from .encode import compress_cpu, encode_planes, planes_to_host
-from .planes import FIRST_PART, INDEX_WIDTH, Planes, PlanesBackend
+from .planes import FIRST_PART, INDEX_WIDTH, PAYLOAD_LAYOUT, SPANS_LAYOUT, SPANS_PART, Planes, PlanesBackend
 
 log = logging.getLogger(__name__)
 
@@ -56,12 +57,23 @@ class ChunkedBatch(BatchSections):
     None where nothing changed), `write_to()` compresses into a payload sink (`pack()`: into memory):
     with nvCOMP on the planes' GPU when it is available, else with zstandard on the host."""
 
-    def __init__(self, codec: EncodeSettings, counts: Sequence[int], starts: Sequence[int], parts: list[Planes]):
+    def __init__(
+        self,
+        codec: EncodeSettings,
+        counts: Sequence[int],
+        starts: Sequence[int] | np.ndarray,
+        parts: list[Planes],
+        blocks: BlockLayout | None = None,
+    ):
+        """`counts`, `starts`: per segment of the batch (a tensor; with `blocks`, a (region, tensor)
+        piece: segment r * tensors + t), in the file's order."""
         self.codec = codec
         self.parts = parts
         self.counts = list(counts)
         self.starts = list(starts)
         self.ats = [0, *np.cumsum(self.counts).tolist()][:-1]
+        self.blocks = blocks
+        self.tensor_rows: np.ndarray | None = None  # the tensors' rows in the header (the writer's): `spans`'s
         self.event: Any = None
         self.device = parts[0].device if parts else torch.device("cpu")
         if self.device.type == "cuda":
@@ -85,15 +97,32 @@ class ChunkedBatch(BatchSections):
 
     def enc_arrays(self) -> tuple[np.ndarray, np.ndarray]:
         """Every tensor's place in the streams as arrays in batch order: `at` (its first element) and
-        `start` (where its gap chain counts from), -1 and -1 where it did not change (format 5)."""
-        counts = np.asarray(self.counts, dtype=np.int64)
+        `start` (where its gap chain counts from), -1 and -1 where it did not change (format 5). With
+        rank blocks a split tensor's are -1 too: its pieces are the file's `spans`."""
+        k = self.blocks.tensors if self.blocks is not None else len(self.counts)
+        counts = np.asarray(self.counts[:k], dtype=np.int64)
         changed = counts > 0
-        at = np.where(changed, np.asarray(self.ats, dtype=np.int64), -1)
-        start = np.where(changed, np.asarray(self.starts, dtype=np.int64), -1)
+        at = np.where(changed, np.asarray(self.ats[:k], dtype=np.int64), -1)
+        start = np.where(changed, np.asarray(self.starts[:k], dtype=np.int64), -1)
         return at, start
 
+    def spans(self) -> torch.Tensor:
+        """A file with rank blocks: its split tensors' pieces in file order, int32 [S, 4] (blocks.py)."""
+        assert self.blocks is not None
+        if self.tensor_rows is None:
+            raise ValueError("a file with rank blocks is written with its tensors' rows in the header")
+        return self.blocks.spans(np.asarray(self.counts, dtype=np.int64), self.tensor_rows)
+
     def file_enc(self) -> dict[str, Any]:
-        return {"chunk_elems": self.codec.chunk_elems, "elems": self.n}
+        enc: dict[str, Any] = {"chunk_elems": self.codec.chunk_elems, "elems": self.n}
+        if self.blocks is not None:
+            enc.update(self.blocks.enc(np.asarray(self.counts, dtype=np.int64)))
+        return enc
+
+    @property
+    def payload_layout(self) -> list[tuple[str, torch.dtype, int]]:
+        """The payload's parts in order (a file with rank blocks: `spans` last)."""
+        return list(PAYLOAD_LAYOUT) + ([SPANS_LAYOUT] if self.blocks is not None else [])
 
     def pack(self, pool: Executor | None = None, busy_ms: list[float] | None = None) -> FilePack:
         sink = MemorySink()
@@ -201,13 +230,15 @@ class ChunkedBatch(BatchSections):
         self._write_escapes(sink)
 
     def _write_escapes(self, sink: PayloadSink) -> None:
-        """The escape tables, then each chunk's first position (`first`)."""
+        """The escape tables, then each chunk's first position (`first`), then (rank blocks) `spans`."""
         for key in ("gap_esc", "mag_esc", FIRST_PART):
             tables = [getattr(p, key) for p in self.parts]
             if any(t is None for t in tables):
                 raise ValueError(f"planes without their chunks' {key} (made by encode_planes, they have it)")
             host = [t.cpu() for t in tables if t is not None]
             sink.append(key, torch.cat(host) if host else torch.zeros(0, dtype=torch.int64))
+        if self.blocks is not None:
+            sink.append(SPANS_PART, self.spans())
 
 
 def _index(rows: list[np.ndarray]) -> torch.Tensor:
@@ -235,6 +266,9 @@ class FilePlan:
     def enc_arrays(self) -> tuple[np.ndarray, np.ndarray]:
         return self.batch.enc_arrays()
 
+    def set_tensor_rows(self, rows: np.ndarray) -> None:
+        self.batch.tensor_rows = np.asarray(rows, dtype=np.int64)
+
 
 class StreamEncoder:
     """Encodes a batch's changes as they arrive (the trainer's detection, pass by pass) into planes
@@ -242,9 +276,9 @@ class StreamEncoder:
     pass's changes at a time plus the planes (~3.3 B per changed element). `finish` gives the same
     file as `prepare_batch` of all the changes at once."""
 
-    def __init__(self, codec: EncodeSettings, starts: Sequence[int]):
+    def __init__(self, codec: EncodeSettings, starts: Sequence[int] | np.ndarray):
         self.codec = codec
-        self.starts = list(starts)
+        self.starts = starts if isinstance(starts, np.ndarray) else list(starts)  # an array: one copy a pass
         self.parts: list[Planes] = []
         self._pending: tuple[torch.Tensor, ...] | None = None
         self._prev: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -267,11 +301,62 @@ class StreamEncoder:
         self.parts.append(encode_planes(batch, c.chunk_elems, c.slice_elems, self._prev, c.encode_backend))
         self._prev = (pos[-1:].clone(), seg[-1:].clone())
 
-    def finish(self, counts: Sequence[int]) -> ChunkedBatch:
-        """The encoded batch; `counts`: changed elements per tensor (the detection's)."""
+    def flush(self) -> None:
+        """Encode the held-back partial chunk (the stream's last: a short chunk)."""
         if self._pending is not None:
             self._encode(self._pending)
             self._pending = None
+
+    def finish(self, counts: Sequence[int]) -> ChunkedBatch:
+        """The encoded batch; `counts`: changed elements per tensor (the detection's)."""
+        self.flush()
         if sum(counts) != sum(p.layout.n for p in self.parts):
             raise ValueError(f"{sum(p.layout.n for p in self.parts)} changes encoded, the counts say {sum(counts)}")
         return ChunkedBatch(self.codec, counts, self.starts, self.parts)
+
+
+class BlockStreamEncoder:
+    """A `StreamEncoder` per region of a file with rank blocks (blocks.py): each pass's changes are
+    partitioned by region (stable: a region keeps the pass's order, tensor after tensor), each region
+    encoded as its own stream (its last chunk short), and the regions laid end to end at `finish`.
+    Segment r * tensors + t is tensor t's piece in region r (its gap chain starts at its block's
+    first position in the writer's rows). One host wait per pass (the regions' sizes)."""
+
+    def __init__(self, codec: EncodeSettings, layout: BlockLayout, starts: Sequence[int]):
+        self.codec, self.layout = codec, layout
+        self.starts = layout.piece_starts(np.asarray(starts, dtype=np.int64))
+        self.encoders = [StreamEncoder(codec, self.starts) for _ in range(layout.blocks + 1)]
+        self.counts = np.zeros(self.starts.size, dtype=np.int64)
+        self._cols: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def add(self, positions: torch.Tensor, seg: torch.Tensor, new: torch.Tensor, old: torch.Tensor) -> None:
+        """The next changes (positions, tensor index, new bits, old bits), in owned order."""
+        lay = self.layout
+        if self._cols is None:
+            self._cols = lay.device_columns(positions.device)
+        kind, rows, size = self._cols
+        region = regions_of(positions, seg, kind, rows, size, lay.blocks)
+        positions = to_block_positions(positions, seg, region, kind, size, lay.blocks)  # column blocks' own
+        piece = region * lay.tensors + seg
+        order = torch.argsort(region, stable=True)
+        sizes = torch.cat(
+            [torch.bincount(region, minlength=lay.blocks + 1), torch.bincount(piece, minlength=self.counts.size)]
+        )
+        host = sizes.cpu().numpy()  # the one wait of the pass: where each region's elements are
+        self.counts += host[lay.blocks + 1 :]
+        at = 0
+        for r, k in enumerate(host[: lay.blocks + 1].tolist()):
+            if k:
+                sel = order[at : at + k]
+                self.encoders[r].add(positions[sel], piece[sel], new[sel], old[sel])
+            at += k
+
+    def finish(self, counts: Sequence[int]) -> ChunkedBatch:
+        """The encoded batch, regions in order; `counts`: changed elements per tensor (the detection's)."""
+        if sum(counts) != int(self.counts.sum()):
+            raise ValueError(f"{int(self.counts.sum())} changes encoded, the counts say {sum(counts)}")
+        parts: list[Planes] = []
+        for enc in self.encoders:
+            enc.flush()
+            parts += enc.parts
+        return ChunkedBatch(self.codec, self.counts.tolist(), self.starts, parts, self.layout)
