@@ -115,3 +115,30 @@ def test_a_deferred_check_still_names_the_chunk_and_writes_nothing(tmp_path, mon
     assert len(named) == 1 and calls["n"] > 3  # later sub-runs were decoded before the flags were read
     assert all(torch.equal(a, b) for a, b in zip(before, engine.targets))
     engine.close()
+
+
+def test_a_tp2_rank_stages_a_rank_block_file_without_a_wait_per_chunk(tmp_path, monkeypatch):
+    """At TP=2 the tensors split over the ranks take a mask per chunk (a device-to-host wait each) unless
+    the decoder knows every element of a run lies in the rank's share: a file laid out by rank blocks
+    tells it (Runs.held). Staged in 4x the device chunks, a rank's host reads stay the same with rank
+    blocks (and grow without them); the writes are bit-exact either way."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("fused plans on the CPU run the Triton kernels under TRITON_INTERPRET=1 only")
+    from test_rank_blocks import _versions
+
+    from vllm_delta.testing.apply_fixtures import Qwen3Spec
+
+    spec = Qwen3Spec("waits", 256, 2, 4, 4, 64, 512, 512, False)  # 4 KV heads, a vocabulary that splits by 8
+    old, new, _, vfs = _versions(tmp_path, spec, 1)
+    reads: dict[str, dict[int, int]] = {"blocks": {}, "plain": {}}
+    for kind, vf in vfs.items():
+        for chunk_elems in (1024, 256):
+            engine = _engine(spec, 2, 1, old, chunk_elems=chunk_elems, backend="triton")
+            with HostReads() as mode:
+                staged = engine.stage([vf])
+            reads[kind][chunk_elems] = mode.total
+            engine.write(staged)
+            _assert_holds(engine, spec, 2, 1, new)
+            engine.close()
+    assert reads["blocks"][256] == reads["blocks"][1024], reads
+    assert reads["plain"][256] > reads["plain"][1024], reads

@@ -359,7 +359,7 @@ class ApplyEngine:
         """`source`: a decoded Chunk (new bits from its values or diffs) or a tensor of new bits."""
         t0 = time.perf_counter()
         runs = runs.nonempty()
-        sels = self.dlayout.translate(t_idx, p, runs.tensors, runs.counts)
+        sels = self.dlayout.translate(t_idx, p, runs.tensors, runs.counts, runs.held)
         t0 = run.span("translate", t0)
         if not sels:
             return

@@ -253,6 +253,8 @@ class DeviceLayout:
         self.cols_t = torch.tensor(cols, dtype=torch.int64, device=device)
         slots = max([len(s) for s in layout.segments.values()] + [1])
         self.tables = [SegmentTable(layout, self.names, k, device) for k in range(slots)]
+        # the tensors one segment holds (no tied copy): a run the decoder knows is held needs no mask
+        self.single = np.array([len(layout.segments.get(n, ())) == 1 for n in self.names], dtype=bool)
         # The positions each tensor's segments hold lie in [need_lo, need_hi) (empty: none): a rank's
         # rows of a tensor split by rows, every row of one split by columns. Staging hands them to the
         # decoder, which skips the chunks of other ranks' rows.
@@ -283,10 +285,13 @@ class DeviceLayout:
         p: torch.Tensor,
         tensors: Sequence[int] | np.ndarray,
         counts: np.ndarray | None = None,
+        held: np.ndarray | None = None,
     ) -> list[Selection]:
         """One Selection per segment slot that any of `tensors` (the chunk's tensor indices) uses.
         With `counts` (the chunk's elements of each of `tensors`, which come in element order), a
-        Selection of every element carries its target runs (`Selection.runs`)."""
+        Selection of every element carries its target runs (`Selection.runs`). With `held` (per run:
+        the decoder knows its elements lie in the layout's share of the tensor: `Runs.held`), a slot
+        that alone holds tensors split over ranks needs no mask either: no device-to-host wait."""
         out = []
         ts = np.asarray(tensors, dtype=np.int64)
         for tab in self.tables:
@@ -297,9 +302,16 @@ class DeviceLayout:
             target = a["target"][t_idx]
             mine = owners[valid]
             owner: torch.Tensor | bool = bool(mine[0]) if (mine == mine[0]).all() else tab.owner_t[t_idx]
-            if (valid & full).all():
-                runs = None if counts is None else TargetRuns.merged(tab.target_h[ts], np.asarray(counts))
+            runs = None if counts is None else TargetRuns.merged(tab.target_h[ts], np.asarray(counts))
+            all_held = held is not None and runs is not None and bool((valid & self.single[ts] & held).all())
+            if (valid & full).all() or (all_held and (valid & row_run).all()):
                 out.append(Selection(None, target, p + a["shift"][t_idx], owner, runs))
+            elif all_held:  # every element in its (one) box: the box's offsets, no mask
+                cols = self.cols_t[t_idx]
+                r = torch.div(p, cols, rounding_mode="floor")
+                offset = a["dst_offset"][t_idx] + (r - a["row0"][t_idx]) * a["dst_row_stride"][t_idx]
+                offset += (p - r * cols - a["col0"][t_idx]) * a["dst_col_stride"][t_idx]
+                out.append(Selection(None, target, offset, owner, runs))
             elif (valid & row_run).all():
                 mask = (p >= a["pos_lo"][t_idx]) & (p < a["pos_hi"][t_idx])
                 out.append(Selection(mask, target, p + a["shift"][t_idx], owner))

@@ -349,6 +349,11 @@ def _file_pieces(vf: VersionFile, layout: DeviceLayout) -> dict[int, FilePieces]
             row_size=table.row[sel],
             need_c0=table.need_c0[sel],
             need_c1=table.need_c1[sel],
+            # the whole piece lies in what the layout needs: its rows, and every column of them
+            inside=(start[sel] >= table.need_lo[sel])
+            & (stop[sel] <= table.need_hi[sel])
+            & (table.need_c0[sel] == 0)
+            & (table.need_c1[sel] == table.row[sel]),
         )
     return out
 

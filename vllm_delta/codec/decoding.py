@@ -118,6 +118,8 @@ class FilePieces:
     # (blocks.to_block_positions): the block's first column and width (0: positions as they are)
     block_c0: np.ndarray | None = None
     block_width: np.ndarray | None = None
+    # bool per piece: all its positions lie in what the layout needs of its tensor (Runs.held)
+    inside: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.names)
@@ -186,6 +188,10 @@ class Runs(NamedTuple):
 
     tensors: np.ndarray
     counts: np.ndarray
+    # per run, where the decoder knows it (bool): every element of the run lies in the rows and columns
+    # the staging layout needs of its tensor (a piece of a rank block inside the rank's share), so that
+    # a tensor held by one segment needs no per-element mask (no device-to-host wait); None: unknown
+    held: np.ndarray | None = None
 
     @classmethod
     def of(cls, pairs: Sequence[tuple[int, int]]) -> Runs:
@@ -194,7 +200,9 @@ class Runs(NamedTuple):
 
     def nonempty(self) -> Runs:
         keep = self.counts > 0
-        return self if keep.all() else Runs(self.tensors[keep], self.counts[keep])
+        if keep.all():
+            return self
+        return Runs(self.tensors[keep], self.counts[keep], None if self.held is None else self.held[keep])
 
 
 @dataclass

@@ -165,6 +165,9 @@ class _Sequence:
         needed_all = np.concatenate(needed) if needed else np.zeros(0, dtype=bool)
         index_all = np.concatenate([f.index for f in files]) if files else np.zeros(0, dtype=np.int64)
         self.index_np = index_all[self.spans.key]  # layout index of each span
+        self.inside: np.ndarray | None = None  # each span lies in what the layout needs (Runs.held)
+        if files and all(f.inside is not None for f in files):
+            self.inside = np.concatenate([f.inside for f in files if f.inside is not None])[self.spans.key]
         dev = host.device
         self.nb = dev.type == "cuda"
         backend, why = gpu.backend(dev)  # (None, why) off CUDA, or without nvCOMP
@@ -397,7 +400,11 @@ class _Sequence:
                 p=p,
                 diffs=out.diffs.to(INT_DTYPE[self.width]),
                 values=None,
-                runs=Runs(self.index_np[out.first : out.first + out.counts.size], out.counts),
+                runs=Runs(
+                    self.index_np[out.first : out.first + out.counts.size],
+                    out.counts,
+                    None if self.inside is None else self.inside[out.first : out.first + out.counts.size],
+                ),
             )
             self.host.mark("decode")
             yield chunk

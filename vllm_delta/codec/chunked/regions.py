@@ -150,8 +150,16 @@ def _block_pieces(
         need_lo = np.where(meet, np.where(cols, start, np.maximum(start, f.need_lo[piece])), 0)
         need_hi = np.where(meet, np.where(cols, stop, np.minimum(stop, f.need_hi[piece])), 0)
     c0 = edge(block, c, b)
+    c1 = edge(block + 1, c, b)
+    inside = None
+    if f.need_lo is not None and f.need_hi is not None:  # the piece lies in what the layout needs
+        lo, hi = f.need_lo[piece], f.need_hi[piece]
+        by_cols = (c0 >= _col(f.need_c0, piece, 0)) & (c1 <= _col(f.need_c1, piece, c))
+        by_cols &= (r0 * c + c0 >= lo) & ((r1 - 1) * c + c1 <= hi)
+        inside = np.where(cols, by_cols, (start >= lo) & (stop <= hi)) & (stop > start)
     return replace(
         sub,
+        inside=inside,
         encs=PieceEncs(spans[:, 4], start),
         nnz=spans[:, 3],
         start=start,
@@ -159,7 +167,7 @@ def _block_pieces(
         need_lo=need_lo,
         need_hi=need_hi,
         block_c0=np.where(cols, c0, 0),
-        block_width=np.where(cols, edge(block + 1, c, b) - c0, 0),
+        block_width=np.where(cols, c1 - c0, 0),
     )
 
 
@@ -181,6 +189,7 @@ _ARRAYS = (
     "need_c1",
     "block_c0",
     "block_width",
+    "inside",
 )
 
 __all__ = ["file_spans", "has_blocks", "region_payloads", "region_pieces"]
