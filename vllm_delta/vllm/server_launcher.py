@@ -58,7 +58,7 @@ def _child(args: list[str], env: dict[str, str], log: str) -> None:
             _fork_engine_core()
         sys.argv = [API_SERVER, *args]
         _retitle(f"{sys.executable} -m {API_SERVER} (forked by {__name__})")
-        runpy.run_module(API_SERVER, run_name="__main__", alter_sys=True)
+        runpy.run_module(API_SERVER, run_name="__main__", alter_sys=True)  # heap: pass-through (vLLM's API server)
         code = 0
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
@@ -121,7 +121,7 @@ def _run_engine_core(*args: Any, **kwargs: Any) -> Any:
         from vllm.v1.engine.core import EngineCoreProc
 
         main = EngineCoreProc.run_engine_core
-    return main(*args, **kwargs)
+    return main(*args, **kwargs)  # heap: pass-through (the engine core is vLLM's)
 
 
 def _redo_logging() -> None:
