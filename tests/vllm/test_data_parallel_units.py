@@ -50,8 +50,6 @@ from vllm_delta.vllm.shared.messages import StageSummary, Written
 from vllm_delta.vllm.shared.rpc import error_reply
 from vllm_delta.vllm.shared.two_phase import Staged, TwoPhaseUpdate, Update, WriteOptions, worlds
 
-pytestmark = pytest.mark.vllm
-
 
 @pytest.fixture
 def objs(request):

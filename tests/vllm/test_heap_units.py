@@ -15,7 +15,7 @@ import vllm_delta
 from vllm_delta.vllm.api_server import spans
 from vllm_delta.vllm.shared import heap
 
-pytestmark = pytest.mark.vllm_objects  # objects only: make check-vllm-next runs them
+pytestmark = pytest.mark.vllm_objects  # no engine, no server: make check-vllm-next runs them against the newest vLLM
 
 
 def _line_of(path: str, text: str) -> int:

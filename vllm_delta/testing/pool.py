@@ -57,6 +57,7 @@ class ServerSpec:
     extra_args: tuple[str, ...] = ()
     env: str = "{}"  # JSON of the extra environment
     max_model_len: int = 256
+    worker_process: bool | None = None  # None: VllmServer's default (own processes only with several ranks)
     startup_timeout: float = field(default=300.0, compare=False)
 
     @classmethod
@@ -94,6 +95,7 @@ class ServerSpec:
             max_model_len=self.max_model_len,
             startup_timeout=self.startup_timeout,
             log_path=log_path,
+            worker_process=self.worker_process,
         )
 
 

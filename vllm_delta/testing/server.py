@@ -22,6 +22,7 @@ import tempfile
 import time
 from typing import Any
 
+from .launcher import ForkedServer, ServerLauncher
 from .ports import free_port
 
 PLUGINS = "vllm_delta,vllm_delta_api"
@@ -93,8 +94,18 @@ def _api_server_args(model: str, port: int, max_model_len: int, tensor_parallel_
 STARTUP_TIMEOUT_ENV = "VLLM_DELTA_STARTUP_TIMEOUT_S"
 
 
+def worker_process_default(tensor_parallel_size: int, args: list[str]) -> bool:
+    """Whether a server's workers get processes of their own by default: with several ranks (tensor or
+    data parallelism, where vLLM needs its `mp` executor), not at TP=1 (the worker runs inside the engine
+    core, as vLLM's `uni` executor runs it on GPUs)."""
+    return tensor_parallel_size > 1 or any(a.startswith("--data-parallel-size") for a in args)
+
+
 class VllmServer:
     starts = 0  # start-ups in this process (the test session reports it)
+    # Where API servers are forked from when set (the test session sets one: launcher.py); else each
+    # server is a `python -m vllm.entrypoints.openai.api_server` subprocess.
+    launcher: ServerLauncher | None = None
 
     def __init__(
         self,
@@ -113,6 +124,7 @@ class VllmServer:
         max_model_len: int = 256,
         startup_timeout: float | None = None,
         log_path: str | None = None,
+        worker_process: bool | None = None,
     ):
         self.model = model
         self.port = free_port()
@@ -151,18 +163,31 @@ class VllmServer:
             self.env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(tensor_parallel_size)))
         if dev_mode:
             self.env["VLLM_SERVER_DEV_MODE"] = "1"
+        if worker_process is None:
+            worker_process = worker_process_default(tensor_parallel_size, self.args)
+        self.worker_process = worker_process
+        if not self.worker_process:
+            # The worker inside the engine core: two processes (API server, engine core), not three. vllm-cpu's
+            # platform moves the `uni` executor to `mp` only while this variable is 1 (vllm/platforms/cpu.py);
+            # at 0 a TP=1 server is healthy in ~20 s instead of ~34 s on 2 cores, and it is GPU vLLM's own
+            # TP=1 layout. The API server's AsyncLLM still runs its engine core in a process of its own.
+            self.env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         if store and load_format != "delta":
             self.env["VLLM_DELTA_STORE"] = store
         self.env.update(env or {})
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen | ForkedServer | None = None
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self) -> VllmServer:
         VllmServer.starts += 1
         self._log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(
-            self.args, stdout=self._log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
-        )
+        launcher = VllmServer.launcher
+        if launcher is not None and launcher.alive():
+            self.proc = launcher.launch(self.args[3:], self.env, self.log_path)  # after `python -m MODULE`
+        else:
+            self.proc = subprocess.Popen(
+                self.args, stdout=self._log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
+            )
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -218,6 +243,18 @@ class VllmServer:
                 if int(fields[2]) == self.proc.pid and fields[0] != "Z":  # pgrp; zombies are gone already
                     out.append(int(entry))
         return sorted(out)
+
+    def titles(self) -> dict[int, str]:
+        """The server's processes by the title vLLM gives them (`VLLM::EngineCore`, `VLLM::Worker`, ...;
+        the API server keeps its command line): pid -> title."""
+        out = {}
+        for pid in self.pids():
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    out[pid] = f.read().split(b"\0")[0].decode(errors="replace")
+            except OSError:
+                continue
+        return out
 
     def rss(self) -> dict[int, tuple[str, int]]:
         """Resident memory of each of the server's processes: pid -> (name, bytes)."""
