@@ -318,10 +318,10 @@ def time_pause(cfg: Config, staged, sums0) -> None:
     cfg.before = bits_of(targets) if args.full_check else None
     pauses = []
     for _ in range(args.reps):
-        pauses.append(engine.write(staged))
+        pauses.append(engine.patch(staged))
         engine.rollback(staged)
     cfg.row["pause_ms"] = statistics.median(pauses)
-    engine.write(staged)
+    engine.patch(staged)
     if args.full_check:
         expect = [t.clone() for t in targets]
         for t, b in zip(expect, cfg.before):
@@ -382,7 +382,7 @@ def time_baselines(cfg: Config, staged, fingerprint: tuple[int, int]) -> None:
     if args.full_check:
         check(same(bits_of(targets), bits_of(cfg.expect)), f"{cfg.tag}: index_copy != reference")
     del per_target
-    engine.write(staged), engine.rollback(staged)  # back to the base bits (commit checks the state)
+    engine.patch(staged), engine.rollback(staged)  # back to the base bits (commit checks the state)
 
     check(_fingerprint(cfg.changes) == fingerprint, f"{cfg.tag}: change set intact after index_copy")
     patches = {n: (c[0], c[1].view(torch.bfloat16)) for n, c in cfg.changes.items() if c[0].numel()}
@@ -400,7 +400,7 @@ def time_baselines(cfg: Config, staged, fingerprint: tuple[int, int]) -> None:
     if args.full_check:
         check(same(bits_of(targets), bits_of(cfg.expect)), f"{cfg.tag}: nanmask != reference")
     del patches
-    engine.write(staged), engine.rollback(staged)
+    engine.patch(staged), engine.rollback(staged)
     if args.full_check:
         check(same(bits_of(targets), cfg.before), f"{cfg.tag}: restored after baselines")
 

@@ -333,7 +333,7 @@ def _publish_run(cfg: Config, codec_name: str, store_dir: str, r: Rank) -> dict:
     pub.flush()
     if r.engine is not None:
         with store.open(v) as vf:
-            r.engine.write(r.engine.stage([vf]))
+            r.engine.patch(r.engine.stage([vf]))
     rows = []
     for i in range(cfg.warmup + cfg.steps):
         v += 1
@@ -387,7 +387,7 @@ def _timed_step(r: Rank, pub: Publisher, store: DeltaStore, v: int) -> tuple[dic
         t_open = time.perf_counter()
         staged = r.engine.stage([vf])
         t_stage = time.perf_counter()
-        r.engine.write(staged)
+        r.engine.patch(staged)
         t_live = time.perf_counter()
         vf.close()
         t_again = time.perf_counter()

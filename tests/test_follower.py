@@ -43,7 +43,7 @@ class Replica:
         staged = self.engine.stage(files)
         sums = {n: int(e.checksum, 16) for n, e in self.header.tensors.items()}
         verify_partials(sums, [staged.partials], files[-1].header)
-        ms = self.engine.write(staged)
+        ms = self.engine.patch(staged)
         self.version, self.header = files[-1].version, files[-1].header
         self.applied.append(plan.versions)
         return ms

@@ -4,11 +4,11 @@ The live per-tensor sums over all ranks (checksums.py: Σ w(p)(bits + 1) per Hug
 
     recomputed   a full pass over every rank's live parameters: at start-up, on
                  GET /v1/delta/status?verify=true, by the background audit (`delta_audit_s`)
-    committed    at every commit, by adding the ranks' staged partials Σ w(p)(new − old) over the
+    patched      at every patch, by adding the ranks' staged partials Σ w(p)(new − old) over the
                  changed elements (computed by the workers while staging, O(changed elements); O(tensors
                  touched) here). When the sums were the served version's recorded ones, the result is
-                 exactly the target header's: that is what the verification before the commit checked
-    forgotten    when the workers report a version no commit of this process made (an update past the
+                 exactly the target header's: that is what the verification before the patch checked
+    forgotten    when the workers report a version no patch of this process made (an update past the
                  plugin): unknown until the next recomputation
 
 A recomputation is compared with what was kept current: a tensor whose sums differ was written behind
@@ -50,7 +50,7 @@ class LiveChecksum:
 
     version: int | None = None
     sums: Sums | None = None
-    as_of: float | None = None  # unix time of the recomputation or commit that established them
+    as_of: float | None = None  # unix time of the recomputation or patch that established them
     _checksum: str | None = None
 
     def known_for(self, version: int | None) -> bool:
@@ -68,8 +68,8 @@ class LiveChecksum:
         self.as_of = time.time() if sums is not None else None
 
     def applied(self, served: int | None, target: int, partials: list[Sums], target_sums: Sums) -> None:
-        """A commit from `served` to `target` whose ranks staged `partials`: the sums kept current plus the
-        partials when they were known for `served`, else the target's recorded sums (what the commit's
+        """A patch from `served` to `target` whose ranks staged `partials`: the sums kept current plus the
+        partials when they were known for `served`, else the target's recorded sums (what the patch's
         verification established, given the served version's recorded sums)."""
         if self.known_for(served):
             assert self.sums is not None

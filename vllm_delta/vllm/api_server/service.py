@@ -38,10 +38,10 @@ from ...format import VersionHeader
 from ...server_api import (
     AppliedUpdate,
     Method,
+    PrefetchRequest,
+    PrefetchResult,
     Readiness,
     ServerStatus,
-    StageRequest,
-    StageResult,
     UpdateMode,
     UpdateRequest,
     UpdateResult,
@@ -51,7 +51,7 @@ from ..shared.eplb import refuse_eplb, refuse_operation
 from ..shared.messages import WorkerStatus
 from ..shared.options import FollowOptions, ServiceOptions, StoreSpec
 from ..shared.plan import UpdatePlan, plan_update
-from ..shared.two_phase import Update, WriteOptions
+from ..shared.two_phase import PatchOptions, Update
 from .follower import Follower, readiness
 from .gating import VersionGate
 from .live import LiveChecksum
@@ -76,7 +76,7 @@ class DeltaService:
         operations: Operations,
         ranks: Ranks,
         checks: LiveChecks,
-        prefetch: PrefetchSlot,
+        prefetched: PrefetchSlot,
     ) -> None:
         self.api = api
         self.spec = api.spec
@@ -86,7 +86,7 @@ class DeltaService:
         self.ranks = ranks
         self.gate = ranks.gate
         self.checks = checks
-        self.prefetch = prefetch
+        self.prefetched = prefetched
         self.last_update: AppliedUpdate | None = None
         self.follower: Follower | None = None
         self._inflight_refused: str | None = None  # why this engine refused an in-flight update (follow mode)
@@ -117,20 +117,20 @@ class DeltaService:
         return self._store()
 
     # -- updates and prefetch -------------------------------------------------------------------
-    async def stage(self, request: StageRequest) -> StageResult:
+    async def prefetch(self, request: PrefetchRequest) -> PrefetchResult:
         async with self.operations.run("stage", request.version):
             served, _ = await self.ranks.read()
             plan = await self._plan(served, request)
             if not plan.versions:
-                return StageResult(version=served.version, staged=[])
-            held = self.prefetch.take(served, plan, request.method)
+                return PrefetchResult(version=served.version, staged=[])
+            held = self.prefetched.take(served, plan, request.method)
             if held is None:
-                await self.prefetch.drop()
+                await self.prefetched.drop()
                 steps = self._steps(served, plan)
                 staged = await steps.stage(self._new_update(plan, request.method, None))
                 held = Prefetched(served.version, plan, staged, steps)
-            self.prefetch.held = held
-            await self.ranks.prune_cache(served.version, self.prefetch.versions)
+            self.prefetched.held = held
+            await self.ranks.prune_cache(served.version, self.prefetched.versions)
             return held.result()
 
     async def update(self, request: UpdateRequest) -> UpdateResult:
@@ -165,23 +165,23 @@ class DeltaService:
             return await self._unchanged(served, request)
         self.gate.begin_update(plan.target)  # 409 if running requests need a newer version than the target
         try:
-            out = await self._write_plan(served, plan, request)
+            out = await self._apply_plan(served, plan, request)
         finally:
             self.gate.end_update()
         if not served.probed:  # the layout was probed by this update: learn the coverage once
             with contextlib.suppress(Exception):
                 await self.ranks.read()
-        await self.ranks.prune_cache(out.version, self.prefetch.versions)
+        await self.ranks.prune_cache(out.version, self.prefetched.versions)
         return out
 
-    async def _write_plan(self, served: WorkerStatus, plan: UpdatePlan, request: UpdateRequest) -> UpdateResult:
-        options = WriteOptions(request.mode, request.fault)
-        prefetched = self.prefetch.take(served, plan, request.method)
+    async def _apply_plan(self, served: WorkerStatus, plan: UpdatePlan, request: UpdateRequest) -> UpdateResult:
+        options = PatchOptions(request.mode, request.fault)
+        prefetched = self.prefetched.take(served, plan, request.method)
         if prefetched is not None:
             steps = prefetched.steps
-            applied = await steps.write(prefetched.staged, options)
+            applied = await steps.patch(prefetched.staged, options)
         else:
-            await self.prefetch.drop()
+            await self.prefetched.drop()
             steps = self._steps(served, plan)
             applied = await steps.apply(self._new_update(plan, request.method, request.fault), options)
         out = update_result(plan, served.version, request, applied, prefetched is not None)
@@ -190,7 +190,7 @@ class DeltaService:
         self._note_applied(plan, out, steps.target_header, [s.partials for s in applied.staged.one_world()])
         return out
 
-    async def _plan(self, served: WorkerStatus, request: StageRequest | UpdateRequest) -> UpdatePlan:
+    async def _plan(self, served: WorkerStatus, request: PrefetchRequest | UpdateRequest) -> UpdatePlan:
         args = (self.store, served.version, served.checksum, request.version, request.allow_reanchor)
         return await self.api.deadline.in_thread(functools.partial(plan_update, *args))
 
@@ -271,7 +271,7 @@ class DeltaService:
             store=self.spec.uri,
             checksum=checksum,
             version_checksum=served.checksum,
-            staged=self.prefetch.versions,
+            staged=self.prefetched.versions,
             last_update=self.last_update,
             tensors_via_vllm_path=view.fallback if view is not None else [],
             coverage=view.coverage if view is not None else None,

@@ -12,7 +12,7 @@ One update, from the plan on (the service reads what the ranks serve and plans f
     verify    the ranks' checksum partials added to the served version's sums (`Ranks.served_sums`)
               must give the target header's sums, per tensor (422 on mismatch: nothing has been written)
     pause     pause scheduling (mode keep | wait | abort)
-    write     ONE engine-core call (rpc.WRITE_ALL, engine_core/calls.py): every rank writes in place;
+    write     ONE engine-core call (rpc.PATCH_ALL, engine_core/calls.py): every rank writes in place;
               if any rank fails, every rank rolls back; the weight-version label := the new version
     reset     the prefix cache (its KV was computed with the old weights), only after the writes
     resume    always (finally), unless a rollback failed: then the engine core stopped scheduling
@@ -37,14 +37,21 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ...checksums import Sums
-from ...errors import CommitFailedError, DeltaError, EplbRefusedError, InflightRefusedError, RollbackFailedError
+from ...errors import (
+    DeltaError,
+    EplbRefusedError,
+    InflightRefusedError,
+    PatchFailedError,
+    RollbackFailedError,
+    error_type,
+)
 from ...format import VersionHeader
 from ...server_api import PAUSE_MODES, UpdateRequest, UpdateResult
 from ..shared import rpc
-from ..shared.messages import StageSummary, WorkerStatus, WrittenAll
+from ..shared.messages import PatchedAll, StageSummary, WorkerStatus
 from ..shared.options import StoreSpec
 from ..shared.plan import UpdatePlan
-from ..shared.two_phase import AllRolledBack, AllWritten, Staged, TwoPhaseUpdate, Update, WriteOptions, write_all
+from ..shared.two_phase import AllPatched, AllRolledBack, PatchOptions, Staged, TwoPhaseUpdate, Update, patch_all
 from .deadline import Deadline
 
 if TYPE_CHECKING:
@@ -96,7 +103,7 @@ class Applied:
     staged: Staged
     pause_ms: float  # pause to resume; in flight: the engine loop's stall
     apply_ms: float  # the in-place writes, slowest rank
-    inflight: WrittenAll | None = None  # mode "inflight": what the engine core did
+    inflight: PatchedAll | None = None  # mode "inflight": what the engine core did
 
 
 class WorkerUpdate(TwoPhaseUpdate[Applied]):
@@ -157,8 +164,8 @@ class WorkerUpdate(TwoPhaseUpdate[Applied]):
         assert self.target_header is not None
         return await self._served_sums(self.served), self.target_header
 
-    async def write_ranks(self, staged: Staged, options: WriteOptions) -> Applied:
-        return await write_through_engine_core(self.api, staged, options)
+    async def patch_ranks(self, staged: Staged, options: PatchOptions) -> Applied:
+        return await patch_through_engine_core(self.api, staged, options)
 
     async def release(self, ticket: str) -> None:
         if ticket in self._sent:  # best effort: errors are the workers' to log
@@ -178,18 +185,18 @@ def _header_of(store: DeltaStore, rec: VersionRecord) -> VersionHeader:
         vf.close()
 
 
-async def write_through_engine_core(api: ApiProcess, staged: Staged, options: WriteOptions) -> Applied:
+async def patch_through_engine_core(api: ApiProcess, staged: Staged, options: PatchOptions) -> Applied:
     """Write a staged, verified update on every rank of every engine core: one engine-core call per engine
-    (rpc.WRITE_ALL), inside a pause (mode keep | wait | abort: every engine paused), or between two engine
+    (rpc.PATCH_ALL), inside a pause (mode keep | wait | abort: every engine paused), or between two engine
     steps with no pause (mode "inflight"; InflightRefusedError, 409, where an engine cannot take it
     safely). An engine with EPLB refuses in every mode (EplbRefusedError, 409: shared/eplb.py). A rank
     that fails rolls back every rank of its engine, and then every other engine is rolled back too
-    (rpc.ROLLBACK_ALL; CommitFailedError, 500): nothing has changed anywhere then."""
+    (rpc.ROLLBACK_ALL; PatchFailedError, 500): nothing has changed anywhere then."""
     api.deadline.clear()  # the pause is not cut short: the writes and a rollback run to the end
     update = staged.update
-    args = rpc.WriteAllArgs(update.ticket, update.target, update.method, options.fault, options.mode)
+    args = rpc.PatchAllArgs(update.ticket, update.target, update.method, options.fault, options.mode)
     if options.mode not in PAUSE_MODES:
-        engines = await _write_every_engine(api, args)
+        engines = await _patch_every_engine(api, args)
         inflight = inflight_of(engines)
         return Applied(staged, inflight.engine_ms, inflight.apply_ms, inflight)
     t0 = time.perf_counter()
@@ -197,7 +204,7 @@ async def write_through_engine_core(api: ApiProcess, staged: Staged, options: Wr
     await api.engine.pause_generation(mode=options.mode, clear_cache=False)  # every engine (vLLM's client)
     resume = True
     try:
-        engines = await _write_every_engine(api, args)
+        engines = await _patch_every_engine(api, args)
         await _reset_prefix_cache(api.engine)
     except RollbackFailedError:
         resume = False  # an engine core stopped scheduling: the ranks may disagree
@@ -212,23 +219,23 @@ async def write_through_engine_core(api: ApiProcess, staged: Staged, options: Wr
 REFUSALS: dict[str, type[DeltaError]] = {cls.__name__: cls for cls in (InflightRefusedError, EplbRefusedError)}
 
 
-async def _write_every_engine(api: ApiProcess, args: rpc.WriteAllArgs) -> list[WrittenAll]:
-    """two_phase.write_all over the engine cores: every engine writes all its ranks; if one failed, every
+async def _patch_every_engine(api: ApiProcess, args: rpc.PatchAllArgs) -> list[PatchedAll]:
+    """two_phase.patch_all over the engine cores: every engine writes all its ranks; if one failed, every
     engine is rolled back. Raises what the first failure was (a refusal, REFUSALS: nothing written, 409),
-    CommitFailedError (500) or RollbackFailedError (500: every engine stops scheduling)."""
-    engines = rpc.EngineWrites(api.engine_core, args)
-    outcome = await write_all(engines, args.ticket, method=args.method, fault=args.fault, after_writes=list)
-    if isinstance(outcome, AllWritten):
+    PatchFailedError (500) or RollbackFailedError (500: every engine stops scheduling)."""
+    engines = rpc.EnginePatches(api.engine_core, args)
+    outcome = await patch_all(engines, args.ticket, method=args.method, fault=args.fault, after_patch=list)
+    if isinstance(outcome, AllPatched):
         return outcome.after
     many = " on every engine" if api.engines > 1 else ""
     if isinstance(outcome, AllRolledBack):
         first = outcome.error
         refusal = REFUSALS.get(first.type) if first is not None else None
-        if not many and first is not None and (refusal is not None or first.type == CommitFailedError.__name__):
-            raise (refusal or CommitFailedError)(first.message)  # one engine: as it was
+        if not many and first is not None and (refusal is not None or first.type == error_type(PatchFailedError)):
+            raise (refusal or PatchFailedError)(first.message)  # one engine: as it was
         if refusal is not None:  # 409 (in flight, the follower falls back to keep): what another engine wrote is undone
             raise refusal(f"{outcome.failure} (no engine keeps any writes of this update)")
-        raise CommitFailedError(f"update to version {args.version} failed and was rolled back{many}: {outcome.failure}")
+        raise PatchFailedError(f"update to version {args.version} failed and was rolled back{many}: {outcome.failure}")
     if args.mode not in PAUSE_MODES:  # the engines not stopped by their own failure keep stepping: stop them
         with contextlib.suppress(Exception):
             await api.engine.pause_generation(mode="keep", clear_cache=False)
@@ -238,7 +245,7 @@ async def _write_every_engine(api: ApiProcess, args: rpc.WriteAllArgs) -> list[W
     )
 
 
-def inflight_of(engines: list[WrittenAll]) -> WrittenAll:
+def inflight_of(engines: list[PatchedAll]) -> PatchedAll:
     """One in-flight answer for every engine: engine 0's label and step, the slowest engine's times,
     the counts summed over engines (each engine switched between two of its own steps)."""
     first = engines[0]
