@@ -48,6 +48,9 @@ install_requires = [
     "zstandard>=0.22",
     "fsspec>=2024.6",
     "tqdm",
+    # Signed versions (vllm_delta/signatures.py: Ed25519). A requirement, not an extra: a server told to
+    # trust keys must never find the verifier missing, and PyCA's wheels are small and everywhere.
+    "cryptography>=42",
 ]
 
 extras = {

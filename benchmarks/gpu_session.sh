@@ -22,6 +22,7 @@
 #             per rank): each rank's decoded elements and staging time; then a version of 2 parts
 #             (a 2-GPU machine)                                                          [issue 26 item 1]
 #   apply     benchmarks/apply_gpu.py qwen3-8b + qwen3-30b-a3b at 1% and 3%, staging per path [issues 11, 17]
+#   undo      benchmarks/undo_gpu.py qwen3-8b at 1%: one version back beside one forward (staging, write) [issue 36]
 #   moe       benchmarks/publish_gpu.py for qwen3-30b-a3b, 12 of its 48 layers          [issue 17]
 #   moe48     benchmarks/publish_gpu.py for the whole qwen3-30b-a3b (48 layers) at --world 2, the engine on a
 #             third card (--engine-gpu 2: fp32 master weights sharded over two cards; a 4-GPU machine)  [issue 25 item 4]
@@ -92,6 +93,7 @@ for stage in ${STAGES:-tests publish apply world2}; do
     worlds3) run publish_worlds3 ${WORLDS_LIMIT:-600} python3 benchmarks/publish_gpu.py --world 1,2,4 --codecs chunked:gpu --steps 3 --warmup 1 ${PUBLISH_ARGS:-} ${WORLDS3_ARGS:-} --header-format 3 --out "$OUT/f3" --store /dev/shm/open3 ;;
     tp2)     run stage_tp ${TP_LIMIT:-420} python3 benchmarks/stage_tp.py --models qwen3-8b,qwen3-30b-a3b --tp 1,2 --out "$OUT" ${TP_ARGS:-}
              run stage_tp_parts ${TP_LIMIT:-420} python3 benchmarks/stage_tp.py --models qwen3-8b --tp 1,2 --parts 2 --out "$OUT/parts" ${TP_ARGS:-} ;;
+    undo)    run undo_gpu ${UNDO_LIMIT:-300} python3 benchmarks/undo_gpu.py --models qwen3-8b --densities 0.01 --out "$OUT" ${UNDO_ARGS:-} ;;
     apply)   run apply_gpu ${APPLY_LIMIT:-420} python3 benchmarks/apply_gpu.py --models qwen3-8b,qwen3-30b-a3b --densities 0.01,0.03 --out "$OUT" ${APPLY_ARGS:-} ;;
     moe48)   run publish_moe48 ${MOE48_LIMIT:-420} python3 benchmarks/publish_gpu.py --model qwen3-30b-a3b --world 2 --engine-gpu 2 --codecs chunked:gpu --steps ${MOE48_STEPS:-2} --warmup 1 --out "$OUT/moe48" ;;
     oldmoe48) run publish_moe48_old ${MOE48_LIMIT:-420} bash -c 'old_tree "$@"' old python3 benchmarks/publish_gpu.py --model qwen3-30b-a3b --world 2 --engine-gpu 2 --codecs chunked:gpu --steps ${MOE48_STEPS:-2} --warmup 1 --out "$OUT/moe48_old" ;;

@@ -49,6 +49,7 @@ SMOKES = [
     ({}, [PY, "benchmarks/publish_gpu.py", "--smoke", "--store", SMOKE_STORES]),  # kept: open_parts reads them
     ({}, [PY, "benchmarks/open_parts.py", SMOKE_STORES, "--repeat", "2"]),
     ({}, [PY, "benchmarks/detect_gpu.py", "--smoke"]),
+    ({"TRITON_INTERPRET": "1"}, [PY, "benchmarks/undo_gpu.py", "--smoke"]),
     ({}, [PY, "benchmarks/open_headers.py", "--model", "qwen3-moe-tiny", "--repeat", "1"]),
     ({}, [PY, "benchmarks/publish_sharded_cpu.py", "--model", "qwen3-moe-tiny", "--div", "1", "--steps", "1"]),
 ]

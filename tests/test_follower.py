@@ -33,19 +33,30 @@ class Replica:
         self.engine = ApplyEngine(self.tensors, Layout.identity({n: tuple(t.shape) for n, t in tensors.items()}))
         self.header = store.open(version).header
         self.applied: list[list[int]] = []
+        self.undone: list[list[int]] = []  # backward updates: the versions undone, newest first
 
     async def served(self) -> int | None:
         return self.version
 
     async def apply(self, version: int) -> float:
-        plan = plan_update(self.store, self.version, self.header.checksum, version)
-        files = [self.store.open(v) for v in plan.versions]
-        staged = self.engine.stage(files)
+        return self._update(plan_update(self.store, self.version, self.header.checksum, version))
+
+    async def back(self, served: int, version: int) -> float | None:
+        """What the service's follow_back does: backward where the store allows it, else a replay."""
+        if served != self.version:
+            return None
+        return self._update(plan_update(self.store, self.version, self.header.checksum, version, allow_reanchor=True))
+
+    def _update(self, plan) -> float:
+        files = [self.store.open(r.version, record=r) for r in plan.files]
+        back_to = files.pop().header if plan.undo_to is not None else None
+        staged = self.engine.stage(files, back_to=back_to)
+        target = back_to or files[-1].header
         sums = {n: int(e.checksum, 16) for n, e in self.header.tensors.items()}
-        verify_partials(sums, [staged.partials], files[-1].header)
+        verify_partials(sums, [staged.partials], target)
         ms = self.engine.patch(staged)
-        self.version, self.header = files[-1].version, files[-1].header
-        self.applied.append(plan.versions)
+        self.version, self.header = target.version, target
+        (self.undone if back_to is not None else self.applied).append(plan.versions)
         return ms
 
     async def checksums(self) -> tuple[str, str]:

@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent / PACKAGE
 
 # Lowest first. A module may import modules of its own layer (if that makes no cycle) or lower ones.
 LAYERS: list[tuple[str, ...]] = [
-    ("errors", "bits", "gc_pause", "mapped_writes"),  # leaves
+    ("errors", "bits", "gc_pause", "mapped_writes", "signatures"),  # leaves (signatures: Ed25519, what is signed)
     ("checksums",),  # the checksum definition
     ("wire",),  # the generic dataclass <-> plain values codec, and the store's JSON documents
     ("server_api", "attribution"),  # the HTTP contract of a server: bodies (clients and plugin); attribution
@@ -33,7 +33,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("format.payload_writer", "format.version_file"),  # writing a file; an opened file
     ("format.parts", "format", "codec"),  # a multi-part version read as one, the package; codecs
     ("writer", "store.records", "store.replicas"),  # building versions; commit records and replica reports
-    ("store.marks",),  # bad-version marks and the rule that reads them (on records)
+    ("store.marks", "store.signed"),  # bad-version marks and the rule that reads them; signed records
     (
         "store.fs",
         "store.cache",

@@ -34,6 +34,7 @@ PYTHON_SNIPPETS = {
         "test_readme.py::test_publisher_options_snippet"
     ),
     "# train_fsdp.py -- torchrun --nproc-per-node 2 train_fsdp.py": "test_readme.py::test_sharded_trainer_snippet",
+    "from vllm_delta import Publisher": "test_readme.py::test_signing_snippets",
     "from vllm_delta.integrations.trl import DeltaGRPOTrainer as GRPOTrainer      # instead of trl's": (
         "integrations/test_trl.py::test_the_readme_trl_snippet_builds_a_trainer_for_this_server"
     ),
@@ -179,3 +180,22 @@ def test_store_commands(tmp_path, capsys):
     assert " --follow" in mirror
     code, _ = _cli(capsys, mirror.replace(" --follow", ""), {"s3://a/run1": store, "s3://b/run1": dst})
     assert code == 0 and DeltaStore(dst).versions()[:1] == [0]
+
+
+def test_signing_snippets(tmp_path, capsys):
+    """keygen, a signing Publisher, `verify` against the trusted key: as the README's "Signed versions" gives
+    them (/secrets and /data stand for temporary directories)."""
+    secrets = str(tmp_path / "secrets")
+    os.mkdir(secrets)
+    subs = {"/secrets": secrets, "/data/run1": str(tmp_path / "run1")}
+    (keygen,) = [line for line in one_snippet("bash", "vllm-delta keygen").code.splitlines() if line.startswith("vllm")]
+    code, out = _cli(capsys, keygen, subs)
+    assert code == 0 and "fingerprint" in out and os.path.exists(f"{secrets}/trainer.key.pub")
+    snippet = one_snippet("python", 'signing_key="/secrets/trainer.key"')
+    model = build_master_model(SPEC, seed=0)
+    run_python(snippet, {"model": model}, {'"/secrets': f'"{secrets}', '"/data/run1"': repr(subs["/data/run1"])})
+    servers = one_snippet("bash", "vllm-delta verify")
+    assert '"delta_trusted_keys": ["/secrets/trainer.key.pub"]' in servers.code  # the server's option, as documented
+    (verify,) = [line for line in servers.code.splitlines() if line.startswith("vllm-delta ")]
+    code, out = _cli(capsys, verify, subs)
+    assert code == 0 and "1 of 1 version(s) signed by a trusted key" in out, out

@@ -44,6 +44,13 @@ def wrap_add(bits: torch.Tensor, diffs: torch.Tensor, width: int) -> torch.Tenso
     return (bits.to(wide) + diffs.to(wide)).to(INT_DTYPE[width])
 
 
+def wrap_sub(bits: torch.Tensor, diffs: torch.Tensor, width: int) -> torch.Tensor:
+    """(bits - diffs) mod 2^(8·width): the bits a delta's differences were added to (old = new - d, the
+    inverse of `wrap_add`), as the signed integer type of that width."""
+    wide = torch.int32 if width == 2 else torch.int64
+    return (bits.to(wide) - diffs.to(wide)).to(INT_DTYPE[width])
+
+
 def wrap_diff(new: torch.Tensor, old: torch.Tensor, width: int) -> torch.Tensor:
     """new - old mod 2^(8·width), as a signed int64 in [-2^(8·width-1), 2^(8·width-1))."""
     bits = 8 * width
@@ -51,4 +58,14 @@ def wrap_diff(new: torch.Tensor, old: torch.Tensor, width: int) -> torch.Tensor:
     return torch.where(d >= (1 << (bits - 1)), d - (1 << bits), d)
 
 
-__all__ = ["INT_DTYPE", "NP_INT", "UNSIGNED_MASK", "bit_view", "int_view", "unsigned_bits", "wrap_add", "wrap_diff"]
+__all__ = [
+    "INT_DTYPE",
+    "NP_INT",
+    "UNSIGNED_MASK",
+    "bit_view",
+    "int_view",
+    "unsigned_bits",
+    "wrap_add",
+    "wrap_diff",
+    "wrap_sub",
+]

@@ -1,5 +1,6 @@
 """`vllm-delta` command line: inspect a store, materialize a version as an HF directory, retain, mark a
-version bad, the fleet's ledger, and the coverage report of a running server."""
+version bad, the fleet's ledger, the coverage report of a running server, signing keys (`keygen`) and
+the check of a store's signatures (`verify`)."""
 
 from __future__ import annotations
 
@@ -126,6 +127,39 @@ def cmd_mark_bad(args) -> int:
     mark = _store(args).mark_bad(args.version, args.reason, by=args.by)
     print(f"version {mark.version} (checksum {mark.checksum}) is marked bad: {mark.reason}")
     return 0
+
+
+def cmd_keygen(args) -> int:
+    from .signatures import PUBLIC_SUFFIX, keygen
+
+    key = keygen(args.path)
+    print(f"private key {args.path} (mode 600: keep it on the trainer), public key {args.path}{PUBLIC_SUFFIX}")
+    print(f"fingerprint {key.fingerprint}")
+    return 0
+
+
+def cmd_verify(args) -> int:
+    from .signatures import TrustedKeys
+    from .store.signed import signature_state
+
+    store = _store(args)
+    trusted = TrustedKeys.load(args.trusted_key) if args.trusted_key else None
+    versions = [store.resolve(args.version)] if args.version is not None else store.versions()
+    states = [signature_state(store.record(v), trusted) for v in versions]
+    if args.json:
+        print(json.dumps([{**asdict(s), "ok": s.ok} for s in states], indent=2))
+    else:
+        if not states:
+            print(f"{store.uri}: no versions")
+        for s in states:
+            who = f"by {s.key}" if s.key else ""
+            trust = " (trusted)" if s.status == "signed" and trusted is not None else ""
+            print(
+                f"{s.version:>8} {s.status:9} {who}{trust}  run {s.run or '-'}" + (f"  {s.reason}" if s.reason else "")
+            )
+        bad = [s.version for s in states if not s.ok]
+        print(f"{len(states) - len(bad)} of {len(states)} version(s) signed" + (" by a trusted key" if trusted else ""))
+    return 0 if all(s.ok for s in states) else 1
 
 
 def cmd_retain(args) -> int:
@@ -283,6 +317,23 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--no-ledger", action="store_true", help="do not forward DST's replica reports to SRC")
     sp.add_argument("--no-mark-source", action="store_true", help="mark a corrupt SRC version bad in DST only")
     sp.set_defaults(func=cmd_mirror)
+
+    sp = add(
+        "verify",
+        cmd_verify,
+        "check the versions' signatures: unsigned, bad, or signed by which key (exit 1 unless all are signed)",
+    )
+    sp.add_argument("--version", help="one version (a number or 'latest')")
+    sp.add_argument(
+        "--trusted-key",
+        action="append",
+        help="a public key file (repeat for several): a version signed by any other key is 'untrusted'",
+    )
+    sp.add_argument("--json", action="store_true", help="machine-readable output")
+
+    sp = sub.add_parser("keygen", help="a new Ed25519 key pair: the private key at PATH (0600), the public at PATH.pub")
+    sp.add_argument("path", help="where to write the private key (never overwritten)")
+    sp.set_defaults(func=cmd_keygen)
 
     sp = add("retain", cmd_retain, "delete all but the newest K anchors and the deltas that need them")
     sp.add_argument("--keep-anchors", type=int, required=True)

@@ -99,6 +99,13 @@ class InflightRefusedError(DeltaError):
     http_status = 409
 
 
+class EngineSleepingError(DeltaError):
+    """The engine sleeps (vLLM's sleep mode, `/sleep`): its weights are offloaded or discarded, and an update
+    then would read and write memory that is not there (vLLM #57853: the engine dies). Wake it first."""
+
+    http_status = 409
+
+
 class EplbRefusedError(DeltaError):
     """The server runs with expert-parallel load balancing (`--enable-eplb`): vLLM moves expert weights
     between physical slots at run time, the plugin's layout is probed once, so no update is taken."""
@@ -146,6 +153,19 @@ class StoreAccessError(DeltaError):
     """The store refuses the operation: no write access (read-only credentials, a read-only mount)."""
 
     http_status = 403
+
+
+class SignatureError(DeltaError):
+    """A version this server may not take: not signed by a key of its `delta_trusted_keys`, a signature
+    that does not parse or does not verify over the version's record (signed over other checksums, or
+    the signature of another version or run). Nothing is staged or applied (403)."""
+
+    http_status = 403
+
+
+class KeyFileError(DeltaError, ValueError):
+    """A key file (a Publisher's `signing_key`, a server's `delta_trusted_keys`) that is not a usable
+    Ed25519 key; the message names the file."""
 
 
 class MirrorLeaseError(DeltaError):

@@ -23,15 +23,16 @@ from .bits import int_view
 from .checksums import combine, tensor_sum, to_hex
 from .errors import ChecksumMismatchError, FormatError, ShapeMismatchError
 from .format import VersionHeader, VersionLike
-from .store import DeltaStore
+from .store import DeltaStore, VersionRecord
 
 SHARD_BYTES = 5 << 30
 
 
-def open_chain(store: DeltaStore, version: int) -> list[VersionLike]:
+def open_chain(store: DeltaStore, version: int, *, records: list[VersionRecord] | None = None) -> list[VersionLike]:
     """The versions to replay for `version` (one file or several parts each), anchor first, each
-    checked against its record."""
-    files = [store.open(rec.version) for rec in store.chain(version)]
+    checked against its record (`records`: the chain as the caller read and checked it)."""
+    chain = records if records is not None else store.chain(version)
+    files = [store.open(rec.version, record=rec) for rec in chain]
     if files[0].header.kind != "anchor":
         raise FormatError("a chain must start with an anchor", version=files[0].version)
     return files

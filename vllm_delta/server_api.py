@@ -203,18 +203,20 @@ class InflightAnswer:
 @dataclass(frozen=True, kw_only=True)
 class UpdateResult:
     """200 answer of /v1/delta/update_weights (docs/VLLM.md). The fields after `method` are present only
-    when versions were applied: an update to the version already served answers without them."""
+    when versions were applied (or undone: a backward update, `undone`): an update to the version already
+    served answers without them."""
 
     version: int
     previous_version: int | None
     pause_ms: Millis
     apply_ms: Millis
     stage_ms: Millis
-    nnz: int  # changed elements the applied versions record
-    bytes: int  # file bytes of the applied versions
-    applied: list[int]
+    nnz: int  # changed elements the applied (or undone) versions record
+    bytes: int  # file bytes of the applied (or undone) versions
+    applied: list[int]  # in order ([] for a backward update)
     mode: UpdateMode
     method: Method
+    undone: list[int] | None = omit_none()  # a backward update: the versions taken back, newest first
     reanchored: bool | None = omit_none()
     prefetched: bool | None = omit_none()
     elements_written: int | None = omit_none()  # summed over ranks
@@ -281,6 +283,19 @@ class FollowStatus:
     replica_id: str | None
     poll_s: float
     mode: UpdateMode
+    leave_marked: bool = False  # delta_leave_marked: a marked served version is left by itself
+    last_left: LeftMarked | None = None  # the last time it did
+
+
+@dataclass(frozen=True, kw_only=True)
+class LeftMarked:
+    """A follower left a version marked bad by itself (follower.py): from `version` back to `to`."""
+
+    version: int  # the version it served
+    to: int  # the version it went back to
+    marked: int  # the marked version on `version`'s chain (`version` itself, or one below it)
+    reason: str  # the mark's reason
+    time: float
 
 
 # -- the coverage report (DeltaReplica.coverage, in WorkerStatus and GET /v1/delta/status) ---------

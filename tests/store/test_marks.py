@@ -19,7 +19,7 @@ from test_follower import Replica, make_weights, step
 from test_ledger import report
 from test_store_faults import _unwritable
 
-from vllm_delta import DeltaStore, Publisher, checksum
+from vllm_delta import DeltaStore, Publisher, checksum, replay
 from vllm_delta.cli import main as cli_main
 from vllm_delta.errors import StalenessTimeoutError, StoreAccessError, VersionNotFoundError
 from vllm_delta.store.ledger import Ledger
@@ -103,6 +103,106 @@ def test_a_version_marked_after_it_was_served_is_never_built_on(tmp_path):
     )
     asyncio.run(follower.poll_once())
     assert replica.version == 2 and replica.applied == [] and 3 in follower.state.skipped
+
+
+# -- a marked version left by itself (issue 36, item 2) ------------------------------------------------
+def leaving(store: DeltaStore, replica: Replica, **options) -> Follower:
+    return Follower(
+        store,
+        FollowOptions(follow=True, **options),
+        served=replica.served,
+        apply=replica.apply,
+        checksums=replica.checksums,
+        back=replica.back,
+    )
+
+
+def image(store: DeltaStore, version: int) -> str:
+    return checksum(replay(store, version)[1])
+
+
+def test_a_follower_leaves_a_marked_version_by_the_backward_path(tmp_path):
+    store = DeltaStore(str(tmp_path / "store"))
+    publish_run(store, make_weights(9), range(0, 7))  # one anchor (0), deltas 1..6
+    replica = Replica(store, 5)
+    follower = leaving(store, replica)
+    asyncio.run(follower.poll_once())  # 6 is newer: applied as usual
+    assert replica.version == 6 and replica.undone == [] and follower.status.leave_marked
+    store.mark_bad(6, "reward hacking")
+    asyncio.run(follower.poll_once())  # within one poll: 6 undone, 5 served, bit for bit
+    assert replica.version == 5 and replica.undone == [[6]] and checksum(replica.tensors) == image(store, 5)
+    left = follower.status.last_left
+    assert left is not None and (left.version, left.to, left.marked, left.reason) == (6, 5, 6, "reward hacking")
+    assert follower.state.last_error is None
+    store.mark_bad(3, "diverged")  # a mark below the served version: its chain passes it
+    asyncio.run(follower.poll_once())
+    assert replica.version == 2 and replica.undone == [[6], [5, 4, 3]]
+    assert checksum(replica.tensors) == image(store, 2) and follower.status.last_left.marked == 3
+    asyncio.run(follower.poll_once())  # nothing more to do: 6 is blocked, 2 is clean
+    assert replica.version == 2 and replica.undone == [[6], [5, 4, 3]] and replica.applied == [[6]]
+    assert "version 3 is marked bad" in follower.state.skipped[6]
+
+
+def test_leaving_is_capped_falls_back_to_a_replay_and_can_be_turned_off(tmp_path):
+    store = DeltaStore(str(tmp_path / "store"))
+    publish_run(store, make_weights(10), range(0, 6))
+    store.mark_bad(3, "diverged")
+    replica = Replica(store, 5)
+    asyncio.run(leaving(store, replica, leave_marked=False).poll_once())  # today's behaviour: stays
+    assert replica.version == 5 and replica.undone == []
+    follower = leaving(store, replica, chain_cap=2)
+    for want in (3, 2):  # at most two versions back per update: 5 -> 3, then 3 -> 2
+        asyncio.run(follower.poll_once())
+        assert replica.version == want
+    assert replica.undone == [[5, 4], [3]] and checksum(replica.tensors) == image(store, 2)
+    # A store of raw deltas has no backward path: the target's chain is replayed (allow_reanchor).
+    raw = DeltaStore(str(tmp_path / "raw"))
+    with Publisher(raw.uri, anchor_every=100, codec="raw") as pub:
+        w = make_weights(11)
+        for v in range(0, 4):
+            step(w, v)
+            pub.publish(w, version=v)
+    raw.mark_bad(3, "diverged")
+    replica = Replica(raw, 3)
+    asyncio.run(leaving(raw, replica).poll_once())
+    assert replica.version == 2 and replica.applied == [[0, 1, 2]] and checksum(replica.tensors) == image(raw, 2)
+
+
+def test_a_marked_anchor_leaves_nowhere_to_go_and_busy_requests_delay_the_move(tmp_path):
+    from vllm_delta.errors import VersionBoundConflictError
+
+    store = DeltaStore(str(tmp_path / "store"))
+    publish_run(store, make_weights(12), range(0, 4))
+    store.mark_bad(0, "wrong base model")
+    replica = Replica(store, 2)
+    follower = leaving(store, replica)
+    asyncio.run(follower.poll_once())
+    assert replica.version == 2 and "no unmarked version on its chain" in (follower.state.last_error or "")
+
+    other = DeltaStore(str(tmp_path / "other"))
+    publish_run(other, make_weights(13), range(0, 4))
+    other.mark_bad(3, "diverged")
+    replica = Replica(other, 3)
+    refusals = {"n": 1}
+
+    async def busy_back(served: int, version: int) -> float | None:
+        if refusals["n"]:  # a request bounded above 2 still runs: the gate refuses the downgrade (409)
+            refusals["n"] -= 1
+            raise VersionBoundConflictError("an update to version 2 would run 1 running request(s) below ...")
+        return await replica.back(served, version)
+
+    follower = Follower(
+        other,
+        FollowOptions(follow=True),
+        served=replica.served,
+        apply=replica.apply,
+        checksums=replica.checksums,
+        back=busy_back,
+    )
+    asyncio.run(follower.poll_once())
+    assert replica.version == 3 and 2 not in follower.state.skipped  # not the version's fault: tried again
+    asyncio.run(follower.poll_once())
+    assert replica.version == 2 and replica.undone == [[3]]
 
 
 def gated_publisher(store: DeltaStore, *, max_staleness: int, min_replicas: int, timeout_s: float = 30.0) -> Publisher:

@@ -420,3 +420,14 @@ def gated_mark(rank, world, root):
         marker.join()
     pub.close()
     return {"kind": info.kind, "base": info.base, "waited": waited}
+
+
+def signed_publish(rank, world, root, key_path):
+    """Versions 0..3 of the mapping (anchor every 3) to a local store, signed by rank 0; the other ranks
+    are handed a key path that does not exist (they never read it). Returns the checksums."""
+    key = key_path if rank == 0 else os.path.join(root, "no-such-key")
+    options = PublisherOptions(sharding=ShardingOptions(timeout_s=60))
+    with Publisher(
+        os.path.join(root, "signed"), group=dist.group.WORLD, anchor_every=3, options=options, signing_key=key
+    ) as pub:
+        return [pub.publish(_mapping(rank, world, v), version=v).checksum for v in range(4)]

@@ -40,11 +40,11 @@ from vllm_delta.trainer.uploader import Uploader
 # -- options ---------------------------------------------------------------------------------------
 
 
-def test_publisher_takes_at_most_nine_parameters():
+def test_publisher_takes_at_most_ten_parameters():
     """self, uri, and the everyday keywords (anchor_every, codec, group, max_staleness, min_replicas,
-    storage_options: the fsspec convention users know from DeltaStore, pandas and datasets); the rest
-    comes in `options`."""
-    assert len(inspect.signature(Publisher.__init__).parameters) <= 9
+    storage_options: the fsspec convention users know from DeltaStore, pandas and datasets; signing_key:
+    issue 36's contract, `Publisher(uri, signing_key=PATH)`); the rest comes in `options`."""
+    assert len(inspect.signature(Publisher.__init__).parameters) <= 10
 
 
 @pytest.mark.parametrize(

@@ -8,6 +8,7 @@ must read the multi-part versions exactly like the one-file ones.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -21,9 +22,13 @@ from vllm_delta import Publisher, replay
 from vllm_delta.apply.engine import ApplyEngine
 from vllm_delta.checksums import combine, to_hex, verify_partials
 from vllm_delta.cli import main as cli
+from vllm_delta.errors import SignatureError
 from vllm_delta.format import Version, VersionFile
 from vllm_delta.reconstruct import materialize
+from vllm_delta.signatures import TrustedKeys, keygen
 from vllm_delta.store import LEFTOVER_AGE_S, DeltaStore
+from vllm_delta.store.cache import file_sha256
+from vllm_delta.store.signed import check_signed
 from vllm_delta.testing.apply_fixtures import Qwen3Spec, qwen3_layout
 from vllm_delta.testing.sharded import run_ranks
 
@@ -204,6 +209,30 @@ def test_a_mark_releases_a_gated_sharded_publisher_into_an_anchor(tmp_path):
     assert results[0]["waited"] >= 0.4  # it did wait, until the mark
     rec = DeltaStore(str(tmp_path / "gated")).record(3)
     assert rec.kind == "anchor" and len(rec.parts) == 2
+
+
+def test_rank_0_signs_the_record_that_binds_every_part(tmp_path):
+    """A sharded publisher with a signing key on a local store: rank 0 hashes every part as stored and signs
+    the record that lists them (the other ranks never read the key); the signature binds each part's file,
+    size, checksum and sha256, so a part swapped for another is refused by a server with the key."""
+    key = keygen(tmp_path / "trainer.key")
+    results = run_ranks(W.signed_publish, 2, (str(tmp_path), str(key.path)))
+    assert results[0] == results[1]
+    store = DeltaStore(str(tmp_path / "signed"))
+    trusted = TrustedKeys.load([f"{key.path}.pub"])
+    assert len({store.record(v).run for v in range(4)}) == 1
+    for v in range(4):
+        rec = store.record(v)
+        assert rec.checksum == results[0][v] and len(rec.parts) == 2
+        for part in rec.parts:
+            assert part.sha256 == file_sha256(os.path.join(store.uri, part.file))
+        assert check_signed(rec, trusted) == key.fingerprint
+    swapped = dataclasses.replace(
+        store.record(2),
+        parts=(store.record(2).parts[0], dataclasses.replace(store.record(2).parts[1], sha256="0" * 64)),
+    )
+    with pytest.raises(SignatureError, match=r"does not verify.*\(version 2\)"):
+        check_signed(swapped, trusted)
 
 
 def test_disagreements_and_upload_failures_three_ranks(tmp_path):

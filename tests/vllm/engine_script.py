@@ -216,12 +216,13 @@ def task_plain_checkpoint(args: dict) -> dict:
 
 
 def task_refuse(args: dict) -> dict:
-    """One store, or several (`cases`: [{"store", "version"}, ...]) tried one after another in this process."""
+    """One store, or several (`cases`: [{"store", "version", "extra"?}, ...]) tried one after another in this
+    process (`extra`: more --model-loader-extra-config keys)."""
     cases = args.get("cases") or [{"store": args["store"], "version": args["version"]}]
     results = []
     for case in cases:
         try:
-            make_llm(args["model"], case["store"], case["version"])
+            make_llm(args["model"], case["store"], case["version"], **case.get("extra", {}))
         except Exception as exc:  # noqa: BLE001 - the point: what did start-up raise?
             results.append({"started": False, "error": f"{type(exc).__name__}: {exc}"})
         else:

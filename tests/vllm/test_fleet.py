@@ -4,7 +4,10 @@ a trainer publishes to it; nobody calls a server to update it (except where a te
 The tests run in file order against the same fleet: servers A and C follow from the start; server B
 joins late from an old version; a manual update beside the follower; a corrupt version skipped until the
 trainer's next anchor; the store going down and coming back; the ledger and `vllm-delta fleet`;
-bounded staleness released by the followers' reports.
+bounded staleness released by the followers' reports. The trainer signs every version and the servers
+trust its key only (`delta_trusted_keys`): an unsigned version, one signed by another key and a version
+built on one are refused (a push answers 403, the followers skip them) until the trainer's next anchor.
+A served version marked bad is left by every follower on its own (backward updates).
 """
 
 from __future__ import annotations
@@ -22,7 +25,10 @@ from vllm_helpers import LLAMA
 from vllm_delta import DeltaStore, Publisher, checksum
 from vllm_delta.cli import main as cli_main
 from vllm_delta.server_api import FollowStatus, from_wire
+from vllm_delta.signatures import SigningKey, keygen
 from vllm_delta.store.ledger import Ledger
+from vllm_delta.store.signed import RecordSigner
+from vllm_delta.testing.client import metric_total
 from vllm_delta.testing.models import PROMPTS, save_tiny_model
 from vllm_delta.testing.s3 import S3Server
 from vllm_delta.testing.server import VllmServer, start_all
@@ -45,13 +51,28 @@ class Trainer:
     model: object
     checksums: dict[int, str] = field(default_factory=dict)
 
-    def publish(self, version: int, *, damage: bool = False) -> None:
+    @property
+    def signing_key(self) -> SigningKey:
+        signer = self.pub.store.writer.signer
+        assert signer is not None and signer.key is not None
+        return signer.key
+
+    def publish(
+        self, version: int, *, damage: bool = False, key: SigningKey | None | bool = True, anchor: bool = False
+    ) -> None:
         """One training step published as `version` (visible when this returns). With `damage`, the data
         file is damaged before its commit record is written, as if the store had corrupted it: no
-        follower can have read it intact (a damage after the commit would race the followers' polls)."""
+        follower can have read it intact (a damage after the commit would race the followers' polls).
+        `key`: the trainer's (True), another one, or None (unsigned); `anchor`: an anchor now."""
         for _ in train_steps(self.model, 1, lr=1e-5, seed=version):  # type: ignore[arg-type]
             pass
         store = self.pub.store
+        own = store.writer.signer
+        if key is not True:
+            assert own is not None
+            store.writer.signer = RecordSigner(own.run, key if isinstance(key, SigningKey) else None)
+        if anchor:
+            self.pub._chain.needs_anchor = True
         real = store.publish
         if damage:
 
@@ -65,6 +86,7 @@ class Trainer:
             info.uploaded.result(timeout=120)
         finally:
             store.publish = real  # type: ignore[method-assign]
+            store.writer.signer = own
         self.checksums[version] = checksum(bf16_image(self.model))  # type: ignore[arg-type]
         assert info.checksum == self.checksums[version]
 
@@ -76,7 +98,14 @@ def s3(tmp_path_factory) -> Iterator[S3Server]:
 
 
 @pytest.fixture(scope="module")
-def trainer(s3, tmp_path_factory) -> Iterator[Trainer]:
+def keys(tmp_path_factory) -> dict[str, SigningKey]:
+    """The trainer's key (the servers trust its public key) and another one (nobody trusts it)."""
+    root = tmp_path_factory.mktemp("keys")
+    return {name: keygen(root / f"{name}.key") for name in ("trainer", "other")}
+
+
+@pytest.fixture(scope="module")
+def trainer(s3, tmp_path_factory, keys) -> Iterator[Trainer]:
     root = tmp_path_factory.mktemp("fleet")
     model = build_master_model(LLAMA, seed=3)
     model_dir = str(root / "model")
@@ -85,6 +114,7 @@ def trainer(s3, tmp_path_factory) -> Iterator[Trainer]:
         s3.uri("fleet"),
         anchor_every=ANCHOR_EVERY,
         options=PublisherOptions(store=StoreOptions(storage_options=s3.storage_options)),
+        signing_key=keys["trainer"].path,
     )
     t = Trainer(model_dir, pub, model)
     t.publish(0)
@@ -102,6 +132,7 @@ def follower_server(s3, trainer, cache_dir: str, replica_id: str, version: int |
         "delta_report": True,
         "delta_report_s": 2,
         "delta_replica_id": replica_id,
+        "delta_trusted_keys": [f"{trainer.signing_key.path}.pub"],
         **follow,
     }
     return VllmServer(trainer.model_dir, store=s3.uri("fleet"), version=version, extra_loader_config=config)
@@ -321,7 +352,7 @@ def test_a_version_marked_bad_frees_a_gated_trainer(server_a, server_b, server_c
     options = PublisherOptions(store=StoreOptions(storage_options=s3.storage_options), staleness=policy)
     gated = Trainer(
         trainer.model_dir,
-        Publisher(s3.uri("fleet"), anchor_every=ANCHOR_EVERY, options=options),
+        Publisher(s3.uri("fleet"), anchor_every=ANCHOR_EVERY, options=options, signing_key=trainer.signing_key),
         trainer.model,
         trainer.checksums,
     )
@@ -353,3 +384,78 @@ def test_a_version_marked_bad_frees_a_gated_trainer(server_a, server_b, server_c
             assert 15 in follow_of(srv).skipped and follow_of(srv).lag == 0
     finally:
         gated.pub.close()
+
+
+def test_unsigned_and_foreign_signed_versions_are_refused(server_a, server_b, server_c, trainer, keys):
+    """17: a signed anchor every follower takes. 18: unsigned; 19: an anchor signed by a key nobody trusts;
+    20: the trainer's signed delta on 19. None is applied: a push answers 403 naming the signature, every
+    follower skips them with that reason, and keeps serving 17 bit for bit. 21: the trainer's next anchor."""
+    servers = [server_a, server_b, server_c]
+    trainer.publish(17, anchor=True)
+    converge(servers, trainer, 17)
+    other = keys["other"]
+    for version, key, anchor, why in (
+        (18, None, False, "version 18: it is not signed"),
+        (19, other, True, f"version 19: it is signed by key {other.fingerprint}, which is not trusted"),
+        (20, True, False, f"version 19: it is signed by key {other.fingerprint}"),  # built on 19
+    ):
+        trainer.publish(version, key=key, anchor=anchor)
+        r = server_b.post("/v1/delta/update_weights", {"version": version})
+        assert r.status_code == 403, r.text
+        error = r.json()["error"]
+        assert error["type"] == "SignatureError" and "signature check failed" in error["message"], error
+        for srv in servers:
+            wait_for(f"version {version} to be skipped", lambda srv=srv, v=version: v in follow_of(srv).skipped)
+            reason = follow_of(srv).skipped[version]
+            assert "signature check failed" in reason and why.split(": ", 1)[1] in reason, reason
+            assert f"({why.split(':')[0]})" in reason, reason  # names the version refused
+            assert_serving(srv, trainer, 17)  # nothing applied: the same weights, bit for bit
+    trainer.publish(21, anchor=True)
+    converge(servers, trainer, 21)
+    for srv in servers:
+        assert {18, 19, 20} <= set(follow_of(srv).skipped) and follow_of(srv).lag == 0
+
+
+def test_a_served_version_marked_bad_is_left_by_itself(server_a, server_b, server_c, trainer, s3):
+    # Issue 36: every follower serves 24; 24 is marked bad; each moves back to 23 by itself within a poll or
+    # two, by the backward path (24's changes undone: no replay), in its own mode (C in flight); then 23 is
+    # marked too, and they go back to the anchor 22. Each says so in its status and its metrics. The line is
+    # signed with the trainer's key (the followers trust nothing else).
+    servers = [server_a, server_b, server_c]
+    line = Trainer(
+        trainer.model_dir,
+        Publisher(
+            s3.uri("fleet"),
+            anchor_every=ANCHOR_EVERY,
+            options=PublisherOptions(store=StoreOptions(storage_options=s3.storage_options)),
+            signing_key=trainer.signing_key,
+        ),
+        trainer.model,
+        trainer.checksums,
+    )
+    errors_before = [follow_of(srv).last_error_time for srv in servers]
+    try:
+        for v in (22, 23, 24):  # a new Publisher's first version is an anchor: 22, then deltas 23, 24
+            line.publish(v)
+        converge(servers, trainer, 24)
+        line.pub.mark_bad(24, "reward hacking")
+        converge(servers, trainer, 23)
+        for srv in servers:
+            st = srv.status()
+            assert st["last_update"]["undone"] == [24] and st["last_update"]["applied"] == []
+            f = follow_of(srv)
+            assert f.leave_marked and f.last_left is not None
+            assert (f.last_left.version, f.last_left.to, f.last_left.marked) == (24, 23, 24)
+            assert f.last_left.reason == "reward hacking"
+        assert server_c.status()["last_update"]["mode"] == "inflight"
+        line.pub.mark_bad(23, "reward hacking, earlier")
+        converge(servers, trainer, 22)  # back to the anchor itself: 23 undone
+        for srv in servers:
+            assert srv.status()["last_update"]["undone"] == [23]
+            assert metric_total(srv.get("/metrics").text, "vllm_delta_marked_left_total") == 2
+        time.sleep(1.5)  # a few more polls: they stay (24 is blocked by the marks), and nothing failed
+        for srv, before in zip(servers, errors_before):
+            assert_serving(srv, trainer, 22)
+            assert follow_of(srv).last_error_time == before, follow_of(srv).last_error
+    finally:
+        line.pub.close()

@@ -130,6 +130,35 @@ def test_a_commit_never_takes_a_running_request_below_its_bound():
     asyncio.run(scenario())
 
 
+def test_a_follower_leaving_a_marked_version_is_gated_like_a_replica_behind():
+    """hold_at(N) (the follower is about to go back to N): requests bounded above N are admitted no more,
+    as on a replica serving N (they wait, then 409); one still running refuses the downgrade until it
+    ends; the hold lifts once the served version changes."""
+
+    async def scenario():
+        gate = VersionGate(wait_s=0.2)
+        gate.note_served(8)
+        await gate.admit(8)  # running with bound 8, on the marked version
+        gate.hold_at(6)
+        assert gate.floor() == 6
+        with pytest.raises(WeightVersionBehindError, match="needs min_weight_version 7"):
+            await gate.admit(7)  # behind for it now
+        assert await gate.admit(6) == 0.0  # bounds up to 6 run as usual
+        gate.release(6)
+        with pytest.raises(VersionBoundConflictError, match="up to 8"):
+            gate.begin_update(6)  # the running request keeps 8 until it ends
+        gate.release(8)
+        gate.begin_update(6)
+        gate.note_served(6)
+        gate.end_update()
+        assert gate.floor() == 6
+        gate.note_served(9)  # a later update: the hold is gone with what it was for
+        assert gate.floor() == 9 and await gate.admit(9) == 0.0
+        gate.release(9)
+
+    asyncio.run(scenario())
+
+
 # -- the middleware --------------------------------------------------------------------------------
 class App:
     """A stand-in ASGI app: records the body it was given and answers 200 (or raises)."""

@@ -4,6 +4,8 @@ parser, the checks, the environment path and the docs' table all taken from the 
 from __future__ import annotations
 
 import ast
+import json
+import os
 from pathlib import Path
 
 import pytest
@@ -58,19 +60,21 @@ def test_each_key_is_spelled_once_in_the_server_package():
                         spelled[key].append(f"{path.relative_to(ROOT)}:{node.lineno}")
     options = "vllm_delta/vllm/shared/options.py"
     assert {k: len(v) for k, v in spelled.items() if len(v) != 1 or not v[0].startswith(options)} == {}, spelled
-    assert len(LOADER_KEYS) == len(set(LOADER_KEYS)) == 19
+    assert len(LOADER_KEYS) == len(set(LOADER_KEYS)) == 21
 
 
 def test_defaults_and_a_full_config():
-    assert FollowOptions() == FollowOptions(False, 2.0, "keep", 64, False, 10.0, None)
+    assert FollowOptions() == FollowOptions(False, 2.0, "keep", 64, False, 10.0, None, True)
     assert ServiceOptions() == ServiceOptions(5.0, 0.0, "requested")
     spec = StoreSpec("/s")
-    assert (spec.storage_options, spec.timeout_s, spec.update_timeout_s, spec.cache_max_bytes) == (
+    assert (spec.storage_options, spec.timeout_s, spec.update_timeout_s, spec.cache_max_bytes, spec.trusted_keys) == (
         {},
         60.0,
         600.0,
         None,
+        (),
     )
+    assert spec.trust() is None and spec.open().check_digests is False
     opts = LoaderOptions.from_extra_config(
         {
             "delta_store": "s3://b/run",
@@ -111,9 +115,11 @@ BAD = {
     "delta_report": 1,
     "delta_report_s": float("nan"),
     "delta_replica_id": "../etc",
+    "delta_leave_marked": "no",
     "delta_min_version_wait_s": 3601,
     "delta_audit_s": True,
     "delta_weight_versions": "sometimes",
+    "delta_trusted_keys": "trainer.key.pub",  # a list of paths, not one
 }
 
 
@@ -147,6 +153,7 @@ def test_the_environment_path(monkeypatch):
         "VLLM_DELTA_MIN_VERSION_WAIT_S",
         "VLLM_DELTA_AUDIT_S",
         "VLLM_DELTA_WEIGHT_VERSIONS",
+        "VLLM_DELTA_TRUSTED_KEYS",
     }
     for name in env:
         monkeypatch.delenv(name, raising=False)
@@ -180,3 +187,34 @@ def test_the_spans_policy_with_and_without_a_store(monkeypatch):
     monkeypatch.setenv("VLLM_DELTA_WEIGHT_VERSIONS", "sometimes")
     with pytest.raises(ValueError, match="delta_weight_versions"):
         weight_versions_policy(None)
+
+
+def test_trusted_keys_load_at_start_and_a_bad_file_names_itself(tmp_path, monkeypatch):
+    """`delta_trusted_keys`: each file must load when the options are read (a server never starts believing it
+    checks signatures with a key it cannot use); a store opened with trusted keys checks its files' digests."""
+    from vllm_delta.errors import KeyFileError
+    from vllm_delta.signatures import keygen
+    from vllm_delta.vllm.shared.options import trusted_keys_from_environment
+
+    a, b = keygen(tmp_path / "a.key"), keygen(tmp_path / "b.key")
+    pubs = [f"{a.path}.pub", f"{b.path}.pub"]
+    opts = LoaderOptions.from_extra_config({"delta_store": "/s", "delta_trusted_keys": pubs})
+    assert opts.store.trusted_keys == tuple(pubs)
+    trust = opts.store.trust()
+    assert trust is not None and sorted(trust.keys) == sorted([a.fingerprint, b.fingerprint])
+    assert opts.store.open().check_digests is True
+    garbage = tmp_path / "garbage.pub"
+    garbage.write_text("not a key")
+    for bad, what in (([str(garbage)], f"{garbage} is not a PEM public key"), ([str(a.path)], "is a private key")):
+        with pytest.raises(KeyFileError, match="delta_trusted_keys") as info:
+            LoaderOptions.from_extra_config({"delta_store": "/s", "delta_trusted_keys": bad})
+        assert what in str(info.value)
+    for name in ("VLLM_DELTA_STORE", "VLLM_DELTA_TRUSTED_KEYS"):
+        monkeypatch.delenv(name, raising=False)
+    assert trusted_keys_from_environment() == ()
+    monkeypatch.setenv("VLLM_DELTA_TRUSTED_KEYS", os.pathsep.join(pubs))
+    assert trusted_keys_from_environment() == tuple(pubs)
+    monkeypatch.setenv("VLLM_DELTA_TRUSTED_KEYS", json.dumps(pubs[:1]))
+    monkeypatch.setenv("VLLM_DELTA_STORE", "/data/run")
+    options = server_options("auto", {})
+    assert options is not None and options.store.trusted_keys == tuple(pubs[:1])

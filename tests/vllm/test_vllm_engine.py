@@ -14,7 +14,10 @@ from vllm_helpers import LLAMA, private_store, run_engine_script
 from vllm_delta.checksums import tensor_sum
 from vllm_delta.format import write
 from vllm_delta.reconstruct import replay
+from vllm_delta.signatures import keygen
 from vllm_delta.store import DeltaStore
+from vllm_delta.store.cache import file_sha256
+from vllm_delta.store.signed import RecordSigner, new_run_id
 from vllm_delta.testing.models import PROMPTS
 from vllm_delta.testing.runs import publish_run
 from vllm_delta.writer import encode_anchor
@@ -82,6 +85,50 @@ def test_a_damaged_version_refuses_to_start(llama_run, tmp_path):
     assert "ChecksumMismatchError" in res["error"] or "checksum" in res["error"], res["error"]
 
 
+def test_a_start_version_not_signed_by_a_trusted_key_refuses_to_start(llama_run, tmp_path):
+    """delta_trusted_keys that do not sign the start version's chain: an unsigned store, and one signed by
+    another key, each refused before any weight is loaded, with a message naming the version, the store and
+    the signature."""
+    trusted, other = keygen(tmp_path / "trusted.key"), keygen(tmp_path / "other.key")
+    unsigned = private_store(llama_run, str(tmp_path / "unsigned"))
+    foreign = private_store(llama_run, str(tmp_path / "foreign"))
+    sign_store(DeltaStore(foreign), other)
+    extra = {"delta_trusted_keys": [f"{trusted.path}.pub"]}
+    res = run_engine_script(
+        {
+            "task": "refuse",
+            "model": llama_run.model_dir,
+            "cases": [
+                {"store": unsigned, "version": 3, "extra": extra},
+                {"store": foreign, "version": "latest", "extra": extra},
+            ],
+        }
+    )
+    not_signed, signed_by_other = res["cases"]
+    latest = DeltaStore(foreign).latest()
+    for case, store, version in ((not_signed, unsigned, 3), (signed_by_other, foreign, latest)):
+        assert case["started"] is False
+        assert "SignatureError" in case["error"], case["error"]
+        assert f"does not start at version {version} of store {store}" in case["error"], case["error"]
+    assert "it is not signed" in not_signed["error"]
+    assert f"signed by key {other.fingerprint}, which is not trusted" in signed_by_other["error"]
+
+
+def sign_store(store: DeltaStore, key) -> None:
+    """Sign every record of a local store after the fact (files hashed, one run), as a signing Publisher
+    would have: a store signed by `key`."""
+    signer = RecordSigner(new_run_id(), key)
+    for rec in store.records():
+        files = [file_sha256(os.path.join(store.uri, d.file)) for d in rec.data_files]
+        if rec.parts:
+            rec = dataclasses.replace(
+                rec, parts=tuple(dataclasses.replace(p, sha256=h) for p, h in zip(rec.parts, files))
+            )
+        else:
+            rec = dataclasses.replace(rec, sha256=files[0])
+        store.io.write_small(store.record_reader.record_path(rec.version), signer.seal(rec).to_json().encode())
+
+
 def test_a_version_that_does_not_fit_the_model_refuses_to_start(llama_run, tmp_path):
     """Another model's shapes (the model's own loader fails), or the same model in float16 (vLLM's loader
     would convert it silently): refused with the store, the version and the tensor named."""
@@ -110,7 +157,8 @@ def test_a_version_that_does_not_fit_the_model_refuses_to_start(llama_run, tmp_p
 
 def test_plain_checkpoint_server_and_native_backend(llama_run, llama_fresh, tmp_path):
     """A server loaded from an ordinary HF checkpoint knows no version: the first update must say
-    allow_reanchor; then vLLM's own LLM.update_weights moves it along the store like any other."""
+    allow_reanchor; then vLLM's own LLM.update_weights moves it along the store like any other, back along
+    its chain too (5 -> 4 by undoing 5, then 5 again)."""
     res = run_engine_script(
         {
             "task": "plain",
@@ -118,16 +166,26 @@ def test_plain_checkpoint_server_and_native_backend(llama_run, llama_fresh, tmp_
             "store": llama_run.store,
             "start": 2,
             "out": str(tmp_path / "ckpt"),
-            "updates": [{"version": 3}, {"version": 3, "allow_reanchor": True}, {"version": 5}, {"version": 1}],
+            "updates": [
+                {"version": 3},
+                {"version": 3, "allow_reanchor": True},
+                {"version": 5},
+                {"version": 1},  # back through the anchor 4: no backward path
+                {"version": 4},  # back along the chain: 5's differences undone (issue 36)
+                {"version": 5},
+            ],
             "prompts": list(PROMPTS),
         }
     )
     assert res["status"]["version"] is None
-    refused, reanchored, forward, backwards = res["steps"]
+    refused, reanchored, forward, backwards, undone, again = res["steps"]
     assert "NotSuccessorError" in refused["error"] and refused["version"] is None
     assert refused["checksum"] == llama_run.checksums[2]  # the checkpoint it was loaded from, untouched
     assert reanchored["error"] is None and reanchored["version"] == 3
     assert reanchored["checksum"] == llama_run.checksums[3]
     assert forward["error"] is None and forward["checksum"] == llama_run.checksums[5]
     assert "NotSuccessorError" in backwards["error"] and backwards["checksum"] == llama_run.checksums[5]
+    assert "version 4 is an anchor" in backwards["error"]
+    assert (undone["error"], undone["version"], undone["checksum"]) == (None, 4, llama_run.checksums[4])
+    assert (again["error"], again["version"], again["checksum"]) == (None, 5, llama_run.checksums[5])
     assert res["outputs"] == llama_fresh["5"]["outputs"][: len(PROMPTS)]

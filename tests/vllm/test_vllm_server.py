@@ -2,7 +2,8 @@
 
 The tests run in file order against the same server (conftest.llama_server, shared with
 test_vllm_inflight.py through the session's pool and handed over at version 0): versions 1..6 (deltas
-and a newer anchor, compact codec), then every error case, each followed by proof that the server
+and a newer anchor, compact codec), back and forth without `allow_reanchor` (backward updates), then
+every error case, each followed by proof that the server
 still serves the previous version unchanged (its live checksum), our updates and prefetches counted in
 vLLM's own `vllm:rl_weight_update_*` series, then the native weight-transfer backend (a prompt cached
 before a native update keeps the version that computed it in `prefill_weight_versions`), and last
@@ -93,6 +94,51 @@ def test_outputs_equal_fresh_engines_at_each_version(llama_fresh, llama_run):
 def test_no_op_and_latest(server, llama_run):
     res = server.update("latest")
     assert res["version"] == 6 and res["applied"] == [] and res["pause_ms"] == 0
+    assert_serving(server, llama_run, 6)
+
+
+def test_backward_updates_without_allow_reanchor(server, llama_run):
+    """Issue 36: back to an older version on the served chain by undoing deltas (O(changes)), in a pause and
+    in flight, prefetched too; every step's live checksum is the trainer's of that version. Where no backward
+    path exists (the anchor 4 lies between), 409 saying so, and nothing changes."""
+    res = server.update(5)
+    assert (res["version"], res["previous_version"], res["applied"], res["undone"]) == (5, 6, [], [6])
+    assert res["reanchored"] is False and res["nnz"] == llama_run.nnz[6] and res["pause_ms"] > 0
+    assert_serving(server, llama_run, 5)
+    assert server.completions(PROMPTS) == served_outputs[5]
+    assert server.update(6)["applied"] == [6]
+    assert_serving(server, llama_run, 6)
+    res = server.update(5, mode="inflight")
+    assert res["undone"] == [6] and res["inflight"]["label"] == "5"
+    assert_serving(server, llama_run, 5)
+    server.update(6, mode="inflight")
+    assert_serving(server, llama_run, 6)
+    # Prefetched: staged before the call, the update is just the write.
+    staged = server.post("/v1/delta/stage", {"version": 5})
+    assert staged.status_code == 200 and staged.json()["staged"] == [6] and staged.json()["target"] == 5
+    assert server.status()["staged"] == [6]
+    res = server.update(5)
+    assert res["prefetched"] is True and res["undone"] == [6]
+    assert_serving(server, llama_run, 5)
+    server.update(6)
+    # No backward path through the anchor 4: refused, saying why, the live weights untouched.
+    r = server.post("/v1/delta/update_weights", {"version": 3})
+    assert r.status_code == 409, r.text
+    error = r.json()["error"]
+    assert error["type"] == "NotSuccessorError" and "version 4 is an anchor" in error["message"], error
+    assert "allow_reanchor" in error["message"]
+    assert_serving(server, llama_run, 6)
+    # 3 -> 1 -> 3 on the first anchor's line, backward and forward, in keep and in flight.
+    assert server.update(3, allow_reanchor=True)["reanchored"] is True  # replayed: 4 lies between
+    assert_serving(server, llama_run, 3)
+    for mode in ("keep", "inflight"):
+        res = server.update(1, mode=mode)
+        assert (res["undone"], res["mode"]) == ([3, 2], mode)
+        assert_serving(server, llama_run, 1)
+        assert server.update(3, mode=mode)["applied"] == [2, 3]
+        assert_serving(server, llama_run, 3)
+    assert server.completions(PROMPTS) == served_outputs[3]
+    server.update(6)  # the newer anchor's line, as the tests below expect
     assert_serving(server, llama_run, 6)
 
 

@@ -43,9 +43,11 @@ def test_plan_follows_the_chain(llama_run):
 def test_plan_refuses_what_is_not_a_successor(llama_run):
     store = DeltaStore(llama_run.store)
     c = llama_run.checksums
-    with pytest.raises(NotSuccessorError, match="older"):
-        plan_update(store, 3, c[3], 1)
-    assert plan_update(store, 3, c[3], 1, allow_reanchor=True).versions == [0, 1]
+    with pytest.raises(NotSuccessorError, match="older.*no backward path: version 4 is an anchor"):
+        plan_update(store, 5, c[5], 3)  # back through the anchor 4: no backward path
+    assert plan_update(store, 5, c[5], 3, allow_reanchor=True).versions == [0, 1, 2, 3]
+    back = plan_update(store, 3, c[3], 1)  # back along the chain: the deltas 3 and 2 undone
+    assert (back.versions, back.undone, back.target, back.reanchor) == ([3, 2], [3, 2], 1, False)
     with pytest.raises(NotSuccessorError, match="unknown"):
         plan_update(store, None, None, 2)
     assert plan_update(store, None, None, 2, allow_reanchor=True).versions == [0, 1, 2]
@@ -210,6 +212,7 @@ def test_renamed_server_names_keep_their_wire_names(monkeypatch):
     assert rpc.Replies.decode(ErrorPayload, [rpc.error_reply(failed)]).failed_with(errors.PatchFailedError)
     assert errors.CommitFailedError is errors.PatchFailedError and server_api.CommitSwitch is server_api.PatchSwitch
     assert server_api.StageRequest is PrefetchRequest and server_api.StageResult is server_api.PrefetchResult
+    assert server_api.PrefetchRequest is PrefetchRequest and server_api.PrefetchResult is server_api.PrefetchResult
 
     monkeypatch.setenv(server_api.FAULTS_ENV, "1")
     for fault in ("patch@1", "commit@1", "patch@0:1", "commit@0:1"):

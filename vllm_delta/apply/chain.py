@@ -6,6 +6,12 @@ touching it says: deltas add their differences to the bits so far (the live bits
 version's new bits), anchors replace everything with their values where they differ from the live
 weights. The result is one sorted set of changed elements per element width, in global ids
 (`DeviceLayout`): what the engine then plans like a single delta.
+
+Backward (`undo=True`): a reader going back to an older version N on its chain undoes the deltas from
+its version down to N+1, newest first. Every stored difference is d = new - old (mod 2^bits), so a
+delta's inverse is the same file read with its differences subtracted (old = new - d): the same merge,
+walked in reverse with negated differences. Only deltas coded as differences can be undone
+(`check_undo`): an anchor, or a codec that stores new values (raw), does not say what it replaced.
 """
 
 from __future__ import annotations
@@ -14,8 +20,10 @@ from collections.abc import Callable
 
 import torch
 
-from ..bits import int_view, wrap_add
-from ..format import VersionLike
+from .. import codec as codecs
+from ..bits import int_view, wrap_add, wrap_sub
+from ..errors import NotSuccessorError
+from ..format import VersionHeader, VersionLike
 from .layout import DeviceLayout, Selection
 from .staging import Decoder, changed_items, item_indices
 
@@ -38,6 +46,38 @@ def merge(
     return ids[last], new[last]
 
 
+def check_undo(files: list[VersionLike], target: VersionHeader) -> None:
+    """That `files` can be undone down to `target`: deltas, newest first, each on the next one (the last on
+    `target`), each coded as differences. NotSuccessorError (409) saying why not; nothing is read."""
+    if not files:
+        raise NotSuccessorError("nothing to undo", version=target.version)
+    below = [vf.header.version for vf in files[1:]] + [target.version]
+    for vf, base in zip(files, below):
+        h = vf.header
+        if h.kind != "delta":
+            raise NotSuccessorError(
+                f"version {h.version} is an anchor: it holds weights, not differences, so it cannot be undone",
+                version=target.version,
+            )
+        if not codecs.get_codec(h.codec or "", {"version": h.version}).needs_base:
+            raise NotSuccessorError(
+                f"version {h.version} is coded with {h.codec!r}, which stores new values, not differences: "
+                "it cannot be undone",
+                version=target.version,
+            )
+        if h.base != base:
+            raise NotSuccessorError(
+                f"version {h.version} is a delta on version {h.base}, not on {base}: the versions to undo "
+                "are not one chain down to the target",
+                version=target.version,
+            )
+
+
+def step_bits(base: torch.Tensor, diffs: torch.Tensor, width: int, undo: bool) -> torch.Tensor:
+    """The bits after one delta's differences: added (forward), or subtracted (undoing it)."""
+    return wrap_sub(base, diffs, width) if undo else wrap_add(base, diffs, width)
+
+
 def merge_chain(
     files: list[VersionLike],
     layout: DeviceLayout,
@@ -46,9 +86,11 @@ def merge_chain(
     read_target: ReadTarget,
     timings: dict[str, float],
     changed: set[int],
+    undo: bool = False,
 ) -> Pending:
     """The final bits of every element the chain changes, by element width. `changed` collects the
-    indices of the HF tensors the chain touches (their checksum partials are reported)."""
+    indices of the HF tensors the chain touches (their checksum partials are reported). With `undo`,
+    `files` are deltas undone newest first (`check_undo`): each one's differences are subtracted."""
     pending: Pending = {}
     for vf in files:
         if vf.header.kind == "anchor":
@@ -68,7 +110,7 @@ def merge_chain(
                         i = torch.searchsorted(prev[0], g).clamp_(max=prev[0].numel() - 1)
                         base = torch.where(prev[0][i] == g, prev[1][i], base)
                     assert chunk.diffs is not None
-                    new = wrap_add(base, chunk.diffs, width)
+                    new = step_bits(base, chunk.diffs, width, undo)
                 ids.append(g)
                 news.append(new)
             if ids:

@@ -10,7 +10,9 @@ tensors (written in place, never rebound) and a `Layout` (HF tensor -> local seg
     engine.rollback(staged)               # restore the previous bits exactly
 
 Several versions stage into one update (a chain: deltas in order, or an anchor and its deltas),
-so a reader several versions behind catches up in one pause.
+so a reader several versions behind catches up in one pause. Backward, the same way:
+
+    staged = engine.stage([v6, v5], back_to=v4.header)   # undo 6 then 5: the weights of version 4
 
 Backends (scatter.py): on CUDA the fused kernels, "cuda" (csrc/, built with torch's extension
 builder the first time an engine is created on a machine, ~30 s, then cached) when it builds, else
@@ -48,14 +50,14 @@ import numpy as np
 import torch
 
 from .. import codec as codecs
-from ..bits import INT_DTYPE, wrap_add
+from ..bits import INT_DTYPE
 from ..checksums import MASK64, partial_terms, positional_sum
 from ..codec.decoding import Runs
 from ..errors import NotSuccessorError, ShapeMismatchError, UnsupportedModelError
 from ..format import TensorEntry, VersionHeader, VersionLike
 from ..format import TensorTable as HeaderTable
 from . import scatter as scatter_ops
-from .chain import merge_chain
+from .chain import check_undo, merge_chain, step_bits
 from .layout import DeviceLayout, Layout, Segment, Selection
 from .staging import Chunk, Decoder, changed_items, item_indices
 
@@ -64,8 +66,8 @@ _STATE = itertools.count(1)
 
 @dataclass
 class StagedUpdate:
-    versions: list[int]
-    header: VersionHeader  # the last version's header
+    versions: list[int]  # staged in order: applied, or (`undo`) undone newest first
+    header: VersionHeader  # the header of the version the update leads to (the last applied, or the target)
     plans: list[scatter_ops.ScatterPlan] = field(default_factory=list)  # one per element width
     new_bits: list[torch.Tensor] = field(default_factory=list)  # plan order
     old_bits: list[torch.Tensor] = field(default_factory=list)  # the rollback buffer, plan order
@@ -79,10 +81,12 @@ class StagedUpdate:
     memory: dict[str, int] = field(default_factory=dict)  # staging memory: device peak, held, host
     base_state: int = 0  # engine state this update was staged against
     state: int = 0  # engine state once written
+    undo: bool = False  # the versions' differences are subtracted: back to `header`'s version
 
     @property
     def version(self) -> int:
-        return self.versions[-1]
+        """The version the update leads to."""
+        return self.header.version
 
 
 class _Outputs:
@@ -102,6 +106,7 @@ class _Run:
     def __init__(self, engine: ApplyEngine, staged: StagedUpdate):
         self.engine = engine
         self.staged = staged
+        self.undo = staged.undo
         self.timings = staged.timings
         self.sums = torch.zeros(len(engine.dlayout.names), dtype=torch.int64, device=engine.device)
         self.outs: dict[int, _Outputs] = {}
@@ -239,11 +244,18 @@ class ApplyEngine:
         if self._stream is not None:
             self._stream.synchronize()
 
-    def stage(self, files: list[VersionLike]) -> StagedUpdate:
-        """Prepare the versions in `files` (in order) for one in-place write. Writes nothing."""
+    def stage(self, files: list[VersionLike], *, back_to: VersionHeader | None = None) -> StagedUpdate:
+        """Prepare the versions in `files` (in order) for one in-place write. Writes nothing.
+
+        With `back_to` (an older version's header), `files` are the deltas from the live version down to
+        the one above `back_to`, newest first, and are undone: each one's differences subtracted
+        (NotSuccessorError, before anything is read, when one cannot be: chain.check_undo)."""
         if not files:
             raise ValueError("nothing to stage")
         t_start = time.perf_counter()
+        if back_to is not None:
+            check_undo(files, back_to)
+            self.check_header(back_to)
         for vf in files:
             h = vf.header
             if h.kind == "delta":
@@ -251,9 +263,10 @@ class ApplyEngine:
             self.check_header(h)
         staged = StagedUpdate(
             versions=[vf.version for vf in files],
-            header=files[-1].header,
+            header=back_to if back_to is not None else files[-1].header,
             backend=self.backend,
             base_state=self._state,
+            undo=back_to is not None,
         )
         with self._stage_lock, self._stream_ctx():
             run = _Run(self, staged)
@@ -286,7 +299,7 @@ class ApplyEngine:
                     run.note_mem()
             return
         pending = merge_chain(
-            files, self.dlayout, self._decoder, self._live, self._read_target, run.timings, run.changed
+            files, self.dlayout, self._decoder, self._live, self._read_target, run.timings, run.changed, run.undo
         )
         for width, (ids, new) in pending.items():
             for s in range(0, ids.numel(), self.chunk_elems):
@@ -354,7 +367,7 @@ class ApplyEngine:
             new = source.values
         else:
             assert source.diffs is not None
-            new = wrap_add(live, source.diffs, width)
+            new = step_bits(live, source.diffs, width, run.undo)
         t0 = run.span("gather", t0)
         self._add_partials(run, sels, runs, p, new, live)
         t0 = run.span("partials", t0)

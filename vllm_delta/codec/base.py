@@ -23,7 +23,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from ..bits import wrap_add
+from ..bits import wrap_add, wrap_sub
 from ..errors import CodecError, DeltaError, PositionError
 
 Ctx = dict[str, Any]  # {"version": int, "tensor": str}: where an error happened, for its message
@@ -48,6 +48,12 @@ class Changes:
         if old_bits is None or self.diffs is None:
             raise CodecError("this codec's values are relative to the base; pass the base values")
         return wrap_add(old_bits, self.diffs, old_bits.element_size())
+
+    def old_bits(self, new_bits: torch.Tensor) -> torch.Tensor:
+        """The bit patterns the changed positions held before (old = new - d): undoing the delta."""
+        if self.diffs is None:
+            raise CodecError("this codec stores new values, not differences: its changes cannot be undone")
+        return wrap_sub(new_bits, self.diffs, new_bits.element_size())
 
 
 @dataclass

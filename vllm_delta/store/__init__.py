@@ -13,6 +13,7 @@
     marks.py                         the mark schema and the rule readers apply (no I/O)
     polling.py                       how `latest()` polls (S3 StartAfter, head.json)
     retention.py                     which versions retention removes (no I/O)
+    undo.py                          the backward path from a version to an older one on its chain
     replicas.py, ledger.py           what replicas report, and the fleet view built from it
 
 The documents (records, head, marks, replica reports) are `wire.Document`s: their JSON comes from

@@ -100,6 +100,11 @@ class DownloadCache:
             raise CacheError(f"cannot use the download cache {folder}: {exc.strerror or exc}") from None
         return folder
 
+    def holds(self, path: str, data: DataFile) -> bool:
+        """Whether the file at `path` (a copy here, or a local store's own file) is `data` as its record
+        says: size, and sha256 when the record has one (hashed once per process per stat stamp)."""
+        return self._verified_copy(path, data)
+
     def _verified_copy(self, path: str, data: DataFile) -> bool:
         """Whether `path` holds the data file: its size, and its sha256 when the record has one
         (hashed once per process while the file's size, mtime and inode stay the same)."""

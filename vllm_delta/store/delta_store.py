@@ -71,6 +71,7 @@ from .records import (
     check_size,
 )
 from .retention import LEFTOVER_AGE_S, check_keep_anchors, doomed_versions, is_leftover
+from .undo import UndoPath, undo_path
 from .writes import VersionWriter
 
 log = logging.getLogger(__name__)
@@ -82,7 +83,9 @@ class DeltaStore:
     """Versions of one model in a directory, S3 prefix or Hugging Face bucket (any fsspec URI).
 
     `timeout_s` bounds every remote operation (a download gets `timeout_s + bytes / 5 MB/s`);
-    `cache_dir` is where remote version files are downloaded (default: a private temp dir)."""
+    `cache_dir` is where remote version files are downloaded (default: a private temp dir);
+    `check_digests`: a local store's own files are checked against their record's sha256 too (a server
+    that takes signed versions only: the signature binds the digests, docs/SECURITY.md)."""
 
     def __init__(
         self,
@@ -91,8 +94,10 @@ class DeltaStore:
         cache_dir: str | None = None,
         *,
         timeout_s: float = DEFAULT_TIMEOUT_S,
+        check_digests: bool = False,
     ):
         self.uri = normalize_uri(uri)
+        self.check_digests = check_digests
         self.storage_options = dict(storage_options or {})
         self.timeout_s = float(timeout_s)
         self.io = StoreFS(self.uri, self.storage_options, self.timeout_s)
@@ -223,6 +228,16 @@ class DeltaStore:
             chain.append(self._base_of(chain[-1], fresh))
         return chain[::-1]
 
+    def undo_path(self, held: int, held_checksum: str | None, target: int, *, fresh: bool = True) -> UndoPath:
+        """What a reader serving `held` (with `held_checksum`) undoes, newest first, to go back to the older
+        `target` on its chain (undo.py); NotSuccessorError saying why there is no such path. Each data file
+        it needs is looked up in the store (a remote store: one request each)."""
+
+        def missing(rec: VersionRecord) -> str | None:
+            return next((f for f in rec.files if not self.io.exists(self._path(f))), None)
+
+        return undo_path(held, held_checksum, target, lambda v: self.record(v, fresh=fresh), missing)
+
     # -- writing (writes.py: the store's VersionWriter) -------------------------------------------
     def publish(self, header: VersionHeader, local_path: str, *, move: bool = False) -> VersionRecord:
         """Commit a one-file version atomically (`VersionWriter.publish`)."""
@@ -297,6 +312,11 @@ class DeltaStore:
         except FileNotFoundError:
             raise self._missing_data(rec, data.file) from None
         check_size(data, size, version=rec.version)
+        if self.check_digests and data.sha256 is not None and not self._cache.holds(path, data):
+            raise IntegrityError(
+                f"data file {data.file} does not have the sha256 its record says (damaged or replaced)",
+                version=rec.version,
+            )
         return path
 
     def open(self, version: int, *, record: VersionRecord | None = None, fresh: bool = False) -> VersionLike:

@@ -37,6 +37,7 @@ RECORD_NAME_RE = re.compile(r"^(\d{10})\.json$")
 # groups: version, kind, token, part index (None for a one-file version)
 DATA_NAME_RE = re.compile(r"^(\d{10})\.(anchor|delta)\.([0-9a-f]{16})(?:\.part(\d{5}))?\.safetensors$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
+RUN_RE = re.compile(r"^[0-9A-Za-z._-]{1,64}$")  # a store's run identity
 
 
 def record_name(version: int) -> str:
@@ -103,6 +104,12 @@ class VersionRecord(Document):
     sha256: str | None = omit_none()  # hex digest of the data file (optional: older records have none)
     # multi-part versions, in part order (absent from format 1)
     parts: tuple[PartRecord, ...] = omit_when(lambda rec: not rec.parts, default=())
+    # the store's run identity (optional: records written before it have none; store/signed.py)
+    run: str | None = omit_none()
+    # {"alg", "key", "value"}: the publisher's Ed25519 signature of the version (signatures.py). Kept as
+    # written and parsed only when checked, so that a damaged signature never hides the version from
+    # readers that do not check signatures, and a server that does names what is wrong.
+    signature: Any = omit_none()
 
     @property
     def density(self) -> float:
@@ -151,6 +158,8 @@ class VersionRecord(Document):
             if (value is not None or key == "checksum") and not is_hex(value):
                 raise ValueError(f"{key} must be 16 lower-case hex digits, not {short(value)}")
         _check_sha256(self.sha256, "sha256")
+        if self.run is not None and not (isinstance(self.run, str) and RUN_RE.match(self.run)):
+            raise ValueError(f"run must be 1-64 letters, digits, '.', '_' or '-', not {short(self.run)}")
         if self.file is not None:
             if self.parts:
                 raise ValueError("a record names one file or lists parts, not both")
@@ -240,6 +249,7 @@ __all__ = [
     "RECORD_FORMAT_VERSION",
     "RECORD_NAME_RE",
     "RECORD_PARTS_FORMAT_VERSION",
+    "RUN_RE",
     "TMP_PREFIX",
     "VERSIONS_DIR",
     "DataFile",

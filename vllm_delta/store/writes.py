@@ -42,6 +42,7 @@ from .records import (
     data_name,
     record_name,
 )
+from .signed import RecordSigner
 
 log = logging.getLogger("vllm_delta.store")
 
@@ -57,6 +58,10 @@ class VersionWriter:
     def __init__(self, io: StoreFS, records: RecordReader):
         self.io = io
         self.records = records
+        # Set by the Publisher that writes this store (signed.py): every record `publish` and
+        # `commit_parts` commit carries its run, and its signature when it holds a key. `adopt` copies
+        # records as they are (a mirror keeps the source's run and signatures).
+        self.signer: RecordSigner | None = None
 
     @property
     def uri(self) -> str:
@@ -98,8 +103,9 @@ class VersionWriter:
             base_checksum=header.base_checksum,
             created=header.created or time.time(),
         )
-        consumed, sha256 = self._put_digested(v, file, local_path, rec.bytes, move, token)
-        rec = dataclasses.replace(rec, sha256=sha256)
+        digest = not self.is_local or (self.signer is not None and self.signer.needs_digests)
+        consumed, sha256 = self._put_digested(v, file, local_path, rec.bytes, move, token, digest=digest)
+        rec = self._sealed(dataclasses.replace(rec, sha256=sha256))
         try:
             self._commit_record(rec, token)
         except VersionExistsError:
@@ -127,7 +133,7 @@ class VersionWriter:
         token = secrets.token_hex(8)
         file = f"{DATA_DIR}/{data_name(v, header.kind, token, part.index)}"
         nbytes = os.path.getsize(local_path)
-        consumed, sha256 = self._put_digested(v, file, local_path, nbytes, move, token)
+        consumed, sha256 = self._put_digested(v, file, local_path, nbytes, move, token, digest=not self.is_local)
         if move and not consumed:
             os.remove(local_path)
         return PartRecord(file=file, bytes=nbytes, checksum=part.checksum, sha256=sha256)
@@ -180,6 +186,9 @@ class VersionWriter:
         if self.is_local:
             fsync(self._path(DATA_DIR), directory=True)
             os.makedirs(self._path(VERSIONS_DIR), exist_ok=True)
+        if self.signer is not None and self.signer.needs_digests:
+            rec = dataclasses.replace(rec, parts=self._digested_parts(rec.parts))
+        rec = self._sealed(rec)
         self._commit_record(rec, secrets.token_hex(8))
         self.records.remember(rec)
         self._advance_head(rec)
@@ -223,6 +232,19 @@ class VersionWriter:
         self._advance_head(rec)
         return rec
 
+    def _sealed(self, rec: VersionRecord) -> VersionRecord:
+        return rec if self.signer is None else self.signer.seal(rec)
+
+    def _digested_parts(self, parts: tuple[PartRecord, ...]) -> tuple[PartRecord, ...]:
+        """Every part with its sha256: those of a local store (whose ranks put them without one) hashed
+        here, as stored, side by side (hashlib releases the GIL), before the record that binds them."""
+        todo = [p for p in parts if p.sha256 is None]
+        if not todo:
+            return parts
+        with ThreadPoolExecutor(min(8, len(todo)), thread_name_prefix="vllm-delta-sha256") as pool:
+            digests = dict(zip((p.file for p in todo), pool.map(lambda p: file_sha256(self._path(p.file)), todo)))
+        return tuple(p if p.sha256 is not None else dataclasses.replace(p, sha256=digests[p.file]) for p in parts)
+
     def _check_parts_stored(self, parts: Iterable[PartRecord], version: int) -> None:
         """Every part is in the store with its recorded size (one stat each), or IntegrityError."""
         for part in parts:
@@ -260,18 +282,21 @@ class VersionWriter:
             raise IntegrityError(f"{local_path} does not hold the version its header describes", version=v)
 
     def _put_digested(
-        self, version: int, file: str, src: str, nbytes: int, move: bool, token: str
+        self, version: int, file: str, src: str, nbytes: int, move: bool, token: str, *, digest: bool
     ) -> tuple[bool, str | None]:
-        """`_put_data`, and the file's sha256 for a remote store, hashed on a thread while the file
-        uploads (remote readers verify their downloaded copies with it; hashing ~1 GB/s would otherwise
-        add to every publish). A local store's readers use the file itself (checked by size, and by
-        the staging checksums): no digest, and nothing added to the time to live."""
-        if self.is_local:
+        """`_put_data`, and with `digest` the file's sha256, hashed on a thread while the file uploads
+        (remote readers verify their downloaded copies with it; hashing ~1 GB/s would otherwise add to
+        every publish). A local store's readers use the file itself (checked by size, and by the staging
+        checksums): no digest unless a signature binds it, and nothing added to the time to live."""
+        if not digest:
             return self._put_data(version, file, src, nbytes, move, token), None
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-delta-sha256") as pool:
-            digest = pool.submit(file_sha256, src)  # hashlib releases the GIL on large reads
+        if self.is_local:  # `move` may rename `src` away: hash the stored file
             consumed = self._put_data(version, file, src, nbytes, move, token)
-            return consumed, digest.result()
+            return consumed, file_sha256(self._path(file))
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-delta-sha256") as pool:
+            hashed = pool.submit(file_sha256, src)  # hashlib releases the GIL on large reads
+            consumed = self._put_data(version, file, src, nbytes, move, token)
+            return consumed, hashed.result()
 
     def _put_data(self, version: int, file: str, src: str, nbytes: int, move: bool, token: str) -> bool:
         """Put `src` at `file` (relative to the root), durable. True if `src` was renamed into place."""

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 from collections.abc import Iterable, Mapping
@@ -44,8 +45,10 @@ from .. import gc_pause
 from ..checksums import MASK64, combine, to_hex
 from ..errors import PublishError
 from ..format import DTYPE_NAMES, VersionKind
+from ..signatures import SigningKey
 from ..store import DeltaStore, VersionRecord
 from ..store.marks import BadMark
+from ..store.signed import RecordSigner, new_run_id
 from .detect import FlatSnapshot
 from .encode import VersionEncoder
 from .group import Agreement, Proposal, PublishGroup, SingleProcess, UploadsFailed
@@ -136,6 +139,7 @@ class Publisher:
         min_replicas: int = 1,
         storage_options: dict[str, Any] | None = None,
         options: PublisherOptions | None = None,
+        signing_key: str | os.PathLike[str] | SigningKey | None = None,
     ):
         """`uri`: where versions go (a path, `s3://...`, `hf://buckets/...`: any fsspec URI), or a
         `DeltaStore`. `anchor_every`: a full version (anchor) every that many versions. `codec`:
@@ -146,7 +150,9 @@ class Publisher:
         version at most that far behind (staleness.py). `storage_options`: fsspec options for `uri`
         (S3 endpoint, credentials, ...), as `DeltaStore` takes them (or in
         `options.store.storage_options`: one of the two).
-        `options`: everything else, grouped by job (options.py)."""
+        `options`: everything else, grouped by job (options.py). `signing_key`: a private key file
+        (`vllm-delta keygen`): every version is signed (docs/SECURITY.md); with `group`, rank 0 signs
+        each version's record and the other ranks never read the file."""
         opts = options if options is not None else PublisherOptions()
         if anchor_every < 1:
             raise ValueError("anchor_every must be >= 1")
@@ -172,6 +178,8 @@ class Publisher:
             from .shard_group import ShardGroup  # torch.distributed only where a group is given
 
             self._group = ShardGroup(group, self.store, timeout_s=opts.sharding.timeout_s)
+        if self._group.rank == 0:  # the rank that writes the records
+            self.store.writer.signer = record_signer(self.store, self._chain.last, signing_key)
         keep = opts.store.keep_anchors
         self._marked: frozenset[int] = frozenset()  # bad-version marks known to this rank
         self._marked_lock = threading.Lock()
@@ -413,6 +421,17 @@ class Publisher:
                 self.store.put_asset("config.json", json.dumps(doc, indent=2, default=str).encode())
             except Exception as exc:  # noqa: BLE001 - assets are a convenience, never fatal
                 log.warning("could not store config.json: %s", exc)
+
+
+def record_signer(
+    store: DeltaStore, latest: int | None, key: str | os.PathLike[str] | SigningKey | None
+) -> RecordSigner:
+    """What the records of this Publisher carry: the store's run (its newest record's, so that a trainer
+    restarted on its store continues the run; a new one for a new store, or a store written before runs),
+    and a signature with `key`. A key file that is not a key fails here, before anything is published."""
+    signing = key if isinstance(key, SigningKey) or key is None else SigningKey.load(key)
+    run = store.record(latest).run if latest is not None else None
+    return RecordSigner(run or new_run_id(), signing)
 
 
 def _model_config(source: Source) -> dict[str, object] | None:

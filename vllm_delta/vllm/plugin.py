@@ -2,7 +2,8 @@
 workers). Registers, once per process:
 
 - the load format "delta" (loader.py),
-- the weight-transfer backend "delta" (backend.py),
+- the weight-transfer backend "vllm_delta", and "delta" where no other package registered that name
+  first (SkyRL does: a warning names both) (backend.py),
 - the worker-side RPC methods `delta_*` on vLLM's Worker class (worker/methods.py; CPUWorker inherits them),
 - the check of vLLM's post-processing (derived.py; loaded.py where a store is configured),
 - in processes vLLM started with multiprocessing (its engine core and workers), a parent-death
@@ -27,11 +28,15 @@ import re
 import signal
 import threading
 import time
+from typing import Any
 
 log = logging.getLogger(__name__)
 
 LOAD_FORMAT = "delta"
-BACKEND = "delta"
+BACKEND = "delta"  # the weight-transfer backend's name, where no other package registered it first
+BACKEND_OWN = "vllm_delta"  # always ours
+BACKEND_MODULE = "vllm_delta.vllm.worker.backend"
+BACKEND_CLASS = "DeltaWeightTransferEngine"
 # The names vLLM gives the processes it starts (v1/engine/utils.py, v1/executor/multiproc_executor.py).
 VLLM_CHILD = re.compile(r"^(EngineCore(_DP\d+)?|VllmWorker-\d+)$")
 WATCHDOG_GRACE_S = 15.0  # after SIGTERM, vLLM's own shutdown gets this long before a hard exit
@@ -86,14 +91,55 @@ def register_load_format() -> None:
         model_loader.register_model_loader(LOAD_FORMAT)(DeltaModelLoader)
 
 
-def register_backend() -> None:
-    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+def register_backend(factory: Any = None) -> list[str]:
+    """Register the weight-transfer backend in vLLM's factory (`factory`: its class, for tests) under
+    BACKEND_OWN always, and under BACKEND where no other package holds that name (SkyRL registers a
+    "delta" too): a name taken by someone else is said at start-up, naming both, never silently lost.
+    Returns the names that lead to our engine."""
+    if factory is None:
+        from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
-    # register_engine raises on a second registration of a name.
-    if BACKEND not in WeightTransferEngineFactory._registry:
-        WeightTransferEngineFactory.register_engine(
-            BACKEND, "vllm_delta.vllm.worker.backend", "DeltaWeightTransferEngine"
-        )
+        factory = WeightTransferEngineFactory
+    ours = []
+    for name in (BACKEND_OWN, BACKEND):
+        loader = factory._registry.get(name)
+        if loader is None:  # register_engine raises on a second registration of a name
+            factory.register_engine(name, BACKEND_MODULE, BACKEND_CLASS)
+            ours.append(name)
+        elif _is_ours(loader):  # registered by an earlier call in this process
+            ours.append(name)
+        else:
+            log.warning(
+                "vllm-delta: the weight-transfer backend name %r is already registered by %s: vllm-delta's "
+                'backend is registered as %r only (--weight-transfer-config \'{"backend": "%s"}\')',
+                name,
+                _owner(loader),
+                BACKEND_OWN,
+                BACKEND_OWN,
+            )
+    return ours
+
+
+def _closure_values(loader: Any) -> list[Any]:
+    return [cell.cell_contents for cell in getattr(loader, "__closure__", None) or ()]
+
+
+def _is_ours(loader: Any) -> bool:
+    """A loader vLLM's `register_engine` made for our engine (its closure holds the module path or class),
+    read without importing anything."""
+    values = _closure_values(loader)
+    return BACKEND_MODULE in values or any(getattr(v, "__module__", None) == BACKEND_MODULE for v in values)
+
+
+def _owner(loader: Any) -> str:
+    """Who registered a factory entry, as far as its loader says (a module path or a class) without
+    importing it."""
+    for value in _closure_values(loader):
+        if isinstance(value, str) and "." in value:
+            return f"module {value}"
+        if isinstance(value, type):
+            return f"{value.__module__}.{value.__qualname__}"
+    return "another package"
 
 
 def install_worker_methods() -> None:

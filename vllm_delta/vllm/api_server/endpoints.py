@@ -6,7 +6,8 @@ Under /v1 so that vLLM's --api-key guards them. Clients send versions, never pat
 store is fixed when the server starts (options.py). With "delta_follow" (or "delta_report") the
 service runs a Follower (follower.py) in the server's event loop, from `init_state` until the app
 shuts down. Errors answer with {"error": {...}} and the
-status of the exception (errors.py): 400 malformed, 404 unknown version, 409 not a successor,
+status of the exception (errors.py): 400 malformed, 403 not signed by a trusted key (`delta_trusted_keys`:
+SignatureError, raised by the plan before anything is staged), 404 unknown version, 409 not a successor,
 413 body too large, 415 not JSON by its Content-Type, 422 integrity failure, 503 store unreachable or
 cache unwritable, 504 store too slow; the server keeps serving the previous version in every case.
 

@@ -23,6 +23,18 @@ whenever it is about to update, moves along the newest version's chain up to the
 first mark, and otherwise waits for a version whose chain avoids every mark (the trainer's next
 anchor), showing the blocked version under `skipped`.
 
+A served version that becomes marked (itself, or a version on its chain since its anchor) is left by
+itself (`delta_leave_marked`, on by default): at every poll the follower reads the marks, and when no
+newer usable version takes it elsewhere, it moves back to the newest unmarked version on its chain by a
+backward update (shared/plan.py: the marked deltas undone, O(changes); where no backward path exists,
+that version's chain is replayed), at most `chain_cap` versions per update. It logs it, counts it
+(`vllm_delta_marked_left_total`) and shows it in status (`follow.last_left`). The min-version gate
+treats the server as one that is behind: from the moment it decides to leave, requests bounded above
+the version it goes back to wait (then 409) as on any replica serving it, and the move waits (retried
+at the next poll) while requests bounded above it still run. Its anchor marked, with no version to go
+back to, it keeps serving and says so (`last_error`, the gauge `vllm_delta_served_marked`) until a
+newer usable version appears.
+
 With `"delta_report": true` the follower writes this replica's report to the store's ledger
 (`vllm_delta.store.ledger`) when its version changes and every `delta_report_s` as a heartbeat. A store
 it cannot write to disables reporting with one warning (read-only followers simply don't report).
@@ -39,12 +51,20 @@ import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from ...errors import DeltaError, http_status
-from ...server_api import FollowStatus, Readiness
+from ...errors import (
+    DeltaError,
+    EngineSleepingError,
+    MissingBaseError,
+    VersionBoundConflictError,
+    VersionNotFoundError,
+    http_status,
+)
+from ...server_api import FollowStatus, LeftMarked, Readiness
 from ...store import DeltaStore
 from ...store.ledger import Ledger, ReplicaReport
-from ...store.marks import Marks, blocked_by, describe, reachable_prefix
+from ...store.marks import BadMark, Marks, blocked_by, describe, reachable_prefix
 from ..shared.options import FollowOptions
+from .metrics import metrics
 
 __all__ = ["FollowOptions", "FollowState", "Follower", "default_replica_id", "next_target", "readiness"]
 
@@ -67,6 +87,7 @@ class FollowState:
     last_pause_ms: float | None = None
     reporting: bool = False
     replica_id: str | None = None
+    last_left: LeftMarked | None = None  # the last time the follower left a marked version
 
     @property
     def lag(self) -> int | None:
@@ -92,10 +113,16 @@ class FollowState:
             replica_id=self.replica_id,
             poll_s=options.poll_s,
             mode=options.mode,
+            leave_marked=options.follow and options.leave_marked,
+            last_left=self.last_left,
         )
 
 
 MAX_SKIPPED = 32  # remembered bad targets (older ones are forgotten: they are behind anyway)
+# Refusals that are not the target's fault: the next poll tries again (never `skipped`)
+NOT_NOW = (VersionBoundConflictError, EngineSleepingError)
+
+Back = Callable[[int, int], Awaitable["float | None"]]  # (from, to) -> pause_ms, or None: not served any more
 
 
 class Follower:
@@ -105,7 +132,10 @@ class Follower:
     is testable without vLLM: `served()` -> the served version, `apply(version)` -> pause_ms of one
     update under the service's lock, or None when the server already serves that version or a newer
     one (a client's /v1/delta/update_weights got there first), `checksums()` -> (live checksum, the
-    served version's recorded checksum), read only for ledger reports.
+    served version's recorded checksum), read only for ledger reports; and `back(served, target)` ->
+    pause_ms of one update from `served` back to the older `target` (a backward update where the store
+    allows one, else a replay of target's chain), or None when the server no longer serves `served`
+    (without it, a marked version is not left).
 
     With `follow` off and `report` on, the loop only reports (a pushed server in the ledger)."""
 
@@ -117,12 +147,15 @@ class Follower:
         served: Callable[[], Awaitable[int | None]],
         apply: Callable[[int], Awaitable[float | None]],
         checksums: Callable[[], Awaitable[tuple[str | None, str | None]]],
+        back: Back | None = None,
     ):
         self.store = store
         self.options = options
         self._served = served
         self._apply = apply
         self._checksums = checksums
+        self._back = back
+        self._stuck: tuple[int, int] | None = None  # (served, marked version) told once: nowhere to go back to
         self.state = FollowState(store=store.uri, reporting=options.report)
         if options.report:
             self.state.replica_id = options.replica_id or default_replica_id()
@@ -171,19 +204,30 @@ class Follower:
         st.newest_seen = newest
         served = st.served = await self._served()
         changed = False
-        if self.options.follow and newest is not None and (served is None or newest > served):
-            changed = await self._advance(served, newest)
+        if self.options.follow:
+            changed = await self._follow(served, newest)
             if changed:
                 st.served = await self._served()
         await self._maybe_report(changed)
 
-    async def _advance(self, served: int | None, newest: int) -> bool:
+    async def _follow(self, served: int | None, newest: int | None) -> bool:
+        """One update, forward to a newer usable version, or else back from a marked one; True if the
+        served version changed (by us or a client). The marks are read once (one listing of `bad/`)."""
+        ahead = newest is not None and (served is None or newest > served) and newest not in self.state.skipped
+        leave = self.options.leave_marked and self._back is not None and served is not None
+        if not (ahead or leave):
+            return False
+        marks = await asyncio.to_thread(self.store.marks)
+        if ahead and newest is not None and await self._advance(served, newest, marks):
+            return True
+        if leave and served is not None:
+            return await self._leave_marked(served, marks)
+        return False
+
+    async def _advance(self, served: int | None, newest: int, marks: Marks) -> bool:
         """One update on the way to `newest`; True if the served version changed (by us or a client)."""
         st = self.state
-        if newest in st.skipped:
-            return False
         # -- bad-version marks: never apply a version whose chain passes through a marked one --
-        marks = await asyncio.to_thread(self.store.marks)
         target = await asyncio.to_thread(next_target, self.store, served, newest, self.options.chain_cap, marks)
         if target is None:  # every step forward passes through a marked version: wait for a newer one
             mark = await asyncio.to_thread(lambda: blocked_by(self.store.chain(newest), marks))
@@ -200,7 +244,7 @@ class Follower:
             pause_ms = await self._apply(target)
         except DeltaError as exc:
             self._error(target, exc)
-            if http_status(exc) < 500:  # the version itself is bad: never applied, never retried
+            if http_status(exc) < 500 and not isinstance(exc, NOT_NOW):  # the version is bad: never retried
                 st.skipped[target] = str(exc)[:300]
                 self._trim_skipped()
             return False
@@ -209,6 +253,68 @@ class Follower:
             st.updates += 1
             log.info("vllm-delta: following %s: now serving version %d", self.store.uri, target)
         return True
+
+    async def _leave_marked(self, served: int, marks: Marks) -> bool:
+        """Back from `served` when a mark lies on its chain: to the newest unmarked version of that chain (at
+        most `chain_cap` versions back per update). True if the served version changed."""
+        if not marks:
+            self._served_marked(False)
+            return False
+        try:
+            chain = await asyncio.to_thread(self.store.chain, served)
+        except (VersionNotFoundError, MissingBaseError):  # its chain left the store (retention): nothing to undo
+            return False
+        mark = blocked_by(chain, marks)
+        self._served_marked(mark is not None)
+        if mark is None:
+            return False
+        usable = reachable_prefix(chain, marks)
+        if not usable:  # its anchor is marked: nothing on this chain to go back to
+            if self._stuck != (served, mark.version):
+                self._stuck = (served, mark.version)
+                why = f"serving version {served}, and {describe(mark)}: no unmarked version on its chain to go back to"
+                self._error(None, DeltaError(f"{why}; waiting for a newer usable version"))
+            return False
+        versions = [r.version for r in chain]
+        target = max(usable[-1].version, versions[max(0, versions.index(served) - self.options.chain_cap)])
+        if target in self.state.skipped:
+            return False
+        assert self._back is not None
+        try:
+            pause_ms = await self._back(served, target)
+        except DeltaError as exc:
+            self._error(target, exc)
+            if http_status(exc) < 500 and not isinstance(exc, NOT_NOW):
+                self.state.skipped[target] = str(exc)[:300]
+                self._trim_skipped()
+            return False
+        if pause_ms is None:
+            return True  # a client moved the server meanwhile: decide again at the next poll
+        self._left(served, target, mark, pause_ms)
+        return True
+
+    def _left(self, served: int, target: int, mark: BadMark, pause_ms: float) -> None:
+        st = self.state
+        st.last_pause_ms = pause_ms
+        st.updates += 1
+        st.last_left = LeftMarked(
+            version=served, to=target, marked=mark.version, reason=mark.reason[:300], time=time.time()
+        )
+        log.warning(
+            "vllm-delta: following %s: left version %d (%s): now serving version %d",
+            self.store.uri,
+            served,
+            describe(mark),
+            target,
+        )
+        if (m := metrics()) is not None:
+            m.marked_left.inc()
+
+    def _served_marked(self, marked: bool) -> None:
+        if not marked:
+            self._stuck = None
+        if (m := metrics()) is not None:
+            m.served_marked.set(1 if marked else 0)
 
     def _trim_skipped(self) -> None:
         skipped = self.state.skipped

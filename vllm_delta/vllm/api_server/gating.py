@@ -29,10 +29,13 @@ POST /v1/completions and /v1/chat/completions, streamed or not, may name a bound
 * an update's writes are every rank or none (shared/two_phase.py): a failed one leaves the previous weights (>= N).
 
 So only an upgrade can be written under a running bounded request: keep mode preempts it and recomputes
-its KV on the new weights, in-flight mode continues it on the new weights; either way >= N. The
-follower never moves a server backwards; a push with `allow_reanchor` to an older version is the only
-downgrade, refused while running requests need more. Updates made past the plugin (vLLM's own RL
-routes in dev mode) are not seen by the gate.
+its KV on the new weights, in-flight mode continues it on the new weights; either way >= N. A downgrade
+(a push of an older version; a follower leaving a version marked bad) is refused while running
+requests need more. A follower leaving a marked version first `hold_at`s the version it goes back to:
+from then on the server admits requests as one serving that version (behind: bounds above it wait, then
+409), so the requests running above it end and its next try goes through. The hold lifts when the
+served version changes. Updates made past the plugin (vLLM's own RL routes in dev mode) are not seen by
+the gate.
 
 vLLM's OpenAI server accepts unknown body fields (`OpenAIBaseModel`: `extra="allow"`, logged at
 debug level and otherwise ignored), so the body is passed on unchanged.
@@ -67,6 +70,7 @@ class VersionGate:
         self.wait_s = wait_s  # how long a request waits for its bound (the service sets it)
         self._served: int | None = None
         self._updating: int | None = None  # target of the update in progress
+        self._held: int | None = None  # hold_at: admit as if this version were served (a downgrade to come)
         self._running: Counter[int] = Counter()  # bound -> requests running with it
         self._changed: asyncio.Event | None = None  # set (and replaced) when the floor may have risen
 
@@ -84,12 +88,18 @@ class VersionGate:
         update in progress when that is older (None: no version is served)."""
         if self._served is None:
             return None
-        return self._served if self._updating is None else min(self._served, self._updating)
+        return min(v for v in (self._served, self._updating, self._held) if v is not None)
 
     def note_served(self, version: int | None) -> None:
         if version != self._served:
             self._served = version
+            self._held = None  # what the hold was for is done (or moot: another update came first)
             self._wake()
+
+    def hold_at(self, version: int) -> None:
+        """A downgrade to `version` is coming (a follower leaving a marked version): admit requests as if it
+        were served now, until the served version changes."""
+        self._held = version
 
     def _wake(self) -> None:
         if self._changed is not None:

@@ -21,6 +21,9 @@ logger starts). Labels carry error class names and status codes only: `/metrics`
                                                   held (waited, then ran) | refused (409) | malformed (400)
     vllm_delta_engines_disagree                   gauge: 1 while the data-parallel engines serve different
                                                   versions (as last read)
+    vllm_delta_marked_left_total                  the follower left a version marked bad by itself
+    vllm_delta_served_marked                      gauge: 1 while the follower sees a mark on the served
+                                                  version's chain (until it has left it)
 
 Beside them, every update and prefetch is observed through vLLM's own RL series (vLLM 0.32 and 0.33,
 `vllm/entrypoints/rl/online/metrics.py`), so a dashboard built on vLLM's series sees them:
@@ -93,6 +96,12 @@ class Metrics:
         self.engines_disagree = Gauge(
             "vllm_delta_engines_disagree",
             "1 while the data-parallel engines of this server serve different versions",
+            multiprocess_mode="mostrecent",
+        )
+        self.marked_left = Counter("vllm_delta_marked_left", "Versions marked bad that the follower left by itself")
+        self.served_marked = Gauge(
+            "vllm_delta_served_marked",
+            "1 while a mark lies on the served version's chain (the follower leaves it)",
             multiprocess_mode="mostrecent",
         )
         for outcome in ("applied", "unchanged", "failed"):

@@ -59,7 +59,8 @@ class PrefetchSlot:
             p is not None
             and p.served == served.version
             and p.plan.versions == plan.versions
-            and [r.to_json() for r in p.plan.records] == [r.to_json() for r in plan.records]
+            and p.plan.target == plan.target
+            and [r.to_json() for r in p.plan.files] == [r.to_json() for r in plan.files]
             and p.staged.update.method == method
         ):
             self.held = None

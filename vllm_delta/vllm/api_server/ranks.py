@@ -158,7 +158,10 @@ class Ranks:
         """An update wrote `plan`: the target is served, with its header's sums (returned) and chain."""
         recorded = dict(zip(header.tensors.names, (int(c, 16) for c in header.tensors.checksums)))
         self.note_served(plan.target, header.checksum, recorded)
-        self._cache().applied(plan.versions, plan.reanchor)
+        if plan.undo_to is not None:
+            self._cache().undone(plan.target)
+        else:
+            self._cache().applied(plan.versions, plan.reanchor)
         return recorded
 
     async def prune_cache(self, served: int | None, staged: list[int]) -> None:

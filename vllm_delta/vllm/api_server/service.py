@@ -11,7 +11,7 @@ The service keeps the request flow; its parts are given to it (`DeltaService.of`
     LiveChecks    the live checksum kept current, recomputed when it must be (live_checks.py)
     VersionGate   requests naming a `min_weight_version` (gating.py): told of every update, refuses
                   one (409) whose target is older than running requests need
-    Follower      follow mode (follower.py): its updates go through `follow_update`, the same steps
+    Follower      follow mode (follower.py): its updates go through `following` (following.py), the same steps
                   under the same lock as /v1/delta/update_weights; its state is part of status
 
 An update: read what the ranks serve -> plan -> the gate -> stage, verify, write (or write the
@@ -33,7 +33,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ...checksums import Sums
-from ...errors import InflightRefusedError
 from ...format import VersionHeader
 from ...server_api import (
     AppliedUpdate,
@@ -53,6 +52,7 @@ from ..shared.options import FollowOptions, ServiceOptions, StoreSpec
 from ..shared.plan import UpdatePlan, plan_update
 from ..shared.two_phase import PatchOptions, Update
 from .follower import Follower, readiness
+from .following import FollowUpdates
 from .gating import VersionGate
 from .live import LiveChecksum
 from .live_checks import LiveChecks
@@ -89,7 +89,7 @@ class DeltaService:
         self.prefetched = prefetched
         self.last_update: AppliedUpdate | None = None
         self.follower: Follower | None = None
-        self._inflight_refused: str | None = None  # why this engine refused an in-flight update (follow mode)
+        self.following = FollowUpdates(operations, ranks, ranks.gate, self._update)  # the follower's updates
 
     @classmethod
     def of(
@@ -139,24 +139,8 @@ class DeltaService:
             return await self._update(served, request)
 
     async def follow_update(self, version: int, mode: UpdateMode) -> UpdateResult | None:
-        """The follower's update: as /v1/delta/update_weights, unless the server already serves `version`
-        or a newer one (a client's update got there first between the follower's poll and this lock):
-        then None, and nothing is staged or applied. A follower never moves a server backwards."""
-        async with self.operations.run("update", version):
-            served, _ = await self.ranks.read()
-            if served.version is not None and served.version >= version:
-                return None
-            if mode == "inflight" and self._inflight_refused is not None:
-                mode = "keep"
-            try:
-                return await self._update(served, UpdateRequest(version, mode=mode))
-            except InflightRefusedError as exc:
-                # This engine can't take in-flight updates (the reason does not change while it runs):
-                # the follower goes on in keep mode, instead of skipping a good version as refused.
-                log.warning("vllm-delta: follow mode falls back from inflight to keep: %s", exc)
-                self._inflight_refused = str(exc)
-                served, _ = await self.ranks.read()
-                return await self._update(served, UpdateRequest(version, mode="keep"))
+        """The follower's update (following.py): None when the server already serves `version` or newer."""
+        return await self.following.forward(version, mode)
 
     async def _update(self, served: WorkerStatus, request: UpdateRequest) -> UpdateResult:
         """One update from `served` (read under the lock, which the caller holds)."""
@@ -191,7 +175,7 @@ class DeltaService:
         return out
 
     async def _plan(self, served: WorkerStatus, request: PrefetchRequest | UpdateRequest) -> UpdatePlan:
-        args = (self.store, served.version, served.checksum, request.version, request.allow_reanchor)
+        args = (self.store, served.version, served.checksum, request.version, request.allow_reanchor, self.api.trust)
         return await self.api.deadline.in_thread(functools.partial(plan_update, *args))
 
     def _steps(self, served: WorkerStatus, plan: UpdatePlan) -> WorkerUpdate:
@@ -229,17 +213,12 @@ class DeltaService:
 
     # -- follow mode ----------------------------------------------------------------------------------
     def start_follower(self, options: FollowOptions) -> Follower:
-        """A Follower whose every update goes through this service, started as a task of the running
-        event loop; its state is part of status(). `stop` ends it. Following on a server with
+        """A Follower whose every update goes through this service (following.py), started as a task of the
+        running event loop; its state is part of status(). `stop` ends it. Following on a server with
         EPLB is refused (the server does not start: shared/eplb.py)."""
         if options.follow:
             refuse_eplb(self.api.vllm_config, "to follow the store")
-
-        async def apply(version: int) -> float | None:
-            result = await self.follow_update(version, options.mode)
-            return None if result is None else result.pause_ms
-
-        self.follower = Follower(self.store, options, served=self.served_version, apply=apply, checksums=self.checksums)
+        self.follower = self.following.follower(self.store, options, self.served_version, self.checksums)
         self.follower.start()
         what = "following" if options.follow else "reporting to the ledger of"
         log.info("vllm-delta: %s %s (poll every %.1f s)", what, self.store.uri, options.poll_s)

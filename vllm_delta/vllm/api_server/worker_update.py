@@ -2,7 +2,8 @@
 
 One update, from the plan on (the service reads what the ranks serve and plans first):
 
-    plan      which versions to apply (shared/plan.py: successor rule, 404 / 409)
+    plan      which versions to apply, or to undo back to an older one (shared/plan.py: successor rule,
+              backward path, 404 / 409)
     fetch     download the versions' files once into the host's cache, each checked against the
               record the plan was decided on; the target's header is kept (the workers of this host
               find the files there)
@@ -34,11 +35,12 @@ import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ...checksums import Sums
 from ...errors import (
     DeltaError,
+    EngineSleepingError,
     EplbRefusedError,
     InflightRefusedError,
     PatchFailedError,
@@ -51,6 +53,7 @@ from ..shared import rpc
 from ..shared.messages import PatchedAll, StageSummary, WorkerStatus
 from ..shared.options import StoreSpec
 from ..shared.plan import UpdatePlan
+from ..shared.trust import TrustPolicy
 from ..shared.two_phase import AllPatched, AllRolledBack, PatchOptions, Staged, TwoPhaseUpdate, Update, patch_all
 from .deadline import Deadline
 
@@ -73,6 +76,7 @@ class ApiProcess:
     engine_core: rpc.EngineCore
     spec: StoreSpec
     deadline: Deadline
+    trust: TrustPolicy | None = None  # delta_trusted_keys: every plan checked (shared/trust.py)
 
     @property
     def vllm_config(self) -> Any:
@@ -93,6 +97,7 @@ class ApiProcess:
             rpc.EngineCore(transport),
             spec,
             Deadline(spec.update_timeout_s, spec.uri),
+            TrustPolicy.of(spec.trust()),
         )
 
 
@@ -129,20 +134,23 @@ class WorkerUpdate(TwoPhaseUpdate[Applied]):
         api = self.api
         # Fetch once here (a cache shared with the workers of this host), off the event loop, each file
         # checked against the record this plan was decided on; the target's header is kept to verify.
-        for rec in self.plan.records:
+        # A backward plan's target comes last: the header the undone versions lead back to.
+        files = self.plan.files
+        for rec in files:
             self.target_header = await api.deadline.in_thread(functools.partial(_header_of, self.store, rec))
         if not self.served.probed:
-            (await api.workers.probe(api.spec, update.target)).all()
+            refused(await api.workers.probe(api.spec, update.target)).all()
         args = rpc.StageArgs(
             ticket=update.ticket,
             store=api.spec,
-            versions=update.versions,
+            versions=[r.version for r in files],
             method=update.method,
-            records=[r.to_json() for r in self.plan.records],
+            records=[r.to_json() for r in files],
             fault=update.fault,
+            undo=self.plan.undo_to is not None,
         )
         self._sent.add(update.ticket)
-        (await api.workers.stage_start(args)).all()
+        refused(await api.workers.stage_start(args)).all()
         return await self._wait_staged(update.ticket)
 
     async def _wait_staged(self, ticket: str) -> rpc.Replies[StageSummary]:
@@ -216,7 +224,9 @@ async def patch_through_engine_core(api: ApiProcess, staged: Staged, options: Pa
 
 
 # What an engine core refuses before writing anything (409): the update is refused, not failed
-REFUSALS: dict[str, type[DeltaError]] = {cls.__name__: cls for cls in (InflightRefusedError, EplbRefusedError)}
+REFUSALS: dict[str, type[DeltaError]] = {
+    cls.__name__: cls for cls in (InflightRefusedError, EplbRefusedError, EngineSleepingError)
+}
 
 
 async def _patch_every_engine(api: ApiProcess, args: rpc.PatchAllArgs) -> list[PatchedAll]:
@@ -243,6 +253,19 @@ async def _patch_every_engine(api: ApiProcess, args: rpc.PatchAllArgs) -> list[P
         f"update to version {args.version} failed ({outcome.failure}) and could not be rolled back"
         f"{many}: {outcome.rollback_failure}; scheduling is stopped: restart the server"
     )
+
+
+R = TypeVar("R")
+
+
+def refused(replies: rpc.Replies[R]) -> rpc.Replies[R]:
+    """`replies`, unless a callee refused the call before doing anything (REFUSALS: the engine sleeps, ...):
+    then that refusal, with its class (409 naming it)."""
+    for _, error in replies.errors:
+        refusal = REFUSALS.get(error.type)
+        if refusal is not None:
+            raise refusal(error.message)
+    return replies
 
 
 def inflight_of(engines: list[PatchedAll]) -> PatchedAll:
@@ -284,9 +307,10 @@ def update_result(
         stage_ms=applied.staged.stage_ms,
         nnz=plan.nnz,
         bytes=plan.bytes,
-        applied=plan.versions,
+        applied=[] if plan.undo_to is not None else plan.versions,
         mode=request.mode,
         method=request.method,
+        undone=plan.undone or None,
         reanchored=plan.reanchor,
         prefetched=prefetched,
         elements_written=sum(s.nnz for s in summaries),

@@ -7,7 +7,8 @@ process reaches it through the public `EngineClient.collective_rpc`: the plugin 
 `EngineCore.collective_rpc` and answers the reserved names (rpc.ENGINE_CORE_CALLS) itself instead of
 forwarding them to the workers. In that one call (`write_between_steps`, around two_phase.patch_all):
 
-    refuse      every mode: no write on a server with EPLB (shared/eplb.py), none after a failed rollback
+    refuse      every mode: no write on a server with EPLB (shared/eplb.py), none while the engine sleeps
+                (sleep.py), none after a failed rollback
     preflight   mode "inflight" only: refuse what cannot be made safe (409 + reason): KV /
                 encoder-cache / aux-output connectors, multimodal encoder caches, data parallelism,
                 an unknown scheduler
@@ -56,7 +57,7 @@ from ..shared import rpc
 from ..shared.eplb import refuse_eplb
 from ..shared.messages import LabelSet, Patched, PatchedAll, PrefixCleared, PrefixState, RolledBackAll
 from ..shared.two_phase import AllPatched, AllRolledBack, patch_all, run_sync
-from . import provenance
+from . import provenance, sleep
 from .provenance import external_id
 
 log = logging.getLogger(__name__)
@@ -240,6 +241,7 @@ def _refuse_unsafe(core: Any, st: EngineState, inflight: bool) -> None:
     if st.inconsistent is not None:
         raise RollbackFailedError(f"a rollback failed earlier, ranks may disagree: {st.inconsistent}")
     refuse_eplb(getattr(core, "vllm_config", None), "weight updates")  # every mode: expert slots move under EPLB
+    sleep.refuse_asleep(core)  # every mode: the weights are not in place
     if not inflight:
         return
     try:
@@ -468,6 +470,9 @@ def patch_engine_core(engine_core_cls: Any) -> None:
             if args:
                 return [rpc.error_reply(TypeError(f"{method} takes keyword arguments only"))]
             return [RESERVED[method](self, **(kwargs or {}))]
+        asleep = sleep.guarded_call(self, method, kwargs) if isinstance(method, str) else None
+        if asleep is not None:  # never reaches a worker: its weights are not in place (sleep.py)
+            return [rpc.error_reply(asleep)]
         return orig_rpc(self, method, timeout, args, kwargs)
 
     orig_attach = engine_core_cls._attach_weight_version

@@ -41,6 +41,12 @@ class CacheKeeper:
         elif self._chain is not None:
             self._chain += versions
 
+    def undone(self, target: int) -> None:
+        """A backward update went back to `target`, on the served chain: the chain ends there now (the
+        versions undone stay in the cache, newer than the served one)."""
+        chain = self._chain
+        self._chain = chain[: chain.index(target) + 1] if chain is not None and target in chain else None
+
     def prune(self, served: int, staged: Sequence[int] = ()) -> None:
         """Keep `served`'s chain and the `staged` versions, drop the rest, then apply the size cap.
         Raises what the store raised (the caller logs it: PRUNE_FAILED)."""

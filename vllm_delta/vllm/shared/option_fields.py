@@ -15,13 +15,18 @@ it, or raises ValueError naming the key. From the declarations:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
+import os
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from ...server_api import UPDATE_MODES, UpdateMode
+
+if TYPE_CHECKING:
+    from ...signatures import TrustedKeys
 
 T = TypeVar("T")
 D = TypeVar("D")
@@ -127,6 +132,41 @@ def names(key: str, value: Any) -> tuple[str, ...]:
     if not isinstance(value, (list, tuple)) or not all(isinstance(n, str) for n in value):
         raise ValueError(f"{key} must be a list of tensor names, not {value!r}")
     return tuple(value)
+
+
+def key_files(key: str, value: Any) -> tuple[str, ...]:
+    """A list of key file paths; each must load (KeyFileError naming the file): a server must not start
+    believing it checks signatures with a key it cannot use."""
+    if (
+        isinstance(value, str)
+        or not isinstance(value, (list, tuple))
+        or not all(isinstance(p, str) and p for p in value)
+    ):
+        raise ValueError(f"{key} must be a list of public-key file paths, not {value!r}")
+    if value:
+        from ...errors import KeyFileError
+
+        try:
+            load_trusted_keys(tuple(value))
+        except KeyFileError as exc:
+            raise KeyFileError(f"{key}: {exc}") from None
+    return tuple(value)
+
+
+@functools.cache
+def load_trusted_keys(paths: tuple[str, ...]) -> TrustedKeys:
+    """The keys of `paths`, loaded once per process (a spec crosses to the workers with every call)."""
+    from ...signatures import TrustedKeys
+
+    return TrustedKeys.load(paths)
+
+
+def key_files_env(raw: str) -> list[str]:
+    """The environment's form of a list of paths: a JSON list, or paths separated by os.pathsep."""
+    if raw.lstrip().startswith("["):
+        paths: list[str] = json.loads(raw)
+        return paths
+    return [p for p in raw.split(os.pathsep) if p]
 
 
 def start_version(key: str, value: Any) -> int | str:

@@ -32,6 +32,9 @@ from .option_fields import (
     declared,
     from_extra,
     group,
+    key_files,
+    key_files_env,
+    load_trusted_keys,
     mapping,
     names,
     one_of,
@@ -48,6 +51,7 @@ from .option_fields import (
 )
 
 if TYPE_CHECKING:
+    from ...signatures import TrustedKeys
     from ...store import DeltaStore
 
 
@@ -56,6 +60,9 @@ def default_cache_dir() -> str:
     # Shared by the API process and the workers of one host: the API process downloads a version
     # once, before staging, and the workers find it there.
     return os.environ.get("VLLM_DELTA_CACHE_DIR") or os.path.join(tempfile.gettempdir(), "vllm-delta-cache")
+
+
+TRUSTED_KEYS = "delta_trusted_keys"
 
 
 @dataclass
@@ -97,6 +104,16 @@ class StoreSpec:
         default_doc="none",
         env=float,
     )
+    trusted_keys: tuple[str, ...] = option(
+        TRUSTED_KEYS,
+        (),
+        "public-key files (`vllm-delta keygen` writes PATH.pub): the server takes only versions signed by one "
+        "of them, of the run it serves; a push of any other answers 403 `SignatureError`, a follower skips "
+        "it, a start-up at one refuses to start (docs/SECURITY.md). Empty: signatures are not checked",
+        key_files,
+        default_doc="`[]`",
+        env=key_files_env,
+    )
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -105,8 +122,17 @@ class StoreSpec:
         from ...store import DeltaStore
 
         return DeltaStore(
-            self.uri, storage_options=self.storage_options, cache_dir=self.cache_dir, timeout_s=self.timeout_s
+            self.uri,
+            storage_options=self.storage_options,
+            cache_dir=self.cache_dir,
+            timeout_s=self.timeout_s,
+            check_digests=bool(self.trusted_keys),  # a signature binds the digests: check local files too
         )
+
+    def trust(self) -> TrustedKeys | None:
+        """The trusted keys, loaded (once per process); None: signatures are not checked. KeyFileError
+        naming a file that is not an Ed25519 public key."""
+        return load_trusted_keys(self.trusted_keys) if self.trusted_keys else None
 
 
 @dataclass(frozen=True)
@@ -147,6 +173,14 @@ class FollowOptions:
         "the report's name (`replicas/<id>.json`)",
         replica_name,
         default_doc="host-pid-random",
+    )
+    leave_marked: bool = option(
+        "delta_leave_marked",
+        True,
+        "a follower serving a version marked bad (or built on one) moves back to the newest unmarked version on "
+        "its chain by itself, at its next poll (a backward update); `false`: it keeps serving it until a newer "
+        "usable version appears",
+        boolean,
     )
 
     def __post_init__(self) -> None:
@@ -276,6 +310,12 @@ def server_store(load_format: str | None, extra: dict[str, Any] | str | None) ->
     """The store a server was started with; None if it has none."""
     options = server_options(load_format, extra)
     return None if options is None else options.store
+
+
+def trusted_keys_from_environment() -> tuple[str, ...]:
+    """`VLLM_DELTA_TRUSTED_KEYS`, checked (for a store named at run time, not at start-up)."""
+    keys: tuple[str, ...] = StoreSpec("-", trusted_keys=from_environment().get(TRUSTED_KEYS, ())).trusted_keys
+    return keys
 
 
 def from_environment() -> dict[str, Any]:

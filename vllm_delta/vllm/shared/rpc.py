@@ -45,6 +45,7 @@ from typing import Any, Generic, Protocol, TypeVar
 
 from ...errors import (
     DeltaError,
+    EngineSleepingError,
     EplbRefusedError,
     InflightRefusedError,
     PatchFailedError,
@@ -119,6 +120,9 @@ class StageArgs(Args):
     # file is opened and checked against them (None: read the records afresh).
     records: list[str] | None = None
     fault: str | None = None  # test hook (server_api.fault_hits)
+    # A backward update: the files of `versions` but the last are deltas undone, newest first, down to the
+    # last, the target (its header only: what the result must match).
+    undo: bool = False
 
 
 @dataclass(frozen=True)
@@ -402,7 +406,8 @@ class Workers:
 
 # Errors of the engine core's calls that keep their class in the API process (their HTTP answer names it).
 _ENGINE_ERRORS: dict[str, type[DeltaError]] = {
-    error_type(cls): cls for cls in (InflightRefusedError, EplbRefusedError, PatchFailedError, RollbackFailedError)
+    error_type(cls): cls
+    for cls in (InflightRefusedError, EplbRefusedError, EngineSleepingError, PatchFailedError, RollbackFailedError)
 }
 
 

@@ -3,7 +3,8 @@
     init_weight_transfer_engine {"init_info": {}}            (optional {"store": URI} if the server
                                                                was not started with --load-format delta)
     start_weight_update                                       (no-op: updates are in place)
-    update_weights {"update_info": {"version": N | "latest", "allow_reanchor": false}}
+    update_weights {"update_info": {"version": N | "latest", "allow_reanchor": false}}   (an older N on the
+                                                               served chain: backward, shared/plan.py)
     finish_weight_update                                      (no-op)
 
 `update_weights` runs on every rank at once: each stages its share, the ranks exchange checksum
@@ -34,8 +35,9 @@ from ..shared import rpc
 from ..shared.cache_keep import PRUNE_FAILED, CacheKeeper
 from ..shared.eplb import refuse_eplb
 from ..shared.messages import Patched, RolledBack, StageSummary
-from ..shared.options import StoreSpec, server_store
+from ..shared.options import StoreSpec, server_store, trusted_keys_from_environment
 from ..shared.plan import UpdatePlan, plan_update
+from ..shared.trust import TrustPolicy
 from ..shared.two_phase import (
     AllPatched,
     AllRolledBack,
@@ -77,11 +79,16 @@ class DeltaWeightTransferEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateI
         super().__init__(config, vllm_config, device, model)
         load = vllm_config.load_config
         self.spec: StoreSpec | None = server_store(load.load_format, load.model_loader_extra_config)
+        self.trust: TrustPolicy | None = None
 
     def init_transfer_engine(self, init_info: DeltaInitInfo) -> None:
         refuse_eplb(self.vllm_config, "the weight-transfer backend delta")
         if init_info.store:
-            self.spec = StoreSpec(init_info.store, dict(init_info.storage_options or {}))
+            # Another store, the same trust: the server's delta_trusted_keys still hold (a client cannot
+            # turn the check off by naming a store).
+            keys = self.spec.trusted_keys if self.spec is not None else trusted_keys_from_environment()
+            self.spec = StoreSpec(init_info.store, dict(init_info.storage_options or {}), trusted_keys=keys)
+            self.trust = None
 
     def start_weight_update(self) -> None:
         pass
@@ -101,7 +108,9 @@ class DeltaWeightTransferEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateI
         target = store.resolve(update_info.version)
         if not replica.probed:  # every rank gets here together: the probe's exchange is collective
             replica.probe_layout(store.open(target, fresh=True).header.tensors.shape_map())
-        plan = plan_update(store, replica.served.version, replica.served.checksum, target, update_info.allow_reanchor)
+        self.trust = self.trust or TrustPolicy.of(self.spec.trust())  # the run pinned once, by the first plan
+        served = replica.served
+        plan = plan_update(store, served.version, served.checksum, target, update_info.allow_reanchor, self.trust)
         if not plan.versions:
             return
         steps = RankUpdate(replica, store, plan)
@@ -147,8 +156,8 @@ class RankUpdate(TwoPhaseUpdate[None]):
     async def stage_ranks(self, update: Update) -> rpc.Replies[StageSummary]:
         def stage() -> StageSummary:
             # Opened inside the exchanged step: a rank that can't read a file reports it to every rank.
-            self.files = [self.store.open(r.version, record=r) for r in self.plan.records]
-            return self.replica.stage(update.ticket, self.files)
+            self.files = [self.store.open(r.version, record=r) for r in self.plan.files]
+            return self.replica.stage(update.ticket, self.files, undo=self.plan.undo_to is not None)
 
         return rpc.Replies.decode(StageSummary, dist.all_gather_object(rpc.answer("staging", stage)))
 

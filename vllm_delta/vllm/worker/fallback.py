@@ -54,10 +54,12 @@ class FallbackApplier:
             return {n: 0 for n in self.reasons}
         return {n: tensor_sum(self.shadows[n]) if n in self.shadows else 0 for n in self.reasons}
 
-    def stage(self, files: list[VersionLike]) -> FallbackStage:
+    def stage(self, files: list[VersionLike], *, undo: bool = False) -> FallbackStage:
+        """The fallback tensors after `files` (in order), or with `undo` before them (deltas undone newest
+        first: their differences subtracted, as apply/chain.py does for the rest)."""
         out = FallbackStage()
         for name in self.reasons:
-            image, decoded = self._image(name, files)
+            image, decoded = self._image(name, files, undo)
             out.decoded += decoded
             if image is None:
                 continue
@@ -72,8 +74,9 @@ class FallbackApplier:
             )
         return out
 
-    def _image(self, name: str, files: list[VersionLike]) -> tuple[torch.Tensor | None, int]:
-        """(the tensor after `files` (in order), or None if they leave it unchanged; changed elements decoded)."""
+    def _image(self, name: str, files: list[VersionLike], undo: bool) -> tuple[torch.Tensor | None, int]:
+        """(the tensor after `files` (in order; `undo`: before them), or None if they leave it unchanged;
+        changed elements decoded)."""
         image, decoded = None, 0
         for vf in files:
             h = vf.header
@@ -107,7 +110,8 @@ class FallbackApplier:
                     h.codec or "", piece.payload, piece.enc, numel=e.numel, nnz=piece.nnz, dtype=e.torch_dtype, ctx=ctx
                 )
                 codecs.check_piece(changes.positions, piece.start, piece.stop, ctx)
-                flat[changes.positions] = changes.new_bits(flat[changes.positions])
+                at = flat[changes.positions]
+                flat[changes.positions] = changes.old_bits(at) if undo else changes.new_bits(at)
                 decoded += piece.nnz
         return image, decoded
 

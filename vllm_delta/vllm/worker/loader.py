@@ -9,9 +9,11 @@ exactly as vLLM's default loader feeds checkpoint shards. vLLM's post-processing
 (derived.py). Then the worker probes the layout (probe.py), refuses targets the post-processing
 transformed or shadowed, checks the layout against vLLM's sparse path, and compares, tensor by tensor,
 the live checksum of the loaded parameters over all ranks with the version's header: a server whose
-live weights don't match what it loaded refuses to start, naming the tensor. A version that does not
-fit the model (another shape: the model's loader fails; another dtype: the probed parameters say so)
-is refused with a message that names the store, the version and the tensor.
+live weights don't match what it loaded refuses to start, naming the tensor. With `delta_trusted_keys`,
+every record of the start version's chain must be signed by a trusted key (shared/trust.py), checked
+before any data file is read: else the server refuses to start (SignatureError naming the version).
+A version that does not fit the model (another shape: the model's loader fails; another dtype: the
+probed parameters say so) is refused with a message that names the store, the version and the tensor.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from ...reconstruct import iter_version, open_chain, replay_tensor
 from ..postprocess.derived import install_hook
 from ..shared.eplb import refuse_eplb
 from ..shared.options import LoaderOptions, split_extra_config
+from ..shared.trust import check_start
 from .replica import REPLICA_ATTR, DeltaReplica, Served
 
 log = logging.getLogger(__name__)
@@ -54,7 +57,10 @@ class DeltaModelLoader(DefaultModelLoader):
     def _chain(self):
         if self._files is None:
             version = self._start_version()
-            self._files = open_chain(self.store, version)
+            records = self.store.chain(version, fresh=True)
+            # delta_trusted_keys: the whole chain signed by a trusted key, of one run, before any file is read
+            check_start(self.options.store.trust(), records, f"store {self.store.uri}")
+            self._files = open_chain(self.store, version, records=records)
             log.info("vllm-delta: loading version %d from %s (%d files)", version, self.store.uri, len(self._files))
         return self._files
 

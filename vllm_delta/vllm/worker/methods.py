@@ -43,13 +43,13 @@ log = logging.getLogger(__name__)
 A = TypeVar("A")
 R = TypeVar("R")
 
-_stores: dict[tuple[str, str, str], DeltaStore] = {}
+_stores: dict[tuple[str, str, str, bool], DeltaStore] = {}
 _stores_lock = threading.Lock()
 
 
 def open_store(spec: StoreSpec) -> DeltaStore:
     """One DeltaStore per (uri, options, cache dir) in this process: records are cached inside it."""
-    key = (spec.uri, repr(sorted(spec.storage_options.items())), spec.cache_dir)
+    key = (spec.uri, repr(sorted(spec.storage_options.items())), spec.cache_dir, bool(spec.trusted_keys))
     with _stores_lock:
         if key not in _stores:
             _stores[key] = spec.open()
@@ -96,7 +96,7 @@ def served_sums(r: DeltaReplica, args: rpc.NoArgs) -> RankSums:
 
 def stage_start(r: DeltaReplica, args: rpc.StageArgs) -> StageStarted:
     """Stage `versions` on a background thread, each file checked against the records the API process
-    decided on (or, without records, read afresh)."""
+    decided on (or, without records, read afresh); with `undo`, back to the last of them."""
     st = open_store(args.store)
     if args.records is not None:
         recs = [VersionRecord.from_json(text) for text in args.records]
@@ -108,6 +108,7 @@ def stage_start(r: DeltaReplica, args: rpc.StageArgs) -> StageStarted:
             lambda: [st.open(rec.version, record=rec) for rec in recs],
             method=args.method,
             fault=args.fault,
+            undo=args.undo,
         )
     else:
         versions = list(args.versions)
@@ -117,6 +118,7 @@ def stage_start(r: DeltaReplica, args: rpc.StageArgs) -> StageStarted:
             lambda: [st.open(v, fresh=True) for v in versions],
             method=args.method,
             fault=args.fault,
+            undo=args.undo,
         )
     return StageStarted(args.ticket)
 

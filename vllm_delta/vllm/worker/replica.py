@@ -74,6 +74,7 @@ class Ticket:
     method: Method = "delta"  # "vllm": write through vLLM's sparse path instead (vllm_path.py)
     vllm_patches: list[Any] | None = None  # for method "vllm": vLLM CheckpointWeightPatch objects
     fault: str | None = None  # test hook (server_api.fault_hits)
+    undo: bool = False  # the files but the last are undone, newest first, down to the last (rpc.StageArgs)
 
 
 class DeltaReplica:
@@ -259,9 +260,10 @@ class DeltaReplica:
         return sorted(self.fallback.reasons) if self.fallback else []
 
     # -- staging --------------------------------------------------------------------------------
-    def stage(self, ticket: str, files: list[VersionLike]) -> StageSummary:
-        """Stage synchronously (the loader, the native backend). Returns the summary."""
-        self.tickets[ticket] = t = Ticket([vf.version for vf in files])
+    def stage(self, ticket: str, files: list[VersionLike], *, undo: bool = False) -> StageSummary:
+        """Stage synchronously (the loader, the native backend). Returns the summary. With `undo`, the
+        files but the last are undone, newest first, down to the last (rpc.StageArgs)."""
+        self.tickets[ticket] = t = Ticket([vf.version for vf in files], undo=undo)
         self._stage_into(t, lambda: files)
         if t.error is not None:
             self.tickets.pop(ticket, None)
@@ -275,6 +277,7 @@ class DeltaReplica:
         open_files: Callable[[], list[VersionLike]],
         method: Method = "delta",
         fault: str | None = None,
+        undo: bool = False,
     ) -> None:
         """Stage on a background thread: generation continues between the worker's RPCs meanwhile."""
         self._require()
@@ -282,7 +285,7 @@ class DeltaReplica:
             raise ValueError(f"ticket {ticket} is already staged")
         if method not in METHODS:
             raise ValueError(f"unknown apply method {method!r}")
-        t = Ticket(list(versions), method=method, fault=fault)
+        t = Ticket(list(versions), method=method, fault=fault, undo=undo)
         if self._stager is None:
             self._stager = ThreadPoolExecutor(1, thread_name_prefix="vllm-delta-stage")
         self.tickets[ticket] = t
@@ -293,11 +296,14 @@ class DeltaReplica:
         try:
             engine = self._require()
             files = open_files()
+            back_to = None
+            if t.undo:  # a backward update: the last file is its target, opened for its header
+                files, back_to = files[:-1], files[-1].header
             if fault_hits(t.fault, "stage", self.engine_index, self.rank):
                 raise InjectedFaultError(f"injected fault while staging on {self._who}")
-            t.staged = engine.stage(files)  # on the engine's own side stream
+            t.staged = engine.stage(files, back_to=back_to)  # on the engine's own side stream
             assert self.fallback is not None
-            t.fallback = self.fallback.stage(files)
+            t.fallback = self.fallback.stage(files, undo=t.undo)
             if t.method == "vllm":
                 t.vllm_patches = vllm_path.checkpoint_patches(engine.layout, t.staged)
         except BaseException as exc:  # noqa: BLE001 - reported to the API process by poll
