@@ -139,7 +139,7 @@ def soak(
         run = LiveRun(uri, SPEC, model_dir=model_dir, storage_options=s3.storage_options, anchor_every=anchor_every)
         run.publish()
         cache = os.path.join(work, "cache")
-        folder = DeltaStore(uri, s3.storage_options, cache_dir=cache)._download_dir()
+        folder = DeltaStore(uri, s3.storage_options, cache_dir=cache).cache.folder()
         cfg = {"delta_storage_options": s3.storage_options, "delta_cache_dir": cache}
         srv = VllmServer(  # dev mode for the control's pause/resume routes (127.0.0.1 only)
             run.model_dir,

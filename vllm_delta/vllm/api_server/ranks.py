@@ -174,7 +174,7 @@ class Ranks:
             await in_thread(functools.partial(self._cache().prune, served, staged))
             m = metrics()
             if m is not None:
-                m.cache_bytes.set(await in_thread(self._store().cache_bytes))
+                m.cache_bytes.set(await in_thread(self._store().cache.total_bytes))
         except Exception as exc:  # noqa: BLE001
             log.warning(PRUNE_FAILED, exc)
 

@@ -40,9 +40,6 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from ...checksums import Sums
 from ...errors import (
     DeltaError,
-    EngineSleepingError,
-    EplbRefusedError,
-    InflightRefusedError,
     PatchFailedError,
     RollbackFailedError,
     error_type,
@@ -181,7 +178,7 @@ class WorkerUpdate(TwoPhaseUpdate[Applied]):
             await self.api.workers.release(ticket)
 
     async def drop_cached(self, versions: list[int]) -> None:
-        await self.api.deadline.in_thread(functools.partial(self.store.prune_cache, versions=versions))
+        await self.api.deadline.in_thread(functools.partial(self.store.cache.prune, versions=versions))
 
 
 def _header_of(store: DeltaStore, rec: VersionRecord) -> VersionHeader:
@@ -223,15 +220,9 @@ async def patch_through_engine_core(api: ApiProcess, staged: Staged, options: Pa
     return Applied(staged, (time.perf_counter() - t0) * 1e3, max(e.apply_ms for e in engines))
 
 
-# What an engine core refuses before writing anything (409): the update is refused, not failed
-REFUSALS: dict[str, type[DeltaError]] = {
-    cls.__name__: cls for cls in (InflightRefusedError, EplbRefusedError, EngineSleepingError)
-}
-
-
 async def _patch_every_engine(api: ApiProcess, args: rpc.PatchAllArgs) -> list[PatchedAll]:
     """two_phase.patch_all over the engine cores: every engine writes all its ranks; if one failed, every
-    engine is rolled back. Raises what the first failure was (a refusal, REFUSALS: nothing written, 409),
+    engine is rolled back. Raises what the first failure was (a refusal, rpc.REFUSALS: nothing written, 409),
     PatchFailedError (500) or RollbackFailedError (500: every engine stops scheduling)."""
     engines = rpc.EnginePatches(api.engine_core, args)
     outcome = await patch_all(engines, args.ticket, method=args.method, fault=args.fault, after_patch=list)
@@ -240,7 +231,7 @@ async def _patch_every_engine(api: ApiProcess, args: rpc.PatchAllArgs) -> list[P
     many = " on every engine" if api.engines > 1 else ""
     if isinstance(outcome, AllRolledBack):
         first = outcome.error
-        refusal = REFUSALS.get(first.type) if first is not None else None
+        refusal = rpc.REFUSALS.get(first.type) if first is not None else None
         if not many and first is not None and (refusal is not None or first.type == error_type(PatchFailedError)):
             raise (refusal or PatchFailedError)(first.message)  # one engine: as it was
         if refusal is not None:  # 409 (in flight, the follower falls back to keep): what another engine wrote is undone
@@ -259,10 +250,10 @@ R = TypeVar("R")
 
 
 def refused(replies: rpc.Replies[R]) -> rpc.Replies[R]:
-    """`replies`, unless a callee refused the call before doing anything (REFUSALS: the engine sleeps, ...):
+    """`replies`, unless a callee refused the call before doing anything (rpc.REFUSALS: the engine sleeps, ...):
     then that refusal, with its class (409 naming it)."""
     for _, error in replies.errors:
-        refusal = REFUSALS.get(error.type)
+        refusal = rpc.REFUSALS.get(error.type)
         if refusal is not None:
             raise refusal(error.message)
     return replies

@@ -404,10 +404,14 @@ class Workers:
         return await self.call(RELEASE, TicketArgs(ticket))
 
 
+# What a callee refuses before doing anything (409: nothing written), by the name its reply carries.
+REFUSALS: dict[str, type[DeltaError]] = {
+    error_type(cls): cls for cls in (InflightRefusedError, EplbRefusedError, EngineSleepingError)
+}
 # Errors of the engine core's calls that keep their class in the API process (their HTTP answer names it).
 _ENGINE_ERRORS: dict[str, type[DeltaError]] = {
-    error_type(cls): cls
-    for cls in (InflightRefusedError, EplbRefusedError, EngineSleepingError, PatchFailedError, RollbackFailedError)
+    **REFUSALS,
+    **{error_type(cls): cls for cls in (PatchFailedError, RollbackFailedError)},
 }
 
 

@@ -186,7 +186,7 @@ class RankUpdate(TwoPhaseUpdate[None]):
         self.replica.release(ticket)
 
     async def drop_cached(self, versions: list[int]) -> None:
-        self.store.prune_cache(versions=versions)
+        self.store.cache.prune(versions=versions)
 
 
 def _nothing(written: list[Patched]) -> None:
