@@ -211,7 +211,8 @@ def engines(objs, ranks: list[WorkerRanks], *, connector_on=()):
 
 
 def write(objs, cores, mode="keep", version=4):
-    from vllm_delta.vllm.api_server.worker_update import ApiProcess, patch_through_engine_core
+    from vllm_delta.vllm.api_server.api_process import ApiProcess
+    from vllm_delta.vllm.api_server.worker_update import patch_through_engine_core
     from vllm_delta.vllm.shared.options import StoreSpec
 
     api = ApiProcess.of(AsyncLLMStandIn(cores), StoreSpec("/nonexistent-store"))

@@ -51,16 +51,16 @@ from ..shared.messages import WorkerStatus
 from ..shared.options import FollowOptions, ServiceOptions, StoreSpec
 from ..shared.plan import UpdatePlan, plan_update
 from ..shared.two_phase import PatchOptions, Update
+from .api_process import ApiProcess
 from .follower import Follower, readiness
 from .following import FollowUpdates
 from .gating import VersionGate
-from .live import LiveChecksum
 from .live_checks import LiveChecks
 from .metrics import metrics
 from .operations import Operations
 from .prefetch import Prefetched, PrefetchSlot
 from .ranks import Ranks
-from .worker_update import ApiProcess, WorkerUpdate, unchanged_result, update_result
+from .worker_update import WorkerUpdate, unchanged_result, update_result
 
 if TYPE_CHECKING:
     from ...store import DeltaStore
@@ -107,10 +107,9 @@ class DeltaService:
         gate.wait_s = options.min_version_wait_s
         api = ApiProcess.of(engine_client, spec)
         opened = functools.cache(lambda: store or spec.open())
-        live = LiveChecksum()  # the live sums over all ranks, kept current at every update
-        ranks = Ranks(api, opened, gate, live, functools.cache(lambda: CacheKeeper(opened(), spec.cache_max_bytes)))
+        ranks = Ranks(api, opened, gate, functools.cache(lambda: CacheKeeper(opened(), spec.cache_max_bytes)))
         operations = Operations(api.deadline, functools.partial(refuse_operation, api.vllm_config))
-        return cls(api, opened, operations, ranks, LiveChecks(live, ranks, operations), PrefetchSlot(api.workers))
+        return cls(api, opened, operations, ranks, LiveChecks(ranks, operations), PrefetchSlot(api.workers))
 
     @property
     def store(self) -> DeltaStore:
@@ -196,7 +195,7 @@ class DeltaService:
         sums (plus the ranks' partials), the metrics."""
         self.last_update = AppliedUpdate.of(out, time.time())
         recorded = self.ranks.written(plan, header)
-        self.checks.live.applied(out.previous_version, out.version, partials, recorded)
+        self.checks.applied(out.previous_version, out.version, partials, recorded)
         if (m := metrics()) is not None:
             m.applied(out)
 

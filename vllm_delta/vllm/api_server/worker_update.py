@@ -31,7 +31,6 @@ import contextlib
 import dataclasses
 import functools
 import logging
-import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -48,11 +47,9 @@ from ...format import VersionHeader
 from ...server_api import PAUSE_MODES, UpdateRequest, UpdateResult
 from ..shared import rpc
 from ..shared.messages import PatchedAll, StageSummary, WorkerStatus
-from ..shared.options import StoreSpec
 from ..shared.plan import UpdatePlan
-from ..shared.trust import TrustPolicy
 from ..shared.two_phase import AllPatched, AllRolledBack, PatchOptions, Staged, TwoPhaseUpdate, Update, patch_all
-from .deadline import Deadline
+from .api_process import RPC_TIMEOUT_S, ApiProcess
 
 if TYPE_CHECKING:
     from ...store import DeltaStore, VersionRecord
@@ -61,41 +58,6 @@ log = logging.getLogger(__name__)
 
 POLL_S = 0.005  # first staging poll interval (each poll is one cheap RPC between forward passes) ...
 POLL_MAX_S = 0.04  # ... growing to this: a long staging is not polled 200 times a second
-RPC_TIMEOUT_S = float(os.environ.get("VLLM_DELTA_RPC_TIMEOUT_S", "600"))
-
-
-@dataclass(frozen=True)
-class ApiProcess:
-    """What the steps use in the API process."""
-
-    engine: Any  # vLLM's EngineClient: pause, resume, prefix-cache reset
-    workers: rpc.Workers
-    engine_core: rpc.EngineCore
-    spec: StoreSpec
-    deadline: Deadline
-    trust: TrustPolicy | None = None  # delta_trusted_keys: every plan checked (shared/trust.py)
-
-    @property
-    def vllm_config(self) -> Any:
-        """vLLM's config of the engine (None for a stand-in engine without one)."""
-        return getattr(self.engine, "vllm_config", None)
-
-    @property
-    def engines(self) -> int:
-        """The engine cores this API process fronts (vLLM's data-parallel engines; 1 without)."""
-        return len(getattr(getattr(self.engine, "engine_core", None), "core_engines", None) or [None])
-
-    @classmethod
-    def of(cls, engine_client: Any, spec: StoreSpec) -> ApiProcess:
-        transport = rpc.engine_client_transport(engine_client, RPC_TIMEOUT_S)
-        return cls(
-            engine_client,
-            rpc.Workers(transport),
-            rpc.EngineCore(transport),
-            spec,
-            Deadline(spec.update_timeout_s, spec.uri),
-            TrustPolicy.of(spec.trust()),
-        )
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,6 @@
-"""The live checksum the API process keeps current, so that GET /v1/delta/status never calls a worker.
+"""The live sums: the value (the checksum the API process keeps current, so that GET /v1/delta/status never
+calls a worker). When they are recomputed and what is done with a recomputation is live_checks.py's
+(`LiveChecks`, their one writer).
 
 The live per-tensor sums over all ranks (checksums.py: Σ w(p)(bits + 1) per Hugging Face tensor) are
 
@@ -30,6 +32,8 @@ from dataclasses import dataclass
 
 from ...checksums import Sums, add_sums, combine, to_hex
 from ...server_api import MISMATCHED_NAMES, EngineChecksum, Verification, VerifyTrigger
+from ..shared.messages import WorkerStatus
+from ..shared.two_phase import worlds
 
 
 @dataclass(frozen=True)
@@ -45,7 +49,7 @@ class LiveCopy:
 
 
 @dataclass
-class LiveChecksum:
+class LiveSums:
     """The live sums over all ranks as last recomputed or kept current, and the version they are of."""
 
     version: int | None = None
@@ -121,3 +125,18 @@ class LiveChecksum:
                 else None
             ),
         )
+
+
+def live_copies(ranks: list[WorkerStatus], engines: int) -> list[LiveCopy] | None:
+    """The live sums of every world in `ranks` (every rank's status in (engine, rank) order), each with the
+    engines it spans; None if a rank did not report its share."""
+    if any(r.live_sums is None for r in ranks):
+        return None
+    per_engine = len(ranks) // max(engines, 1)
+    return [
+        LiveCopy(
+            engines=sorted({i // per_engine for i in world}) if engines > 1 else [0],
+            sums=add_sums(ranks[i].live_sums or {} for i in world),
+        )
+        for world in worlds(ranks)
+    ]
