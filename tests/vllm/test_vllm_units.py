@@ -454,9 +454,15 @@ def test_update_deadline_and_status_while_busy(llama_run, tmp_path):
             raise AssertionError(f"unexpected RPC {name}")
 
     class SlowStore(DeltaStore):
-        def local_paths(self, version, *, record=None):
-            time.sleep(2.0)  # a store that answers, slowly
-            return super().local_paths(version, record=record)
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            fetch = self.files.local_paths  # where a version's files are fetched (store/files.py)
+
+            def slowly(rec):
+                time.sleep(2.0)  # a store that answers, slowly
+                return fetch(rec)
+
+            self.files.local_paths = slowly  # type: ignore[method-assign]
 
     async def scenario():
         svc = DeltaService.of(
