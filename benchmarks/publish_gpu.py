@@ -43,16 +43,17 @@ import datetime
 import json
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 import time
+from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
+from publish_report import by_world, report  # noqa: E402
 from torch import nn  # noqa: E402
 
 from vllm_delta import mapped_writes  # noqa: E402
@@ -190,7 +191,29 @@ def fill_targets(layout, targets: list[torch.Tensor], name: str, full: torch.Ten
         box.copy_(src[seg.row0 : seg.row0 + seg.rows, seg.col0 : seg.col0 + seg.cols])
 
 
-def run_rank(rank: int, world: int, cfg: Config) -> dict:
+@dataclasses.dataclass
+class Rank:
+    """One rank's training state and, on rank 0, the engine the versions go live in."""
+
+    rank: int
+    world: int
+    dev: torch.device
+    module: nn.Module
+    opt: torch.optim.Optimizer
+    lr: float
+    n_params: int
+    layout: Any
+    targets: list[torch.Tensor]
+    engine: ApplyEngine | None
+    group: Any
+
+    def step(self) -> None:
+        self.opt.step()
+
+
+def build_rank(rank: int, world: int, cfg: Config) -> Rank:
+    """The model's parameters (FSDP2-sharded over W ranks), gradients over one shared random buffer, SGD
+    at the learning rate that changes `cfg.density` of the bf16 images, and rank 0's engine."""
     import torch.distributed as dist
 
     dev = torch.device("cuda", rank) if torch.cuda.is_available() and not cfg.smoke else torch.device("cpu")
@@ -222,7 +245,6 @@ def run_rank(rank: int, world: int, cfg: Config) -> dict:
     opt = torch.optim.SGD(params, lr=lr, foreach=True)
     n_params = sum(int(torch.tensor(s).prod()) if s else 1 for s in shapes.values())
     group = dist.group.WORLD if world > 1 else None
-    tempfile.tempdir = os.path.dirname(cfg.store)  # the publisher's temp files: renamed into the store
     targets: list[torch.Tensor] = []
     # The engine (rank 0's process) on its own card where one is free (--engine-gpu): a whole 30B-A3B's
     # fp32 master shards, snapshot and the engine's bf16 targets do not fit one card together.
@@ -230,26 +252,28 @@ def run_rank(rank: int, world: int, cfg: Config) -> dict:
     if rank == 0:
         targets = [torch.zeros(s, dtype=torch.bfloat16, device=eng_dev) for s in target_shapes.values()]
     engine = ApplyEngine(dict(zip(target_shapes, targets)), layout, eng_dev) if rank == 0 else None
+    return Rank(rank, world, dev, module, opt, lr, n_params, layout, targets, engine, group)
 
-    def step() -> None:
-        opt.step()
 
+def run_rank(rank: int, world: int, cfg: Config) -> dict:
+    r = build_rank(rank, world, cfg)
+    tempfile.tempdir = os.path.dirname(cfg.store)  # the publisher's temp files: renamed into the store
     # (a) without publish
     plain = []
     for i in range(cfg.warmup + cfg.steps):
         _barrier(world)
-        _sync(dev)
+        _sync(r.dev)
         t = time.perf_counter()
-        step()
-        _sync(dev)
+        r.step()
+        _sync(r.dev)
         if i >= cfg.warmup:
             plain.append((time.perf_counter() - t) * 1e3)
-    out: dict = {"rank": rank, "plain_step_ms": plain, "lr": lr, "params": n_params, "runs": {}}
+    out: dict = {"rank": rank, "plain_step_ms": plain, "lr": r.lr, "params": r.n_params, "runs": {}}
     for codec_cfg in cfg.codecs:
         codec_name, _, path = codec_cfg.partition(":")
         path, _, planes = path.partition("/")  # "chunked:gpu/torch": the torch planes (before the Triton kernels)
-        if path == "gpu" and dev.type == "cuda" and gpu.backend(dev)[0] is None:
-            out["runs"][codec_cfg] = {"skipped": gpu.backend(dev)[1]}
+        if path == "gpu" and r.dev.type == "cuda" and gpu.backend(r.dev)[0] is None:
+            out["runs"][codec_cfg] = {"skipped": gpu.backend(r.dev)[1]}
             continue
         os.environ[gpu.PATH_ENV] = "cpu" if path == "cpu" else "auto"
         if planes:
@@ -259,31 +283,29 @@ def run_rank(rank: int, world: int, cfg: Config) -> dict:
             shutil.rmtree(store_dir, ignore_errors=True)  # a kept store of an earlier run (--store)
         _barrier(world)
         try:
-            out["runs"][codec_cfg] = _publish_run(
-                cfg, codec_name, store_dir, module, layout, targets, engine, step, group, dev, world, rank
-            )
+            out["runs"][codec_cfg] = _publish_run(cfg, codec_name, store_dir, r)
         finally:
             os.environ.pop(gpu.PATH_ENV, None)
             os.environ.pop(chunked.PLANES_ENV, None)
             if not cfg.keep_stores:
                 shutil.rmtree(store_dir, ignore_errors=True)
-    if engine is not None:
-        engine.close()
+    if r.engine is not None:
+        r.engine.close()
     # how fast this rank's files were written each way (mapped_writes: the way of each next file)
     out["write_gbps"] = {
-        ("mapped" if k else "pwrite"): [r / 1e9 for r in v] for k, v in mapped_writes.CHOOSER.rates().items()
+        ("mapped" if k else "pwrite"): [x / 1e9 for x in v] for k, v in mapped_writes.CHOOSER.rates().items()
     }
     return out
 
 
-def _publish_run(cfg, codec_name, store_dir, module, layout, targets, engine, step, group, dev, world, rank) -> dict:
+def _publish_run(cfg: Config, codec_name: str, store_dir: str, r: Rank) -> dict:
     """One codec configuration: a fresh store, an anchor of the current weights (the engine starts
     from them), then (b) steps with publish and the time to live."""
     pub = Publisher(
         store_dir,
         anchor_every=10**9,
         codec=codec_name,
-        group=group,
+        group=r.group,
         options=PublisherOptions(
             detect=DetectOptions(
                 backend=cfg.backend, chunk_elems=cfg.chunk_elems, stream_pass_elems=cfg.stream_pass_elems
@@ -294,203 +316,101 @@ def _publish_run(cfg, codec_name, store_dir, module, layout, targets, engine, st
     )
     store = DeltaStore(store_dir)
     t0 = time.perf_counter()
-    info0 = pub.publish(module, version=0)
+    info0 = pub.publish(r.module, version=0)
     pub.flush()
     anchor_s = time.perf_counter() - t0
-    for name, p in module.named_parameters():  # a collective per tensor with FSDP2: every rank
+    for name, p in r.module.named_parameters():  # a collective per tensor with FSDP2: every rank
         full = p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
-        if rank == 0:
-            fill_targets(layout, targets, name, full.to(torch.bfloat16))
+        if r.rank == 0:
+            fill_targets(r.layout, r.targets, name, full.to(torch.bfloat16))
         del full
-    _sync(dev)
-    _barrier(world)
+    _sync(r.dev)
+    _barrier(r.world)
     # a first delta (untimed): kernels, pinned buffers, nvCOMP
     v = 1
-    step()
-    pub.publish(module, version=v)
+    r.step()
+    pub.publish(r.module, version=v)
     pub.flush()
-    if engine is not None:
+    if r.engine is not None:
         with store.open(v) as vf:
-            engine.write(engine.stage([vf]))
+            r.engine.patch(r.engine.stage([vf]))
     rows = []
     for i in range(cfg.warmup + cfg.steps):
         v += 1
-        _barrier(world)
-        _sync(dev)
-        t0 = time.perf_counter()
-        step()
-        _sync(dev)
-        t_step = time.perf_counter()
-        mem0 = 0
-        if dev.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(dev)
-            mem0 = torch.cuda.memory_allocated(dev)
-        info = pub.publish(module, version=v)
-        t_pub = time.perf_counter()
-        rec = info.uploaded.result()
-        t_vis = time.perf_counter()
-        peak = (torch.cuda.max_memory_allocated(dev) - mem0) if dev.type == "cuda" else 0
-        row = {
-            "version": v,
-            "step_ms": (t_step - t0) * 1e3,
-            "step_publish_ms": (t_pub - t0) * 1e3,
-            "publish_ms": (t_pub - t_step) * 1e3,
-            "upload_ms": (t_vis - t_pub) * 1e3,
-            "publish_peak_mb": peak / 1e6,
-            "nnz": info.nnz,
-            "density": info.density,
-            "bytes": rec.bytes,
-            **{f"pub_{k}_ms": x for k, x in info.timings.items()},
-            **{f"up_{k}_ms": x for k, x in pub.upload_timings.get(v, {}).items()},
-        }
-        if engine is not None:
-            vf = store.open(v)
-            t_open = time.perf_counter()
-            staged = engine.stage([vf])
-            t_stage = time.perf_counter()
-            engine.write(staged)
-            t_live = time.perf_counter()
-            vf.close()
-            t_again = time.perf_counter()
-            store.open(v).close()  # once more, warm (after live): how much of `open` is the first time's
-            row.update(
-                open_ms=(t_open - t_vis) * 1e3,
-                reopen_ms=(time.perf_counter() - t_again) * 1e3,
-                stage_ms=(t_stage - t_open) * 1e3,
-                commit_ms=(t_live - t_stage) * 1e3,
-                live_ms=(t_live - t_step) * 1e3,
-                link_10g_ms=2 * rec.bytes / LINK_BYTES_PER_S * 1e3,
-                **{f"st_{k}_ms": x for k, x in staged.timings.items() if k != "total"},
-                decoded=staged.decoded,
-            )
-            del staged
+        _barrier(r.world)
+        row, info = _timed_step(r, pub, store, v)
         if i >= cfg.warmup:
             rows.append(row)
-        _barrier(world)
+        _barrier(r.world)
     pub.close()
     out: dict = {"rows": rows, "anchor_s": anchor_s, "anchor_checksum": info0.checksum}
-    if engine is not None:
-        live = to_hex(combine(engine.live_sums().items()))
+    if r.engine is not None:
+        live = to_hex(combine(r.engine.live_sums().items()))
         out["checksum_ok"] = live == info.checksum
         out["live_checksum"], out["publisher_checksum"] = live, info.checksum
     return out
+
+
+def _timed_step(r: Rank, pub: Publisher, store: DeltaStore, v: int) -> tuple[dict, Any]:
+    """One optimizer step, its publish, the upload, and (rank 0) open, stage and write: the row of times,
+    and the publish's info."""
+    dev = r.dev
+    _sync(dev)
+    t0 = time.perf_counter()
+    r.step()
+    _sync(dev)
+    t_step = time.perf_counter()
+    mem0 = 0
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+        mem0 = torch.cuda.memory_allocated(dev)
+    info = pub.publish(r.module, version=v)
+    t_pub = time.perf_counter()
+    rec = info.uploaded.result()
+    t_vis = time.perf_counter()
+    peak = (torch.cuda.max_memory_allocated(dev) - mem0) if dev.type == "cuda" else 0
+    row = {
+        "version": v,
+        "step_ms": (t_step - t0) * 1e3,
+        "step_publish_ms": (t_pub - t0) * 1e3,
+        "publish_ms": (t_pub - t_step) * 1e3,
+        "upload_ms": (t_vis - t_pub) * 1e3,
+        "publish_peak_mb": peak / 1e6,
+        "nnz": info.nnz,
+        "density": info.density,
+        "bytes": rec.bytes,
+        **{f"pub_{k}_ms": x for k, x in info.timings.items()},
+        **{f"up_{k}_ms": x for k, x in pub.upload_timings.get(v, {}).items()},
+    }
+    if r.engine is not None:
+        vf = store.open(v)
+        t_open = time.perf_counter()
+        staged = r.engine.stage([vf])
+        t_stage = time.perf_counter()
+        r.engine.patch(staged)
+        t_live = time.perf_counter()
+        vf.close()
+        t_again = time.perf_counter()
+        store.open(v).close()  # once more, warm (after live): how much of `open` is the first time's
+        row.update(
+            open_ms=(t_open - t_vis) * 1e3,
+            reopen_ms=(time.perf_counter() - t_again) * 1e3,
+            stage_ms=(t_stage - t_open) * 1e3,
+            commit_ms=(t_live - t_stage) * 1e3,
+            live_ms=(t_live - t_step) * 1e3,
+            link_10g_ms=2 * rec.bytes / LINK_BYTES_PER_S * 1e3,
+            **{f"st_{k}_ms": x for k, x in staged.timings.items() if k != "total"},
+            decoded=staged.decoded,
+        )
+        del staged
+    return row, info
 
 
 def _rank_entry(rank: int, world: int, cfg: Config) -> dict:
     return run_rank(rank, world, cfg)
 
 
-# -- report ---------------------------------------------------------------------------------------------
-
-
-def med(xs: list[float]) -> float:
-    return statistics.median(xs) if xs else float("nan")
-
-
-def summarize(results: list[dict], codec_cfg: str, cfg: Config) -> dict:
-    """Medians of one codec configuration's steps (rank 0), with every phase."""
-    r0 = results[0]
-    run = r0["runs"][codec_cfg]
-    if "skipped" in run:
-        return {"codec": codec_cfg, "skipped": run["skipped"]}
-    rows = run["rows"]
-    keys = sorted(
-        {k for r in rows for k in r if k.endswith(("_ms", "_mb")) or k in ("bytes", "density", "decoded", "nnz")}
-    )
-    s = {k: med([r[k] for r in rows if k in r]) for k in keys}
-    s.update(codec=codec_cfg, world=cfg.world, params=r0["params"], lr=r0["lr"], step_ms=med(r0["plain_step_ms"]))
-    s["added_ms"] = s["step_publish_ms"] - s["step_ms"]
-    s["checksum_ok"] = run.get("checksum_ok")
-    s["anchor_s"] = run["anchor_s"]
-    s["publish_peak_max_mb"] = max(r["publish_peak_mb"] for r in rows)
-    for other in results[1:]:
-        o = other["runs"][codec_cfg]
-        if "rows" in o:
-            s[f"rank{other['rank']}_added_ms"] = med([r["step_publish_ms"] for r in o["rows"]]) - med(
-                other["plain_step_ms"]
-            )
-    return s
-
-
-def report(results: list[dict], cfg: Config, card: str, log: list[str]) -> list[dict]:
-    summaries = [summarize(results, c, cfg) for c in cfg.codecs]
-    first = next(s for s in summaries if "skipped" not in s)
-    log.append("")
-    log.append(
-        f"# {card}: {cfg.model}{'' if cfg.layers is None else f' ({cfg.layers} layers)'}, "
-        f"{first['params'] / 1e9:.2f}B params, W={cfg.world}, density {first['density']:.2%} "
-        f"(median of {cfg.steps} steps), ms; step without publish {first['step_ms']:.1f}"
-    )
-    for s in summaries:
-        if "skipped" in s:
-            log(f"{s['codec']}: skipped ({s['skipped']})") if False else log.append(
-                f"## {s['codec']}: skipped ({s['skipped']})"
-            )
-            continue
-        log.append(f"## codec {s['codec']}")
-        log.append(
-            "publish on the training thread: "
-            + " ".join(f"{k[4:-3]} {v:.1f}" for k, v in s.items() if k.startswith("pub_") and k.endswith("_ms"))
-        )
-        log.append("upload thread: " + " ".join(f"{k[3:-3]} {v:.1f}" for k, v in s.items() if k.startswith("up_")))
-        log.append("server staging: " + " ".join(f"{k[3:-3]} {v:.1f}" for k, v in s.items() if k.startswith("st_")))
-        log.append(
-            f"publish peak GPU memory beyond the snapshot: {s['publish_peak_mb']:.0f} MB "
-            f"(max {s['publish_peak_max_mb']:.0f}); "
-            f"live checksum = publisher's: {s['checksum_ok']}"
-        )
-    rates = results[0].get("write_gbps") or {}
-    log.append(
-        "rank 0's files on tmpfs, GB/s per file (mapped_writes.CHOOSER; its first file not counted): "
-        + "; ".join(f"{way} " + ", ".join(f"{r:.1f}" for r in v) for way, v in rates.items())
-    )
-    log.append(
-        f"{'codec':>12} {'added':>7} | {'publish':>8} {'upload':>7} {'open':>6} {'stage':>7} {'commit':>7} "
-        f"{'live':>7} | {'MB':>7} {'+10Gb/s':>8} {'peak MB':>8}"
-    )
-    for s in summaries:
-        if "skipped" in s:
-            continue
-        log.append(
-            f"{s['codec']:>12} {s['added_ms']:>7.1f} | {s['publish_ms']:>8.1f} {s['upload_ms']:>7.1f} "
-            f"{s['open_ms']:>6.1f} {s['stage_ms']:>7.1f} {s['commit_ms']:>7.1f} {s['live_ms']:>7.1f} | "
-            f"{s['bytes'] / 1e6:>7.1f} {s['link_10g_ms']:>8.1f} {s['publish_peak_mb']:>8.0f}"
-        )
-    return summaries
-
-
-WORLD_PHASES = ("read", "h2d", "inflate", "decode", "translate", "gather", "partials", "plan")
-
-
-def by_world(summaries: list[dict], card: str, log: list[str]) -> None:
-    """One table over the world sizes run: per (W, codec), the server's open (and a second, warm open of
-    the same version after it went live), staging by phase, the changed elements decoded and step end ->
-    live (medians of the timed steps, ms)."""
-    log.append("")
-    log.append(f"# {card}: the server's side of a version of W parts (one engine), by world size; ms")
-    head = ["W", "codec", "open", "reopen", "stage", *WORLD_PHASES, "decoded", "live"]
-    log.append(" ".join(f"{h:>9}" for h in head))
-    rows = [s for w in summaries for s in w["summary"] if "skipped" not in s]
-    for s in rows:
-        cells = [str(s["world"]), s["codec"], f"{s['open_ms']:.1f}", f"{s.get('reopen_ms', float('nan')):.1f}"]
-        cells.append(f"{s['stage_ms']:.1f}")
-        cells += [f"{s.get(f'st_{p}_ms', 0.0):.1f}" for p in WORLD_PHASES]
-        cells += [f"{s.get('decoded', float('nan')):.0f}", f"{s['live_ms']:.1f}"]
-        log.append(" ".join(f"{c:>9}" for c in cells))
-    for codec in dict.fromkeys(s["codec"] for s in rows):
-        one = next((s for s in rows if s["codec"] == codec and s["world"] == 1), None)
-        if one is None:
-            continue
-        for s in rows:
-            if s["codec"] == codec and s["world"] > 1:
-                log.append(
-                    f"  {codec} W={s['world']}: stage {s['stage_ms'] / one['stage_ms']:.2f}x W=1, live "
-                    f"{s['live_ms'] / one['live_ms']:.2f}x W=1 (issue 25: <= 1), open {s['open_ms']:.1f} ms "
-                    f"(issue 25: < 10)"
-                )
-
-
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="qwen3-8b", choices=sorted({**QWEN3, **QWEN3_MOE}))
     ap.add_argument(
@@ -533,7 +453,54 @@ def main() -> int:
         "--header-format", type=int, choices=(3, 4), default=4, help="chunked deltas' header format (A/B of open)"
     )
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU, W=1 then W=2 (gloo); checks only")
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def config_for(args: argparse.Namespace, world: int, root: str) -> Config:
+    return Config(
+        model=args.model,
+        layers=args.layers,
+        codecs=args.codecs.split(","),
+        density=args.density if not args.smoke else 0.05,
+        steps=args.steps,
+        warmup=args.warmup,
+        world=world,
+        store=os.path.join(root, f"store-w{world}"),
+        threads=args.threads,
+        chunk_elems=args.chunk_elems if not args.smoke else 5000,
+        backend=args.backend,
+        smoke=args.smoke,
+        engine_gpu=args.engine_gpu,
+        keep_stores=args.store is not None,
+        header_format=args.header_format,
+        stream_pass_elems=args.stream_pass_elems,
+    )
+
+
+def run_world(args: argparse.Namespace, world: int, base: str) -> tuple[Config, list[dict]]:
+    """Every rank of one world size (W=1 in this process, else one process per rank): their results."""
+    root = args.store or tempfile.mkdtemp(prefix="publish-gpu-", dir=base)
+    os.makedirs(root, exist_ok=True)
+    cfg = config_for(args, world, root)
+    try:
+        if world == 1:
+            saved = tempfile.tempdir
+            try:
+                return cfg, [run_rank(0, 1, cfg)]
+            finally:
+                tempfile.tempdir = saved
+        from vllm_delta.testing.sharded import run_ranks
+
+        backend = "gloo" if args.smoke else "nccl"
+        threads = 1 if args.smoke else max(1, (os.cpu_count() or 2) // world)
+        return cfg, run_ranks(_rank_entry, world, (cfg,), backend=backend, threads=threads, timeout=3600)
+    finally:
+        if args.store is None:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def main() -> int:
+    args = parse_args()
     if args.smoke:
         args.model, args.steps, args.warmup, args.threads = "qwen3-tiny", 2, 1, 2
         args.codecs = "compact,chunked"
@@ -552,42 +519,7 @@ def main() -> int:
     summaries = []
     base = "/dev/shm" if os.path.isdir("/dev/shm") and not args.smoke else tempfile.gettempdir()
     for world in worlds:
-        root = args.store or tempfile.mkdtemp(prefix="publish-gpu-", dir=base)
-        os.makedirs(root, exist_ok=True)
-        cfg = Config(
-            model=args.model,
-            layers=args.layers,
-            codecs=args.codecs.split(","),
-            density=args.density if not args.smoke else 0.05,
-            steps=args.steps,
-            warmup=args.warmup,
-            world=world,
-            store=os.path.join(root, f"store-w{world}"),
-            threads=args.threads,
-            chunk_elems=args.chunk_elems if not args.smoke else 5000,
-            backend=args.backend,
-            smoke=args.smoke,
-            engine_gpu=args.engine_gpu,
-            keep_stores=args.store is not None,
-            header_format=args.header_format,
-            stream_pass_elems=args.stream_pass_elems,
-        )
-        try:
-            if world == 1:
-                saved = tempfile.tempdir
-                try:
-                    results = [run_rank(0, 1, cfg)]
-                finally:
-                    tempfile.tempdir = saved
-            else:
-                from vllm_delta.testing.sharded import run_ranks
-
-                backend = "gloo" if args.smoke else "nccl"
-                threads = 1 if args.smoke else max(1, (os.cpu_count() or 2) // world)
-                results = run_ranks(_rank_entry, world, (cfg,), backend=backend, threads=threads, timeout=3600)
-        finally:
-            if args.store is None:
-                shutil.rmtree(root, ignore_errors=True)
+        cfg, results = run_world(args, world, base)
         n0 = len(log)
         summary = report(results, cfg, card, log)
         summaries.append({"summary": summary, "ranks": results})

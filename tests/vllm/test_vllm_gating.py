@@ -406,7 +406,7 @@ def test_verify_catches_a_weight_changed_behind_the_plugins_back(box):
     assert st["verification"]["checksum"] == run.checksums[served] and st["verification"]["mismatched"] == []
 
     def poke() -> dict:
-        r = srv.post("/collective_rpc", {"method": "delta_test_write"})
+        r = srv.post("/collective_rpc", {"method": "delta_test_patch"})
         assert r.status_code == 200, r.text
         return r.json()["results"][0]
 
