@@ -29,19 +29,21 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import statistics
 import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
+from apply_report import FAILURES, check, dump, log, report  # noqa: E402
 
 from vllm_delta.apply import scatter as S  # noqa: E402
 from vllm_delta.apply.engine import ApplyEngine  # noqa: E402
@@ -62,20 +64,6 @@ from vllm_delta.testing.apply_fixtures import (  # noqa: E402
     reference_apply,
     write_delta,
 )
-
-LOG: list[str] = []
-FAILURES: list[str] = []
-
-
-def log(msg: str = "") -> None:
-    print(msg, flush=True)
-    LOG.append(msg)
-
-
-def check(ok: bool, what: str) -> None:
-    if not ok:
-        FAILURES.append(what)
-        log(f"  MISMATCH: {what}")
 
 
 def sync(device) -> None:
@@ -189,17 +177,70 @@ def touched_sectors(staged) -> int:
     return total
 
 
+@dataclass
+class Config:
+    """One model x density: what every step of `run_config` reads, and the row it fills."""
+
+    spec: Any
+    layout: Any
+    targets: list[torch.Tensor]
+    engine: ApplyEngine
+    density: float
+    args: argparse.Namespace
+    device: torch.device
+    changes: dict[str, Any]
+    nnz: int
+    row: dict[str, Any]
+    before: list[torch.Tensor] | None = None  # the targets' bits before the update (--full-check / smoke)
+    expect: list[torch.Tensor] | None = None  # the torch reference's result (--full-check / smoke)
+
+    @property
+    def tag(self) -> str:
+        return f"{self.spec.name} {self.density}"
+
+
 def run_config(spec, layout, targets, hf, engine, density, args, device, tmpdir, sums0, pool, bw):
-    row = {"model": spec.name, "density": density}
     t0 = time.perf_counter()
     changes = random_changes(hf, density, seed=int(density * 1e6))
     nnz = sum(int(c[0].numel()) for c in changes.values())
     fingerprint = _fingerprint(changes)
-    row["nnz"] = nnz
+    cfg = Config(spec, layout, targets, engine, density, args, device, changes, nnz, {"model": spec.name})
+    cfg.row.update(density=density, nnz=nnz)
     log(f"  {spec.name} d={density:.3%}: nnz={nnz / 1e6:.2f}M, generated in {time.perf_counter() - t0:.1f}s")
+    staged, vf, written = stage_each_path(cfg, tmpdir, pool)
+    time_pause(cfg, staged, sums0)
+    time_kernels(cfg, staged)
+    # launch-configuration variants of each kernel (1% rows only); the defaults are the best seen
+    if density == 0.01 and device.type == "cuda" and staged.plans[0].fused and "variants" not in args.skip:
+        cfg.row["variants"] = tune(staged, device, args)
+        log("    variants: " + " ".join(f"{k}={v:.3f}" for k, v in cfg.row["variants"].items()))
+    if not args.full_check and density == 0.01:  # stray writes anywhere in the model?
+        check(engine.live_sums() == sums0, f"{cfg.tag}: whole-model checksum after kernels/variants")
+    check(_fingerprint(changes) == fingerprint, f"{cfg.tag}: change set intact after kernels")
+    time_baselines(cfg, staged, fingerprint)
+    # floors
+    row = cfg.row
+    row["floor_ms"] = (6 + 64) * nnz / bw * 1e3
+    if device.type == "cuda":
+        sectors = touched_sectors(staged)
+        row["sectors"] = sectors
+        row["sector_floor_ms"] = (6 * nnz + 64 * sectors) / bw * 1e3
+    row["backend"] = engine.backend
+    del staged, changes, cfg
+    vf.close()
+    for f in written:
+        os.unlink(f)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
+def stage_each_path(cfg: Config, tmpdir: str, pool: ThreadPoolExecutor) -> tuple[Any, VersionFile, list[str]]:
+    """(e) Staging from a local version file, by staging path: the old `compact` codec, and the chunked
+    codec's CPU path (zstandard) and GPU path (nvCOMP); the first listed is the update used after.
+    Returns it, its file, and the files written."""
+    spec, density, args, device, row = cfg.spec, cfg.density, cfg.args, cfg.device, cfg.row
     written: list[str] = []
-    # (e) staging from a local version file, by staging path: the old `compact` codec, and the chunked
-    # codec's CPU path (zstandard) and GPU path (nvCOMP); the first listed is the update used below
     staged = None
     row["stage_paths"] = {}
     vf = None
@@ -210,34 +251,17 @@ def run_config(spec, layout, targets, hf, engine, density, args, device, tmpdir,
             continue
         path = os.path.join(tmpdir, f"{spec.name}-{density}-{codec_name}.safetensors")
         if not os.path.exists(path):
-            write_delta(path, version=1, base=0, codec=codec_name, shapes=layout.hf_shapes, changes=changes, pool=pool)
+            shapes = cfg.layout.hf_shapes
+            write_delta(path, version=1, base=0, codec=codec_name, shapes=shapes, changes=cfg.changes, pool=pool)
             written.append(path)
-        os.environ[gpu.PATH_ENV] = "cpu" if path_kind == "cpu" else "auto"
-        if planes:
-            os.environ[chunked.PLANES_ENV] = planes
         f = VersionFile(path)
-        stagings, st = [], None
-        for _ in range(args.stage_reps):
-            st = None
-            sync(device)
-            st = engine.stage([f])
-            stagings.append(dict(st.timings))
-        os.environ.pop(gpu.PATH_ENV, None)
-        os.environ.pop(chunked.PLANES_ENV, None)
-        steady = stagings[1:] or stagings
-        rec = {
-            "file_bytes": os.path.getsize(path),
-            "first_ms": stagings[0]["total"],
-            "ms": statistics.median(x["total"] for x in steady),
-            "phases": {k: statistics.median(x.get(k, 0.0) for x in steady) for k in steady[0]},
-            "memory": st.memory,
-        }
+        st, rec = stage_one_path(cfg, f, path_kind, planes)
         row["stage_paths"][label] = rec
-        check(st.nnz == nnz, f"{spec.name} {density} {label}: staged {st.nnz} elements, expected {nnz}")
+        check(st.nnz == cfg.nnz, f"{cfg.tag} {label}: staged {st.nnz} elements, expected {cfg.nnz}")
         log(
             f"    stage [{label}] {rec['ms']:.1f} ms (first {rec['first_ms']:.1f}), "
             f"file {rec['file_bytes'] / 1e6:.1f} MB "
-            f"({rec['file_bytes'] / max(nnz, 1):.3f} B/elem): "
+            f"({rec['file_bytes'] / max(cfg.nnz, 1):.3f} B/elem): "
             + " ".join(f"{k}={v:.1f}" for k, v in rec["phases"].items() if k != "total")
             + " | device peak {:.0f} MB held {:.0f} MB host {:.0f} MB".format(
                 st.memory["device_peak_bytes"] / 1e6,
@@ -260,34 +284,66 @@ def run_config(spec, layout, targets, hf, engine, density, args, device, tmpdir,
             f.close()
             del st
     assert staged is not None and vf is not None
-    path = vf.path
+    return staged, vf, written
 
-    # (a) the pause: engine.commit wall time, then rollback
-    before = bits_of(targets) if args.full_check else None
+
+def stage_one_path(cfg: Config, f: VersionFile, path_kind: str, planes: str) -> tuple[Any, dict[str, Any]]:
+    """One staging path, `--stage-reps` times: the last staging, and the record of the path's times."""
+    os.environ[gpu.PATH_ENV] = "cpu" if path_kind == "cpu" else "auto"
+    if planes:
+        os.environ[chunked.PLANES_ENV] = planes
+    stagings, st = [], None
+    for _ in range(cfg.args.stage_reps):
+        st = None
+        sync(cfg.device)
+        st = cfg.engine.stage([f])
+        stagings.append(dict(st.timings))
+    os.environ.pop(gpu.PATH_ENV, None)
+    os.environ.pop(chunked.PLANES_ENV, None)
+    steady = stagings[1:] or stagings
+    rec = {
+        "file_bytes": os.path.getsize(f.path),
+        "first_ms": stagings[0]["total"],
+        "ms": statistics.median(x["total"] for x in steady),
+        "phases": {k: statistics.median(x.get(k, 0.0) for x in steady) for k in steady[0]},
+        "memory": st.memory,
+    }
+    return st, rec
+
+
+def time_pause(cfg: Config, staged, sums0) -> None:
+    """(a) The pause: the engine's write wall time, then rollback; the written values checked (against
+    the torch reference with --full-check, else at the plans' addresses and by the whole-model sums)."""
+    engine, targets, args = cfg.engine, cfg.targets, cfg.args
+    cfg.before = bits_of(targets) if args.full_check else None
     pauses = []
     for _ in range(args.reps):
-        pauses.append(engine.write(staged))
+        pauses.append(engine.patch(staged))
         engine.rollback(staged)
-    row["pause_ms"] = statistics.median(pauses)
-    engine.write(staged)
+    cfg.row["pause_ms"] = statistics.median(pauses)
+    engine.patch(staged)
     if args.full_check:
         expect = [t.clone() for t in targets]
-        for t, b in zip(expect, before):
+        for t, b in zip(expect, cfg.before):
             bit_view(t).copy_(b)
-        reference_apply(expect, layout, changes)
-        check(same(bits_of(targets), bits_of(expect)), f"{spec.name} {density}: commit != torch reference")
+        reference_apply(expect, cfg.layout, cfg.changes)
+        cfg.expect = expect
+        check(same(bits_of(targets), bits_of(expect)), f"{cfg.tag}: commit != torch reference")
     else:
-        check(plan_values_ok(staged, True), f"{spec.name} {density}: committed values")
+        check(plan_values_ok(staged, True), f"{cfg.tag}: committed values")
         sums1 = engine.live_sums()
         moved = all((sums0[n] + staged.partials.get(n, 0)) & MASK64 == sums1[n] for n in sums1)
-        check(moved, f"{spec.name} {density}: whole-model checksum after commit")
+        check(moved, f"{cfg.tag}: whole-model checksum after commit")
     engine.rollback(staged)
     if args.full_check:
-        check(same(bits_of(targets), before), f"{spec.name} {density}: rollback")
+        check(same(bits_of(targets), cfg.before), f"{cfg.tag}: rollback")
     else:
-        check(plan_values_ok(staged, False), f"{spec.name} {density}: rollback values")
+        check(plan_values_ok(staged, False), f"{cfg.tag}: rollback values")
 
-    # the fused kernel alone, each backend, same plan (alternating new/old bits, as commit/rollback)
+
+def time_kernels(cfg: Config, staged) -> None:
+    """The fused kernel alone, each backend, same plan (alternating new/old bits, as commit/rollback)."""
+    device, args, targets = cfg.device, cfg.args, cfg.targets
     for be in S.available_backends(device):
         if be == "torch" and device.type == "cuda":
             continue
@@ -299,43 +355,37 @@ def run_config(spec, layout, targets, hf, engine, density, args, device, tmpdir,
             args.reps * 2,
             device,
         )
-        row[f"kernel_{be}_ms"] = ms
+        cfg.row[f"kernel_{be}_ms"] = ms
         S.scatter_(plan, new, be)
         sync(device)
-        check(plan_values_ok(_as_backend(staged, be), True), f"{spec.name} {density}: {be} kernel values")
+        check(plan_values_ok(_as_backend(staged, be), True), f"{cfg.tag}: {be} kernel values")
         if args.full_check:
-            check(same(bits_of(targets), bits_of(expect)), f"{spec.name} {density}: {be} kernel != reference")
+            check(same(bits_of(targets), bits_of(cfg.expect)), f"{cfg.tag}: {be} kernel != reference")
         S.scatter_(plan, old, be)
         sync(device)
         if args.full_check:
-            check(same(bits_of(targets), before), f"{spec.name} {density}: {be} rollback")
+            check(same(bits_of(targets), cfg.before), f"{cfg.tag}: {be} rollback")
 
-    # launch-configuration variants of each kernel (1% rows only); the defaults are the best seen
-    if density == 0.01 and device.type == "cuda" and staged.plans[0].fused and "variants" not in args.skip:
-        row["variants"] = tune(staged, device, args)
-        log("    variants: " + " ".join(f"{k}={v:.3f}" for k, v in row["variants"].items()))
 
-    if not args.full_check and density == 0.01:  # stray writes anywhere in the model?
-        check(engine.live_sums() == sums0, f"{spec.name} {density}: whole-model checksum after kernels/variants")
-    check(_fingerprint(changes) == fingerprint, f"{spec.name} {density}: change set intact after kernels")
-
-    # (c) one index_copy_ per local target
-    per_target = local_changes(layout, changes)
+def time_baselines(cfg: Config, staged, fingerprint: tuple[int, int]) -> None:
+    """(c) one index_copy_ per local target, (b) vLLM's NaN-mask sparse patch path; each checked, and the
+    model put back to its base bits after each."""
+    engine, targets, layout, args, device, row = cfg.engine, cfg.targets, cfg.layout, cfg.args, cfg.device, cfg.row
+    per_target = local_changes(layout, cfg.changes)
     row["index_copy_ms"] = (
         time_events([lambda pt=per_target: index_copy_apply(targets, pt)], args.reps, device)
         if "index_copy" not in args.skip
         else float("nan")
     )
     if "index_copy" not in args.skip:
-        check(plan_values_ok(staged, True), f"{spec.name} {density}: index_copy values")
+        check(plan_values_ok(staged, True), f"{cfg.tag}: index_copy values")
     if args.full_check:
-        check(same(bits_of(targets), bits_of(expect)), f"{spec.name} {density}: index_copy != reference")
+        check(same(bits_of(targets), bits_of(cfg.expect)), f"{cfg.tag}: index_copy != reference")
     del per_target
-    engine.write(staged), engine.rollback(staged)  # back to the base bits (commit checks the state)
+    engine.patch(staged), engine.rollback(staged)  # back to the base bits (commit checks the state)
 
-    # (b) vLLM's NaN-mask sparse patch path
-    check(_fingerprint(changes) == fingerprint, f"{spec.name} {density}: change set intact after index_copy")
-    patches = {n: (c[0], c[1].view(torch.bfloat16)) for n, c in changes.items() if c[0].numel()}
+    check(_fingerprint(cfg.changes) == fingerprint, f"{cfg.tag}: change set intact after index_copy")
+    patches = {n: (c[0], c[1].view(torch.bfloat16)) for n, c in cfg.changes.items() if c[0].numel()}
     try:
         row["nanmask_ms"] = (
             time_wall(lambda pa=patches: nanmask_apply(targets, layout, pa), args.nanmask_reps, device)
@@ -343,31 +393,16 @@ def run_config(spec, layout, targets, hf, engine, density, args, device, tmpdir,
             else float("nan")
         )
     except ValueError as exc:
-        check(False, f"{spec.name} {density}: nanmask refused its input: {exc}")
+        check(False, f"{cfg.tag}: nanmask refused its input: {exc}")
         row["nanmask_ms"] = float("nan")
     if "nanmask" not in args.skip:
-        check(plan_values_ok(staged, True), f"{spec.name} {density}: nanmask values")
+        check(plan_values_ok(staged, True), f"{cfg.tag}: nanmask values")
     if args.full_check:
-        check(same(bits_of(targets), bits_of(expect)), f"{spec.name} {density}: nanmask != reference")
+        check(same(bits_of(targets), bits_of(cfg.expect)), f"{cfg.tag}: nanmask != reference")
     del patches
-    engine.write(staged), engine.rollback(staged)
+    engine.patch(staged), engine.rollback(staged)
     if args.full_check:
-        check(same(bits_of(targets), before), f"{spec.name} {density}: restored after baselines")
-
-    # floors
-    row["floor_ms"] = (6 + 64) * nnz / bw * 1e3
-    if device.type == "cuda":
-        sectors = touched_sectors(staged)
-        row["sectors"] = sectors
-        row["sector_floor_ms"] = (6 * nnz + 64 * sectors) / bw * 1e3
-    row["backend"] = engine.backend
-    del staged, changes
-    vf.close()
-    for f in written:
-        os.unlink(f)
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    return row
+        check(same(bits_of(targets), cfg.before), f"{cfg.tag}: restored after baselines")
 
 
 def _fingerprint(changes) -> tuple[int, int]:
@@ -428,7 +463,7 @@ def fits(spec, density, device) -> tuple[bool, str]:
     return need < free, f"needs ~{need / 2**30:.0f} GiB, {free / 2**30:.0f} GiB free"
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU, bit-exact checks only")
     ap.add_argument("--models", default="qwen3-0.6b,qwen3-8b,qwen3-32b")
@@ -444,24 +479,25 @@ def main() -> int:
     )
     ap.add_argument("--skip", default="", help="comma list of baselines to skip: nanmask, variants, index_copy")
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def choose_runs(args: argparse.Namespace) -> tuple[torch.device, list[str], list[float]] | None:
+    """The device, models and densities (--smoke: tiny shapes on CPU, every check); None without a GPU."""
     if args.smoke:
-        device = torch.device("cpu")
         QWEN3["qwen3-smoke"] = Qwen3Spec("qwen3-smoke", 128, 2, 4, 2, 32, 256, 1000, False)
-        models = ["qwen3-tiny", "qwen3-smoke", "qwen3-moe-tiny"]
-        densities = [0.003, 0.03, 0.2]
         args.reps, args.nanmask_reps, args.stage_reps = 2, 1, 1
         args.full_check = True
-    else:
-        if not torch.cuda.is_available():
-            print("no CUDA device: run with --smoke on CPU", file=sys.stderr)
-            return 2
-        device = torch.device("cuda", torch.cuda.current_device())
-        models = args.models.split(",")
-        densities = [float(d) for d in args.densities.split(",")]
-        args.full_check = False
+        return torch.device("cpu"), ["qwen3-tiny", "qwen3-smoke", "qwen3-moe-tiny"], [0.003, 0.03, 0.2]
+    if not torch.cuda.is_available():
+        print("no CUDA device: run with --smoke on CPU", file=sys.stderr)
+        return None
+    args.full_check = False
+    device = torch.device("cuda", torch.cuda.current_device())
+    return device, args.models.split(","), [float(d) for d in args.densities.split(",")]
 
-    card = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+def log_setup(args: argparse.Namespace, device: torch.device, card: str) -> None:
     import triton
 
     log(
@@ -478,47 +514,24 @@ def main() -> int:
 
         if not _cuda.available():
             log(f"# CUDA fused scatter build failed: {_cuda.error()}")
+
+
+def main() -> int:
+    args = parse_args()
+    runs = choose_runs(args)
+    if runs is None:
+        return 2
+    device, models, densities = runs
+    card = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    log_setup(args, device, card)
     bw = copy_bandwidth(device, (4 << 30) if device.type == "cuda" else (64 << 20))
     log(f"# copy bandwidth {bw / 1e9:.0f} GB/s (read + write)")
-    rows = []
+    rows: list[dict[str, Any]] = []
     pool = ThreadPoolExecutor(max(1, min(16, os.cpu_count() or 1)))
     with tempfile.TemporaryDirectory(prefix="apply-gpu-") as tmpdir:
         for name in models:
-            spec = {**QWEN3, **QWEN3_MOE}[name]  # --models picks from both families
-            todo = []
-            for d in densities:
-                ok, why = fits(spec, d, device)
-                if ok:
-                    todo.append(d)
-                else:
-                    log(f"# skip {name} d={d:.3%}: {why}")
-                    rows.append({"model": name, "density": d, "skipped": why})
-            if not todo:
-                continue
-            t0 = time.perf_counter()
-            layout, targets, hf = build_model(spec, device)
-            params = sum(t.numel() for t in targets)
-            # (d) a dense copy of the whole model
-            dense_ms = dense_copy_ms(targets, max(3, args.reps // 4), device)
-            # GPU: the default backend's engine (the other kernel runs on its plans); CPU smoke: every backend
-            backends = [None] if device.type == "cuda" else S.available_backends(device)
-            for be in backends:
-                engine = ApplyEngine(dict(zip(layout.targets, targets)), layout, device, backend=be)
-                sums0 = engine.live_sums() if not args.full_check else None
-                log(
-                    f"## {name}: {params / 1e9:.3f}B params, {len(targets)} targets, {len(layout.hf_shapes)} HF "
-                    f"tensors, engine backend {engine.backend} (ready in {time.perf_counter() - t0:.1f}s)"
-                )
-                for d in todo:
-                    row = run_config(spec, layout, targets, hf, engine, d, args, device, tmpdir, sums0, pool, bw)
-                    row["dense_ms"] = dense_ms
-                    row["params"] = params
-                    rows.append(row)
-                del engine
-            del targets, hf
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-            if len(models) > 1 and name != models[-1]:
+            ran = run_model(name, densities, args, device, tmpdir, pool, bw, rows)
+            if ran and len(models) > 1 and name != models[-1]:
                 report(rows, card, bw, args, device)  # so far (a later model may run out of time)
                 dump(rows, card, bw, args, plot_too=False)
     pool.shutdown()
@@ -533,118 +546,43 @@ def main() -> int:
     return 1 if FAILURES else 0
 
 
-def dump(rows, card, bw, args, plot_too=True) -> None:
-    if not args.out:
-        return
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "apply_gpu.log"), "w") as f:
-        f.write("\n".join(LOG) + "\n")
-    with open(os.path.join(args.out, "apply_gpu.json"), "w") as f:
-        json.dump({"card": card, "bandwidth": bw, "rows": rows}, f, indent=1, default=str)
-    if plot_too:
-        plot(rows, card, os.path.join(args.out, "apply_gpu.png"))
-
-
-def report(rows, card, bw, args, device) -> None:
-    kernels = sorted({k for r in rows for k in r if k.startswith("kernel_")})
-    head = (
-        ["model", "dens", "nnz", "pause"]
-        + [k[7:-3] for k in kernels]
-        + ["idx_copy", "nanmask", "dense", "floor", "xfloor", "vs_nan", "stage", "stage_mem"]
-        + [f"st:{p}" for p in args.stage_paths.split(",")]
-    )
-    log("")
-    log(f"# {card}, copy bandwidth {bw / 1e9:.0f} GB/s; times in ms (pause = commit wall, kernels = events)")
-    log(" ".join(f"{h:>9}" for h in head))
-    for r in rows:
-        if "skipped" in r:
-            log(f"{r['model']:>9} {r['density']:>9.3%}   skipped: {r['skipped']}")
-            continue
-        model = r["model"].replace("qwen3-", "").replace("30b-a3b", "30bA3") + ("/t" if r["backend"] == "torch" else "")
-        cells = [model, f"{r['density']:.1%}", f"{r['nnz'] / 1e6:.1f}M", f"{r['pause_ms']:.3f}"]
-        cells += [f"{r.get(k, float('nan')):.3f}" for k in kernels]
-        cells += [
-            f"{r['index_copy_ms']:.2f}",
-            f"{r['nanmask_ms']:.2f}",
-            f"{r['dense_ms']:.2f}",
-            f"{r['floor_ms']:.3f}",
-            f"{r['pause_ms'] / r['floor_ms']:.2f}x",
-            f"{r['nanmask_ms'] / r['pause_ms']:.0f}x",
-            f"{r['stage_ms']:.1f}",
-            f"{r['stage_memory']['device_peak_bytes'] / 1e6:.0f}MB",
-        ]
-        cells += [
-            f"{r['stage_paths'][p]['ms']:.1f}" if p in r["stage_paths"] else "-" for p in args.stage_paths.split(",")
-        ]
-        log(" ".join(f"{c:>9}" for c in cells))
-    if device.type == "cuda":
+def run_model(name, densities, args, device, tmpdir, pool, bw, rows) -> bool:
+    """Every density of one model that fits, on each engine backend, into `rows`; False if none fits."""
+    spec = {**QWEN3, **QWEN3_MOE}[name]  # --models picks from both families
+    todo = []
+    for d in densities:
+        ok, why = fits(spec, d, device)
+        if ok:
+            todo.append(d)
+        else:
+            log(f"# skip {name} d={d:.3%}: {why}")
+            rows.append({"model": name, "density": d, "skipped": why})
+    if not todo:
+        return False
+    t0 = time.perf_counter()
+    layout, targets, hf = build_model(spec, device)
+    params = sum(t.numel() for t in targets)
+    # (d) a dense copy of the whole model
+    dense_ms = dense_copy_ms(targets, max(3, args.reps // 4), device)
+    # GPU: the default backend's engine (the other kernel runs on its plans); CPU smoke: every backend
+    backends = [None] if device.type == "cuda" else S.available_backends(device)
+    for be in backends:
+        engine = ApplyEngine(dict(zip(layout.targets, targets)), layout, device, backend=be)
+        sums0 = engine.live_sums() if not args.full_check else None
         log(
-            "targets (issue 4): 8b 1%: pause <= 2.0 ms, >= 15x nanmask, <= 1.5x floor, stage <= 150 ms; "
-            "0.6b 1%: pause <= 0.25 ms; (issue 17) staging 8b 1% <= 40 ms, 30b-a3b 1% <= 250 ms"
+            f"## {name}: {params / 1e9:.3f}B params, {len(targets)} targets, {len(layout.hf_shapes)} HF "
+            f"tensors, engine backend {engine.backend} (ready in {time.perf_counter() - t0:.1f}s)"
         )
-        for r in rows:
-            if "skipped" in r or r["density"] != 0.01:
-                continue
-            if r["model"] == "qwen3-8b":
-                log(
-                    f"  8b 1%: pause {r['pause_ms']:.3f} ms [{_ok(r['pause_ms'] <= 2.0)}], "
-                    f"{r['nanmask_ms'] / r['pause_ms']:.1f}x nanmask [{_ok(r['nanmask_ms'] / r['pause_ms'] >= 15)}], "
-                    f"{r['pause_ms'] / r['floor_ms']:.2f}x floor [{_ok(r['pause_ms'] <= 1.5 * r['floor_ms'])}] "
-                    f"(sector floor {r.get('sector_floor_ms', float('nan')):.3f} ms), "
-                    f"stage {r['stage_ms']:.1f} ms [{_ok(r['stage_ms'] <= 150)}]"
-                )
-            if r["model"] == "qwen3-0.6b":
-                log(f"  0.6b 1%: pause {r['pause_ms']:.3f} ms [{_ok(r['pause_ms'] <= 0.25)}]")
-            goal = {"qwen3-8b": 40, "qwen3-30b-a3b": 250}.get(r["model"])
-            if goal is not None:
-                log(
-                    f"  {r['model']} 1% staging ({r['stage_path']}): {r['stage_ms']:.1f} ms "
-                    f"[{_ok(r['stage_ms'] <= goal)}] "
-                    + ", ".join(f"{p} {x['ms']:.1f}" for p, x in r["stage_paths"].items())
-                )
-
-
-def _ok(b: bool) -> str:
-    return "met" if b else "MISSED"
-
-
-def plot(rows, card, path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        log("# matplotlib missing: no PNG")
-        return
-    rows = [r for r in rows if "skipped" not in r]
-    if not rows:
-        return
-    kernels = sorted({k for r in rows for k in r if k.startswith("kernel_")})
-    series = (
-        [("pause (ours)", "pause_ms")]
-        + [(k[7:-3] + " kernel", k) for k in kernels]
-        + [
-            ("index_copy_ per tensor", "index_copy_ms"),
-            ("vLLM NaN-mask", "nanmask_ms"),
-            ("dense copy", "dense_ms"),
-            ("floor", "floor_ms"),
-        ]
-    )
-    fig, ax = plt.subplots(figsize=(max(8, 1.3 * len(rows)), 5))
-    width = 0.8 / len(series)
-    for i, (label, key) in enumerate(series):
-        xs = [j + i * width for j in range(len(rows))]
-        ax.bar(xs, [r.get(key, float("nan")) for r in rows], width, label=label)
-    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(rows))])
-    ax.set_xticklabels([f"{r['model'].replace('qwen3-', '')}\n{r['density']:.1%}" for r in rows])
-    ax.set_yscale("log")
-    ax.set_ylabel("ms (log)")
-    ax.set_title(f"In-place sparse bf16 update, {card}")
-    ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    log(f"# wrote {path}")
+        for d in todo:
+            row = run_config(spec, layout, targets, hf, engine, d, args, device, tmpdir, sums0, pool, bw)
+            row["dense_ms"] = dense_ms
+            row["params"] = params
+            rows.append(row)
+        del engine
+    del targets, hf
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return True
 
 
 if __name__ == "__main__":

@@ -103,6 +103,37 @@ def main() -> int:
     batch = make_batch(args.changes, args.density, 400, dev)
     c = chunked.ChunkedCodec()
     backends = ("triton", "torch") if dev.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1" else ("torch",)
+    encode_steps(args, batch, c, backends, note)
+    planes = chunked.encode_planes(batch)
+    if be is None:
+        log.append(f"nvCOMP not available: {why}")
+    else:
+        nvcomp_steps(args, batch, c, planes, be, dev, note)
+    decode_steps(args, batch, planes, backends, note)
+    log.append(f"# {card}: {args.changes / 1e6:.1f}M changes, density {args.density}; ms, median of {args.reps}")
+    log.append(f"{'step':>8} {'configuration':>28} {'ms':>9}")
+    log += [f"{s:>8} {cfg:>28} {ms:9.2f}" for s, cfg, ms in rows]
+    print("\n".join(log), flush=True)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "codec_calls.log"), "w") as f:
+            f.write("\n".join(log) + "\n")
+        with open(os.path.join(args.out, "codec_calls.json"), "w") as f:
+            json.dump({"command": " ".join(sys.argv), "rows": rows}, f, indent=1)
+    return 0
+
+
+def streamed(args, batch: Batch, c: chunked.ChunkedCodec) -> chunked.ChunkedBatch:
+    """The batch as the trainer's detection hands it over: passes of `--pass-changes`."""
+    s = c.stream([0] * 400)
+    for a in range(0, args.changes, args.pass_changes):
+        b = min(args.changes, a + args.pass_changes)
+        s.add(batch.positions[a:b], batch.seg[a:b], batch.new[a:b], batch.old[a:b])
+    return s.finish(batch.counts)
+
+
+def encode_steps(args, batch: Batch, c: chunked.ChunkedCodec, backends, note) -> None:
+    """encode: the planes, each backend, the whole batch at once and pass by pass."""
     for backend in backends:
         note(
             "encode",
@@ -112,91 +143,87 @@ def main() -> int:
 
         def passes(backend=backend):
             os.environ[chunked.PLANES_ENV] = backend
-            s = c.stream([0] * 400)
-            for a in range(0, args.changes, args.pass_changes):
-                b = min(args.changes, a + args.pass_changes)
-                s.add(batch.positions[a:b], batch.seg[a:b], batch.new[a:b], batch.old[a:b])
-            out = s.finish(batch.counts)
+            out = streamed(args, batch, c)
             os.environ.pop(chunked.PLANES_ENV, None)
             return out
 
         note("encode", f"{backend}, passes", timed(passes, args.reps))
-    planes = chunked.encode_planes(batch)
-    if be is None:
-        log.append(f"nvCOMP not available: {why}")
-    else:
-        counts = torch.stack([planes.n_big, planes.n_gap_esc, planes.n_mag_esc], 1).cpu().numpy()
-        offsets, sizes = planes.layout.frames(counts[:, 0])
-        used = sizes.reshape(-1) > 0
-        off, size = offsets.reshape(-1)[used], sizes.reshape(-1)[used]
-        saved = gpu.FRAMES_PER_CALL
-        for fpc in (640, 1280, 2560, 5120, 10240, 40960):
-            gpu.FRAMES_PER_CALL = fpc
-            note(
-                "compress",
-                f"{fpc} frames/call",
-                timed(lambda: gpu.compress_frames(be, planes.buf, off, size), args.reps),
-            )
-        gpu.FRAMES_PER_CALL = saved
-        prepared = chunked.ChunkedBatch(c, batch.counts, batch.starts, [planes])
-        saved_piece = write.COPY_PIECE_BYTES
-        for mb in (2, 8, 32):
-            write.COPY_PIECE_BYTES = mb << 20
-            note("write", f"memory, {mb} MB copies", timed(lambda: prepared.write_to(MemorySink()), args.reps))
-        write.COPY_PIECE_BYTES = saved_piece
 
-        def streamed() -> chunked.ChunkedBatch:
-            s = c.stream([0] * 400)
-            for a in range(0, args.changes, args.pass_changes):
-                b = min(args.changes, a + args.pass_changes)
-                s.add(batch.positions[a:b], batch.seg[a:b], batch.new[a:b], batch.old[a:b])
-            return s.finish(batch.counts)
 
-        parts = streamed()
+def nvcomp_steps(args, batch: Batch, c: chunked.ChunkedCodec, planes, be, dev: torch.device, note) -> None:
+    """compress (frames per call), write (into memory, copy sizes, merged passes; into a file), then
+    inflate and hash the file's chunks."""
+    counts = torch.stack([planes.n_big, planes.n_gap_esc, planes.n_mag_esc], 1).cpu().numpy()
+    offsets, sizes = planes.layout.frames(counts[:, 0])
+    used = sizes.reshape(-1) > 0
+    off, size = offsets.reshape(-1)[used], sizes.reshape(-1)[used]
+    saved = gpu.FRAMES_PER_CALL
+    for fpc in (640, 1280, 2560, 5120, 10240, 40960):
+        gpu.FRAMES_PER_CALL = fpc
         note(
-            "write", f"memory, {len(parts.parts)} parts merged", timed(lambda: parts.write_to(MemorySink()), args.reps)
+            "compress",
+            f"{fpc} frames/call",
+            timed(lambda: gpu.compress_frames(be, planes.buf, off, size), args.reps),
         )
-        pool = ThreadPoolExecutor(16)
-        tmp = tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-        header = VersionHeader(version=1, kind="delta", tensors={}, checksum="0" * 16, base=0, base_checksum="0" * 16)
-        header.codec, header.format_version, header.enc = "chunked", 3, prepared.file_enc()
+    gpu.FRAMES_PER_CALL = saved
+    prepared = chunked.ChunkedBatch(c, batch.counts, batch.starts, [planes])
+    saved_piece = write.COPY_PIECE_BYTES
+    for mb in (2, 8, 32):
+        write.COPY_PIECE_BYTES = mb << 20
+        note("write", f"memory, {mb} MB copies", timed(lambda: prepared.write_to(MemorySink()), args.reps))
+    write.COPY_PIECE_BYTES = saved_piece
+    parts = streamed(args, batch, c)
+    note("write", f"memory, {len(parts.parts)} parts merged", timed(lambda: parts.write_to(MemorySink()), args.reps))
+    pool = ThreadPoolExecutor(16)
+    tmp = tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    header = VersionHeader(version=1, kind="delta", tensors={}, checksum="0" * 16, base=0, base_checksum="0" * 16)
+    header.codec, header.format_version, header.enc = "chunked", 3, prepared.file_enc()
 
-        def to_file() -> None:
-            path = os.path.join(tmp, "f.safetensors")
-            with PayloadWriter(path, header, chunked.PAYLOAD_LAYOUT, pool) as out:
-                parts.write_to(out)
-            os.unlink(path)
+    def to_file() -> None:
+        path = os.path.join(tmp, "f.safetensors")
+        with PayloadWriter(path, header, chunked.PAYLOAD_LAYOUT, pool) as out:
+            parts.write_to(out)
+        os.unlink(path)
 
-        note("write", "file (/dev/shm), 16 threads", timed(to_file, args.reps))
-        pool.shutdown()
-        sink = MemorySink()
-        prepared.write_to(sink)
-        payload = {k: v for k, v in sink.payload().items()}
-        streams = chunked.FileStreams(payload, prepared.file_enc(), {})
-        blob = payload["blob"].to(dev)
-        k_all = streams.layout.chunks
-        for per in (128, 512, 1024, 4096, k_all):
+    note("write", "file (/dev/shm), 16 threads", timed(to_file, args.reps))
+    pool.shutdown()
+    inflate_steps(args, prepared, be, dev, note)
 
-            def inflate(per=per):
-                for k0 in range(0, k_all, per):
-                    k1 = min(k_all, k0 + per)
-                    lay = streams.range_layout(k0, k1)
-                    out = torch.empty(lay.size, dtype=torch.uint8, device=dev)
-                    d_off, d_size = lay.frames(streams.index[k0:k1, chunked.COL_BIG])
-                    s_off = streams.blob_offsets[k0:k1]
-                    s_size = streams.index[k0:k1, : chunked.N_PLANES]
-                    u = d_size.reshape(-1) > 0
-                    be.decompress(
-                        blob,
-                        s_off.reshape(-1)[u],
-                        s_size.reshape(-1)[u],
-                        out,
-                        d_off.reshape(-1)[u],
-                        d_size.reshape(-1)[u],
-                    )
 
-            note("inflate", f"{min(per, k_all)} chunks/call", timed(inflate, args.reps))
-        note("hash", "all chunks", timed(lambda: gpu.hashes(blob, streams.chunk_bytes), args.reps))
+def inflate_steps(args, prepared: chunked.ChunkedBatch, be, dev: torch.device, note) -> None:
+    """inflate: nvCOMP decompression of the file's frames at several chunks per call; the chunk hashes."""
+    sink = MemorySink()
+    prepared.write_to(sink)
+    payload = {k: v for k, v in sink.payload().items()}
+    streams = chunked.FileStreams(payload, prepared.file_enc(), {})
+    blob = payload["blob"].to(dev)
+    k_all = streams.layout.chunks
+    for per in (128, 512, 1024, 4096, k_all):
+
+        def inflate(per=per):
+            for k0 in range(0, k_all, per):
+                k1 = min(k_all, k0 + per)
+                lay = streams.range_layout(k0, k1)
+                out = torch.empty(lay.size, dtype=torch.uint8, device=dev)
+                d_off, d_size = lay.frames(streams.index[k0:k1, chunked.COL_BIG])
+                s_off = streams.blob_offsets[k0:k1]
+                s_size = streams.index[k0:k1, : chunked.N_PLANES]
+                u = d_size.reshape(-1) > 0
+                be.decompress(
+                    blob,
+                    s_off.reshape(-1)[u],
+                    s_size.reshape(-1)[u],
+                    out,
+                    d_off.reshape(-1)[u],
+                    d_size.reshape(-1)[u],
+                )
+
+        note("inflate", f"{min(per, k_all)} chunks/call", timed(inflate, args.reps))
+    note("hash", "all chunks", timed(lambda: gpu.hashes(blob, streams.chunk_bytes), args.reps))
+
+
+def decode_steps(args, batch: Batch, planes, backends, note) -> None:
+    """decode: the planes back to gaps and differences, each backend, 128 chunks a run."""
     views = chunked.plane_views(planes)
     spans = chunked.Spans.of(
         np.concatenate([[0], np.cumsum(batch.counts)[:-1]]),
@@ -219,17 +246,6 @@ def main() -> int:
                 chunked.decode_planes(sub, k0 * planes.layout.chunk_elems, spans, carry, lambda i: {}, backend)
 
         note("decode", f"{backend}, {per} chunks/run", timed(decode, args.reps))
-    log.append(f"# {card}: {args.changes / 1e6:.1f}M changes, density {args.density}; ms, median of {args.reps}")
-    log.append(f"{'step':>8} {'configuration':>28} {'ms':>9}")
-    log += [f"{s:>8} {cfg:>28} {ms:9.2f}" for s, cfg, ms in rows]
-    print("\n".join(log), flush=True)
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "codec_calls.log"), "w") as f:
-            f.write("\n".join(log) + "\n")
-        with open(os.path.join(args.out, "codec_calls.json"), "w") as f:
-            json.dump({"command": " ".join(sys.argv), "rows": rows}, f, indent=1)
-    return 0
 
 
 if __name__ == "__main__":

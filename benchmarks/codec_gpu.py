@@ -227,67 +227,9 @@ def main() -> int:
     )
     log(f"# command: python {' '.join(sys.argv)}")
     pool = ThreadPoolExecutor(min(16, os.cpu_count() or 1))
-    rows = []
-    base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    rows: list[dict] = []
     for name in models:
-        spec = {**QWEN3, **QWEN3_MOE}[name]
-        _, layout = model_layout(spec)
-        shapes = dict(layout.hf_shapes)
-        t0 = time.perf_counter()
-        batch = make_batch(shapes, args.density if not args.smoke else 0.05, dev)
-        sync(dev)
-        nnz = int(batch.positions.numel())
-        log(f"## {name}: {len(shapes)} tensors, {nnz / 1e6:.1f}M changes (made in {time.perf_counter() - t0:.1f}s)")
-        paths = [("compact", "compact", "cpu"), ("chunked", "chunked", "cpu")]
-        if be is not None:
-            paths.append(("chunked", "chunked", "gpu"))
-        with tempfile.TemporaryDirectory(dir=base) as tmp:
-            files = {}
-            for codec_name, _, p in paths:
-                prep_ms, pack_ms, header, payload = encode(codec_name, batch, shapes, pool, p, dev, args.reps)
-                from vllm_delta.format import write
-
-                f = os.path.join(tmp, f"{codec_name}-{p}.safetensors")
-                write(f, header, payload)
-                files[(codec_name, p)] = f
-                nbytes = sum(t.numel() * t.element_size() for t in payload.values())
-                row = {
-                    "model": name,
-                    "codec": codec_name,
-                    "path": p,
-                    "nnz": nnz,
-                    "prepare_ms": prep_ms,
-                    "pack_ms": pack_ms,
-                }
-                row["bytes"] = nbytes
-                row["b_per_elem"] = nbytes / nnz
-                rows.append(row)
-                log(
-                    f"  encode {codec_name:8s} {p}: device {prep_ms:.1f} ms, pack {pack_ms:.1f} ms, "
-                    f"{nbytes / nnz:.3f} B/elem"
-                )
-            want = {i: c for i, c in enumerate(batch.counts)}
-            for (codec_name, wpath), f in files.items():
-                readers = ["cpu"] if codec_name == "compact" else (["cpu", "gpu"] if be is not None else ["cpu"])
-                for rp in readers:
-                    total, phases, n = decode(rp, f, shapes, dev, args.reps)
-                    assert n == sum(want.values()), (codec_name, rp, n)
-                    rows.append(
-                        {
-                            "model": name,
-                            "codec": codec_name,
-                            "writer": wpath,
-                            "reader": rp,
-                            "decode_ms": total,
-                            "phases": phases,
-                        }
-                    )
-                    log(
-                        f"  decode {codec_name:8s} written {wpath} read {rp}: {total:.1f} ms ("
-                        + " ".join(f"{k} {v:.1f}" for k, v in phases.items() if k != "total")
-                        + ")"
-                    )
-        del batch
+        rows += run_model(name, args, dev, be is not None, pool)
         if dev.type == "cuda":
             torch.cuda.empty_cache()
     sizes = payload_sizes(args.payload, dev, pool) if args.payload else {}
@@ -297,6 +239,69 @@ def main() -> int:
             + "  ".join(f"{k} {v:.3f}" for k, v in sizes.items())
             + " B/changed elem"
         )
+    table(rows, card, args)
+    pool.shutdown()
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "codec_gpu.log"), "w") as f:
+            f.write("\n".join(LOG) + "\n")
+        with open(os.path.join(args.out, "codec_gpu.json"), "w") as f:
+            json.dump({"rows": rows, "payload": sizes}, f, indent=1, default=str)
+    _ = chunked
+    return 0
+
+
+def run_model(name: str, args, dev, nvcomp: bool, pool) -> list[dict]:
+    """One model's version encoded by each codec and path, each file decoded by each reader: the rows."""
+    from vllm_delta.format import write
+
+    spec = {**QWEN3, **QWEN3_MOE}[name]
+    _, layout = model_layout(spec)
+    shapes = dict(layout.hf_shapes)
+    t0 = time.perf_counter()
+    batch = make_batch(shapes, args.density if not args.smoke else 0.05, dev)
+    sync(dev)
+    nnz = int(batch.positions.numel())
+    log(f"## {name}: {len(shapes)} tensors, {nnz / 1e6:.1f}M changes (made in {time.perf_counter() - t0:.1f}s)")
+    paths = [("compact", "compact", "cpu"), ("chunked", "chunked", "cpu")]
+    if nvcomp:
+        paths.append(("chunked", "chunked", "gpu"))
+    rows = []
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    with tempfile.TemporaryDirectory(dir=base) as tmp:
+        files = {}
+        for codec_name, _, p in paths:
+            prep_ms, pack_ms, header, payload = encode(codec_name, batch, shapes, pool, p, dev, args.reps)
+            f = os.path.join(tmp, f"{codec_name}-{p}.safetensors")
+            write(f, header, payload)
+            files[(codec_name, p)] = f
+            nbytes = sum(t.numel() * t.element_size() for t in payload.values())
+            row = {"model": name, "codec": codec_name, "path": p, "nnz": nnz, "prepare_ms": prep_ms, "pack_ms": pack_ms}
+            row["bytes"] = nbytes
+            row["b_per_elem"] = nbytes / nnz
+            rows.append(row)
+            log(
+                f"  encode {codec_name:8s} {p}: device {prep_ms:.1f} ms, pack {pack_ms:.1f} ms, "
+                f"{nbytes / nnz:.3f} B/elem"
+            )
+        want = sum(batch.counts)
+        for (codec_name, wpath), f in files.items():
+            readers = ["cpu"] if codec_name == "compact" else (["cpu", "gpu"] if nvcomp else ["cpu"])
+            for rp in readers:
+                total, phases, n = decode(rp, f, shapes, dev, args.reps)
+                assert n == want, (codec_name, rp, n)
+                row = {"model": name, "codec": codec_name, "writer": wpath, "reader": rp, "decode_ms": total}
+                rows.append({**row, "phases": phases})
+                log(
+                    f"  decode {codec_name:8s} written {wpath} read {rp}: {total:.1f} ms ("
+                    + " ".join(f"{k} {v:.1f}" for k, v in phases.items() if k != "total")
+                    + ")"
+                )
+    del batch
+    return rows
+
+
+def table(rows: list[dict], card: str, args) -> None:
     log("")
     log(f"# {card}: ms (median of {args.reps}), density {args.density:.1%}")
     log(f"{'model':>14} {'codec':>8} {'path':>5} {'device':>8} {'pack':>8} {'B/elem':>7} | decode cpu / gpu")
@@ -312,15 +317,6 @@ def main() -> int:
             f"{r['model']:>14} {r['codec']:>8} {r['path']:>5} {r['prepare_ms']:>8.1f} {r['pack_ms']:>8.1f} "
             f"{r['b_per_elem']:>7.3f} | " + " / ".join(f"{dec[k]:.1f}" for k in ("cpu", "gpu") if k in dec)
         )
-    pool.shutdown()
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "codec_gpu.log"), "w") as f:
-            f.write("\n".join(LOG) + "\n")
-        with open(os.path.join(args.out, "codec_gpu.json"), "w") as f:
-            json.dump({"rows": rows, "payload": sizes}, f, indent=1, default=str)
-    _ = chunked
-    return 0
 
 
 if __name__ == "__main__":

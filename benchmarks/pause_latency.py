@@ -113,34 +113,46 @@ def measure(
                 if kind in UPDATES and not todo:
                     break
                 time.sleep(settle)
-                stage_ms = None
-                if kind in UPDATES:
-                    v = todo.pop(0)
-                    staged = post("/v1/delta/stage", {"version": v, "method": UPDATES[kind].get("method", "delta")})
-                    stage_ms = staged.get("stage_ms")
-                    time.sleep(settle)
-                before = preemptions()
-                t0 = time.perf_counter()
-                if kind in UPDATES:
-                    server = post("/v1/delta/update_weights", {"version": v, **UPDATES[kind]})
-                    t1 = time.perf_counter()
-                    if not server.get("prefetched"):
-                        raise RuntimeError(f"update to {v} did not reuse its staged update: {server}")
-                else:
-                    clear = "true" if kind == "reset" else "false"
-                    try:
-                        post(f"/pause?mode=keep&clear_cache={clear}", timeout=60)
-                        post("/resume", timeout=60)
-                    except RuntimeError as exc:
-                        raise RuntimeError(f"{exc}: start the server with VLLM_SERVER_DEV_MODE=1") from None
-                    t1 = time.perf_counter()
-                    v, server = None, {}
-                time.sleep(AFTER_S)
-                samples.append(Sample(kind, v, t0, t1, server, preemptions() - before, stage_ms))
+                samples.append(_sample(kind, todo, post, preemptions, settle))
         time.sleep(settle)
     finally:
         for c in clients:
             c.stop()
+    return _result(samples, clients, streams)
+
+
+def _sample(kind: str, todo: list[int], post, preemptions, settle: float) -> Sample:
+    """One update of `kind` (staged first, then applied: the update must reuse what was staged; the next
+    version taken from `todo`) or one pause and resume of vLLM's own, timed, and the preemptions it caused."""
+    stage_ms = None
+    if kind in UPDATES:
+        v = todo.pop(0)
+        staged = post("/v1/delta/stage", {"version": v, "method": UPDATES[kind].get("method", "delta")})
+        stage_ms = staged.get("stage_ms")
+        time.sleep(settle)
+    before = preemptions()
+    t0 = time.perf_counter()
+    if kind in UPDATES:
+        server = post("/v1/delta/update_weights", {"version": v, **UPDATES[kind]})
+        t1 = time.perf_counter()
+        if not server.get("prefetched"):
+            raise RuntimeError(f"update to {v} did not reuse its staged update: {server}")
+    else:
+        clear = "true" if kind == "reset" else "false"
+        try:
+            post(f"/pause?mode=keep&clear_cache={clear}", timeout=60)
+            post("/resume", timeout=60)
+        except RuntimeError as exc:
+            raise RuntimeError(f"{exc}: start the server with VLLM_SERVER_DEV_MODE=1") from None
+        t1 = time.perf_counter()
+        v, server = None, {}
+    time.sleep(AFTER_S)
+    return Sample(kind, v, t0, t1, server, preemptions() - before, stage_ms)
+
+
+def _result(samples: list[Sample], clients: list[StreamingClient], streams: int) -> dict:
+    """What the streams saw: each sample's gap, token rate and server timings, and the steady gaps outside
+    the samples' windows."""
     windows = [(s.t0, s.t1 + AFTER_S) for s in samples]
     steady = sorted(g for c in clients for g in c.steady_gaps_ms(windows))
     start = min(c.arrivals[0] for c in clients)

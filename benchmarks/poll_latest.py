@@ -151,33 +151,7 @@ def main() -> None:
                     ("s3", "new", s3.uri("poll"), options, None),
                     ("s3", "new, no head", s3.uri("poll-nohead"), options, None),
                 ]
-                rows = []
-                for kind, code, uri, opts, path in cases:
-                    proxy.counts.reset()
-                    run_measure(uri, opts, 0, path)  # the first call alone: what it costs on the wire
-                    first = proxy.counts.snapshot()
-                    first_requests, first_bytes = proxy.counts.requests(), proxy.counts.bytes_out()
-                    proxy.counts.reset()
-                    res = run_measure(uri, opts, args.polls, path)
-                    assert res["latest"] == args.versions - 1, res["latest"]
-                    polls = res["poll_ms"]
-                    row = {
-                        "store": kind,
-                        "code": code,
-                        "first_ms": res["first_ms"],
-                        "p50_ms": statistics.median(polls),
-                        "p90_ms": pct(polls, 0.9),
-                        "max_ms": max(polls),
-                        "mean_ms": statistics.fmean(polls),
-                    }
-                    if kind == "s3":
-                        row["requests_per_poll"] = (proxy.counts.requests() - first_requests) / args.polls
-                        row["bytes_per_poll"] = (proxy.counts.bytes_out() - first_bytes) / args.polls
-                        row["first_requests"] = first_requests
-                        row["first_bytes"] = first_bytes
-                        row["first_by_kind"] = first["requests"]
-                    rows.append(row)
-                    print(json.dumps({k: v for k, v in row.items() if k != "first_by_kind"}), flush=True)
+                rows = [measure_case(proxy, case, args.polls, args.versions) for case in cases]
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -194,6 +168,37 @@ def main() -> None:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
     print_table(rows, meta)
     plot(rows, meta, args.out + ".png")
+
+
+def measure_case(proxy, case: tuple, polls: int, versions: int) -> dict:
+    """One store and code revision: the first call alone (its requests and bytes on the wire), then
+    `polls` polls in one process; the row of their latencies."""
+    kind, code, uri, opts, path = case
+    proxy.counts.reset()
+    run_measure(uri, opts, 0, path)  # the first call alone: what it costs on the wire
+    first = proxy.counts.snapshot()
+    first_requests, first_bytes = proxy.counts.requests(), proxy.counts.bytes_out()
+    proxy.counts.reset()
+    res = run_measure(uri, opts, polls, path)
+    assert res["latest"] == versions - 1, res["latest"]
+    times = res["poll_ms"]
+    row = {
+        "store": kind,
+        "code": code,
+        "first_ms": res["first_ms"],
+        "p50_ms": statistics.median(times),
+        "p90_ms": pct(times, 0.9),
+        "max_ms": max(times),
+        "mean_ms": statistics.fmean(times),
+    }
+    if kind == "s3":
+        row["requests_per_poll"] = (proxy.counts.requests() - first_requests) / polls
+        row["bytes_per_poll"] = (proxy.counts.bytes_out() - first_bytes) / polls
+        row["first_requests"] = first_requests
+        row["first_bytes"] = first_bytes
+        row["first_by_kind"] = first["requests"]
+    print(json.dumps({k: v for k, v in row.items() if k != "first_by_kind"}), flush=True)
+    return row
 
 
 def print_table(rows: list[dict], meta: dict) -> None:

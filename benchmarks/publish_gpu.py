@@ -47,6 +47,7 @@ import shutil
 import sys
 import tempfile
 import time
+from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -196,7 +197,29 @@ def fill_targets(layout, targets: list[torch.Tensor], name: str, full: torch.Ten
         box.copy_(src[seg.row0 : seg.row0 + seg.rows, seg.col0 : seg.col0 + seg.cols])
 
 
-def run_rank(rank: int, world: int, cfg: Config) -> dict:
+@dataclasses.dataclass
+class Rank:
+    """One rank's training state and, on rank 0, the engine the versions go live in."""
+
+    rank: int
+    world: int
+    dev: torch.device
+    module: nn.Module
+    opt: torch.optim.Optimizer
+    lr: float
+    n_params: int
+    layout: Any
+    targets: list[torch.Tensor]
+    engine: ApplyEngine | None
+    group: Any
+
+    def step(self) -> None:
+        self.opt.step()
+
+
+def build_rank(rank: int, world: int, cfg: Config) -> Rank:
+    """The model's parameters (FSDP2-sharded over W ranks), gradients over one shared random buffer, SGD
+    at the learning rate that changes `cfg.density` of the bf16 images, and rank 0's engine."""
     import torch.distributed as dist
 
     dev = torch.device("cuda", rank) if torch.cuda.is_available() and not cfg.smoke else torch.device("cpu")
@@ -228,7 +251,6 @@ def run_rank(rank: int, world: int, cfg: Config) -> dict:
     opt = torch.optim.SGD(params, lr=lr, foreach=True)
     n_params = sum(int(torch.tensor(s).prod()) if s else 1 for s in shapes.values())
     group = dist.group.WORLD if world > 1 else None
-    tempfile.tempdir = os.path.dirname(cfg.store)  # the publisher's temp files: renamed into the store
     targets: list[torch.Tensor] = []
     # The engine (rank 0's process) on its own card where one is free (--engine-gpu): a whole 30B-A3B's
     # fp32 master shards, snapshot and the engine's bf16 targets do not fit one card together.
@@ -236,26 +258,28 @@ def run_rank(rank: int, world: int, cfg: Config) -> dict:
     if rank == 0:
         targets = [torch.zeros(s, dtype=torch.bfloat16, device=eng_dev) for s in target_shapes.values()]
     engine = ApplyEngine(dict(zip(target_shapes, targets)), layout, eng_dev) if rank == 0 else None
+    return Rank(rank, world, dev, module, opt, lr, n_params, layout, targets, engine, group)
 
-    def step() -> None:
-        opt.step()
 
+def run_rank(rank: int, world: int, cfg: Config) -> dict:
+    r = build_rank(rank, world, cfg)
+    tempfile.tempdir = os.path.dirname(cfg.store)  # the publisher's temp files: renamed into the store
     # (a) without publish
     plain = []
     for i in range(cfg.warmup + cfg.steps):
         _barrier(world)
-        _sync(dev)
+        _sync(r.dev)
         t = time.perf_counter()
-        step()
-        _sync(dev)
+        r.step()
+        _sync(r.dev)
         if i >= cfg.warmup:
             plain.append((time.perf_counter() - t) * 1e3)
-    out: dict = {"rank": rank, "plain_step_ms": plain, "lr": lr, "params": n_params, "runs": {}}
+    out: dict = {"rank": rank, "plain_step_ms": plain, "lr": r.lr, "params": r.n_params, "runs": {}}
     for codec_cfg in cfg.codecs:
         codec_name, _, path = codec_cfg.partition(":")
         path, _, planes = path.partition("/")  # "chunked:gpu/torch": the torch planes (before the Triton kernels)
-        if path == "gpu" and dev.type == "cuda" and gpu.backend(dev)[0] is None:
-            out["runs"][codec_cfg] = {"skipped": gpu.backend(dev)[1]}
+        if path == "gpu" and r.dev.type == "cuda" and gpu.backend(r.dev)[0] is None:
+            out["runs"][codec_cfg] = {"skipped": gpu.backend(r.dev)[1]}
             continue
         os.environ[gpu.PATH_ENV] = "cpu" if path == "cpu" else "auto"
         if planes:
@@ -265,24 +289,22 @@ def run_rank(rank: int, world: int, cfg: Config) -> dict:
             shutil.rmtree(store_dir, ignore_errors=True)  # a kept store of an earlier run (--store)
         _barrier(world)
         try:
-            out["runs"][codec_cfg] = _publish_run(
-                cfg, codec_name, store_dir, module, layout, targets, engine, step, group, dev, world, rank
-            )
+            out["runs"][codec_cfg] = _publish_run(cfg, codec_name, store_dir, r)
         finally:
             os.environ.pop(gpu.PATH_ENV, None)
             os.environ.pop(chunked.PLANES_ENV, None)
             if not cfg.keep_stores:
                 shutil.rmtree(store_dir, ignore_errors=True)
-    if engine is not None:
-        engine.close()
+    if r.engine is not None:
+        r.engine.close()
     # how fast this rank's files were written each way (mapped_writes: the way of each next file)
     out["write_gbps"] = {
-        ("mapped" if k else "pwrite"): [r / 1e9 for r in v] for k, v in mapped_writes.CHOOSER.rates().items()
+        ("mapped" if k else "pwrite"): [x / 1e9 for x in v] for k, v in mapped_writes.CHOOSER.rates().items()
     }
     return out
 
 
-def _publish_run(cfg, codec_name, store_dir, module, layout, targets, engine, step, group, dev, world, rank) -> dict:
+def _publish_run(cfg: Config, codec_name: str, store_dir: str, r: Rank) -> dict:
     """One codec configuration: a fresh store, an anchor of the current weights (the engine starts
     from them), a first delta (untimed: kernels, pinned buffers, nvCOMP), then the steady syncs (each
     one's live checksum checked), then `cfg.mem_syncs` more with the device's memory sampled."""
@@ -290,7 +312,7 @@ def _publish_run(cfg, codec_name, store_dir, module, layout, targets, engine, st
         store_dir,
         anchor_every=10**9,
         codec=codec_name,
-        group=group,
+        group=r.group,
         options=PublisherOptions(
             detect=DetectOptions(
                 backend=cfg.backend, chunk_elems=cfg.chunk_elems, stream_pass_elems=cfg.stream_pass_elems
@@ -306,36 +328,36 @@ def _publish_run(cfg, codec_name, store_dir, module, layout, targets, engine, st
     )
     store = DeltaStore(store_dir)
     t0 = time.perf_counter()
-    info0 = pub.publish(module, version=0)
+    info0 = pub.publish(r.module, version=0)
     pub.flush()
     anchor_s = time.perf_counter() - t0
-    for name, p in module.named_parameters():  # a collective per tensor with FSDP2: every rank
+    for name, p in r.module.named_parameters():  # a collective per tensor with FSDP2: every rank
         full = p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
-        if rank == 0:
-            fill_targets(layout, targets, name, full.to(torch.bfloat16))
+        if r.rank == 0:
+            fill_targets(r.layout, r.targets, name, full.to(torch.bfloat16))
         del full
-    _sync(dev)
-    _barrier(world)
-    live = Live(engine)
-    step()
-    live.sync(pub, store, module, 1)  # the first delta, untimed
+    _sync(r.dev)
+    _barrier(r.world)
+    live = Live(r.engine)
+    r.step()
+    live.sync(pub, store, r.module, 1)  # the first delta, untimed
     rows, mem = [], []
     for i in range(cfg.warmup + cfg.steps + cfg.mem_syncs):
-        _barrier(world)
-        _sync(dev)
+        _barrier(r.world)
+        _sync(r.dev)
         t0 = time.perf_counter()
-        step()
-        _sync(dev)
-        row = live.sync(pub, store, module, i + 2, t_step0=t0, memory=i >= cfg.warmup + cfg.steps)
+        r.step()
+        _sync(r.dev)
+        row = live.sync(pub, store, r.module, i + 2, t_step0=t0, memory=i >= cfg.warmup + cfg.steps)
         if i >= cfg.warmup + cfg.steps:
             mem.append(row)
         elif i >= cfg.warmup:
             rows.append(row)
-        _barrier(world)
+        _barrier(r.world)
     pub.close()
     out: dict = {"rows": rows, "mem_rows": mem, "anchor_s": anchor_s, "anchor_checksum": info0.checksum}
-    if engine is not None:
-        whole = to_hex(combine(engine.live_sums().items()))  # once, over every weight: what the engine holds
+    if r.engine is not None:
+        whole = to_hex(combine(r.engine.live_sums().items()))  # once, over every weight: what the engine holds
         out["checksum_ok"] = whole == live.checksum and all(r["checksum_ok"] for r in rows + mem)
         out["live_checksum"], out["publisher_checksum"] = whole, live.checksum
     return out
@@ -374,7 +396,7 @@ class Live:
                 times["open"] = time.perf_counter()
                 staged = self.engine.stage([vf])
                 times["staged"] = time.perf_counter()
-                self.engine.write(staged)
+                self.engine.patch(staged)
                 times["live"] = time.perf_counter()
                 stage = staged.timings
                 extra = {"decoded": staged.decoded, "checksum_ok": self._check(staged.partials, vf.header)}
@@ -490,9 +512,8 @@ def config_for(args: argparse.Namespace, world: int, root: str) -> Config:
     )
 
 
-def run_world(args: argparse.Namespace, world: int) -> tuple[Config, list[dict]]:
-    """Every rank's results of one world size (a fresh folder of stores unless --store)."""
-    base = "/dev/shm" if os.path.isdir("/dev/shm") and not args.smoke else tempfile.gettempdir()
+def run_world(args: argparse.Namespace, world: int, base: str) -> tuple[Config, list[dict]]:
+    """Every rank of one world size (W=1 in this process, else one process per rank): their results."""
     root = args.store or tempfile.mkdtemp(prefix="publish-gpu-", dir=base)
     os.makedirs(root, exist_ok=True)
     cfg = config_for(args, world, root)
@@ -531,13 +552,14 @@ def main() -> int:
     print("\n".join(log), flush=True)
     worlds = [1, 2, 4] if args.smoke else [int(w) for w in args.world.split(",")]
     summaries, status = [], 0
+    base = "/dev/shm" if os.path.isdir("/dev/shm") and not args.smoke else tempfile.gettempdir()
     for world in worlds:
         gpus = torch.cuda.device_count() if not args.smoke else world
         if world > gpus:
             log.append(f"# W={world}: skipped: needs {world} GPUs, this host has {gpus}")
             print(log[-1], flush=True)
             continue
-        cfg, results = run_world(args, world)
+        cfg, results = run_world(args, world, base)
         n0 = len(log)
         summary = report(results, cfg, card, log)
         summaries.append({"summary": summary, "ranks": results})

@@ -58,9 +58,7 @@ def report(results: list[dict], cfg: Config, card: str, log: list[str]) -> list[
     )
     for s in summaries:
         if "skipped" in s:
-            log(f"{s['codec']}: skipped ({s['skipped']})") if False else log.append(
-                f"## {s['codec']}: skipped ({s['skipped']})"
-            )
+            log.append(f"## {s['codec']}: skipped ({s['skipped']})")
             continue
         log.append(f"## codec {s['codec']}")
         log.append(

@@ -93,7 +93,7 @@ def stage_rank(spec, tp: int, rank: int, old: dict, new: dict, path: str, repeat
             staged = engine.stage([vf])
             best = min(best, (time.perf_counter() - t0) * 1e3)
             decoded = staged.decoded
-        engine.write(staged)
+        engine.patch(staged)
     want = targets_of(layout, shapes, new)
     assert all(torch.equal(bit_view(targets[n]), bit_view(want[n])) for n in want), (tp, rank)
     engine.close()

@@ -18,6 +18,7 @@ when the sector leaves L2. Strategies, on the same sorted random changes (int64 
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 
 import torch
 from apply_gpu import time_events  # same directory: benchmarks share one timer
@@ -163,6 +164,30 @@ def median_ms(fn, reps=10):
     return time_events([fn], reps, torch.device("cuda"))
 
 
+@dataclass
+class Data:
+    """A buffer of `--elements` int16 values, the changed addresses at the density, their old and new
+    values and touched 32-byte sectors, and the floors the kernels are measured against."""
+
+    buf: torch.Tensor
+    addr: torch.Tensor
+    old: torch.Tensor
+    new: torch.Tensor
+    sec: torch.Tensor
+    content_old: torch.Tensor  # staged sector content
+    content_new: torch.Tensor
+    floor: float
+    sector_floor: float
+
+    @property
+    def n(self) -> int:
+        return self.addr.numel()
+
+    @property
+    def m(self) -> int:
+        return self.sec.numel()
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--elements", type=float, default=8.19e9)
@@ -175,6 +200,24 @@ def main():
         functions=["launch", "launch2", "launch_gs", "launch_hint"],
         extra_cuda_cflags=["-O3"],
     )
+    d, bw_ms = make_data(args)
+    element_kernels(ext, d)
+    sector2_kernels(ext, d)
+    hints_and_grid(ext, d)
+    print(f"  copy (whole buffer) {bw_ms:.3f} ms")
+    # staging-side costs of a sector plan: sort (if needed), sectors, CSR
+    addr = d.addr
+    shuffled = addr[torch.randperm(d.n, device=addr.device)]
+    for label, fn in (
+        ("sort 82M int64 (+indices)", lambda: torch.sort(shuffled)),
+        ("unique_consecutive sectors", lambda: torch.unique_consecutive(addr >> 4, return_counts=True)),
+        ("is sorted check", lambda: bool((addr[1:] > addr[:-1]).all())),
+    ):
+        print(f"  {label}: {median_ms(fn, 3):.2f} ms")
+
+
+def make_data(args) -> tuple[Data, float]:
+    """The buffer, the changes and the floors (and the whole buffer's copy time, ms)."""
     dev = torch.device("cuda")
     n_el = int(args.elements) // 16 * 16
     buf = torch.empty(n_el, dtype=torch.int16, device=dev).random_()
@@ -203,12 +246,19 @@ def main():
         f"{n / 1e6:.1f}M changes in {m / 1e6:.1f}M sectors; copy {bw / 1e9:.0f} GB/s; "
         f"floor {floor:.3f} ms, sector floor {sector_floor:.3f} ms"
     )
+    return Data(buf, addr, old, new, sec, content_old, content_new, floor, sector_floor), bw_ms
+
+
+def element_kernels(ext, d: Data) -> None:
+    """Per element, per element with a touch, per sector, staged sectors: timed, then checked."""
+    buf, addr, new, old, sec, floor, sector_floor = d.buf, d.addr, d.new, d.old, d.sec, d.floor, d.sector_floor
+    n, m = d.n, d.m
     for name, which, a, vals in (
         ("elem", 0, addr, (new, old)),
         ("touch", 1, addr, (new, old)),
         ("sector", 2, addr, (new, old)),
-        ("staged", 3, sec, (content_new, content_old)),
-        ("staged2", 4, sec, (content_new, content_old)),
+        ("staged", 3, sec, (d.content_new, d.content_old)),
+        ("staged2", 4, sec, (d.content_new, d.content_old)),
     ):
         for threads in (256, 1024):
             count = m if which in (3, 4) else n
@@ -229,8 +279,13 @@ def main():
                 f"  {name:7s} threads={threads:5d} {ms:8.3f} ms  {ms / floor:5.2f}x floor  "
                 f"{ms / sector_floor:5.2f}x sector floor  {'ok' if ok else 'WRONG'}"
             )
+
+
+def sector2_kernels(ext, d: Data) -> None:
+    """Sectors with a CSR of their changed lanes: timed, then checked."""
+    buf, addr, new, old, sec, m = d.buf, d.addr, d.new, d.old, d.sec, d.m
     counts = torch.unique_consecutive(addr >> 4, return_counts=True)[1]
-    csr = torch.zeros(m + 1, dtype=torch.int32, device=dev)
+    csr = torch.zeros(m + 1, dtype=torch.int32, device=addr.device)
     csr[1:] = torch.cumsum(counts, 0).to(torch.int32)
     lanes = (addr & 15).to(torch.uint8)
     for threads in (256, 1024):
@@ -247,9 +302,14 @@ def main():
         ext.launch2(buf.data_ptr(), sec.data_ptr(), csr.data_ptr(), lanes.data_ptr(), old.data_ptr(), m, threads)
         ok = ok and torch.equal(buf[addr], old)
         print(
-            f"  sector2 threads={threads:5d} {ms:8.3f} ms  {ms / floor:5.2f}x floor  "
-            f"{ms / sector_floor:5.2f}x sector floor  {'ok' if ok else 'WRONG'}"
+            f"  sector2 threads={threads:5d} {ms:8.3f} ms  {ms / d.floor:5.2f}x floor  "
+            f"{ms / d.sector_floor:5.2f}x sector floor  {'ok' if ok else 'WRONG'}"
         )
+
+
+def hints_and_grid(ext, d: Data) -> None:
+    """Per element with cache hints on the stores, and a grid-stride loop with several blocks in flight."""
+    buf, addr, new, old, n = d.buf, d.addr, d.new, d.old, d.n
     for hint, label in ((0, "default"), (1, "st.cs"), (2, "st.wt"), (3, "st.cg"), (4, "ld.cs")):
         flip = [0]
 
@@ -259,7 +319,7 @@ def main():
             ext.launch_hint(buf.data_ptr(), addr.data_ptr(), v.data_ptr(), n, hint)
 
         ms = median_ms(run_h, 20)
-        print(f"  elem hint {label:8s} {ms:8.3f} ms  {ms / floor:5.2f}x floor")
+        print(f"  elem hint {label:8s} {ms:8.3f} ms  {ms / d.floor:5.2f}x floor")
     for blocks in (32, 64, 132, 264, 528, 1056, 4224):
         flip = [0]
 
@@ -269,16 +329,7 @@ def main():
             ext.launch_gs(buf.data_ptr(), addr.data_ptr(), v.data_ptr(), n, blocks, 256)
 
         ms = median_ms(run_gs)
-        print(f"  elem_gs in flight {blocks * 256:8d} {ms:8.3f} ms  {ms / floor:5.2f}x floor")
-    print(f"  copy (whole buffer) {bw_ms:.3f} ms")
-    # staging-side costs of a sector plan: sort (if needed), sectors, CSR
-    shuffled = addr[torch.randperm(n, device=dev)]
-    for label, fn in (
-        ("sort 82M int64 (+indices)", lambda: torch.sort(shuffled)),
-        ("unique_consecutive sectors", lambda: torch.unique_consecutive(addr >> 4, return_counts=True)),
-        ("is sorted check", lambda: bool((addr[1:] > addr[:-1]).all())),
-    ):
-        print(f"  {label}: {median_ms(fn, 3):.2f} ms")
+        print(f"  elem_gs in flight {blocks * 256:8d} {ms:8.3f} ms  {ms / d.floor:5.2f}x floor")
 
 
 if __name__ == "__main__":

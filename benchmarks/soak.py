@@ -133,14 +133,13 @@ def soak(
     log_every: int = 10,
     heap_every: int = 0,
 ) -> dict:
-    rows, control_rows = [], []
     with S3Server() as s3:
         uri = s3.uri("soak")
         model_dir = os.path.join(work, "model")
         run = LiveRun(uri, SPEC, model_dir=model_dir, storage_options=s3.storage_options, anchor_every=anchor_every)
         run.publish()
         cache = os.path.join(work, "cache")
-        folder = DeltaStore(uri, s3.storage_options, cache_dir=cache)._download_dir()
+        folder = DeltaStore(uri, s3.storage_options, cache_dir=cache).cache.folder()
         cfg = {"delta_storage_options": s3.storage_options, "delta_cache_dir": cache}
         srv = VllmServer(  # dev mode for the control's pause/resume routes (127.0.0.1 only)
             run.model_dir,
@@ -157,60 +156,8 @@ def soak(
             if heap_every:
                 _heap(srv, "start")
             t_start = time.time()
-            for i in range(1, versions + 1):
-                t0 = time.perf_counter()
-                info = run.step()
-                t1 = time.perf_counter()
-                res = srv.update(info.version)
-                t2 = time.perf_counter()
-                st = srv.status()
-                t3 = time.perf_counter()
-                rss, cache_bytes = _sample(srv, folder)
-                heap = stream.around(lambda: _heap(srv, "report")) if heap_every and i % heap_every == 0 else None
-                rows.append(
-                    {
-                        "version": info.version,
-                        "kind": info.kind,
-                        "nnz": res["nnz"],
-                        "bytes": res["bytes"],
-                        "pause_ms": res["pause_ms"],
-                        "apply_ms": res["apply_ms"],
-                        "stage_ms": res["stage_ms"],
-                        "checksum_ok": st["checksum"] == run.checksums[info.version],
-                        "rss": rss,
-                        "cache_bytes": cache_bytes,
-                        "time": time.time() - t_start,
-                        "train_publish_s": t1 - t0,
-                        "update_s": t2 - t1,
-                        "status_s": t3 - t2,
-                        "heap": heap,
-                    }
-                )
-                if i % log_every == 0:
-                    r = rows[-1]
-                    print(
-                        f"  v{i:4d} {r['kind']:6s} pause {r['pause_ms']:6.1f} ms  rss "
-                        + " ".join(f"{k} {v / 2**20:7.1f}" for k, v in sorted(r["rss"].items()))
-                        + f" MiB  cache {r['cache_bytes'] / 1024:.0f} KiB",
-                        flush=True,
-                    )
-            served = run.version
-            for i in range(1, control + 1):
-                run.step()
-                for path in ("/pause?mode=keep&clear_cache=true", "/resume"):
-                    r = srv.post(path, timeout=60)
-                    if r.status_code != 200:
-                        raise RuntimeError(f"{path} answered {r.status_code}: {r.text}")
-                st = srv.status()
-                assert st["version"] == served and st["checksum"] == run.checksums[served]
-                rss, cache_bytes = _sample(srv, folder)
-                heap = stream.around(lambda: _heap(srv, "report")) if heap_every and i % heap_every == 0 else None
-                control_rows.append({"cycle": i, "rss": rss, "time": time.time() - t_start, "heap": heap})
-                if i % log_every == 0:
-                    print(
-                        f"  control {i:4d} rss " + " ".join(f"{k} {v / 2**20:7.1f}" for k, v in sorted(rss.items())),
-                        flush=True,
-                    )
+            rows = _updates(run, srv, stream, folder, versions, t_start, log_every, heap_every)
+            control_rows = _controls(run, srv, stream, folder, control, t_start, log_every, heap_every)
             chunks, errors = stream.totals()
         run.close()
     return {
@@ -220,6 +167,74 @@ def soak(
         "stream_errors": errors,
         "warmup": warmup,
     }
+
+
+def _updates(run, srv, stream, folder, versions, t_start, log_every, heap_every) -> list[dict]:
+    """`versions` updates, each trained and published, applied, checked against the trainer's checksum
+    and sampled (memory by process, the download cache, the heap every `heap_every`)."""
+    rows: list[dict] = []
+    for i in range(1, versions + 1):
+        t0 = time.perf_counter()
+        info = run.step()
+        t1 = time.perf_counter()
+        res = srv.update(info.version)
+        t2 = time.perf_counter()
+        st = srv.status()
+        t3 = time.perf_counter()
+        rss, cache_bytes = _sample(srv, folder)
+        heap = stream.around(lambda: _heap(srv, "report")) if heap_every and i % heap_every == 0 else None
+        rows.append(
+            {
+                "version": info.version,
+                "kind": info.kind,
+                "nnz": res["nnz"],
+                "bytes": res["bytes"],
+                "pause_ms": res["pause_ms"],
+                "apply_ms": res["apply_ms"],
+                "stage_ms": res["stage_ms"],
+                "checksum_ok": st["checksum"] == run.checksums[info.version],
+                "rss": rss,
+                "cache_bytes": cache_bytes,
+                "time": time.time() - t_start,
+                "train_publish_s": t1 - t0,
+                "update_s": t2 - t1,
+                "status_s": t3 - t2,
+                "heap": heap,
+            }
+        )
+        if i % log_every == 0:
+            r = rows[-1]
+            print(
+                f"  v{i:4d} {r['kind']:6s} pause {r['pause_ms']:6.1f} ms  rss "
+                + " ".join(f"{k} {v / 2**20:7.1f}" for k, v in sorted(r["rss"].items()))
+                + f" MiB  cache {r['cache_bytes'] / 1024:.0f} KiB",
+                flush=True,
+            )
+    return rows
+
+
+def _controls(run, srv, stream, folder, control, t_start, log_every, heap_every) -> list[dict]:
+    """The control: `control` cycles of vLLM's own pause and resume with no update (the trainer steps on),
+    the served version unchanged, sampled as the updates are."""
+    control_rows: list[dict] = []
+    served = run.version
+    for i in range(1, control + 1):
+        run.step()
+        for path in ("/pause?mode=keep&clear_cache=true", "/resume"):
+            r = srv.post(path, timeout=60)
+            if r.status_code != 200:
+                raise RuntimeError(f"{path} answered {r.status_code}: {r.text}")
+        st = srv.status()
+        assert st["version"] == served and st["checksum"] == run.checksums[served]
+        rss, cache_bytes = _sample(srv, folder)
+        heap = stream.around(lambda: _heap(srv, "report")) if heap_every and i % heap_every == 0 else None
+        control_rows.append({"cycle": i, "rss": rss, "time": time.time() - t_start, "heap": heap})
+        if i % log_every == 0:
+            print(
+                f"  control {i:4d} rss " + " ".join(f"{k} {v / 2**20:7.1f}" for k, v in sorted(rss.items())),
+                flush=True,
+            )
+    return control_rows
 
 
 def summarize(result: dict) -> dict:

@@ -233,59 +233,8 @@ def main() -> int:
     results, failures = [], []
     gen_dev = torch.device("cuda", 0) if not args.smoke else torch.device("cpu")
     ranks = Ranks(args)
-    shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
     for name in models:
-        spec = {**QWEN3, **QWEN3_MOE}[name]
-        with tempfile.TemporaryDirectory(prefix="stage-tp-", dir=shm) as tmp:
-            t0 = time.perf_counter()
-            changes = changes_of(spec, args.density, gen_dev)
-            nnz = sum(int(c[0].numel()) for c in changes.values())
-            paths = write_version(spec, changes, args.parts, tmp, args.chunk_elems)
-            size = sum(os.path.getsize(p) for p in paths)
-            say(
-                f"## {name} at {args.density:.2%}: {nnz / 1e6:.2f}M changed elements, {args.parts} file(s) of "
-                f"{size / 1e6:.1f} MB, written in {time.perf_counter() - t0:.1f} s"
-            )
-            # each rank's held count is checked where the changes are small enough to hand every rank
-            check = {n: tuple(t.cpu() for t in c) for n, c in changes.items()} if nnz < 20_000_000 else None
-            del changes
-            if gen_dev.type == "cuda":
-                torch.cuda.empty_cache()
-            by_tp = {tp: ranks.run(spec, tp, paths, check) for tp in tps}
-        whole = by_tp.get(1)
-        ref = whole[0]["partials"] if whole else None
-        for tp, group in by_tp.items():
-            for r in group:
-                if r["held"] is not None and r["staged_nnz"] != r["held"]:
-                    failures.append(f"{name} TP={tp} rank {r['rank']}: staged {r['staged_nnz']}, holds {r['held']}")
-            if ref is not None:
-                summed = {n: v & MASK64 for n, v in add_sums([r["partials"] for r in group]).items()}
-                if summed != {n: v & MASK64 for n, v in ref.items()}:
-                    failures.append(f"{name} TP={tp}: the ranks' checksum partials do not add up to TP=1's")
-            if tp == 1 and group[0]["decoded"] != nnz:
-                failures.append(f"{name} TP=1 decoded {group[0]['decoded']} of {nnz}")
-        results.append({"model": name, "nnz": nnz, "bytes": size, "parts": args.parts, "tp": by_tp})
-        say(
-            f"{'TP':>3} {'rank':>4} {'decoded':>10} {'share':>6} {'stage':>8} {'first':>8} "
-            + " ".join(f"{p:>9}" for p in PHASES)
-            + f" {'peak MB':>8}"
-        )
-        base = whole[0]["ms"] if whole else None
-        for tp, group in by_tp.items():
-            for r in group:
-                say(
-                    f"{tp:>3} {r['rank']:>4} {r['decoded']:>10} {r['decoded'] / max(nnz, 1):>6.3f} {r['ms']:>8.1f} "
-                    f"{r['first_ms']:>8.1f} "
-                    + " ".join(f"{r['phases'][p]:>9.1f}" for p in PHASES)
-                    + f" {r['device_peak_mb']:>8.0f}"
-                )
-            if tp > 1 and base:
-                slowest = max(r["ms"] for r in group)
-                share = max(r["decoded"] for r in group) / max(nnz, 1)
-                say(
-                    f"    TP={tp}: largest share {share:.3f} of the changed elements, slowest rank's staging "
-                    f"{slowest:.1f} ms = {slowest / base:.2f}x TP=1 (issue 26: per rank <= 0.6x)"
-                )
+        results.append(run_model(name, args, tps, ranks, gen_dev, say, failures))
     ranks.close()
     for f in failures:
         say(f"MISMATCH: {f}")
@@ -298,6 +247,76 @@ def main() -> int:
         with open(os.path.join(args.out, f"stage_tp{tag}.log"), "w") as f:
             f.write("\n".join(log) + "\n")
     return 1 if failures else 0
+
+
+def run_model(name: str, args, tps: list[int], ranks: Ranks, gen_dev: torch.device, say, failures: list[str]) -> dict:
+    """One model's version written, then staged at each TP size; the checks' failures into `failures`,
+    the table said; the model's result."""
+    spec = {**QWEN3, **QWEN3_MOE}[name]
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    with tempfile.TemporaryDirectory(prefix="stage-tp-", dir=shm) as tmp:
+        t0 = time.perf_counter()
+        changes = changes_of(spec, args.density, gen_dev)
+        nnz = sum(int(c[0].numel()) for c in changes.values())
+        paths = write_version(spec, changes, args.parts, tmp, args.chunk_elems)
+        size = sum(os.path.getsize(p) for p in paths)
+        say(
+            f"## {name} at {args.density:.2%}: {nnz / 1e6:.2f}M changed elements, {args.parts} file(s) of "
+            f"{size / 1e6:.1f} MB, written in {time.perf_counter() - t0:.1f} s"
+        )
+        # each rank's held count is checked where the changes are small enough to hand every rank
+        check = {n: tuple(t.cpu() for t in c) for n, c in changes.items()} if nnz < 20_000_000 else None
+        del changes
+        if gen_dev.type == "cuda":
+            torch.cuda.empty_cache()
+        by_tp = {tp: ranks.run(spec, tp, paths, check) for tp in tps}
+    failures += check_ranks(name, by_tp, nnz)
+    table(by_tp, nnz, say)
+    return {"model": name, "nnz": nnz, "bytes": size, "parts": args.parts, "tp": by_tp}
+
+
+def check_ranks(name: str, by_tp: dict[int, list[dict]], nnz: int) -> list[str]:
+    """Each rank staged what its layout holds; the ranks' checksum partials add up to TP=1's; TP=1
+    decoded every changed element."""
+    failures = []
+    whole = by_tp.get(1)
+    ref = whole[0]["partials"] if whole else None
+    for tp, group in by_tp.items():
+        for r in group:
+            if r["held"] is not None and r["staged_nnz"] != r["held"]:
+                failures.append(f"{name} TP={tp} rank {r['rank']}: staged {r['staged_nnz']}, holds {r['held']}")
+        if ref is not None:
+            summed = {n: v & MASK64 for n, v in add_sums([r["partials"] for r in group]).items()}
+            if summed != {n: v & MASK64 for n, v in ref.items()}:
+                failures.append(f"{name} TP={tp}: the ranks' checksum partials do not add up to TP=1's")
+        if tp == 1 and group[0]["decoded"] != nnz:
+            failures.append(f"{name} TP=1 decoded {group[0]['decoded']} of {nnz}")
+    return failures
+
+
+def table(by_tp: dict[int, list[dict]], nnz: int, say) -> None:
+    say(
+        f"{'TP':>3} {'rank':>4} {'decoded':>10} {'share':>6} {'stage':>8} {'first':>8} "
+        + " ".join(f"{p:>9}" for p in PHASES)
+        + f" {'peak MB':>8}"
+    )
+    whole = by_tp.get(1)
+    base = whole[0]["ms"] if whole else None
+    for tp, group in by_tp.items():
+        for r in group:
+            say(
+                f"{tp:>3} {r['rank']:>4} {r['decoded']:>10} {r['decoded'] / max(nnz, 1):>6.3f} {r['ms']:>8.1f} "
+                f"{r['first_ms']:>8.1f} "
+                + " ".join(f"{r['phases'][p]:>9.1f}" for p in PHASES)
+                + f" {r['device_peak_mb']:>8.0f}"
+            )
+        if tp > 1 and base:
+            slowest = max(r["ms"] for r in group)
+            share = max(r["decoded"] for r in group) / max(nnz, 1)
+            say(
+                f"    TP={tp}: largest share {share:.3f} of the changed elements, slowest rank's staging "
+                f"{slowest:.1f} ms = {slowest / base:.2f}x TP=1 (issue 26: per rank <= 0.6x)"
+            )
 
 
 if __name__ == "__main__":

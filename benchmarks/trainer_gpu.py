@@ -71,86 +71,19 @@ def main() -> int:
         f"torch={torch.__version__}"
     )
     log(f"# command: python {' '.join(sys.argv)}")
-    _, layout = qwen3_layout(QWEN3[args.model])
-    gen = torch.Generator(device=dev).manual_seed(0)
-    master, snap = {}, FlatSnapshot(backend=args.backend)
-    for name, shape in layout.hf_shapes.items():
-        image = torch.randn(shape, generator=gen, device=dev, dtype=torch.bfloat16).mul_(0.02)
-        # fp32 master within a quarter ULP of its bf16 image (bf16 keeps 8 significant bits)
-        m = image.float()
-        m.mul_(1 + (torch.rand(shape, generator=gen, device=dev) - 0.5) * 2**-10)
-        master[name] = m
-        del image
-    owned = [Owned(n, m.view(-1), tuple(m.shape), 0, m.shape[0] if m.dim() else 1) for n, m in master.items()]
-    snap.anchor(owned)
+    master, owned, snap = make_master(args, dev)
     params = sum(t.numel() for t in master.values())
-    # floor: read the fp32 master weights once (and, for detection, the bf16 snapshot too)
-    a = torch.empty(1 << (30 if dev.type == "cuda" else 22), dtype=torch.int32, device=dev)
-    b = torch.empty_like(a)
-    b.copy_(a)
-    sync(dev)
-    t0 = time.perf_counter()
-    for _ in range(10):
-        b.copy_(a)
-    sync(dev)
-    bw = 2 * a.numel() * 4 * 10 / (time.perf_counter() - t0)
-    del a, b
-    read_floor = params * 4 / bw * 1e3
-    detect_floor = params * 6 / bw * 1e3
-    log(
-        f"# {args.model}: {params / 1e9:.2f}B params, fp32 master {params * 4 / 1e9:.1f} GB; copy bandwidth "
-        f"{bw / 1e9:.0f} GB/s; floor: read master once {read_floor:.2f} ms, + snapshot {detect_floor:.2f} ms"
-    )
+    read_floor = floors(args, dev, params)
     codec = codecs.get_codec("compact")
     pool = ThreadPoolExecutor(args.threads)
     rows = []
     for step in range(args.steps):
-        # one optimizer step (not timed): move ~density of the elements by realistic bf16 amounts
-        nnz_true = 0
-        for i, m in enumerate(master.values()):
-            g = torch.Generator(device=dev).manual_seed(1000 * step + i)
-            flat = m.view(-1)
-            pos = random_positions(flat.numel(), args.density, g, dev)
-            old = bit_view(flat[pos].to(torch.bfloat16))
-            new = apply_diffs(old, realistic_diffs(pos.numel(), g, dev))
-            flat[pos] = new.view(torch.bfloat16).float()
-            nnz_true += pos.numel()
-        sync(dev)
-        t = {}
-        t0 = time.perf_counter()
-        found = snap.changes(owned)
-        batch = codecs.Batch(
-            found.positions,
-            found.new,
-            found.old,
-            found.seg,
-            found.counts,
-            [0] * len(owned),
-            [o.numel for o in owned],
-        )
-        with snap.side_stream(dev):
-            split = codec.prepare_batch(batch)
-        t["publish"] = (time.perf_counter() - t0) * 1e3  # what the training thread waits for
-        sections = {o.name: s for o, s in zip(owned, split.split()) if s is not None}
-        t["publish+d2h"] = (time.perf_counter() - t0) * 1e3
-        nnz = sum(found.counts)
-        del found, batch
-        if nnz != nnz_true:
-            log(f"MISMATCH: detected {nnz} changes, the step made {nnz_true}")
+        nnz_true = optimizer_step(master, step, args.density, dev)
+        t = time_step(snap, owned, codec, pool, args, dev, nnz_true)
+        if t is None:
             return 1
-        t0 = time.perf_counter()
-        packed_1 = [codec.pack(s, torch.bfloat16) for s in sections.values()]
-        t["pack_1thread"] = (time.perf_counter() - t0) * 1e3
-        t0 = time.perf_counter()
-        packed_n = list(pool.map(lambda s: codec.pack(s, torch.bfloat16), sections.values()))
-        t[f"pack_{args.threads}threads"] = (time.perf_counter() - t0) * 1e3
-        nbytes = sum(p[0]["blob"].numel() for p in packed_n)
-        same = all(torch.equal(x[0]["blob"], y[0]["blob"]) for x, y in zip(packed_1, packed_n))
-        if not same:
-            log("MISMATCH: threaded pack differs")
-            return 1
-        t["nnz"], t["bytes"] = nnz, nbytes
         rows.append(t)
+        nnz, nbytes = t["nnz"], t["bytes"]
         log(
             f"  step {step}: nnz {nnz / 1e6:.1f}M, {nbytes / 1e6:.1f} MB ({nbytes / nnz:.2f} B/elem), "
             + " ".join(f"{k}={v:.1f}ms" for k, v in t.items() if k.endswith(("publish", "thread", "threads")))
@@ -171,6 +104,100 @@ def main() -> int:
         with open(os.path.join(args.out, "trainer_gpu.log"), "w") as f:
             f.write("\n".join(LOG) + "\n")
     return 0
+
+
+def make_master(args, dev: torch.device) -> tuple[dict[str, torch.Tensor], list[Owned], FlatSnapshot]:
+    """The fp32 master weights, each within a quarter ULP of its bf16 image, and the detection's snapshot
+    of them."""
+    _, layout = qwen3_layout(QWEN3[args.model])
+    gen = torch.Generator(device=dev).manual_seed(0)
+    master, snap = {}, FlatSnapshot(backend=args.backend)
+    for name, shape in layout.hf_shapes.items():
+        image = torch.randn(shape, generator=gen, device=dev, dtype=torch.bfloat16).mul_(0.02)
+        # fp32 master within a quarter ULP of its bf16 image (bf16 keeps 8 significant bits)
+        m = image.float()
+        m.mul_(1 + (torch.rand(shape, generator=gen, device=dev) - 0.5) * 2**-10)
+        master[name] = m
+        del image
+    owned = [Owned(n, m.view(-1), tuple(m.shape), 0, m.shape[0] if m.dim() else 1) for n, m in master.items()]
+    snap.anchor(owned)
+    return master, owned, snap
+
+
+def floors(args, dev: torch.device, params: int) -> float:
+    """The floor: read the fp32 master weights once (and, for detection, the bf16 snapshot too), ms."""
+    a = torch.empty(1 << (30 if dev.type == "cuda" else 22), dtype=torch.int32, device=dev)
+    b = torch.empty_like(a)
+    b.copy_(a)
+    sync(dev)
+    t0 = time.perf_counter()
+    for _ in range(10):
+        b.copy_(a)
+    sync(dev)
+    bw = 2 * a.numel() * 4 * 10 / (time.perf_counter() - t0)
+    del a, b
+    read_floor = params * 4 / bw * 1e3
+    detect_floor = params * 6 / bw * 1e3
+    log(
+        f"# {args.model}: {params / 1e9:.2f}B params, fp32 master {params * 4 / 1e9:.1f} GB; copy bandwidth "
+        f"{bw / 1e9:.0f} GB/s; floor: read master once {read_floor:.2f} ms, + snapshot {detect_floor:.2f} ms"
+    )
+    return read_floor
+
+
+def optimizer_step(master: dict[str, torch.Tensor], step: int, density: float, dev: torch.device) -> int:
+    """One optimizer step (not timed): move ~density of the elements by realistic bf16 amounts; the count."""
+    nnz_true = 0
+    for i, m in enumerate(master.values()):
+        g = torch.Generator(device=dev).manual_seed(1000 * step + i)
+        flat = m.view(-1)
+        pos = random_positions(flat.numel(), density, g, dev)
+        old = bit_view(flat[pos].to(torch.bfloat16))
+        new = apply_diffs(old, realistic_diffs(pos.numel(), g, dev))
+        flat[pos] = new.view(torch.bfloat16).float()
+        nnz_true += pos.numel()
+    sync(dev)
+    return nnz_true
+
+
+def time_step(snap, owned, codec, pool, args, dev, nnz_true: int) -> dict[str, float] | None:
+    """Detection and the codec's device part as the training thread runs them, then pack on one thread
+    and on the pool: the times (ms), nnz and bytes; None on a mismatch (logged)."""
+    t: dict[str, float] = {}
+    t0 = time.perf_counter()
+    found = snap.changes(owned)
+    batch = codecs.Batch(
+        found.positions,
+        found.new,
+        found.old,
+        found.seg,
+        found.counts,
+        [0] * len(owned),
+        [o.numel for o in owned],
+    )
+    with snap.side_stream(dev):
+        split = codec.prepare_batch(batch)
+    t["publish"] = (time.perf_counter() - t0) * 1e3  # what the training thread waits for
+    sections = {o.name: s for o, s in zip(owned, split.split()) if s is not None}
+    t["publish+d2h"] = (time.perf_counter() - t0) * 1e3
+    nnz = sum(found.counts)
+    del found, batch
+    if nnz != nnz_true:
+        log(f"MISMATCH: detected {nnz} changes, the step made {nnz_true}")
+        return None
+    t0 = time.perf_counter()
+    packed_1 = [codec.pack(s, torch.bfloat16) for s in sections.values()]
+    t["pack_1thread"] = (time.perf_counter() - t0) * 1e3
+    t0 = time.perf_counter()
+    packed_n = list(pool.map(lambda s: codec.pack(s, torch.bfloat16), sections.values()))
+    t[f"pack_{args.threads}threads"] = (time.perf_counter() - t0) * 1e3
+    nbytes = sum(p[0]["blob"].numel() for p in packed_n)
+    same = all(torch.equal(x[0]["blob"], y[0]["blob"]) for x, y in zip(packed_1, packed_n))
+    if not same:
+        log("MISMATCH: threaded pack differs")
+        return None
+    t["nnz"], t["bytes"] = nnz, nbytes
+    return t
 
 
 if __name__ == "__main__":

@@ -123,7 +123,7 @@ def one_update(engine: ApplyEngine, stage, current: dict[str, int], header, devi
     (staging ms, write ms)."""
     staged, ms_stage = timed(stage, device)
     verify_partials(current, [staged.partials], header)
-    _, ms_write = timed(lambda: engine.write(staged), device)
+    _, ms_write = timed(lambda: engine.patch(staged), device)
     return ms_stage, ms_write
 
 

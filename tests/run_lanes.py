@@ -7,10 +7,11 @@ Why lanes: most of the suite's time is vLLM server start-ups, and a start-up is 
 importing vLLM and torch at a time (API server, then engine core); the tests that start no server are
 single-threaded. On more than 2 cores one core would mostly idle while either runs alone.
 
-* `--lanes 1` (auto on 2 cores): lint, then the tests that start no vLLM engine with one xdist worker
-  per core (one OpenMP thread each), then the vLLM tests in one pytest, then the benchmarks' smoke runs.
-  Two lanes (servers beside the other tests) were measured no faster on 2 cores (45 min either way,
-  2026-11-27) and their contention failed timing-bound tests.
+* `--lanes 1` (auto on 2 cores): first the tests that start no vLLM engine, alone, one xdist worker per
+  core (one OpenMP thread each); then the vLLM tests in one pytest, and beside them lint and the
+  benchmarks' smoke runs (single-threaded: the vLLM tests keep about one core busy). Servers beside
+  the other tests (LANES=2) were measured no faster on 2 cores (45 min either way, 2026-11-27) and
+  their contention failed timing-bound tests.
 * `--lanes 2` (auto on 3-4 cores): the tests marked `vllm` in one lane, streamed live; in the other,
   with one OpenMP thread (so torch there never spins against a server's OpenMP threads): lint, the
   tests without a server, then the benchmarks' smoke runs.
@@ -133,6 +134,56 @@ def slowest(junits: list[str], n: int) -> list[tuple[float, str]]:
     return sorted(times, reverse=True)[:n]
 
 
+def plan(
+    lanes_n: int, paths: list[str], extra: list[str], tmp: str, lint: list, smokes: list
+) -> tuple[Lane | None, list[Lane]]:
+    """What runs first (alone), then the lanes that run side by side."""
+    interpret = {"TRITON_INTERPRET": "1"}
+    quiet = {"OMP_NUM_THREADS": "1"}  # torch there never spins against a server's OpenMP threads
+    checks = [*lint, *[({**env, **quiet}, c) for env, c in smokes]]
+    if lanes_n == 1:
+        # The tests that start no vLLM engine first, alone, one xdist worker per core (each test single-
+        # threaded; a module's tests in one worker: its module fixtures are made once). Then the vLLM tests
+        # in one process (one server start-up at a time, beside the module's tests that run before it:
+        # pooled.py), and beside them lint and the smoke runs, single-threaded: the vLLM tests keep about
+        # one core busy (CPU 70% of one core over a run, 2026-11-29), the checks take the other.
+        workers = ["-n", str(os.cpu_count() or 1), "--dist", "loadfile"]
+        rest, rest_junit = pytest_step("rest", "not vllm and not gpu", paths, [*workers, *extra], tmp)
+        vllm, vllm_junit = pytest_step("vllm", "vllm and not gpu", paths, extra, tmp)
+        first = Lane("rest", [({**interpret, **quiet}, rest)], live=True, junit=[rest_junit])
+        return first, [Lane("vllm", [(interpret, vllm)], live=True, junit=[vllm_junit]), Lane("checks", checks)]
+    lanes: list[Lane] = []
+    vllm_paths = list(paths)
+    if lanes_n == 3:
+        second = [p for p in SECOND_VLLM_LANE if within(p, paths)]
+        cmd, junit = pytest_step("vllm-b", "vllm and not gpu", second, extra, tmp)
+        if second:
+            lanes.append(Lane("vllm-b", [({**interpret, "VLLM_CPU_OMP_THREADS_BIND": "1"}, cmd)], junit=[junit]))
+        vllm_paths = [*(f"--deselect={p}" for p in second), *vllm_paths]
+    cmd, junit = pytest_step("vllm", "vllm and not gpu", vllm_paths, extra, tmp)
+    lanes.insert(0, Lane("vllm", [(interpret, cmd)], live=True, junit=[junit]))
+    cmd, junit = pytest_step("rest", "not vllm and not gpu", paths, extra, tmp)
+    lanes.append(Lane("rest", [*lint, ({**interpret, **quiet}, cmd), *checks[len(lint) :]], junit=[junit]))
+    return None, lanes
+
+
+def run_all(lanes: list[Lane], tmp: str) -> None:
+    for lane in lanes:
+        lane.log = os.path.join(tmp, f"{lane.name}.log")
+        lane.startups = os.path.join(tmp, f"{lane.name}.startups")
+        lane.steps = [({**env, STARTUPS_FILE_ENV: lane.startups}, cmd) for env, cmd in lane.steps]
+    threads = [threading.Thread(target=run_lane, args=(lane,), name=lane.name) for lane in lanes]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for lane in lanes:
+        if not lane.live:
+            print(f"\n========== lane {lane.name} ==========", flush=True)
+            with open(lane.log) as f:
+                sys.stdout.write(f.read())
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lanes", default="auto", help="1, 2, 3 or auto (by the machine's cores: lanes_for)")
@@ -150,61 +201,27 @@ def main(argv: list[str] | None = None) -> int:
     paths = paths or ["tests"]
     tmp = tempfile.mkdtemp(prefix="vllm-delta-lanes-")
     lint = [] if args.no_lint else [({}, c) for c in LINT]
-    smokes = [] if args.no_smoke else SMOKES
-    interpret = {"TRITON_INTERPRET": "1"}
-    lanes: list[Lane] = []
-    quiet = {"OMP_NUM_THREADS": "1"}
-    if lanes_n == 1:
-        # The tests that start no vLLM engine first, one xdist worker per core (each test single-threaded,
-        # a module's tests in one worker: its module fixtures are made once), then the vLLM tests in one
-        # process: one server start-up at a time (beside the module's tests that run before it: pooled.py).
-        workers = ["-n", str(os.cpu_count() or 1), "--dist", "loadfile"]
-        rest, rest_junit = pytest_step("rest", "not vllm and not gpu", paths, [*workers, *extra], tmp)
-        vllm, vllm_junit = pytest_step("vllm", "vllm and not gpu", paths, extra, tmp)
-        steps = [*lint, ({**interpret, **quiet}, rest), (interpret, vllm), *smokes]
-        lanes.append(Lane("all", steps, live=True, junit=[rest_junit, vllm_junit]))
-    else:
-        vllm_paths = list(paths)
-        if lanes_n == 3:
-            second = [p for p in SECOND_VLLM_LANE if within(p, paths)]
-            cmd, junit = pytest_step("vllm-b", "vllm and not gpu", second, extra, tmp)
-            if second:
-                lanes.append(Lane("vllm-b", [({**interpret, "VLLM_CPU_OMP_THREADS_BIND": "1"}, cmd)], junit=[junit]))
-            vllm_paths = [*(f"--deselect={p}" for p in second), *vllm_paths]
-        cmd, junit = pytest_step("vllm", "vllm and not gpu", vllm_paths, extra, tmp)
-        lanes.insert(0, Lane("vllm", [(interpret, cmd)], live=True, junit=[junit]))
-        cmd, junit = pytest_step("rest", "not vllm and not gpu", paths, extra, tmp)
-        steps = [*lint, ({**interpret, **quiet}, cmd), *[({**env, **quiet}, c) for env, c in smokes]]
-        lanes.append(Lane("rest", steps, junit=[junit]))
-    for lane in lanes:
-        lane.log = os.path.join(tmp, f"{lane.name}.log")
-        lane.startups = os.path.join(tmp, f"{lane.name}.startups")
-        lane.steps = [({**env, STARTUPS_FILE_ENV: lane.startups}, cmd) for env, cmd in lane.steps]
-    threads = [threading.Thread(target=run_lane, args=(lane,), name=lane.name) for lane in lanes]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    for lane in lanes:
-        if not lane.live:
-            print(f"\n========== lane {lane.name} ==========", flush=True)
-            with open(lane.log) as f:
-                sys.stdout.write(f.read())
+    first, lanes = plan(lanes_n, paths, extra, tmp, lint, [] if args.no_smoke else SMOKES)
+    done = [first] if first is not None else []
+    if first is not None:
+        run_all([first], tmp)
+    run_all(lanes, tmp)
+    done += lanes
     if args.durations:
         print(f"\n========== the {args.durations} slowest tests (setup + call + teardown), all lanes ==========")
-        for seconds, name in slowest([j for lane in lanes for j in lane.junit], args.durations):
+        for seconds, name in slowest([j for lane in done for j in lane.junit], args.durations):
             print(f"{seconds:9.2f}s  {name}")
     print()
-    for lane in lanes:
+    for lane in done:
         status = "ok" if lane.code == 0 else f"FAILED (exit {lane.code})"
         print(f"lane {lane.name}: {status} in {lane.seconds:.0f} s")
-    startups = sum(read_count(lane.startups) for lane in lanes)
+    startups = sum(read_count(lane.startups) for lane in done)
     wall = time.monotonic() - t_start
     print(
-        f"make test: {wall / 60:.1f} min ({wall:.0f} s) in {len(lanes)} lane(s) on {os.cpu_count()} cores, "
+        f"make test: {wall / 60:.1f} min ({wall:.0f} s) on {os.cpu_count()} cores ({len(lanes)} lanes side by side), "
         f"{startups} vLLM server start-ups (the budget: 20 min on 2 cores, docs/VLLM.md)"
     )
-    return next((lane.code for lane in lanes if lane.code), 0)
+    return next((lane.code for lane in done if lane.code), 0)
 
 
 def read_count(path: str) -> int:

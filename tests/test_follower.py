@@ -54,7 +54,7 @@ class Replica:
         target = back_to or files[-1].header
         sums = {n: int(e.checksum, 16) for n, e in self.header.tensors.items()}
         verify_partials(sums, [staged.partials], target)
-        ms = self.engine.write(staged)
+        ms = self.engine.patch(staged)
         self.version, self.header = target.version, target
         (self.undone if back_to is not None else self.applied).append(plan.versions)
         return ms

@@ -97,7 +97,7 @@ def _copy_store_with(root, tmp_path, version, mutate):
             mutate(header, payload)
             path = str(tmp_path / f"t{version}.safetensors")
             write(path, header, payload)
-        dst.publish(header, path)
+        dst.writer.commit_file(header, path)
     return dst
 
 

@@ -224,13 +224,19 @@ class ShardingError(DeltaError, ValueError):
     on every rank, naming the tensor and the ranks; nothing of the version is published."""
 
 
-class CommitFailedError(DeltaError):
-    """A commit failed on some rank and every rank was rolled back (500): nothing changed."""
+class PatchFailedError(DeltaError):
+    """An update's patch (its in-place writes) failed on some rank and every rank was rolled back (500):
+    nothing changed."""
+
+    wire_type = "CommitFailedError"  # the name HTTP answers and RPC replies carry (clients match on it)
+
+
+CommitFailedError = PatchFailedError  # its name before issue 37 (the server's writes are a patch, not a commit)
 
 
 class RollbackFailedError(DeltaError):
-    """A commit failed and so did its rollback: the ranks may hold different weights (500). The engine
-    stops scheduling and refuses later commits: restart the server."""
+    """A patch failed and so did its rollback: the ranks may hold different weights (500). The engine
+    stops scheduling and refuses later updates: restart the server."""
 
 
 class EnginesDisagreeError(DeltaError):
@@ -239,7 +245,7 @@ class EnginesDisagreeError(DeltaError):
 
 
 class InjectedFaultError(DeltaError):
-    """The test hook's fault ("fault": "commit@<rank>" with VLLM_DELTA_TEST_FAULTS=1), after the writes."""
+    """The test hook's fault ("fault": "patch@<rank>" with VLLM_DELTA_TEST_FAULTS=1), after the writes."""
 
 
 class WorkerError(DeltaError):
@@ -252,6 +258,15 @@ class WorkerError(DeltaError):
         self.http_status = status
         self.rank = rank
         self.type_name = type_name
+
+
+def error_type(error: BaseException | type[BaseException]) -> str:
+    """The name an error goes by outside this process (an HTTP answer's `error.type`, an RPC reply's
+    `type`): its class's, or the name a renamed class keeps for the clients that match on it
+    (`wire_type`, set on that class itself)."""
+    cls = error if isinstance(error, type) else type(error)
+    wire = cls.__dict__.get("wire_type")
+    return wire if isinstance(wire, str) else cls.__name__
 
 
 def http_status(exc: BaseException) -> int:

@@ -149,9 +149,9 @@ def materialize(store: DeltaStore, version: int | str, out_dir: str, *, progress
     tmp = tempfile.mkdtemp(prefix=".materialize-", dir=parent)
     try:
         _write_shards(tmp, files[-1].header, _checked_stream(files, progress), {"format": "pt"})
-        for name in store.assets():
+        for name in store.objects.assets():
             with open(os.path.join(tmp, name), "wb") as f:
-                f.write(store.get_asset(name))
+                f.write(store.objects.get_asset(name))
         if os.path.exists(out_dir):
             os.rmdir(out_dir)
         os.replace(tmp, out_dir)

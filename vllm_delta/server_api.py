@@ -9,7 +9,7 @@ codec (wire.py) with the two functions of this module:
     from_wire(cls, data)   -> the body, checked against its type hints
 
 The requests check their raw JSON first (`check_wire`: a 400 names the first problem). The vocabularies
-(update modes, commit methods, operations) are `Literal` aliases defined here once. The worker and
+(update modes, patch methods, operations) are `Literal` aliases defined here once. The worker and
 engine-core messages are in vllm/shared/messages.py.
 """
 
@@ -41,18 +41,21 @@ PAUSE_MODES: tuple[PauseMode, ...] = get_args(PauseMode)
 METHODS: tuple[Method, ...] = get_args(Method)
 
 # Test hook: with VLLM_DELTA_TEST_FAULTS=1 an update may name a fault that makes one rank fail, to prove
-# the rollback across ranks and engines on a real server: "commit@<rank>" right after its writes,
-# "stage@<rank>" while staging (nothing written anywhere); "<step>@<rank>" is that rank of every
-# engine, "<step>@<engine>:<rank>" that rank of one data-parallel engine only.
+# the rollback across ranks and engines on a real server: "patch@<rank>" right after its in-place writes
+# ("commit@<rank>", its name before issue 37, is the same step), "stage@<rank>" while staging (nothing
+# written anywhere); "<step>@<rank>" is that rank of every engine, "<step>@<engine>:<rank>" that rank of
+# one data-parallel engine only.
 FAULTS_ENV = "VLLM_DELTA_TEST_FAULTS"
-FaultStep = Literal["stage", "commit"]
+FaultStep = Literal["stage", "patch"]
+_FAULT_ALIASES: dict[str, FaultStep] = {"commit": "patch"}  # old spellings clients may still send
 
 
 def fault_hits(fault: str | None, step: FaultStep, engine: int, rank: int) -> bool:
     """The test hook's `fault` names this step on this rank of this engine (never without FAULTS_ENV=1)."""
-    if fault is None or os.environ.get(FAULTS_ENV) != "1" or not fault.startswith(f"{step}@"):
+    if fault is None or os.environ.get(FAULTS_ENV) != "1" or "@" not in fault:
         return False
-    return fault[len(step) + 1 :] in (str(rank), f"{engine}:{rank}")
+    named, _, where = fault.partition("@")
+    return _FAULT_ALIASES.get(named, named) == step and where in (str(rank), f"{engine}:{rank}")
 
 
 Json = dict[str, Any]
@@ -95,8 +98,9 @@ def _check_body(body: Any, known: set[str]) -> None:
 
 
 @dataclass(frozen=True)
-class StageRequest:
-    """POST /v1/delta/stage: stage now, apply later (no pause)."""
+class PrefetchRequest:
+    """POST /v1/delta/stage: a prefetch, staged and verified now, patched by a later update (no pause).
+    (The route keeps its name; in the code "stage" is the decoding every update does, "prefetch" this.)"""
 
     version: int | str  # a version number or "latest"
     allow_reanchor: bool = False
@@ -105,6 +109,9 @@ class StageRequest:
     @classmethod
     def check_wire(cls, body: Any) -> None:
         _check_body(body, {f.name for f in fields(cls)})
+
+
+StageRequest = PrefetchRequest  # its name before issue 37, for importers
 
 
 @dataclass(frozen=True)
@@ -161,8 +168,8 @@ def min_version_of(headers: list[str], body: Any) -> int | None:
 
 # -- HTTP answers ----------------------------------------------------------------------------------
 @dataclass(frozen=True, kw_only=True)
-class StageResult:
-    """200 answer of /v1/delta/stage. `target`, `nnz` and `bytes` only when something was staged."""
+class PrefetchResult:
+    """200 answer of /v1/delta/stage (a prefetch). `target`, `nnz` and `bytes` only when something was staged."""
 
     version: int | None  # the served version
     staged: list[int]
@@ -173,9 +180,12 @@ class StageResult:
     decoded_per_rank: list[int] | None = omit_none()  # changed elements each rank decoded (engine by engine under DP)
 
 
+StageResult = PrefetchResult  # its name before issue 37, for importers
+
+
 @dataclass(frozen=True, kw_only=True)
 class InflightAnswer:
-    """The `inflight` part of an in-flight update's answer: what the engine core did (CommittedAll
+    """The `inflight` part of an in-flight update's answer: what the engine core did (PatchedAll
     without the per-request switch indices, which are in the timeline)."""
 
     label: str
@@ -338,7 +348,7 @@ class Coverage:
 @dataclass(frozen=True, kw_only=True)
 class Verification:
     """A full recomputation of the live checksum from the parameters (every rank, every element), compared
-    with the one the server keeps current at every commit: GET /v1/delta/status?verify=true, the
+    with the one the server keeps current at every patch: GET /v1/delta/status?verify=true, the
     background audit (`delta_audit_s`), and start-up. A mismatch means something wrote the weights behind
     the plugin's back."""
 
@@ -388,14 +398,14 @@ class ServerStatus:
     version: int | None
     store: str
     # The live parameters' checksum, summed over ranks: recomputed at start-up (and by a verification),
-    # kept current at every commit by adding the ranks' verified partials (None: not known yet).
+    # kept current at every patch by adding the ranks' verified partials (None: not known yet).
     checksum: str | None
     version_checksum: str | None  # what the served version's header records
     staged: list[int]  # the prefetched update's versions
     last_update: AppliedUpdate | None
     tensors_via_vllm_path: list[str]
     coverage: Coverage | None = None
-    as_of: float | None = None  # when `checksum` was last established (a recomputation or a commit)
+    as_of: float | None = None  # when `checksum` was last established (a recomputation or a patch)
     update_in_progress: InProgress | None = None
     last_failure: Failure | None = None
     follow: FollowStatus | None = None
@@ -461,7 +471,7 @@ class WeightSpan:
 @dataclass(frozen=True, kw_only=True)
 class HistoryEntry:
     """One label change in the engine core's history: an update in a pause (or the start-up label), or
-    an in-flight commit (the fields from `engine_ms` to `switch`)."""
+    an in-flight patch (the fields from `engine_ms` to `switch`)."""
 
     mode: LabelCause
     version: int | None
@@ -487,15 +497,19 @@ class ChoiceSpans:
 
 
 @dataclass(frozen=True, kw_only=True)
-class CommitSwitch:
-    """A commit a response lived through, with its requests' switch indices (timeline by id)."""
+class PatchSwitch:
+    """An update's patch (its in-place writes, the label switched) a response lived through, with its
+    requests' switch indices (timeline by id; the timeline's field keeps its name, `commits`)."""
 
     version: int | None
     label: str
     engine_step: int
     time: float
     switch: dict[str, int]
-    engine: int | None = omit_none()  # data parallelism: the engine core the commit ran on
+    engine: int | None = omit_none()  # data parallelism: the engine core the patch ran on
+
+
+CommitSwitch = PatchSwitch  # its name before issue 37, for importers
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -510,6 +524,6 @@ class Timeline:
     history_limit: int
     id: str | None = omit_none()
     choices: list[ChoiceSpans] | None = omit_none()
-    commits: list[CommitSwitch] | None = omit_none()
+    commits: list[PatchSwitch] | None = omit_none()
     # Data parallelism: every engine core's own timeline, in engine order (the top level is engine 0's)
     engines: list[Timeline] | None = omit_none()

@@ -168,7 +168,7 @@ def test_stage_commit_rollback(tmp_path, device, backend, scenario, codec):
     assert {"read", "decode", "translate", "gather", "plan", "total"} <= set(staged.timings)
     if w.owned:
         verify_partials(sums0, [staged.partials], header)
-    ms = eng.write(staged)
+    ms = eng.patch(staged)
     assert ms >= 0 and staged.written
     assert _equal(w.bits(), w.expected(ch))
     _sums_move(eng, sums0, staged.partials)
@@ -176,7 +176,7 @@ def test_stage_commit_rollback(tmp_path, device, backend, scenario, codec):
     assert _equal(w.bits(), before)
     assert eng.live_sums() == sums0
     # the same staged update can be committed again after its rollback
-    eng.write(staged)
+    eng.patch(staged)
     assert _equal(w.bits(), w.expected(ch))
 
 
@@ -211,7 +211,7 @@ def test_chain_in_one_update(tmp_path, device, backend, scenario):
     assert staged.versions == [1, 2, 3]
     if w.owned:
         verify_partials(sums0, [staged.partials], files[-1].header)
-    eng.write(staged)
+    eng.patch(staged)
     assert _equal(w.bits(), w.expected(w.changes[1], w.changes[2], w.changes[3]))
     _sums_move(eng, sums0, staged.partials)
     eng.rollback(staged)
@@ -232,7 +232,7 @@ def test_anchor_then_delta(tmp_path, device, backend):
     sums0 = eng.live_sums()
     staged = eng.stage(files)
     verify_partials(sums0, [staged.partials], files[-1].header)
-    eng.write(staged)
+    eng.patch(staged)
     for name in w.layout.hf_shapes:
         assert torch.equal(bit_view(hf_view(w.layout, w.targets, name)), bit_view(w.hf[3][name])), name
 
@@ -259,11 +259,11 @@ def test_failure_mid_commit_restores_everything(tmp_path, device, backend, fail_
 
     monkeypatch.setattr(engine_mod.scatter_ops, "scatter_", flaky)
     with pytest.raises(RuntimeError, match="injected"):
-        eng.write(staged)
+        eng.patch(staged)
     assert not staged.written
     assert _equal(w.bits(), before)
     monkeypatch.setattr(engine_mod.scatter_ops, "scatter_", real)
-    eng.write(staged)
+    eng.patch(staged)
     assert _equal(w.bits(), w.expected(w.changes[1]))
 
 
@@ -276,11 +276,11 @@ def test_stale_stage_refused(tmp_path, device, backend):
     eng = w.engine(backend)
     a = eng.stage([VersionFile(tmp_path / "v1.safetensors")])
     b = eng.stage([VersionFile(tmp_path / "v1.safetensors")])
-    eng.write(a)
+    eng.patch(a)
     with pytest.raises(NotSuccessorError):
-        eng.write(b)
+        eng.patch(b)
     eng.rollback(a)
-    eng.write(b)  # staged against the state that is live again
+    eng.patch(b)  # staged against the state that is live again
     assert _equal(w.bits(), w.expected(w.changes[1]))
     eng.rollback(b)
     assert _equal(w.bits(), w.expected())
@@ -300,7 +300,7 @@ def test_rollback_after_another_writer(tmp_path, device, backend):
     eng.rollback(staged)
     assert _equal(w.bits(), before)
     # the per-target view of a plan (either form) addresses exactly the staged elements
-    eng.write(staged)
+    eng.patch(staged)
     for plan, new in zip(staged.plans, staged.new_bits):
         n = 0
         for t, offs, slots in plan.local_elements():
@@ -328,7 +328,7 @@ def test_gpu_default_backend_and_side_stream(tmp_path):
     assert eng.backend == scatter_ops.available_backends("cuda")[0] and eng.fused
     staged = eng.stage([VersionFile(tmp_path / "v1.safetensors")])
     assert staged.memory["device_held_bytes"] == staged.bytes
-    eng.write(staged)
+    eng.patch(staged)
     assert _equal(w.bits(), w.expected(w.changes[1]))
 
 

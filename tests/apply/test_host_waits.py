@@ -77,7 +77,7 @@ def test_staging_reads_the_device_a_fixed_number_of_times(tmp_path, monkeypatch,
             staged = engine.stage([vf])
         reads[chunk_elems], runs[chunk_elems] = mode.calls, len(subruns)
         assert staged.decoded == vf.header.nnz
-        engine.write(staged)
+        engine.patch(staged)
         _assert_holds(engine, MOE, 1, 0, new)
         engine.close()
     assert runs[256] >= 3 * runs[1024] > 0, runs
@@ -137,7 +137,7 @@ def test_a_tp2_rank_stages_a_rank_block_file_without_a_wait_per_chunk(tmp_path, 
             with HostReads() as mode:
                 staged = engine.stage([vf])
             reads[kind][chunk_elems] = mode.total
-            engine.write(staged)
+            engine.patch(staged)
             _assert_holds(engine, spec, 2, 1, new)
             engine.close()
     assert reads["blocks"][256] == reads["blocks"][1024], reads

@@ -168,7 +168,7 @@ def test_each_rank_decodes_its_share_bit_exact(tmp_path, parts, spec, device, mo
     staged = one.stage([vf])
     assert staged.decoded == nnz
     verify_partials(hf_sums(old), [staged.partials], vf.header)
-    one.write(staged)
+    one.patch(staged)
     _assert_holds(one, spec, 1, 0, new)
     partials, decoded = [], []
     for rank in range(2):
@@ -176,7 +176,7 @@ def test_each_rank_decodes_its_share_bit_exact(tmp_path, parts, spec, device, mo
         staged = engine.stage([vf])
         partials.append(staged.partials)
         decoded.append(staged.decoded)
-        engine.write(staged)
+        engine.patch(staged)
         _assert_holds(engine, spec, 2, rank, new)
         assert _held_elements(spec, 2, rank, changes) <= staged.decoded <= SHARE[spec.name] * nnz, (rank, decoded, nnz)
     verify_partials(hf_sums(old), partials, vf.header)
@@ -201,7 +201,7 @@ def test_short_gaps_are_decoded_in_one_gpu_call(tmp_path, monkeypatch):
             calls = backend.calls
             staged = engine.stage([vf])
             seen[skip_min, rank] = (backend.calls - calls, staged.decoded)
-            engine.write(staged)
+            engine.patch(staged)
             _assert_holds(engine, SPEC, 2, rank, new)
             partials.append(staged.partials)
         verify_partials(hf_sums(old), partials, vf.header)
@@ -230,7 +230,7 @@ def test_parts_decode_in_one_run_and_one_gpu_call(tmp_path, monkeypatch):
         staged = engine.stage([vf])
         assert backend.calls - calls == 1, parts  # one nvCOMP call for every part's chunks
         assert staged.timings["inflate"] > 0
-        engine.write(staged)
+        engine.patch(staged)
         _assert_holds(engine, SPEC, 1, 0, new)
         results[parts] = staged.partials
     assert results[1] == results[3]
@@ -253,7 +253,7 @@ def test_padded_runs_across_parts_decode_bit_exact(tmp_path, monkeypatch, planes
     for tp, rank in ((1, 0), (2, 0), (2, 1)):
         shapes, layout = model_layout(SPEC, tp, rank)
         engine = ApplyEngine(targets_of(layout, shapes, old), layout, torch.device("cpu"), chunk_elems=1 << 20)
-        engine.write(engine.stage([vf]))
+        engine.patch(engine.stage([vf]))
         _assert_holds(engine, SPEC, tp, rank, new)
 
 
@@ -265,7 +265,7 @@ def test_files_without_first_positions_decode_every_chunk(tmp_path):
     engine = _engine(SPEC, 2, 1, old)
     staged = engine.stage([vf])
     assert staged.decoded == vf.header.nnz  # every tensor has rows on rank 1: all its chunks
-    engine.write(staged)
+    engine.patch(staged)
     _assert_holds(engine, SPEC, 2, 1, new)
 
 

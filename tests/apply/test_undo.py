@@ -64,7 +64,7 @@ def test_five_to_three_to_five_is_bit_exact(tmp_path, device, backend, scenario)
     w = World(scenario, device)
     files = _published(w, tmp_path, {1: "chunked", 2: "compact", 3: "chunked", 4: "compact", 5: "chunked"})
     eng = w.engine(backend, block=64, chunk_elems=150)
-    eng.write(eng.stage([files[v] for v in range(1, 6)]))
+    eng.patch(eng.stage([files[v] for v in range(1, 6)]))
     _images_equal(w, 5)
     at_five, sums5 = w.bits(), eng.live_sums()
 
@@ -75,22 +75,22 @@ def test_five_to_three_to_five_is_bit_exact(tmp_path, device, backend, scenario)
         verify_partials(sums5, [back.partials], files[3].header)
         with pytest.raises(ChecksumMismatchError):  # the partials lead to 3, not to 4
             verify_partials(sums5, [back.partials], files[4].header)
-    eng.write(back)
+    eng.patch(back)
     _images_equal(w, 3)
     _sums_move(eng, sums5, back.partials)
     eng.rollback(back)
     assert _equal(w.bits(), at_five)
-    eng.write(back)
+    eng.patch(back)
 
     forward = eng.stage([files[4], files[5]])
-    eng.write(forward)
+    eng.patch(forward)
     _images_equal(w, 5)
     assert _equal(w.bits(), at_five)
 
     one = eng.stage([files[5]], back_to=files[4].header)
     if w.owned:
         verify_partials(eng.live_sums(), [one.partials], files[4].header)
-    eng.write(one)
+    eng.patch(one)
     _images_equal(w, 4)
 
 
@@ -102,11 +102,11 @@ def test_back_to_an_anchor(tmp_path, device, backend):
     anchor = write_anchor(str(tmp_path / "a0.safetensors"), 0, {n: t.cpu() for n, t in w.hf[0].items()})
     files = _published(w, tmp_path, {1: "chunked", 2: "chunked"})
     eng = w.engine(backend)
-    eng.write(eng.stage([files[1], files[2]]))
+    eng.patch(eng.stage([files[1], files[2]]))
     sums = eng.live_sums()
     back = eng.stage([files[2], files[1]], back_to=VersionFile(tmp_path / "a0.safetensors").header)
     verify_partials(sums, [back.partials], anchor)
-    eng.write(back)
+    eng.patch(back)
     _images_equal(w, 0)
 
 
@@ -115,7 +115,7 @@ def test_what_cannot_be_undone_is_refused_and_nothing_changes(tmp_path):
     files = _published(w, tmp_path, {1: "chunked", 2: "raw", 3: "chunked"})
     anchor = write_anchor(str(tmp_path / "a2.safetensors"), 2, {n: t.cpu() for n, t in w.hf[2].items()})
     eng = w.engine("torch")
-    eng.write(eng.stage([files[1], files[2], files[3]]))
+    eng.patch(eng.stage([files[1], files[2], files[3]]))
     before, state = w.bits(), eng._state
     refused = {
         "stores new values": ([files[3], files[2]], files[1].header),  # raw: no differences
@@ -129,5 +129,5 @@ def test_what_cannot_be_undone_is_refused_and_nothing_changes(tmp_path):
         assert _equal(w.bits(), before) and eng._state == state, why
     assert anchor.version == 2
     # what can be undone still is
-    eng.write(eng.stage([files[3]], back_to=files[2].header))
+    eng.patch(eng.stage([files[3]], back_to=files[2].header))
     _images_equal(w, 2)

@@ -82,8 +82,8 @@ def main(out: str) -> None:
         )
         path = os.path.join(out, f".v4-{k}.safetensors")
         write(path, header, payload)
-        parts.append(store.put_part(header, path, move=True))
-    store.commit_parts(
+        parts.append(store.writer.put_part(header, path, move=True))
+    store.writer.commit_parts(
         version=4,
         kind="delta",
         base=3,

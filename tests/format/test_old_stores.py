@@ -68,7 +68,7 @@ def test_old_versions_stage_and_commit_bit_exact(old_store, hops):
     steps = [files[1:]] if hops == "one update" else [[f] for f in files[1:]]
     for group in steps:
         staged = engine.stage(group)
-        engine.write(staged)
+        engine.patch(staged)
         assert to_hex(combine(engine.live_sums().items())) == expected["checksums"][str(staged.version)]
     want = _bits(load_file(os.path.join(OLD, "expected_v4.safetensors")))
     assert all(torch.equal(targets[n].view(torch.int16), want[n]) for n in want)
@@ -194,7 +194,7 @@ def test_an_engine_stages_old_formats_then_format_5_on_top(store_a406554):
     targets = {n: anchor.dense(n).clone() for n in anchor.header.tensors}
     engine = ApplyEngine(targets, Layout.identity({n: tuple(t.shape) for n, t in targets.items()}), "cpu")
     for f in files[1:]:
-        engine.write(engine.stage([f]))
+        engine.patch(engine.stage([f]))
     assert to_hex(combine(engine.live_sums().items())) == expected["checksums"]["5"]
     spec = TinyModelSpec(arch="qwen3", hidden_size=64, intermediate_size=128, num_layers=1, num_heads=2,
                          num_kv_heads=1, head_dim=32, vocab_size=256)  # fmt: skip
@@ -209,7 +209,7 @@ def test_an_engine_stages_old_formats_then_format_5_on_top(store_a406554):
             last = pub.publish(model)
     with store.open(last.version) as vf:
         assert vf.header.format_version == ARRAYS_FORMAT_VERSION
-    engine.write(engine.stage(open_chain(store, last.version)[1:]))  # the anchor holds version 5's weights
+    engine.patch(engine.stage(open_chain(store, last.version)[1:]))  # the anchor holds version 5's weights
     assert to_hex(combine(engine.live_sums().items())) == vllm_delta.checksum(bf16_image(model))
     want = bf16_image(model)
     assert all(torch.equal(targets[n].view(torch.int16), want[n].view(torch.int16)) for n in want)

@@ -59,7 +59,7 @@ def test_trainer_publishes_every_step(tmp_path):
         assert store.record(v).checksum == want
     version, tensors = replay(store, "latest")
     assert version == 4 and checksum(tensors) == checksum(bf16_image(model))
-    assert json.loads(store.get_asset("config.json"))["architectures"] == ["Qwen3ForCausalLM"]
+    assert json.loads(store.objects.get_asset("config.json"))["architectures"] == ["Qwen3ForCausalLM"]
     assert callback.publisher is None  # closed at the end of training (uploads flushed)
 
 

@@ -326,12 +326,12 @@ def test_a_failed_publish_is_raised_and_the_next_sync_recovers(rollout):
     def broken(header, path, *, move=False):
         raise OSError("injected: the store refused the write")
 
-    store.publish = broken  # type: ignore[method-assign]
+    store.writer.commit_file = broken  # type: ignore[method-assign]  # the writer commits a version
     try:
         with pytest.raises(PublishFailedError, match="injected: the store refused the write"):
             sync.sync(next_model(4), version)
     finally:
-        del store.publish  # the class's method again
+        del store.writer.commit_file  # the class's method again
     assert DeltaStore(rollout.store).latest() == version - 1  # nothing of it is visible
     assert served(rollout) == before
     model = next_model(5)
@@ -351,7 +351,7 @@ def test_a_version_that_fails_its_checks_is_never_served(rollout, mode):
         for p in model.parameters():
             p.add_(1e-2)
     store = sync.store
-    real = store.publish
+    real = store.writer.commit_file
 
     def damaged(header, path, *, move=False):  # the store corrupts the file before it is committed
         with open(path, "r+b") as f:
@@ -361,12 +361,12 @@ def test_a_version_that_fails_its_checks_is_never_served(rollout, mode):
             f.write(bytes(b ^ 0xFF for b in tail))
         return real(header, path, move=move)
 
-    store.publish = damaged  # type: ignore[method-assign]
+    store.writer.commit_file = damaged  # type: ignore[method-assign]
     try:
         with pytest.raises(VersionRefusedError, match="checksum|integrity|422|skipped"):
             sync.sync(model, base.version + 1)
     finally:
-        del store.publish
+        del store.writer.commit_file
     assert served(rollout) == (base.version, base.checksum)  # the previous version, unchanged
     record = sync.sync(model, base.version + 2)  # the chain is broken: the next sync starts an anchor
     assert record.kind == "anchor" and served(rollout) == (record.version, record.checksum)

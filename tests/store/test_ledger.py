@@ -79,10 +79,10 @@ def test_garbage_reports_are_skipped(store, caplog):
     ledger = Ledger(store)
     ledger.report(report("good"))
     for name, data in [("bad.json", b"{not json"), ("foreign.json", b'{"format": "x"}'), ("id.json", b"[1, 2]")]:
-        store.write_object(REPLICAS_DIR, name, data)
+        store.objects.write(REPLICAS_DIR, name, data)
     bad_fields = json.loads(report("typed").to_json())
     bad_fields["served_version"] = "three"
-    store.write_object(REPLICAS_DIR, "typed.json", json.dumps(bad_fields).encode())
+    store.objects.write(REPLICAS_DIR, "typed.json", json.dumps(bad_fields).encode())
     assert [r.replica_id for r in ledger.reports()] == ["good"]
     assert "ignoring" in caplog.text
 

@@ -58,8 +58,8 @@ def publish(store: DeltaStore, versions: range, *, anchor_every: int = 3, seed: 
             for t in w.values():
                 t.view(-1)[(v * 7) % t.numel() :: 11] += 0.25
             out[v] = pub.publish(w, version=v).checksum
-    if not store.assets():
-        store.put_asset("config.json", b'{"model_type": "tiny"}')
+    if not store.objects.assets():
+        store.objects.put_asset("config.json", b'{"model_type": "tiny"}')
     return out
 
 
@@ -73,9 +73,9 @@ def assert_same(src: DeltaStore, dst: DeltaStore, versions: list[int]) -> None:
         _, ta = replay(src, v)
         _, tb = replay(dst, v)
         assert all(torch.equal(ta[n].view(torch.int16), tb[n].view(torch.int16)) for n in ta)
-    assert dst.assets() == src.assets()
-    for name in src.assets():
-        assert dst.get_asset(name) == src.get_asset(name)
+    assert dst.objects.assets() == src.objects.assets()
+    for name in src.objects.assets():
+        assert dst.objects.get_asset(name) == src.objects.get_asset(name)
 
 
 @pytest.mark.parametrize("pair", ["local->local", "s3->s3", "s3->local", "local->s3"])
@@ -88,7 +88,7 @@ def test_a_pass_copies_every_version_verified_and_records_last(pair, tmp_path, s
     assert p is not None and p.copied == [0, 1, 2, 3, 4] and not p.corrupt and not p.skipped
     assert_same(src, dst, [0, 1, 2, 3, 4])
     assert dst.head() is not None and dst.head().version == 4  # type: ignore[union-attr]
-    assert dst.list_objects(LEASE_FOLDER) == []  # a clean stop gives the lease back
+    assert dst.objects.names(LEASE_FOLDER) == []  # a clean stop gives the lease back
     publish(src, range(5, 7))
     p = mirror(src, dst, options=MirrorOptions(region="eu"))
     assert p is not None and p.copied == [5, 6]
@@ -298,4 +298,4 @@ def test_store_faults_are_retried_with_backoff(tmp_path, s3_server, region):
             t.join(timeout=30)
     assert not t.is_alive()
     assert_same(src, dst, [0, 1, 2, 3, 4, 5])
-    assert dst.list_objects(LEASE_FOLDER) == []
+    assert dst.objects.names(LEASE_FOLDER) == []

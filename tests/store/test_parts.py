@@ -100,9 +100,9 @@ def write_parts(
 
 
 def commit(store: DeltaStore, files: list[tuple[VersionHeader, str]]) -> VersionRecord:
-    parts = [store.put_part(h, p) for h, p in files]
+    parts = [store.writer.put_part(h, p) for h, p in files]
     h = files[0][0]
-    return store.commit_parts(
+    return store.writer.commit_parts(
         version=h.version,
         kind=h.kind,
         base=h.base,
@@ -185,7 +185,7 @@ def test_multi_part_versions_on_s3_are_verified_part_by_part(tmp_path):
         fresh = DeltaStore(uri, s3.storage_options, cache_dir=str(tmp_path / "cache2"))
         with pytest.raises(IntegrityError, match="sha256"):
             fresh.open(1)
-        assert not [n for n in os.listdir(fresh._download_dir()) if ".part00000." in n]
+        assert not [n for n in os.listdir(fresh.cache.folder()) if ".part00000." in n]
         writer.fs.pipe_file(stored, saved)
         _, tensors = replay(fresh, 1)
         assert all(torch.equal(int_view(tensors[n]), int_view(t)) for n, t in weights(1).items())
@@ -287,19 +287,19 @@ def test_parts_that_do_not_fit_together_are_refused(tmp_path):
 def test_store_commit_rules(tmp_path):
     store = DeltaStore(str(tmp_path / "s"))
     files = write_parts(str(tmp_path), 0, None)
-    parts = [store.put_part(h, p) for h, p in files]
+    parts = [store.writer.put_part(h, p) for h, p in files]
     assert store.versions() == []  # uploaded parts are invisible
     h = files[0][0]
     kw = dict(version=0, kind="anchor", base=None, codec=None, nnz=68, numel=68, base_checksum=None)
     with pytest.raises(FormatError, match="add up"):
-        store.commit_parts(**kw, checksum="0" * 16, parts=parts)
+        store.writer.commit_parts(**kw, checksum="0" * 16, parts=parts)
     os.rename(os.path.join(store.root, parts[1].file), os.path.join(store.root, "data", "moved"))
     with pytest.raises(IntegrityError, match="not in the store"):
-        store.commit_parts(**kw, checksum=h.checksum, parts=parts)
+        store.writer.commit_parts(**kw, checksum=h.checksum, parts=parts)
     os.rename(os.path.join(store.root, "data", "moved"), os.path.join(store.root, parts[1].file))
-    store.commit_parts(**kw, checksum=h.checksum, parts=parts)
+    store.writer.commit_parts(**kw, checksum=h.checksum, parts=parts)
     with pytest.raises(VersionExistsError):
-        store.commit_parts(**kw, checksum=h.checksum, parts=parts)
+        store.writer.commit_parts(**kw, checksum=h.checksum, parts=parts)
     # a truncated part is refused on open
     path = os.path.join(store.root, parts[1].file)
     data = open(path, "rb").read()
@@ -310,7 +310,7 @@ def test_store_commit_rules(tmp_path):
     with open(path, "wb") as f:
         f.write(data)
     # leftover parts of a publish that never committed: invisible, removed by retain once old
-    extra = [store.put_part(h, p) for h, p in write_parts(str(tmp_path), 1, 0)]
+    extra = [store.writer.put_part(h, p) for h, p in write_parts(str(tmp_path), 1, 0)]
     old = time.time() - LEFTOVER_AGE_S - 10
     for p in extra:
         os.utime(os.path.join(store.root, p.file), (old, old))
@@ -318,7 +318,7 @@ def test_store_commit_rules(tmp_path):
     names = set(os.listdir(os.path.join(store.root, "data")))
     assert not {os.path.basename(p.file) for p in extra} & names
     assert {os.path.basename(f) for f in store.record(0).files} <= names
-    store.discard_parts(parts[:1])  # what a failed publish does with its own parts (here: a committed one)
+    store.writer.discard_parts(parts[:1])  # what a failed publish does with its own parts (here: a committed one)
     with pytest.raises(IntegrityError, match="missing"):
         DeltaStore(store.uri).open(0)
 
@@ -342,7 +342,7 @@ def test_put_part_takes_a_delta_holding_its_header_without_parsing_it(tmp_path, 
     store = DeltaStore(str(tmp_path / "s"))
     opened = _counting_opens(monkeypatch)
     for h, p in write_parts(str(tmp_path), 1, 0, codec="chunked"):
-        assert store.put_part(h, p).checksum == h.part.checksum
+        assert store.writer.put_part(h, p).checksum == h.part.checksum
     assert opened == []
 
 
@@ -355,9 +355,9 @@ def test_put_part_checks_a_delta_whose_header_differs_in_full(tmp_path, monkeypa
     other_sum = dataclasses.replace(h0, part=dataclasses.replace(h0.part, checksum="0" * 16))
     for header, path in [(other_sum, p0), (h1, p0), (dataclasses.replace(h0, checksum="0" * 16), p0)]:
         with pytest.raises(IntegrityError, match="does not hold the version its header describes"):
-            store.put_part(header, path)
+            store.writer.put_part(header, path)
     assert opened == [p0] * 3
-    store.put_part(dataclasses.replace(h1, created=h1.created + 1), p1)
+    store.writer.put_part(dataclasses.replace(h1, created=h1.created + 1), p1)
     assert opened[3:] == [p1]
 
 
@@ -368,12 +368,12 @@ def test_put_part_refuses_unreadable_files_as_before(tmp_path):
     with open(p, "wb") as f:
         f.write(data[:100])  # cut inside the safetensors header
     with pytest.raises(FormatError, match="not a readable safetensors file"):
-        store.put_part(h, p)
+        store.writer.put_part(h, p)
     from safetensors.torch import save_file
 
     save_file({"x": torch.zeros(2)}, p, metadata={"format": "other", "header": h.to_json()})
     with pytest.raises(FormatError, match="is not a vllm-delta version file"):
-        store.put_part(h, p)
+        store.writer.put_part(h, p)
 
 
 def test_put_part_checks_an_anchors_payload_in_full(tmp_path, monkeypatch):
@@ -384,14 +384,14 @@ def test_put_part_checks_an_anchors_payload_in_full(tmp_path, monkeypatch):
     store = DeltaStore(str(tmp_path / "s"))
     opened = _counting_opens(monkeypatch)
     (h, p), _ = write_parts(str(tmp_path), 0, None)
-    store.put_part(h, p)
+    store.writer.put_part(h, p)
     assert opened == [p]
     payload = load_file(p)
     payload["w"] = payload["w"][:-1]
     bad = str(tmp_path / "bad.safetensors")
     write(bad, h, payload)
     with pytest.raises(ShapeMismatchError):
-        store.put_part(h, bad)
+        store.writer.put_part(h, bad)
 
 
 def test_records_of_parts_are_validated(store, caplog):

@@ -11,7 +11,6 @@ import uuid
 import pytest
 import torch
 
-import vllm_delta.store.delta_store as store_mod
 import vllm_delta.store.writes as storewrite_mod
 from vllm_delta.bits import int_view
 from vllm_delta.checksums import checksum, tensor_sum, to_hex
@@ -24,7 +23,7 @@ from vllm_delta.errors import (
     VersionNotFoundError,
 )
 from vllm_delta.format import VersionFile, VersionHeader, write
-from vllm_delta.store import DeltaStore, VersionRecord
+from vllm_delta.store import LEFTOVER_AGE_S, DeltaStore, VersionRecord
 from vllm_delta.store.marks import BadMark, blocked_by, reachable_prefix
 from vllm_delta.store.records import StoreHead
 from vllm_delta.writer import encode_anchor, encode_delta
@@ -142,7 +141,7 @@ def publish_history(store, history: History, tmp_dir: str, plan: list[tuple[int,
             header = history.write_anchor(path, version)
         else:
             header = history.write_delta(path, version, base)
-        records.append(store.publish(header, path))
+        records.append(store.writer.commit_file(header, path))
     return records
 
 
@@ -197,7 +196,7 @@ class StoreContract:
         assert store.versions() == []
         assert store.latest() is None
         assert store.records() == []
-        assert store.assets() == []
+        assert store.objects.assets() == []
         assert store.retain(1) == []
         with pytest.raises(VersionNotFoundError):
             store.resolve("latest")
@@ -268,7 +267,7 @@ class StoreContract:
         path = str(tmp_path / "again.safetensors")
         header = history.write_anchor(path, 4)
         with pytest.raises(VersionExistsError, match="version 4"):
-            store.publish(header, path)
+            store.writer.commit_file(header, path)
         assert store.record(4).kind == "delta"
         assert self.listing(store, "data") == data_before  # refused before any upload
 
@@ -362,7 +361,7 @@ class StoreContract:
     def test_retain_removes_old_leftovers_only(self, filled):
         store = filled
         committed = self.listing(store, "data")
-        hour = store_mod.LEFTOVER_AGE_S
+        hour = LEFTOVER_AGE_S
         self.plant(store, "data/0000000008.anchor.0123456789abcdef.safetensors", b"x" * 10, age_s=hour + 600)
         self.plant(store, "data/.tmp-0123456789abcdef.safetensors", b"x", age_s=hour + 600)
         self.plant(store, "versions/.tmp-0123456789abcdef.json", b"{", age_s=hour + 600)
@@ -387,7 +386,7 @@ class StoreContract:
         store = new_store()
         path = str(tmp_path / "v0.safetensors")
         header = history.write_anchor(path, 0)
-        rec = store.publish(header, path, move=True)
+        rec = store.writer.commit_file(header, path, move=True)
         assert not os.path.exists(path)
         assert store.versions() == [0]
         with store.open(0) as vf:
@@ -400,15 +399,15 @@ class StoreContract:
         history.write_anchor(path, 0)
         header1 = history.write_anchor(str(tmp_path / "v1.safetensors"), 1)
         with pytest.raises(FormatError):  # the file holds version 0
-            store.publish(header1, path)
+            store.writer.commit_file(header1, path)
         header1.version = 0
         with pytest.raises(IntegrityError):  # right version, other weights
-            store.publish(header1, path)
+            store.writer.commit_file(header1, path)
         truncated = str(tmp_path / "cut.safetensors")
         with open(path, "rb") as src, open(truncated, "wb") as dst:
             dst.write(src.read()[:-64])
         with pytest.raises(IntegrityError):
-            store.publish(header1, truncated)
+            store.writer.commit_file(header1, truncated)
         assert store.versions() == []
         assert self.listing(store, "data") == []
 
@@ -428,17 +427,17 @@ class StoreContract:
 
     def test_assets(self, new_store):
         store = new_store()
-        store.put_asset("config.json", b'{"a": 1}')
-        store.put_asset("tokenizer/tokenizer.json", b"{}")
-        store.put_asset("config.json", b'{"a": 2}')  # replaced whole
-        assert store.assets() == ["config.json", "tokenizer/tokenizer.json"]
-        assert store.get_asset("config.json") == b'{"a": 2}'
-        assert store.get_asset("tokenizer/tokenizer.json") == b"{}"
+        store.objects.put_asset("config.json", b'{"a": 1}')
+        store.objects.put_asset("tokenizer/tokenizer.json", b"{}")
+        store.objects.put_asset("config.json", b'{"a": 2}')  # replaced whole
+        assert store.objects.assets() == ["config.json", "tokenizer/tokenizer.json"]
+        assert store.objects.get_asset("config.json") == b'{"a": 2}'
+        assert store.objects.get_asset("tokenizer/tokenizer.json") == b"{}"
         with pytest.raises(FileNotFoundError):
-            store.get_asset("missing.json")
+            store.objects.get_asset("missing.json")
         for bad in ("", "../x", "/abs", "a//b", "a/./b", ".tmp-x", "a\\b"):
             with pytest.raises(ValueError):
-                store.put_asset(bad, b"")
+                store.objects.put_asset(bad, b"")
         assert store.versions() == []  # assets are not versions
 
     # -- bad-version marks (marks.py) -----------------------------------------------------------------
@@ -481,7 +480,7 @@ class StoreContract:
         publish_history(writer, history, str(tmp_path), [(0, None), (1, 0)])
         assert reader.latest() == 1  # the first poll lists everything
         assert writer.head() is not None and writer.head().version == 1  # type: ignore[union-attr]
-        listed = reader.poller.counts.full_listings
+        listed = reader.record_reader.poller.counts.full_listings
         folders: list[str] = []
         real_ls = reader.io.ls
         reader.io.ls = lambda folder: folders.append(folder) or real_ls(folder)  # type: ignore[method-assign]
@@ -492,21 +491,22 @@ class StoreContract:
         publish_history(writer, history, str(tmp_path), [(4, 3)])
         self.pipe(writer, "head.json", lagging.to_json().encode())  # type: ignore[union-attr]
         assert reader.latest() == 4
-        assert folders == [] and reader.poller.counts.full_listings == listed, "a poll listed the versions"
+        polls = reader.record_reader.poller.counts
+        assert folders == [] and polls.full_listings == listed, "a poll listed the versions"
         # Lagging on a gap in the numbering: the next full listing finds it.
         publish_history(writer, history, str(tmp_path), [(10, None)])
         self.pipe(writer, "head.json", lagging.to_json().encode())  # type: ignore[union-attr]
         assert reader.latest() == 4
-        reader.poller.full_listing_s = 0.0
+        reader.record_reader.poller.full_listing_s = 0.0
         assert reader.latest() == 10
-        reader.poller.full_listing_s = 60.0
+        reader.record_reader.poller.full_listing_s = 60.0
         # A head the records do not confirm (another run's checksum, a version without a record): a
         # full listing, and the right answer.
-        listed = reader.poller.counts.full_listings
+        listed = reader.record_reader.poller.counts.full_listings
         for version, check in ((10, "0" * 16), (20, writer.record(10).checksum)):
             self.pipe(writer, "head.json", StoreHead(version, check, time.time()).to_json().encode())
             assert reader.latest() == 10
-        assert reader.poller.counts.full_listings == listed + 2
+        assert reader.record_reader.poller.counts.full_listings == listed + 2
         # A head never moves back: committing an older version leaves it at the newest.
         publish_history(writer, history, str(tmp_path), [(11, 10), (7, None)])
         assert writer.head().version == 11  # type: ignore[union-attr]
@@ -523,10 +523,10 @@ class StoreContract:
         assert reader.latest() == 1 and reader.head() is None
         publish_history(writer, history, str(tmp_path), [(2, 1)])
         self.rm(writer, "head.json")
-        listed = reader.poller.counts.full_listings
+        listed = reader.record_reader.poller.counts.full_listings
         assert reader.latest() == 2
         # Without a head, S3 polls with StartAfter; other stores list versions/ as before heads.
-        assert reader.poller.counts.full_listings == listed + (0 if writer.io.is_s3 else 1)
+        assert reader.record_reader.poller.counts.full_listings == listed + (0 if writer.io.is_s3 else 1)
         self.pipe(writer, "head.json", b"{not a head")
         with caplog.at_level(logging.WARNING):
             assert reader.latest() == 2
@@ -590,7 +590,7 @@ def test_local_layout_and_modes(tmp_path, history):
     os.close(os.open(src, os.O_CREAT | os.O_WRONLY, 0o600))  # like mkstemp
     header = history.write_anchor(src, 0)
     os.chmod(src, 0o600)
-    rec = store.publish(header, src, move=True)
+    rec = store.writer.commit_file(header, src, move=True)
     assert sorted(os.listdir(store.root)) == ["data", "head.json", "versions"]
     assert os.listdir(os.path.join(store.root, "versions")) == ["0000000000.json"]
     assert os.listdir(os.path.join(store.root, "data")) == [os.path.basename(rec.file)]
@@ -625,7 +625,7 @@ def test_concurrent_publishers_of_one_version(tmp_path):
         store = DeltaStore(root)
         barrier.wait()
         try:
-            outcomes.append(store.publish(headers[i], paths[i]).checksum)
+            outcomes.append(store.writer.commit_file(headers[i], paths[i]).checksum)
         except VersionExistsError:
             outcomes.append("exists")
 

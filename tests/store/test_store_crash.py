@@ -69,7 +69,7 @@ def publisher(store: DeltaStore, history: History, start: int, seed: int, work_d
             header = history.write_anchor(path, v)
         else:
             header = history.write_delta(path, v, v - 1)
-        store.publish(header, path, move=rng.random() < 0.5)
+        store.writer.commit_file(header, path, move=rng.random() < 0.5)
 
 
 def zygote() -> None:

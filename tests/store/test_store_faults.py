@@ -77,17 +77,17 @@ def test_reader_sees_versions_and_assets_published_after_it_listed(s3, history, 
     uri = new_uri(s3)
     writer = DeltaStore(uri, s3.storage_options)
     publish_history(writer, history, str(tmp_path), [(0, None), (1, 0)])
-    writer.put_asset("config.json", b"{}")
+    writer.objects.put_asset("config.json", b"{}")
     reader = reader_of(s3, uri, str(tmp_path / "cache"))
     assert reader.versions() == [0, 1] and reader.latest() == 1
-    assert reader.assets() == ["config.json"]  # the reader's listings are cached by fsspec now
+    assert reader.objects.assets() == ["config.json"]  # the reader's listings are cached by fsspec now
     publish_history(writer, history, str(tmp_path), [(2, 1), (3, 2)])
-    writer.put_asset("tokenizer.json", b"[]")
+    writer.objects.put_asset("tokenizer.json", b"[]")
     # What a worker does: read a record and open the version it names, with no listing in between.
     assert reader.record(3).base == 2
     with reader.open(3) as vf:
         history.check_file(vf)
-    assert reader.get_asset("tokenizer.json") == b"[]"
+    assert reader.objects.get_asset("tokenizer.json") == b"[]"
     assert reader.resolve(2) == 2 and reader.latest() == 3
 
 
@@ -97,12 +97,13 @@ def test_latest_polls_only_what_is_new(s3, history, tmp_path):
     publish_history(writer, history, str(tmp_path), [(0, None), (1, 0)])
     reader = reader_of(s3, uri, str(tmp_path / "cache"))
     assert reader.latest() == 1
-    full_at = reader.poller.counts.full_listings
+    full_at = reader.record_reader.poller.counts.full_listings
     requests: list[str] = []
     reader.fs.s3.meta.events.register("before-send.s3", lambda request, **kw: requests.append(request.url))
     publish_history(writer, history, str(tmp_path), [(2, 1), (3, 2)])
     assert reader.latest() == 3
-    assert reader.poller.counts.full_listings == full_at, "a poll between full listings must not list everything"
+    polls = reader.record_reader.poller.counts
+    assert polls.full_listings == full_at, "a poll between full listings must not list everything"
     # With a head: three GETs (head.json, the newest record, the next one), no listing.
     assert not [u for u in requests if "list-type=2" in u], requests
     assert sorted(u.rsplit("/", 1)[-1] for u in requests) == ["0000000003.json", "0000000004.json", "head.json"]
@@ -114,12 +115,12 @@ def test_latest_polls_only_what_is_new(s3, history, tmp_path):
     assert reader.latest() == 4
     listings = [u for u in requests if "list-type=2" in u]
     assert len(listings) == 1 and "start-after=" in listings[0], requests
-    assert reader.poller.counts.full_listings == full_at
+    assert reader.record_reader.poller.counts.full_listings == full_at
     # The newest record seen disappears (the store was emptied and refilled): a full listing.
     writer.fs.rm_file(writer.root + "/versions/0000000004.json")
     writer.fs.rm_file(writer.root + "/versions/0000000003.json")
     assert reader.latest() == 2
-    assert reader.poller.counts.full_listings > full_at
+    assert reader.record_reader.poller.counts.full_listings > full_at
 
 
 def test_a_rewritten_store_is_read_afresh_where_it_matters(s3, tmp_path):
@@ -157,8 +158,8 @@ def test_a_frozen_store_times_out_and_recovers(history, tmp_path):
                 ("record", lambda: reader.record(1, fresh=True)),
                 ("listing", reader.versions),
                 ("download", lambda: reader.local_path(1)),
-                ("upload", lambda: writer.publish(header, path)),  # a PUT would wait forever without a deadline
-                ("asset", lambda: writer.put_asset("x.json", b"{}")),
+                ("upload", lambda: writer.writer.commit_file(header, path)),  # a PUT would wait forever without it
+                ("asset", lambda: writer.objects.put_asset("x.json", b"{}")),
             ]:
                 t0 = time.monotonic()
                 with pytest.raises(StoreTimeoutError, match=f"store {uri}") as info:
@@ -171,7 +172,7 @@ def test_a_frozen_store_times_out_and_recovers(history, tmp_path):
         assert reader.versions() == [0, 1]
         with reader.open(1) as vf:
             history.check_file(vf)
-        writer.publish(header, path)
+        writer.writer.commit_file(header, path)
         assert reader.latest() == 2
 
 
@@ -256,7 +257,7 @@ def test_damaged_store_file_is_refused_and_nothing_is_cached_until_it_is_restore
     saved = damage_object(writer, relpath)
     with pytest.raises(IntegrityError, match="sha256"):
         reader.local_path(1)
-    assert os.listdir(reader._download_dir()) == []
+    assert os.listdir(reader.cache.folder()) == []
     writer.fs.pipe_file(writer.root + "/" + relpath, saved)
     with reader.open(1) as vf:
         history.check_file(vf)
@@ -276,14 +277,14 @@ def test_old_records_without_a_digest_are_checked_by_size_and_dropped_on_demand(
     good = open(path, "rb").read()
     flip(path)  # same size: accepted by size (the staging checksums catch it)
     assert reader.local_path(1) == path and open(path, "rb").read() != good
-    assert reader.prune_cache(versions=[1]) == [os.path.basename(path)]  # what a server does after a 422
+    assert reader.cache.prune(versions=[1]) == [os.path.basename(path)]  # what a server does after a 422
     assert reader.local_path(1) == path and open(path, "rb").read() == good
 
 
 def _pruned_after_check(store: DeltaStore, times: int) -> list[str]:
     """The window a shared cache opens: another process prunes the copy after this one checked it and
     before it opened it (the first `times` checks). Returns the paths pruned that way."""
-    real, pruned = store._cache.copy, []
+    real, pruned = store.cache.copy, []
 
     def copy(data, *, version, download):
         path = real(data, version=version, download=download)
@@ -292,7 +293,7 @@ def _pruned_after_check(store: DeltaStore, times: int) -> list[str]:
             pruned.append(path)
         return path
 
-    store._cache.copy = copy  # type: ignore[method-assign]
+    store.cache.copy = copy  # type: ignore[method-assign]
     return pruned
 
 
@@ -318,15 +319,15 @@ def test_a_copy_pruned_before_its_open_is_fetched_again_once(s3, history, tmp_pa
 def test_a_local_version_deleted_before_its_open_is_not_found(tmp_path, history, monkeypatch):
     store = DeltaStore(str(tmp_path / "s"))
     (rec,) = publish_history(store, history, str(tmp_path), [(0, None)])
-    real = store.local_paths
+    real = store.files.local_paths
 
-    def deleted_after_check(version, *, record=None):
-        paths = real(version, record=record)
+    def deleted_after_check(rec_):
+        paths = real(rec_)
         os.remove(os.path.join(store.root, rec.file))
         os.remove(os.path.join(store.root, "versions", "0000000000.json"))  # retention took it whole
         return paths
 
-    monkeypatch.setattr(store, "local_paths", deleted_after_check)
+    monkeypatch.setattr(store.files, "local_paths", deleted_after_check)  # where open() finds the files
     with pytest.raises(VersionNotFoundError, match="removed"):
         store.open(0)
 
@@ -350,7 +351,7 @@ def test_a_server_pruning_a_shared_cache_keeps_what_a_peer_ahead_of_it_stages(s3
     CacheKeeper(ahead, None).prune(served=5)
     assert {v for v, p in paths.items() if os.path.exists(p)} == {3, 4, 5}
     CacheKeeper(behind, None).prune(served=5, staged=[])
-    assert behind.cache_bytes() == sum(os.path.getsize(paths[v]) for v in (3, 4, 5))
+    assert behind.cache.total_bytes() == sum(os.path.getsize(paths[v]) for v in (3, 4, 5))
 
 
 def test_prune_keeps_what_is_asked_removes_leftovers_and_caps(s3, history, tmp_path):
@@ -364,17 +365,17 @@ def test_prune_keeps_what_is_asked_removes_leftovers_and_caps(s3, history, tmp_p
     for p in (stale, fresh):
         open(p, "wb").write(b"x" * 1000)
     os.utime(stale, (time.time() - 3600, time.time() - 3600))
-    removed = reader.prune_cache(keep=[1, 2, 3])
+    removed = reader.cache.prune(keep=[1, 2, 3])
     assert sorted(removed) == sorted([os.path.basename(paths[0]), os.path.basename(stale)])
     assert os.path.exists(fresh)  # another process may be downloading into it
     os.remove(fresh)
-    total = reader.cache_bytes()
+    total = reader.cache.total_bytes()
     assert total == sum(os.path.getsize(paths[v]) for v in (1, 2, 3))
     # The cap: oldest first, never a protected (staged) version.
     cap = os.path.getsize(paths[3]) + os.path.getsize(paths[2]) - 1
-    removed = reader.prune_cache(keep=[1, 2, 3], max_bytes=cap, protect=[2])
+    removed = reader.cache.prune(keep=[1, 2, 3], max_bytes=cap, protect=[2])
     assert sorted(removed) == sorted(os.path.basename(paths[v]) for v in (1, 3))
-    assert reader.cache_bytes() == os.path.getsize(paths[2])
+    assert reader.cache.total_bytes() == os.path.getsize(paths[2])
 
 
 def _unwritable(folder: str):
@@ -404,12 +405,12 @@ def test_a_read_only_cache_is_a_clear_error_until_it_is_writable(s3, history, tm
     writer = DeltaStore(uri, s3.storage_options)
     publish_history(writer, history, str(tmp_path), [(0, None)])
     reader = reader_of(s3, uri, str(tmp_path / "cache"))
-    folder = reader._download_dir()
+    folder = reader.cache.folder()
     with _unwritable(folder):
         with pytest.raises(CacheError, match="download cache") as info:
             reader.local_path(0)
         assert info.value.http_status == 503
-        assert reader.prune_cache() == []  # nothing to prune, no exception either
+        assert reader.cache.prune() == []  # nothing to prune, no exception either
     with reader.open(0) as vf:
         history.check_file(vf)
 
@@ -429,7 +430,7 @@ def test_a_full_cache_is_a_clear_error_until_there_is_room(s3, history, tmp_path
         reader = reader_of(s3, uri, str(mnt))
         with pytest.raises(CacheError, match=os.strerror(errno.ENOSPC)):
             reader.local_path(0)
-        assert [n for n in os.listdir(reader._download_dir()) if n.startswith(TMP_PREFIX)] == []
+        assert [n for n in os.listdir(reader.cache.folder()) if n.startswith(TMP_PREFIX)] == []
     finally:
         subprocess.run(["umount", str(mnt)], check=True)
     with reader.open(0) as vf:  # the folder is on the disk again: room

@@ -68,7 +68,7 @@ def test_downloads_are_checked_cached_and_reused(s3_server, history, tmp_path):
         store.local_path(0)
     assert sorted(os.listdir(os.path.dirname(path))) == [os.path.basename(path)]
     # pruning the cache
-    assert store.prune_cache(keep=[0]) == [os.path.basename(path)]
+    assert store.cache.prune(keep=[0]) == [os.path.basename(path)]
     assert os.listdir(os.path.dirname(path)) == []
 
 
@@ -101,7 +101,7 @@ def test_server_fixture_starts_and_stops(tmp_path):
     with S3Server(root, bucket="other-bucket") as server:
         port = server.port
         store = DeltaStore(server.uri("x"), server.storage_options)
-        store.put_asset("a.txt", b"hello")
+        store.objects.put_asset("a.txt", b"hello")
         assert os.path.exists(os.path.join(root, "other-bucket", "x", "assets", "a.txt"))
     with pytest.raises(OSError):
         socket.create_connection(("127.0.0.1", port), timeout=1).close()

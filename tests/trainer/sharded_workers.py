@@ -17,6 +17,7 @@ import torch.distributed as dist
 from vllm_delta import Publisher, ShardedTensor
 from vllm_delta.errors import PublishError, ShardingError
 from vllm_delta.store import DeltaStore
+from vllm_delta.store.writes import VersionWriter
 from vllm_delta.testing.models import TinyModelSpec
 from vllm_delta.testing.sharded import fsdp_model, full_image
 from vllm_delta.testing.training import train_steps
@@ -286,8 +287,8 @@ def disagreements(rank, world, root):
     return seen
 
 
-class FailingStore(DeltaStore):
-    """The real store; `put_part` of one version raises on one rank (instrumentation, not a mock)."""
+class FailingWriter(VersionWriter):
+    """The real store's writer; `put_part` of one version raises on one rank (instrumentation, not a mock)."""
 
     fail_version: int | None = None
 
@@ -297,13 +298,20 @@ class FailingStore(DeltaStore):
         return super().put_part(header, local_path, move=move)
 
 
+def store_writing_with(uri: str, writer: type[VersionWriter]) -> DeltaStore:
+    """The real store at `uri`, its versions written by `writer` (callers that write hold the writer)."""
+    store = DeltaStore(uri)
+    store.writer = writer(store.io, store.record_reader)
+    return store
+
+
 def upload_failure(rank, world, root):
     """Rank 1's part of version 2 fails: nothing of 2 is visible, every rank raises (at its next
     publish, or at flush), and the next version is an anchor on every rank."""
     uri = os.path.join(root, "failure")
-    store = FailingStore(uri)
+    store = store_writing_with(uri, FailingWriter)
     if rank == 1:
-        store.fail_version = 2
+        store.writer.fail_version = 2
     pub = Publisher(
         store,
         group=dist.group.WORLD,
@@ -326,7 +334,7 @@ def upload_failure(rank, world, root):
     assert info.kind == "anchor", info
     # the same through flush
     if rank == 1:
-        store.fail_version = 4
+        store.writer.fail_version = 4
     pub.publish(_mapping(rank, world, 4), version=4)
     try:
         info5 = pub.publish(_mapping(rank, world, 5), version=5)  # a delta on 4: dropped with it
@@ -346,8 +354,8 @@ def upload_failure(rank, world, root):
 # -- a rank killed in the middle of a publish ---------------------------------------------------------
 
 
-class DyingStore(DeltaStore):
-    """The real store; the last rank SIGKILLs itself right after uploading its part of one version."""
+class DyingWriter(VersionWriter):
+    """The real store's writer; the last rank SIGKILLs itself right after uploading its part of one version."""
 
     die_at: int | None = None
 
@@ -373,9 +381,9 @@ def _hand_mapping(rank: int, world: int, v: int) -> dict:
 
 def killed_rank(rank, world, root, die_at):
     uri = os.path.join(root, "killed")
-    store = DyingStore(uri)
+    store = store_writing_with(uri, DyingWriter)
     if rank == world - 1:
-        store.die_at = die_at
+        store.writer.die_at = die_at
     pub = Publisher(
         store,
         group=dist.group.WORLD,

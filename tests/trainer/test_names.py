@@ -86,7 +86,7 @@ def test_publish_moe_from_named_parameters_and_materialize_for_from_pretrained(t
     header = store.open(2).header
     assert "model.layers.0.mlp.experts.3.down_proj.weight" in header.tensors
     assert not any("gate_up_proj" in n for n in header.tensors)
-    assert json.loads(store.get_asset("config.json"))["architectures"] == ["Qwen3MoeForCausalLM"]
+    assert json.loads(store.objects.get_asset("config.json"))["architectures"] == ["Qwen3MoeForCausalLM"]
     out = materialize(store, 2, str(tmp_path / "hf"), progress=False)
     loaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16)
     got = dict(checkpoint_tensors(loaded))

@@ -79,14 +79,14 @@ def test_tied_weights_are_published_once(tmp_path):
 def test_publish_returns_before_the_upload_ends(tmp_path):
     store = DeltaStore(str(tmp_path / "s"))
     gate, entered = threading.Event(), threading.Event()
-    real_publish = store.publish
+    real_publish = store.writer.commit_file
 
     def gated_publish(*args, **kwargs):  # instrumentation around the real store, not a mock of it
         entered.set()
         assert gate.wait(30)
         return real_publish(*args, **kwargs)
 
-    store.publish = gated_publish
+    store.writer.commit_file = gated_publish  # callers that write hold the writer
     model = build_master_model(SPEC, seed=6)
     pub = Publisher(store, options=PublisherOptions(upload=UploadOptions(queue_size=2)))
     info = pub.publish(model)
@@ -100,7 +100,7 @@ def test_publish_returns_before_the_upload_ends(tmp_path):
 
 def test_upload_error_is_raised_next_and_chain_restarts_with_an_anchor(tmp_path):
     store = DeltaStore(str(tmp_path / "s"))
-    real_publish = store.publish
+    real_publish = store.writer.commit_file
     fail = {"version": 2}
 
     def flaky_publish(header, path, **kwargs):
@@ -108,7 +108,7 @@ def test_upload_error_is_raised_next_and_chain_restarts_with_an_anchor(tmp_path)
             raise OSError("disk full (injected)")
         return real_publish(header, path, **kwargs)
 
-    store.publish = flaky_publish
+    store.writer.commit_file = flaky_publish
     model = build_master_model(SPEC, seed=7)
     steps = train_steps(model, 5, seed=7)
     pub = Publisher(store, anchor_every=100)
@@ -131,14 +131,14 @@ def test_upload_error_is_raised_next_and_chain_restarts_with_an_anchor(tmp_path)
 
 def test_error_in_queued_deltas_is_not_dropped_silently(tmp_path):
     store = DeltaStore(str(tmp_path / "s"))
-    real_publish = store.publish
+    real_publish = store.writer.commit_file
 
     def flaky_publish(header, path, **kwargs):
         if header.version == 1:
             raise OSError("network down (injected)")
         return real_publish(header, path, **kwargs)
 
-    store.publish = flaky_publish
+    store.writer.commit_file = flaky_publish
     model = build_master_model(SPEC, seed=8)
     pub = Publisher(store, anchor_every=100, options=PublisherOptions(upload=UploadOptions(queue_size=4)))
     pub.publish(model)

@@ -15,6 +15,7 @@ from vllm_delta.checksums import combine, tensor_sum, to_hex
 from vllm_delta.codec import get_codec
 from vllm_delta.errors import PublishError, ShardingError
 from vllm_delta.store import DeltaStore, PartRecord
+from vllm_delta.store.writes import VersionWriter
 from vllm_delta.trainer import (
     DetectOptions,
     PublisherOptions,
@@ -172,15 +173,15 @@ def test_decide_reports():
 # -- the uploader ----------------------------------------------------------------------------------
 
 
-class FailingStore(DeltaStore):
-    """The real store; `publish` of one version raises (instrumentation, not a mock)."""
+class FailingWriter(VersionWriter):
+    """The real store's writer; `commit_file` of one version raises (instrumentation, not a mock)."""
 
     fail_version: int | None = None
 
-    def publish(self, header, local_path, *, move=False):
+    def commit_file(self, header, local_path, *, move=False):
         if header.version == self.fail_version:
             raise OSError(f"disk full (injected at version {header.version})")
-        return super().publish(header, local_path, move=move)
+        return super().commit_file(header, local_path, move=move)
 
 
 def job(version: int, *, base: int | None = None) -> UploadJob:
@@ -205,8 +206,9 @@ def job(version: int, *, base: int | None = None) -> UploadJob:
 
 
 def test_uploader_latches_the_first_failure_and_drops_the_deltas_built_on_it(tmp_path):
-    store = FailingStore(str(tmp_path / "s"))
-    store.fail_version = 0
+    store = DeltaStore(str(tmp_path / "s"))
+    store.writer = writer = FailingWriter(store.io, store.record_reader)  # callers that write hold the writer
+    writer.fail_version = 0
     uploader = Uploader(VersionEncoder(get_codec("compact"), torch.bfloat16), SingleProcess(store), queue_size=2)
     jobs = [job(0), job(1, base=0)]
     for j in jobs:
@@ -220,7 +222,7 @@ def test_uploader_latches_the_first_failure_and_drops_the_deltas_built_on_it(tmp
     exc = uploader.acknowledge([0])
     assert isinstance(exc, OSError) and uploader.unraised() is None
     # a failure already raised by another rank is not latched again
-    store.fail_version = 3
+    writer.fail_version = 3
     uploader.acknowledge([3])
     later = [job(2), job(3)]
     for j in later:

@@ -89,7 +89,7 @@ def engine_follows(store: DeltaStore, layout) -> list[str]:
         before = engine.live_sums()
         staged = engine.stage(files)
         verify_partials(before, [staged.partials], files[-1].header)
-        engine.write(staged)
+        engine.patch(staged)
         live.append(to_hex(combine(engine.live_sums().items())))
         held = v
     engine.close()

@@ -61,7 +61,7 @@ def publish_delta(
     fd, path = tempfile.mkstemp(suffix=".safetensors")
     os.close(fd)
     write(path, header, payload)
-    rec = store.publish(header, path, move=True)
+    rec = store.writer.commit_file(header, path, move=True)
     return {"version": rec.version, "file": os.path.join(store_path, rec.file), "checksum": rec.checksum}
 
 
@@ -100,7 +100,7 @@ def _publish(store: DeltaStore, header, payload) -> dict:
     fd, path = tempfile.mkstemp(suffix=".safetensors")
     os.close(fd)
     write(path, header, payload)
-    rec = store.publish(header, path, move=True)
+    rec = store.writer.commit_file(header, path, move=True)
     return {"version": rec.version, "checksum": rec.checksum}
 
 

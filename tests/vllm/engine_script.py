@@ -95,7 +95,7 @@ def stage_commit(llm, store: dict, ticket: str, versions: list[int], method: str
             break
         assert time.monotonic() < deadline, "staging did not finish"
         time.sleep(0.01)
-    return llm.collective_rpc("delta_write", kwargs=dict(ticket=ticket, method=method))[0]
+    return llm.collective_rpc("delta_patch", kwargs=dict(ticket=ticket, method=method))[0]
 
 
 def task_fresh(args: dict) -> dict:

@@ -6,8 +6,8 @@ real code on both sides of the process boundary; only the engines' processes are
 * the transport: vLLM's `DPLBAsyncMPClient` (its real methods; its zmq send replaced by a dispatch to
   stand-in engine cores) sends `collective_rpc` to every engine but returns engine 0's replies only;
   the plugin's transport gets every engine's (`call_utility_all_async`);
-* writing across engines x ranks: the API process's `write_through_engine_core` over vLLM's client and
-  the real engine-core calls (WRITE_ALL / ROLLBACK_ALL on real vLLM `Scheduler`s), worker ranks that
+* writing across engines x ranks: the API process's `patch_through_engine_core` over vLLM's client and
+  the real engine-core calls (PATCH_ALL / ROLLBACK_ALL on real vLLM `Scheduler`s), worker ranks that
   hold a version and fail on command: every engine paused during the writes; a rank failing on one
   engine rolls back every rank of every engine (labels back, "rollback" in the timelines); a failed
   rollback stops every engine; a refusal on one engine is a 409 with the others' writes undone;
@@ -36,19 +36,19 @@ from test_vllm_round_trips import _publish, toy_replica
 from vllm_delta.checksums import to_hex
 from vllm_delta.errors import (
     ChecksumMismatchError,
-    CommitFailedError,
     DeltaError,
     EnginesDisagreeError,
     InflightRefusedError,
+    PatchFailedError,
     RollbackFailedError,
     WorkerError,
 )
 from vllm_delta.server_api import FAULTS_ENV, UpdateRequest, to_wire
 from vllm_delta.vllm.engine_core import calls as enginecore
 from vllm_delta.vllm.shared import rpc
-from vllm_delta.vllm.shared.messages import StageSummary, Written
+from vllm_delta.vllm.shared.messages import Patched, StageSummary
 from vllm_delta.vllm.shared.rpc import error_reply
-from vllm_delta.vllm.shared.two_phase import Staged, TwoPhaseUpdate, Update, WriteOptions, worlds
+from vllm_delta.vllm.shared.two_phase import PatchOptions, Staged, TwoPhaseUpdate, Update, worlds
 
 
 @pytest.fixture
@@ -155,13 +155,13 @@ def test_replies_say_who_answered():
     ok, bad = {"apply_ms": 1.0}, error_reply(RuntimeError("disk on fire"))
     replies = rpc.Replies.of_engines(StageSummary, [[], []])
     assert replies.all() == [] and replies.engines == 1  # nobody answered: no engine known
-    replies = rpc.Replies.of_engines(Written, [[ok, ok], [ok, bad]])
+    replies = rpc.Replies.of_engines(Patched, [[ok, ok], [ok, bad]])
     assert replies.engines == 2 and replies.failure() == "engine 1 rank 1: RuntimeError: disk on fire"
     with pytest.raises(WorkerError, match="engine 1 rank 1: RuntimeError: disk on fire"):
         replies.per_engine()
-    one = rpc.Replies.decode(Written, [ok, bad])
+    one = rpc.Replies.decode(Patched, [ok, bad])
     assert one.failure() == "rank 1: RuntimeError: disk on fire"  # one engine: as before
-    cores = rpc.Replies.of_engines(Written, [[ok], [bad]], engine_calls=True)
+    cores = rpc.Replies.of_engines(Patched, [[ok], [bad]], engine_calls=True)
     assert cores.failure() == "engine 1: RuntimeError: disk on fire"
 
 
@@ -181,7 +181,7 @@ class WorkerRanks:
         self.calls.append(method)
         replies = []
         for r in range(len(self.held)):
-            if method == "delta_write":
+            if method == "delta_patch":
                 self.paused_at_write.append(self.core.scheduler.pause_state)
                 if r in self.fail_write:
                     replies.append(error_reply(RuntimeError("disk on fire")))
@@ -211,12 +211,13 @@ def engines(objs, ranks: list[WorkerRanks], *, connector_on=()):
 
 
 def write(objs, cores, mode="keep", version=4):
-    from vllm_delta.vllm.api_server.worker_update import ApiProcess, write_through_engine_core
+    from vllm_delta.vllm.api_server.api_process import ApiProcess
+    from vllm_delta.vllm.api_server.worker_update import patch_through_engine_core
     from vllm_delta.vllm.shared.options import StoreSpec
 
     api = ApiProcess.of(AsyncLLMStandIn(cores), StoreSpec("/nonexistent-store"))
     staged = Staged(Update("t", [version], version), [], 0.0)
-    return asyncio.run(write_through_engine_core(api, staged, WriteOptions(mode)))
+    return asyncio.run(patch_through_engine_core(api, staged, PatchOptions(mode)))
 
 
 def history(core):
@@ -243,14 +244,14 @@ def test_a_rank_failing_on_one_engine_rolls_back_every_engine(objs, mode):
     cores = engines(objs, ranks)
     request = running(cores[0], objs, "cmpl-a-0", PROMPT)  # holds KV on engine 0
     running(cores[1], objs, "cmpl-b-0", PROMPT)
-    with pytest.raises(CommitFailedError) as exc:
+    with pytest.raises(PatchFailedError) as exc:
         write(objs, cores, mode)
     message = str(exc.value)
     assert "rolled back on every engine" in message and "engine 1" in message and "rank 1" in message
     assert [w.held for w in ranks] == [[3, 3]] * 3  # nothing changed anywhere
     assert [c._weight_version for c in cores] == ["3"] * 3
     # Engines 0 and 2 wrote, then undid it (ROLLBACK_ALL); engine 1 rolled back its own ranks.
-    assert [w.calls for w in ranks] == [["delta_write", "delta_rollback"]] * 3
+    assert [w.calls for w in ranks] == [["delta_patch", "delta_rollback"]] * 3
     assert history(cores[0]) == history(cores[2]) == [(mode, "4"), ("rollback", "3")]
     assert history(cores[1]) == []
     if mode == "keep":  # nothing ran between the writes and the rollback: caches stay valid, all resumed
@@ -293,7 +294,7 @@ def test_an_inflight_refusal_on_one_engine_is_409_and_undoes_the_others(objs):
 
 @pytest.mark.parametrize("mode", ["keep", "inflight"])
 def test_eplb_is_refused_by_every_engine_core(objs, mode):
-    """A server with EPLB (shared/eplb.py): every engine core refuses its WRITE_ALL before any rank is
+    """A server with EPLB (shared/eplb.py): every engine core refuses its PATCH_ALL before any rank is
     called; where only one engine's config says so (the check is each engine's own), the others' writes
     are undone and the refusal names that engine."""
     import copy
@@ -327,7 +328,7 @@ def test_eplb_is_refused_by_every_engine_core(objs, mode):
 def test_one_engine_answers_as_before(objs):
     ranks = [WorkerRanks(2, fail_write=[1])]
     cores = engines(objs, ranks)
-    with pytest.raises(CommitFailedError) as exc:
+    with pytest.raises(PatchFailedError) as exc:
         write(objs, cores)
     assert str(exc.value).startswith("update to version 4 failed and was rolled back on every rank: rank 1:")
     assert "engine" not in str(exc.value)
@@ -357,7 +358,7 @@ class StagedOnly(TwoPhaseUpdate[str]):
     async def verification_basis(self, update):
         return self.current, self.header
 
-    async def write_ranks(self, staged, options):
+    async def patch_ranks(self, staged, options):
         self.written = True
         return "written"
 
@@ -373,7 +374,7 @@ def summary(partials: dict[str, int], rank=0, world_size=1) -> StageSummary:
 
 
 def apply(steps: StagedOnly) -> str:
-    return asyncio.run(steps.apply(Update("t", [4], 4), WriteOptions()))
+    return asyncio.run(steps.apply(Update("t", [4], 4), PatchOptions()))
 
 
 def test_every_engines_copy_is_verified_before_any_writes():
@@ -505,7 +506,7 @@ def test_the_service_over_two_engines(tmp_path, monkeypatch):
             await service.update(UpdateRequest(2, fault="stage@1:0"))
         assert [r.served.version for r in replicas] == [1, 1] and [r.tickets for r in replicas] == [{}, {}]
         # A write fault on engine 1 after engine 0 wrote: both back on version 1, bit for bit.
-        with pytest.raises(CommitFailedError, match="rolled back on every engine.*engine 1"):
+        with pytest.raises(PatchFailedError, match="rolled back on every engine.*engine 1"):
             await service.update(UpdateRequest(2, fault="commit@1:0"))
         assert [r.served.version for r in replicas] == [1, 1] and [c._weight_version for c in cores] == ["1", "1"]
         for r, b in zip(replicas, before):
@@ -514,12 +515,12 @@ def test_the_service_over_two_engines(tmp_path, monkeypatch):
         assert [r.served.version for r in replicas] == [2, 2]
 
         # A weight changed behind the plugin's back on engine 1 only: the verification names it.
-        name, _ = replicas[1].write_behind_our_back()
+        name, _ = replicas[1].patch_behind_our_back()
         v = await service.checks.verify("request")
         assert not v.ok and v.mismatched == [name]
         assert v.engines[0].checksum == recorded[2] and v.engines[1].checksum != recorded[2]
         assert (await service.status()).checksum == v.engines[1].checksum  # the engine that is off
-        replicas[1].write_behind_our_back()  # flipped back: seen as a change once, then all is well
+        replicas[1].patch_behind_our_back()  # flipped back: seen as a change once, then all is well
         assert (await service.checks.verify("request")).mismatched == [name]
         assert (await service.checks.verify("request")).ok
 

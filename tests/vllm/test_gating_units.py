@@ -17,7 +17,7 @@ import pytest
 from vllm_delta.errors import BadRequestError, VersionBoundConflictError, WeightVersionBehindError
 from vllm_delta.server_api import MAX_VERSION, min_version_of, to_wire, version_bound_text
 from vllm_delta.vllm.api_server.gating import HELD_HEADER, VersionGate, VersionGateMiddleware
-from vllm_delta.vllm.api_server.live import LiveChecksum
+from vllm_delta.vllm.api_server.live_sums import LiveSums
 
 pytestmark = pytest.mark.vllm_objects  # no engine, no server: make check-vllm-next runs them against the newest vLLM
 
@@ -253,7 +253,7 @@ def test_middleware_passes_bodies_unchanged_and_answers_400_409():
 def test_live_sums_kept_current_and_compared():
     from vllm_delta.checksums import MASK64, combine, to_hex
 
-    live = LiveChecksum()
+    live = LiveSums()
     first = live.recomputed(
         1, {"a": 5, "b": 7}, version_checksum=to_hex(combine([("a", 5), ("b", 7)])), trigger="startup", ms=1
     )
@@ -262,7 +262,7 @@ def test_live_sums_kept_current_and_compared():
     live.applied(1, 2, [{"a": 3}, {"a": MASK64}], {"a": 99, "b": 99})
     assert live.version == 2 and live.sums == {"a": 7, "b": 7}
     # Unknown sums before a commit: the target's recorded ones.
-    other = LiveChecksum()
+    other = LiveSums()
     other.applied(None, 2, [{"a": 1}], {"a": 8, "b": 9})
     assert other.sums == {"a": 8, "b": 9}
     # A recomputation that finds "b" changed behind our back.

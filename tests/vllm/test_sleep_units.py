@@ -126,7 +126,7 @@ def test_updates_are_refused_while_the_engine_sleeps(tmp_path):
         assert replica.served.version == 1 and (await svc.status()).version == 1
         assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
         # The engine core's own write call refuses too (a sleep between staging and the write).
-        (reply,) = core.collective_rpc(rpc.WRITE_ALL.name, kwargs={"ticket": "t", "version": 2, "mode": "keep"})
+        (reply,) = core.collective_rpc(rpc.PATCH_ALL.name, kwargs={"ticket": "t", "version": 2, "mode": "keep"})
         assert from_wire(ErrorReply, reply).error.type == "EngineSleepingError"
         # A follower keeps the version, and tries again at its next poll (not the version's fault).
         follower = Follower(

@@ -291,7 +291,7 @@ def test_dp_inflight_updates_while_both_engines_stream(server, store):
 
 def test_dp_a_weight_changed_on_one_engine_is_named(server, store):
     recorded = DeltaStore(store).record(8).checksum
-    r = server.post("/collective_rpc", {"method": "delta_test_write", "kwargs": {"engine": 1}})
+    r = server.post("/collective_rpc", {"method": "delta_test_patch", "kwargs": {"engine": 1}})
     assert r.status_code == 200, r.text
     st = verified(server)
     v = st["verification"]
@@ -300,6 +300,6 @@ def test_dp_a_weight_changed_on_one_engine_is_named(server, store):
     assert st["checksum"] == v["engines"][1]["checksum"] != st["version_checksum"]  # the engine that is off
     metrics = server.get("/metrics").text
     assert "vllm_delta_live_checksum_mismatch 1.0" in metrics and "vllm_delta_engines_disagree 0.0" in metrics
-    server.post("/collective_rpc", {"method": "delta_test_write", "kwargs": {"engine": 1}})  # flipped back
+    server.post("/collective_rpc", {"method": "delta_test_patch", "kwargs": {"engine": 1}})  # flipped back
     assert verified(server)["verification"]["mismatched"] == v["mismatched"]  # seen once as a change
     assert verified(server)["verification"]["ok"]

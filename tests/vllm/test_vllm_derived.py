@@ -208,7 +208,7 @@ def test_a_recompute_handler_keeps_the_derived_copy_current(tmp_path):
         assert cov["in_place"]["tensors"] == 2 and not cov["fully_in_place"]
         assert {"name": "toy-transpose", "cost": "O(w) copy per update"} in cov["handlers"]
         replica.stage("t", [store.open(1)])
-        replica.write("t")
+        replica.patch("t")
         assert torch.equal(model.w_t, images[1]["w"].t()) and calls == [["w_t"]]
         replica.rollback("t")
         assert torch.equal(model.w_t, images[0]["w"].t()) and len(calls) == 2

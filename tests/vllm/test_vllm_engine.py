@@ -138,7 +138,7 @@ def test_a_version_that_does_not_fit_the_model_refuses_to_start(llama_run, tmp_p
     tensors = {n: t.to(torch.float16) for n, t in tensors.items()}
     header, payload = encode_anchor(7, tensors, {n: tensor_sum(t) for n, t in tensors.items()})
     write(str(tmp_path / "f16.safetensors"), header, payload)
-    DeltaStore(f16_store).publish(header, str(tmp_path / "f16.safetensors"))
+    DeltaStore(f16_store).writer.commit_file(header, str(tmp_path / "f16.safetensors"))
     res = run_engine_script(
         {
             "task": "refuse",

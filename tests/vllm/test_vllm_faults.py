@@ -79,7 +79,7 @@ class Box:
         return DeltaStore(self.uri, self.s3.storage_options, cache_dir=os.path.join(self.root, "test-cache"))
 
     def cache_folder(self) -> str:
-        return DeltaStore(self.uri, self.s3.storage_options, cache_dir=self.cache)._download_dir()
+        return DeltaStore(self.uri, self.s3.storage_options, cache_dir=self.cache).cache.folder()
 
 
 @pytest.fixture(scope="module")
@@ -279,7 +279,7 @@ def test_float16_version_into_a_bf16_server_is_refused(box):
     header, payload = encode_anchor(version, tensors, {n: tensor_sum(t) for n, t in tensors.items()})
     path = os.path.join(box.root, "f16.safetensors")
     write(path, header, payload)
-    box.store().publish(header, path)
+    box.store().writer.commit_file(header, path)
     r = update(srv, {"version": version, "allow_reanchor": True})
     assert r.status_code == 422, r.text
     assert "dtype F16" in r.text and re.search(r"tensor '[^']+'", r.text), r.text

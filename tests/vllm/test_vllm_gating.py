@@ -24,6 +24,7 @@ import re
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import pytest
@@ -405,7 +406,7 @@ def test_verify_catches_a_weight_changed_behind_the_plugins_back(box):
     assert st["verification"]["checksum"] == run.checksums[served] and st["verification"]["mismatched"] == []
 
     def poke() -> dict:
-        r = srv.post("/collective_rpc", {"method": "delta_test_write"})
+        r = srv.post("/collective_rpc", {"method": "delta_test_patch"})
         assert r.status_code == 200, r.text
         return r.json()["results"][0]
 
@@ -467,29 +468,36 @@ def test_flat_memory_ours_per_update_after_warm_up(box):
         ]
         return least
 
-    def step(update: bool) -> None:
-        """One version published and applied (pushed; the follower may apply it first), or one control
-        cycle (vLLM's pause and resume, no update); then one streamed completion."""
-        if update:
-            version = run.step().version
-            srv.update(version)
-            assert srv.status()["version"] == version
-        else:
+    def updates(n: int) -> None:
+        """`n` versions published and applied (pushed; the follower may apply one first), each followed by
+        one streamed completion. The trainer publishes the next version while the server applies this one
+        (a thread of this process): nothing is published past the phase's last version, so no update
+        crosses a measuring point."""
+        with ThreadPoolExecutor(1, thread_name_prefix="trainer") as trainer:
+            ahead = trainer.submit(run.step)
+            for i in range(n):
+                version = ahead.result(timeout=120).version
+                if i + 1 < n:
+                    ahead = trainer.submit(run.step)
+                srv.update(version)
+                assert srv.status()["version"] == version
+                assert generate(srv, chat=False, stream=True, bound=None, header=None, max_tokens=8).status == 200
+
+    def controls(n: int) -> None:
+        """`n` control cycles: vLLM's pause and resume, no update, then one streamed completion."""
+        for _ in range(n):
             for path in ("/pause?mode=keep&clear_cache=true", "/resume"):
                 assert srv.post(path).status_code == 200
             srv.status()
-        assert generate(srv, chat=False, stream=True, bound=None, header=None, max_tokens=8).status == 200
+            assert generate(srv, chat=False, stream=True, bound=None, header=None, max_tokens=8).status == 200
 
     heap("start")
     try:
-        for _ in range(WARMUP):
-            step(True)
+        updates(WARMUP)
         t1 = settled()
-        for _ in range(MEASURED):
-            step(True)
+        updates(MEASURED)
         t2 = settled()
-        for _ in range(MEASURED):
-            step(False)
+        controls(MEASURED)
         t3 = settled()
     finally:
         heap("stop")

@@ -165,9 +165,9 @@ def test_a_refusal_reaches_the_client_as_409(vllm_objects, llama_run):
     from vllm_delta.errors import InflightRefusedError
     from vllm_delta.vllm.api_server.endpoints import route
     from vllm_delta.vllm.api_server.service import DeltaService
-    from vllm_delta.vllm.api_server.worker_update import write_through_engine_core
+    from vllm_delta.vllm.api_server.worker_update import patch_through_engine_core
     from vllm_delta.vllm.shared.options import StoreSpec
-    from vllm_delta.vllm.shared.two_phase import Staged, Update, WriteOptions
+    from vllm_delta.vllm.shared.two_phase import PatchOptions, Staged, Update
 
     class Core:  # the engine core as vLLM's utility dispatch sees it
         def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
@@ -189,7 +189,7 @@ def test_a_refusal_reaches_the_client_as_409(vllm_objects, llama_run):
 
     @route
     async def handler(request):
-        return await write_through_engine_core(service.api, staged, WriteOptions("inflight"))
+        return await patch_through_engine_core(service.api, staged, PatchOptions("inflight"))
 
     answer = asyncio.run(handler(HttpRequest({"type": "http", "method": "POST", "path": "/", "headers": []})))
     body = json.loads(answer.body)
@@ -205,7 +205,7 @@ def test_commit_drops_hashes_keeps_running_blocks_and_taints(vllm_objects):
     blocks = core.scheduler.kv_cache_manager.coordinator.single_type_managers[0].req_to_blocks[a.request_id]
     reply = commit(core)
     assert "error" not in reply, reply
-    assert core.model_executor.calls == ["delta_write"]
+    assert core.model_executor.calls == ["delta_patch"]
     assert (reply["label"], reply["previous_label"], core._weight_version) == ("4", "3", "4")
     assert reply["dropped_blocks"] == 2 and reply["dropped_blocks_in_use"] == 2 and reply["tainted"] == 1
     assert reply["switch"] == {"cmpl-a-0": 0} and reply["apply_ms"] == 0.7
@@ -227,18 +227,18 @@ def test_commit_drops_hashes_keeps_running_blocks_and_taints(vllm_objects):
 
 def test_a_failed_rank_rolls_back_every_rank_and_drops_nothing(vllm_objects):
     err = error_reply(RuntimeError("disk on fire"))
-    core = make_core(vllm_objects, executor=FakeExecutor(delta_write=[OK[0], err], delta_rollback=ROLLED))
+    core = make_core(vllm_objects, executor=FakeExecutor(delta_patch=[OK[0], err], delta_rollback=ROLLED))
     a = running(core, vllm_objects, "cmpl-a-0", PROMPT)
     reply = commit(core)
     assert reply["error"]["status"] == 500
     assert "rolled back on every rank before the next forward step" in reply["error"]["message"]
     assert "rank 1: RuntimeError: disk on fire" in reply["error"]["message"]
-    assert core.model_executor.calls == ["delta_write", "delta_rollback"]
+    assert core.model_executor.calls == ["delta_patch", "delta_rollback"]
     assert core._weight_version == "3" and enginecore.engine_timeline(core)["history"] == []
     assert cached_tokens(core, vllm_objects, PROMPT) == 32  # the prefix cache is still valid
     assert not getattr(a, enginecore.TAINT_ATTR, False)
     # An executor that raises (a dead worker) is a failed commit too.
-    core = make_core(vllm_objects, executor=FakeExecutor(delta_write=RuntimeError("gone"), delta_rollback=ROLLED))
+    core = make_core(vllm_objects, executor=FakeExecutor(delta_patch=RuntimeError("gone"), delta_rollback=ROLLED))
     reply = commit(core)
     assert "rolled back on every rank" in reply["error"]["message"] and "gone" in reply["error"]["message"]
 
@@ -247,14 +247,14 @@ def test_a_failed_rollback_stops_scheduling(vllm_objects):
     from vllm.v1.core.sched.interface import PauseState
 
     err = error_reply(RuntimeError("boom"))
-    core = make_core(vllm_objects, executor=FakeExecutor(delta_write=[OK[0], err], delta_rollback=[err, ROLLED[1]]))
+    core = make_core(vllm_objects, executor=FakeExecutor(delta_patch=[OK[0], err], delta_rollback=[err, ROLLED[1]]))
     running(core, vllm_objects, "cmpl-a-0", PROMPT)
     reply = commit(core)
     assert reply["error"]["status"] == 500 and "could not be rolled back" in reply["error"]["message"]
     assert core.scheduler.pause_state == PauseState.PAUSED_ALL
     again = commit(core)
     assert "a rollback failed earlier" in again["error"]["message"]
-    assert core.model_executor.calls == ["delta_write", "delta_rollback"]  # nothing more was written
+    assert core.model_executor.calls == ["delta_patch", "delta_rollback"]  # nothing more was written
     assert enginecore.engine_timeline(core)["inconsistent"]
 
 
@@ -273,7 +273,7 @@ def test_reserved_names_and_labels_held_for_batches_in_flight(vllm_objects):
     inner = make_core(vllm_objects, batch_queue=deque(["batch N", "batch N+1"]))
     core.__dict__.update(inner.__dict__)
     assert core.collective_rpc("delta_status") == ["forwarded", "delta_status"]
-    [reply] = core.collective_rpc(rpc.WRITE_ALL.name, kwargs={"ticket": "t", "version": 4})
+    [reply] = core.collective_rpc(rpc.PATCH_ALL.name, kwargs={"ticket": "t", "version": 4})
     assert reply["batches_in_flight"] == 2 and core._weight_version == "4"
 
     def labels(n):
@@ -286,7 +286,7 @@ def test_reserved_names_and_labels_held_for_batches_in_flight(vllm_objects):
 
     assert labels(1) == ["3"]  # batch N ran on the old weights
     core.batch_queue = deque(["batch N+1", "batch N+2"])  # N+1 ran on 3, N+2 on 4
-    [reply] = core.collective_rpc(rpc.WRITE_ALL.name, kwargs={"ticket": "t", "version": 5})
+    [reply] = core.collective_rpc(rpc.PATCH_ALL.name, kwargs={"ticket": "t", "version": 5})
     assert labels(4) == ["3", "4", "5", "5"]
     [label] = core.collective_rpc(rpc.SET_LABEL.name, kwargs={"version": 6, "mode": "keep"})
     assert label["label"] == "6" and labels(1) == ["6"]

@@ -7,7 +7,8 @@ real engine-core hooks (patched onto a stand-in EngineCore). The stand-ins only 
 
 * `api:<name>`: a collective_rpc from the API process (through the engine core);
 * `worker:<name>`: a call that reaches the workers (model_executor.collective_rpc);
-* store reads: DeltaStore.open / local_paths lookups, full-file sha256 reads, version files opened.
+* store reads: DeltaStore.open and the files it finds (VersionFiles.local_paths), full-file sha256 reads,
+  version files opened.
 
 The store is remote to the server (fsspec's in-memory filesystem), so files are downloaded into the
 cache and verified as on S3. Polls of the staging are counted apart (their number depends on timing).
@@ -23,7 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from vllm_delta.store import DeltaStore
-from vllm_delta.store import delta_store as store_module
+from vllm_delta.store import files as files_module
 from vllm_delta.store import writes as storewrite_module
 from vllm_delta.trainer import Publisher
 
@@ -130,16 +131,16 @@ def test_one_follow_mode_update(tmp_path, monkeypatch):
             return True
 
     reads: collections.Counter[str] = collections.Counter()
-    for method in ("open", "local_paths"):
-        original = getattr(DeltaStore, method)
+    for owner, method in ((DeltaStore, "open"), (files_module.VersionFiles, "local_paths")):
+        original = getattr(owner, method)
 
-        def counted(self, *args, _original=original, _method=method, **kwargs):
-            reads[f"DeltaStore.{_method}"] += 1
+        def counted(self, *args, _original=original, _name=f"{owner.__name__}.{method}", **kwargs):
+            reads[_name] += 1
             return _original(self, *args, **kwargs)
 
-        monkeypatch.setattr(DeltaStore, method, counted)
-    # The store's reading half (delta_store.py) and writing half (writes.py) each name these.
-    sha256, version_file = storewrite_module.file_sha256, store_module.VersionFile
+        monkeypatch.setattr(owner, method, counted)
+    # The store's reading half (files.py) and writing half (writes.py) each name these.
+    sha256, version_file = storewrite_module.file_sha256, files_module.VersionFile
 
     def counted_sha256(path):
         reads["sha256 of a whole file"] += 1
@@ -150,7 +151,7 @@ def test_one_follow_mode_update(tmp_path, monkeypatch):
         return version_file(*args, **kwargs)
 
     monkeypatch.setattr(storewrite_module, "file_sha256", counted_sha256)
-    for module in (store_module, storewrite_module):
+    for module in (files_module, storewrite_module):
         monkeypatch.setattr(module, "VersionFile", counted_version_file)
 
     async def scenario():
@@ -198,4 +199,4 @@ def test_one_follow_mode_update(tmp_path, monkeypatch):
     assert sum(to_workers.values()) == 4, to_workers  # status, stage start, commit, release
     assert counts["engine:pause"] == counts["engine:resume"] == counts["engine:reset_prefix_cache"] == 1
     # The version's files: found (downloaded and verified) once by the API process, once by the worker.
-    assert reads["DeltaStore.open"] == 2 and reads["DeltaStore.local_paths"] == 2, reads
+    assert reads["DeltaStore.open"] == 2 and reads["VersionFiles.local_paths"] == 2, reads

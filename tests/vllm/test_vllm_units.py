@@ -3,6 +3,8 @@ loader options, the CPU plain-weight switch and MLA backend choice, plugin regis
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -14,7 +16,7 @@ from vllm_delta.errors import (
     UnsupportedModelError,
     VersionNotFoundError,
 )
-from vllm_delta.server_api import StageRequest, UpdateRequest, from_wire, to_wire
+from vllm_delta.server_api import PrefetchRequest, UpdateRequest, from_wire, to_wire
 from vllm_delta.store import DeltaStore
 from vllm_delta.vllm.shared.options import LoaderOptions, server_store, split_extra_config
 from vllm_delta.vllm.shared.plan import plan_update
@@ -155,7 +157,7 @@ def test_good_request_defaults():
     r = from_wire(UpdateRequest, {"version": 3, "mode": "abort", "allow_reanchor": True})
     assert (r.version, r.allow_reanchor, r.mode) == (3, True, "abort")
     with pytest.raises(BadRequestError, match="unknown fields"):
-        from_wire(StageRequest, {"version": 3, "mode": "abort"})  # staging takes no mode
+        from_wire(PrefetchRequest, {"version": 3, "mode": "abort"})  # staging takes no mode
 
 
 def test_rpc_messages_cross_vllms_msgpack_boundary():
@@ -164,7 +166,7 @@ def test_rpc_messages_cross_vllms_msgpack_boundary():
 
     from vllm_delta.checksums import MASK64
     from vllm_delta.errors import WorkerError
-    from vllm_delta.vllm.shared.messages import ErrorPayload, RankSums, StagePoll, StageSummary, WorkerStatus, Written
+    from vllm_delta.vllm.shared.messages import ErrorPayload, Patched, RankSums, StagePoll, StageSummary, WorkerStatus
     from vllm_delta.vllm.shared.rpc import error_reply, reply_error
 
     def wire(value):
@@ -177,7 +179,7 @@ def test_rpc_messages_cross_vllms_msgpack_boundary():
     assert from_wire(RankSums, wire(RankSums(2, {"a": 1 << 63}))) == RankSums(2, {"a": 1 << 63})
     status = WorkerStatus(1, None, None, False, ["x"], [])
     assert from_wire(WorkerStatus, wire(status)) == status
-    assert from_wire(Written, wire(Written(0.25))).apply_ms == 0.25
+    assert from_wire(Patched, wire(Patched(0.25))).apply_ms == 0.25
     reply = MsgpackDecoder().decode(MsgpackEncoder().encode(error_reply(NotSuccessorError("no", version=3))))
     err = reply_error(reply)
     assert err == ErrorPayload("NotSuccessorError", 409, "no (version 3)") and reply_error({"apply_ms": 1.0}) is None
@@ -187,6 +189,39 @@ def test_rpc_messages_cross_vllms_msgpack_boundary():
         and exc.http_status == 409
         and str(exc) == "rank 1: NotSuccessorError: no (version 3)"
     )
+
+
+def test_renamed_server_names_keep_their_wire_names(monkeypatch):
+    """Issue 37 renamed the server's commit a patch: what clients match on is unchanged. A failed patch
+    answers with `type` "CommitFailedError" over HTTP and across RPC (and is raised again as the same
+    class in the API process); the test hook's "commit@<rank>" still names the patch step; the old
+    Python names import as aliases."""
+    from vllm_delta import errors, server_api
+    from vllm_delta.vllm.api_server.endpoints import _error
+    from vllm_delta.vllm.shared import rpc
+    from vllm_delta.vllm.shared.messages import ErrorPayload
+
+    failed = errors.PatchFailedError("update to version 3 failed and was rolled back", version=3)
+    assert errors.error_type(failed) == errors.error_type(errors.PatchFailedError) == "CommitFailedError"
+    assert errors.error_type(NotSuccessorError("no")) == "NotSuccessorError"  # not inherited by other errors
+    body = _error(failed).body
+    assert json.loads(body)["error"]["type"] == "CommitFailedError"
+    payload = ErrorPayload.from_exception(failed)
+    assert (payload.type, payload.status) == ("CommitFailedError", 500)
+    assert rpc._ENGINE_ERRORS["CommitFailedError"] is errors.PatchFailedError
+    assert rpc.Replies.decode(ErrorPayload, [rpc.error_reply(failed)]).failed_with(errors.PatchFailedError)
+    assert errors.CommitFailedError is errors.PatchFailedError and server_api.CommitSwitch is server_api.PatchSwitch
+    assert server_api.StageRequest is PrefetchRequest and server_api.StageResult is server_api.PrefetchResult
+    assert server_api.PrefetchRequest is PrefetchRequest and server_api.PrefetchResult is server_api.PrefetchResult
+
+    monkeypatch.setenv(server_api.FAULTS_ENV, "1")
+    for fault in ("patch@1", "commit@1", "patch@0:1", "commit@0:1"):
+        assert server_api.fault_hits(fault, "patch", 0, 1), fault
+        assert not server_api.fault_hits(fault, "stage", 0, 1) and not server_api.fault_hits(fault, "patch", 0, 0)
+    assert server_api.fault_hits("stage@1", "stage", 0, 1) and not server_api.fault_hits("stage@1", "patch", 0, 1)
+    assert not server_api.fault_hits("write@1", "patch", 0, 1) and not server_api.fault_hits("patch", "patch", 0, 1)
+    monkeypatch.delenv(server_api.FAULTS_ENV)
+    assert not server_api.fault_hits("patch@1", "patch", 0, 1)  # never without the hook enabled
 
 
 def test_update_result_answers():
@@ -260,7 +295,7 @@ def test_plugin_registers_everything_once():
     plugin.register()
     assert model_loader._LOAD_FORMAT_TO_MODEL_LOADER["delta"] is DeltaModelLoader
     assert WeightTransferEngineFactory._registry["delta"]().__name__ == "DeltaWeightTransferEngine"
-    for name in ("delta_status", "delta_stage_start", "delta_write", "delta_rollback"):
+    for name in ("delta_status", "delta_stage_start", "delta_patch", "delta_rollback"):
         assert callable(getattr(Worker, name))
 
 
@@ -370,7 +405,7 @@ def test_replica_on_a_toy_model(tmp_path):
     # Two versions in one update, staged then committed; the transposed tensor goes through vLLM's path.
     summary = replica.stage("t", [store.open(1), store.open(2)])
     assert summary.nnz > 0 and set(summary.partials) >= {"q", "wt"}
-    replica.write("t")
+    replica.patch("t")
     assert f"{sum_all(replica):016x}" == checksum(images[2])
     assert torch.equal(model.wt.data, images[2]["wt"].t())
     assert torch.equal(model.qkv.data[4:8], images[2]["k"])
@@ -419,9 +454,15 @@ def test_update_deadline_and_status_while_busy(llama_run, tmp_path):
             raise AssertionError(f"unexpected RPC {name}")
 
     class SlowStore(DeltaStore):
-        def local_paths(self, version, *, record=None):
-            time.sleep(2.0)  # a store that answers, slowly
-            return super().local_paths(version, record=record)
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            fetch = self.files.local_paths  # where a version's files are fetched (store/files.py)
+
+            def slowly(rec):
+                time.sleep(2.0)  # a store that answers, slowly
+                return fetch(rec)
+
+            self.files.local_paths = slowly  # type: ignore[method-assign]
 
     async def scenario():
         svc = DeltaService.of(

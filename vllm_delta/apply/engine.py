@@ -1,4 +1,4 @@
-"""The apply engine: stage versions before the pause, write them in place inside it, roll back.
+"""The apply engine: stage versions before the pause, patch the weights in place inside it, roll back.
 
 Plain tensors in, plain tensors out: the engine knows nothing of vLLM. It holds the live target
 tensors (written in place, never rebound) and a `Layout` (HF tensor -> local segments).
@@ -6,7 +6,7 @@ tensors (written in place, never rebound) and a `Layout` (HF tensor -> local seg
     staged = engine.stage([vfile, ...])   # decode, translate, gather old values, new values,
                                           # per-tensor checksum partials; nothing is written
     checksums.verify_partials(sums, [staged.partials, ...], header)   # all ranks; raises on mismatch
-    engine.write(staged)                  # the pause: one fused scatter per element width
+    engine.patch(staged)                  # the pause: one fused scatter per element width
     engine.rollback(staged)               # restore the previous bits exactly
 
 Several versions stage into one update (a chain: deltas in order, or an anchor and its deltas),
@@ -17,19 +17,19 @@ so a reader several versions behind catches up in one pause. Backward, the same 
 Backends (scatter.py): on CUDA the fused kernels, "cuda" (csrc/, built with torch's extension
 builder the first time an engine is created on a machine, ~30 s, then cached) when it builds, else
 "triton"; on CPU the torch path. `backend=` or VLLM_DELTA_SCATTER_BACKEND chooses. Kernels are
-compiled/loaded during `stage` (a no-op write of one block), never inside `write`.
+compiled/loaded during `stage` (a no-op write of one block), never inside `patch`.
 
 The engine orchestrates; the pieces live beside it: `layout.DeviceLayout` (HF positions -> local
 targets, vectorized), `staging.Decoder` (file -> changes on the device), `chain.merge_chain`
 (several versions -> one set of final bits), `scatter` (plans and kernels), and the checksum
 arithmetic in `vllm_delta.checksums`.
 
-Staging (everything but the write) runs on the engine's one side CUDA stream while the server keeps
+Staging (everything but the patch) runs on the engine's one side CUDA stream while the server keeps
 generating (callers must not wrap it in a stream of their own):
 read + zstd decode on a thread pool into pinned memory, one host-to-device copy, then on the
 device, chunk by chunk (bounded memory): positions from gaps, HF -> local translation (vectorized
 over all tensors), the live bits at the changed places (the rollback buffer), new bits from ULP
-differences, checksum partials, and the fused scatter plan. `write` is then one kernel launch per
+differences, checksum partials, and the fused scatter plan. `patch` is then one kernel launch per
 element width (backends: scatter.py). On CPU the torch path does the same with grouped plans.
 Memory: `StagedUpdate.memory` (8 B per changed bf16 element held until write/release, ~2x that at
 the peak of staging, 3 B per element of pinned host memory). A staged update records the engine
@@ -484,8 +484,8 @@ class ApplyEngine:
         staged.state = next(_STATE)
         self._state = staged.state
 
-    def write(self, staged: StagedUpdate) -> float:
-        """Write the staged bits in place. On any failure, restore what was written and re-raise."""
+    def patch(self, staged: StagedUpdate) -> float:
+        """Patch the weights: the staged bits in place. On any failure, restore what was written and re-raise."""
         self._check_current(staged)
         t0 = time.perf_counter()
         done = 0
@@ -502,9 +502,9 @@ class ApplyEngine:
         self._mark_written(staged)
         return (time.perf_counter() - t0) * 1e3
 
-    def write_with(self, staged: StagedUpdate, write: Callable[[], None]) -> float:
-        """Write `staged` through another writer (`write()` puts the same new bits in place, e.g. vLLM's
-        sparse path): the same state checks as `write`, and on failure our rollback buffer restores
+    def patch_with(self, staged: StagedUpdate, write: Callable[[], None]) -> float:
+        """Patch `staged` through another writer (`write()` puts the same new bits in place, e.g. vLLM's
+        sparse path): the same state checks as `patch`, and on failure our rollback buffer restores
         every staged element."""
         self._check_current(staged)
         t0 = time.perf_counter()

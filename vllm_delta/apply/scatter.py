@@ -472,7 +472,7 @@ def _resolve(backend: str | None, device: torch.device) -> str:
 
 # -- Triton kernels --------------------------------------------------------------------------------
 if triton is not None:
-    # n_blocks / n are not specialized on: the warm-up launch (one block) compiles what commit runs.
+    # n_blocks / n are not specialized on: the warm-up launch (one block) compiles what a patch runs.
     @triton.jit(do_not_specialize=["n_blocks"])
     def _scatter_blocks_kernel(
         base_ptr, block_base_ptr, rel_ptr, src_ptr, n_blocks, BLOCK: tl.constexpr, ROWS: tl.constexpr

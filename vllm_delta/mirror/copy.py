@@ -68,14 +68,14 @@ class Copier:
                     attempt + 1,
                     exc,
                 )
-                self.src.prune_cache(versions=[rec.version])
+                self.src.cache.prune(versions=[rec.version])
         else:
             return Corrupt(rec.version, f"{type(error).__name__}: {error}")
         try:
             self._before_commit()
-            return Copied(self.dst.adopt(rec, paths))
+            return Copied(self.dst.writer.adopt(rec, paths))
         finally:
-            self.src.prune_cache(versions=[rec.version])  # the mirror keeps no copies
+            self.src.cache.prune(versions=[rec.version])  # the mirror keeps no copies
 
     def _fetch(self, rec: VersionRecord) -> list[str]:
         """The version's files as local paths, downloaded once and verified."""
@@ -92,7 +92,7 @@ class Copier:
         copied = []
         for v, mark in sorted(src_marks.items()):
             if v not in have or have[v].checksum != mark.checksum:
-                self.dst.write_object(MARKS_DIR, mark_name(v), mark.to_json().encode())
+                self.dst.objects.write(MARKS_DIR, mark_name(v), mark.to_json().encode())
                 copied.append(v)
         return copied
 
@@ -101,15 +101,15 @@ class Copier:
         a mark of a version it does not hold (it blocks nothing there; `fleet` and operators see it)."""
         if rec.version not in self.dst.marks():
             mark = BadMark(rec.version, rec.checksum, reason[:1000], time.time(), by)
-            self.dst.write_object(MARKS_DIR, mark_name(rec.version), mark.to_json().encode())
+            self.dst.objects.write(MARKS_DIR, mark_name(rec.version), mark.to_json().encode())
 
     def assets(self) -> list[str]:
         """Copy the source's assets that changed since the last copy (each read once per call)."""
         copied = []
-        for name in self.src.assets():
-            data = self.src.get_asset(name)
+        for name in self.src.objects.assets():
+            data = self.src.objects.get_asset(name)
             if self._assets.get(name) != data:
-                self.dst.put_asset(name, data)
+                self.dst.objects.put_asset(name, data)
                 self._assets[name] = data
                 copied.append(name)
         return copied

@@ -47,19 +47,19 @@ class LedgerForwarder:
         live: set[str] = set()
         written = 0
         try:
-            for report in read_reports(self.dst):
+            for report in read_reports(self.dst.objects):
                 fid = forwarded_id(self.region, report.replica_id)
                 live.add(fid)
                 if self._sent.get(fid) == report.heartbeat:
                     continue
                 out = dataclasses.replace(report, replica_id=fid, region=report.region or self.region)
-                self.src.write_object(REPLICAS_DIR, f"{fid}.json", out.to_json().encode())
+                self.src.objects.write(REPLICAS_DIR, f"{fid}.json", out.to_json().encode())
                 self._sent[fid] = report.heartbeat
                 written += 1
             prefix = f"{self.region}."
-            for name in self.src.list_objects(REPLICAS_DIR):
+            for name in self.src.objects.names(REPLICAS_DIR):
                 if name.startswith(prefix) and name.endswith(".json") and name[: -len(".json")] not in live:
-                    self.src.delete_object(REPLICAS_DIR, name)
+                    self.src.objects.delete(REPLICAS_DIR, name)
                     self._sent.pop(name[: -len(".json")], None)
         except PermissionError as exc:
             self.enabled = False

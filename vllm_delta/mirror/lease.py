@@ -88,7 +88,7 @@ class Lease:
     def read(self) -> LeaseDoc | None:
         """The lease as the store has it now (None: no lease; an unreadable one is treated as none)."""
         try:
-            return LeaseDoc.from_json(self.dst.read_object(LEASE_FOLDER, LEASE_NAME))
+            return LeaseDoc.from_json(self.dst.objects.read(LEASE_FOLDER, LEASE_NAME))
         except FileNotFoundError:
             return None
         except FormatError as exc:
@@ -130,7 +130,7 @@ class Lease:
         try:
             held = self.read()
             if held is not None and (held.owner, held.token) == (self.owner, self.token):
-                self.dst.delete_object(LEASE_FOLDER, LEASE_NAME)
+                self.dst.objects.delete(LEASE_FOLDER, LEASE_NAME)
         except (OSError, DeltaError) as exc:
             log.warning("%s: could not release the mirror lease: %s", self.dst.uri, exc)
 
@@ -146,7 +146,7 @@ class Lease:
             acquired=self._acquired or now,
             heartbeat=now,
         )
-        self.dst.write_object(LEASE_FOLDER, LEASE_NAME, doc.to_json().encode())
+        self.dst.objects.write(LEASE_FOLDER, LEASE_NAME, doc.to_json().encode())
 
 
 __all__ = ["LEASE_FOLDER", "LEASE_NAME", "Lease", "LeaseDoc"]

@@ -6,9 +6,10 @@ does not match is deleted and fetched again. Downloads land under a temporary na
 once complete and verified, so concurrent readers never see a partial file. One download of a file at
 a time per cache folder, across processes (an `flock` on `.<file>.lock` beside it, removed once the
 download ends): the TP ranks of a server starting together, or two servers sharing a host's cache
-folder, read each file from the store once; the others wait and take the verified copy. The server
-prunes the cache (`prune`): copies of versions it no longer needs, temp files of dead processes, and, above a
-byte cap, the oldest copies. docs/FORMAT.md, "Reading".
+folder, read each file from the store once; the others wait and take the verified copy.
+Whoever needs copies gone calls `prune` here (`DeltaStore.cache`): copies of versions no longer needed,
+temp files of dead processes, and, above a byte cap, the oldest copies; a local store's cache holds
+nothing. docs/FORMAT.md, "Reading".
 
 What changes here is how copies are kept and checked; how a file is fetched is the caller's
 (`DeltaStore` passes a download function), so this module does no remote I/O.
@@ -88,17 +89,21 @@ class DownloadCache:
                 self._cache_dir = tempfile.mkdtemp(prefix="vllm-delta-cache-")
                 self._own = True
                 weakref.finalize(self, shutil.rmtree, self._cache_dir, ignore_errors=True)
-            cache_dir = self._cache_dir
-        if self._own:
-            folder = cache_dir
-        else:
-            # One folder per store, so that a cache_dir shared by several stores never mixes them.
-            folder = os.path.join(cache_dir, hashlib.sha256(self.uri.encode()).hexdigest()[:16])
+        folder = self._folder_path()
+        assert folder is not None
         try:
             os.makedirs(folder, exist_ok=True)
         except OSError as exc:
             raise CacheError(f"cannot use the download cache {folder}: {exc.strerror or exc}") from None
         return folder
+
+    def _folder_path(self) -> str | None:
+        """Where the cache folder is (None: no folder chosen yet, so no copy either); not created here."""
+        cache_dir = self._cache_dir
+        if cache_dir is None or self._own:
+            return cache_dir
+        # One folder per store, so that a cache_dir shared by several stores never mixes them.
+        return os.path.join(cache_dir, hashlib.sha256(self.uri.encode()).hexdigest()[:16])
 
     def holds(self, path: str, data: DataFile) -> bool:
         """Whether the file at `path` (a copy here, or a local store's own file) is `data` as its record
@@ -212,12 +217,14 @@ class DownloadCache:
         return final
 
     def files(self) -> list[os.DirEntry[str]]:
-        """The files in the cache folder (none before the first download)."""
-        if self._cache_dir is None:
+        """The files in the cache folder (none before the first download: nothing is created here, so a
+        local store's cache, never used, stays empty and absent)."""
+        folder = self._folder_path()
+        if folder is None:
             return []
         try:
-            return [e for e in os.scandir(self.folder()) if e.is_file(follow_symlinks=False)]
-        except (FileNotFoundError, CacheError):
+            return [e for e in os.scandir(folder) if e.is_file(follow_symlinks=False)]
+        except (FileNotFoundError, NotADirectoryError):
             return []
 
     def total_bytes(self) -> int:

@@ -59,14 +59,14 @@ class Ledger:
     def report(self, report: ReplicaReport) -> None:
         """Write (replace) one replica's report."""
         report.validate()
-        self.store.write_object(REPLICAS_DIR, f"{report.replica_id}.json", report.to_json().encode())
+        self.store.objects.write(REPLICAS_DIR, f"{report.replica_id}.json", report.to_json().encode())
 
     def remove(self, replica_id: str) -> None:
-        self.store.delete_object(REPLICAS_DIR, f"{replica_id}.json")
+        self.store.objects.delete(REPLICAS_DIR, f"{replica_id}.json")
 
     def reports(self) -> list[ReplicaReport]:
         """Every readable report; garbage is skipped with a warning."""
-        return read_reports(self.store)
+        return read_reports(self.store.objects)
 
     def states(self, *, now: float | None = None, newest: int | None = None) -> list[ReplicaState]:
         """Reports with their age, staleness, lag behind `newest` (default: the store's latest) and
@@ -131,7 +131,7 @@ class Ledger:
     def expire(self, *, now: float | None = None) -> list[str]:
         """Delete reports older than `expire_after_s`; returns their replica ids."""
         now = time.time() if now is None else now
-        return expire_reports(self.store, self.reports(), now=now, expire_after_s=self.expire_after_s)
+        return expire_reports(self.store.objects, self.reports(), now=now, expire_after_s=self.expire_after_s)
 
 
 def count_within(reports: Iterable[ReplicaReport], version: int, max_staleness: int) -> int:

@@ -89,26 +89,26 @@ class ReplicaReport(Document):
 
 
 class ReportObjects(Protocol):
-    """The store calls the reports are read and deleted with (DeltaStore's small-object API)."""
+    """What the reports are read and deleted with: a store's small objects (`DeltaStore.objects`)."""
 
     @property
     def uri(self) -> str: ...
 
-    def read_object(self, folder: str, name: str) -> bytes: ...
+    def read(self, folder: str, name: str) -> bytes: ...
 
-    def list_objects(self, folder: str) -> list[str]: ...
+    def names(self, folder: str) -> list[str]: ...
 
-    def delete_object(self, folder: str, name: str) -> None: ...
+    def delete(self, folder: str, name: str) -> None: ...
 
 
 def read_reports(objects: ReportObjects) -> list[ReplicaReport]:
     """Every readable report; garbage is skipped with a warning."""
     out = []
-    for name in objects.list_objects(REPLICAS_DIR):
+    for name in objects.names(REPLICAS_DIR):
         if not name.endswith(".json"):
             continue
         try:
-            out.append(ReplicaReport.from_json(objects.read_object(REPLICAS_DIR, name), where=name))
+            out.append(ReplicaReport.from_json(objects.read(REPLICAS_DIR, name), where=name))
         except FileNotFoundError:
             continue  # expired or replaced between the listing and the read
         except FormatError as exc:
@@ -140,7 +140,7 @@ def expire_reports(
     """Delete the reports older than `expire_after_s`; returns their replica ids."""
     gone = [r.replica_id for r in reports if now - r.heartbeat > expire_after_s]
     for replica_id in gone:
-        objects.delete_object(REPLICAS_DIR, f"{replica_id}.json")
+        objects.delete(REPLICAS_DIR, f"{replica_id}.json")
     return gone
 
 

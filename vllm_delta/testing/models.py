@@ -98,6 +98,7 @@ def build_config(spec: TinyModelSpec):
         dtype="bfloat16",
         rms_norm_eps=1e-6,
     )
+    experts = dict(num_experts_per_tok=spec.num_experts_per_tok, moe_intermediate_size=spec.moe_intermediate_size)
     # `architectures` tells vLLM it is a causal LM (without it a Qwen3 config resolves to an embedding model).
     if spec.arch == "llama":
         return LlamaConfig(architectures=["LlamaForCausalLM"], **common)
@@ -109,8 +110,7 @@ def build_config(spec: TinyModelSpec):
         return Qwen3MoeConfig(
             architectures=["Qwen3MoeForCausalLM"],
             num_experts=spec.num_experts,
-            num_experts_per_tok=spec.num_experts_per_tok,
-            moe_intermediate_size=spec.moe_intermediate_size,
+            **experts,
             decoder_sparse_step=1,
             mlp_only_layers=[],
             norm_topk_prob=True,
@@ -125,8 +125,7 @@ def build_config(spec: TinyModelSpec):
         return DeepseekV2Config(
             architectures=["DeepseekV2ForCausalLM"],
             n_routed_experts=spec.num_experts,
-            num_experts_per_tok=spec.num_experts_per_tok,
-            moe_intermediate_size=spec.moe_intermediate_size,
+            **experts,
             n_shared_experts=1,
             first_k_dense_replace=1,
             n_group=1,

@@ -63,6 +63,34 @@ def _killpg(pgid: int, sig: int) -> None:
         pass
 
 
+def _api_server_args(model: str, port: int, max_model_len: int, tensor_parallel_size: int) -> list[str]:
+    """The command line every test server starts with (its options follow)."""
+    return [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        model,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "bfloat16",
+        "--max-model-len",
+        str(max_model_len),
+        "--enforce-eager",
+        "--gpu-memory-utilization",
+        "0.1",
+        "--max-num-seqs",
+        "16",
+        "--seed",
+        "0",
+        "--tensor-parallel-size",
+        str(tensor_parallel_size),
+    ]
+
+
 STARTUP_TIMEOUT_ENV = "VLLM_DELTA_STARTUP_TIMEOUT_S"
 
 
@@ -106,30 +134,7 @@ class VllmServer:
         # a small machine, as tests/test_examples.py does, raises it for the programs it runs).
         self.startup_timeout = startup_timeout or float(os.environ.get(STARTUP_TIMEOUT_ENV, "300"))
         self.log_path = log_path or tempfile.mkstemp(prefix="vllm-server-", suffix=".log")[1]
-        args = [
-            sys.executable,
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            model,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            "--dtype",
-            "bfloat16",
-            "--max-model-len",
-            str(max_model_len),
-            "--enforce-eager",
-            "--gpu-memory-utilization",
-            "0.1",
-            "--max-num-seqs",
-            "16",
-            "--seed",
-            "0",
-            "--tensor-parallel-size",
-            str(tensor_parallel_size),
-        ]
+        args = _api_server_args(model, self.port, max_model_len, tensor_parallel_size)
         if load_format:
             args += ["--load-format", load_format]
         if load_format == "delta":

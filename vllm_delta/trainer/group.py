@@ -127,7 +127,7 @@ class SingleProcess:
         if base_missing:
             return BaseMissing(job.base)
         with write() as f, job.timed("commit"):
-            return Committed(self.store.publish(f.header, f.path, move=True))
+            return Committed(self.store.writer.commit_file(f.header, f.path, move=True))
 
     def close(self) -> None:
         pass

@@ -423,7 +423,7 @@ class Publisher:
         doc = _model_config(source)
         if doc is not None:
             try:
-                self.store.put_asset("config.json", json.dumps(doc, indent=2, default=str).encode())
+                self.store.objects.put_asset("config.json", json.dumps(doc, indent=2, default=str).encode())
             except Exception as exc:  # noqa: BLE001 - assets are a convenience, never fatal
                 log.warning("could not store config.json: %s", exc)
 

@@ -271,7 +271,7 @@ class ShardGroup:
         if isinstance(decision, Committed):
             return decision
         if isinstance(report, PartUploaded):
-            self.store.discard_parts([report.part])
+            self.store.writer.discard_parts([report.part])
         if isinstance(decision, BaseMissing):
             return decision
         raise PublishError(decision.error, version=job.version)
@@ -279,7 +279,7 @@ class ShardGroup:
     def _put_part(self, job: UploadJob, write: WriteFile) -> PartUploaded | PartFailed:
         try:
             with write() as f, job.timed("put_part"):
-                return PartUploaded(self.store.put_part(f.header, f.path, move=True))
+                return PartUploaded(self.store.writer.put_part(f.header, f.path, move=True))
         except Exception as exc:  # noqa: BLE001 - reported to every rank
             log.error("rank %d: part of version %d failed: %s", self.rank, job.version, exc)
             return PartFailed(_describe(exc))
@@ -295,7 +295,7 @@ class ShardGroup:
             return parts
         try:
             return Committed(
-                self.store.commit_parts(
+                self.store.writer.commit_parts(
                     version=job.version,
                     kind=job.kind,
                     base=job.base,

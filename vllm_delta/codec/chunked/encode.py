@@ -137,15 +137,7 @@ def _encode_triton(
         mag_bias=MAG_BIAS,
         mag_escape=MAG_ESCAPE,
     )
-    return Planes(
-        layout=layout,
-        buf=buf,
-        n_big=counts[0],
-        n_gap_esc=counts[1],
-        n_mag_esc=counts[2],
-        gap_esc=gap_esc,
-        mag_esc=mag_esc,
-    )
+    return Planes.of(layout, buf, counts, gap_esc, mag_esc)
 
 
 def _encode_torch(
@@ -196,15 +188,8 @@ def _encode_torch(
         counts[1, k0 : k0 + kk] = chunk_counts(g_esc, chunk_elems)
         counts[2, k0 : k0 + kk] = chunk_counts(m_esc, chunk_elems)
     empty = torch.zeros(0, dtype=torch.int64, device=dev)
-    return Planes(
-        layout=layout,
-        buf=buf,
-        n_big=counts[0],
-        n_gap_esc=counts[1],
-        n_mag_esc=counts[2],
-        gap_esc=torch.cat(gap_esc) if gap_esc else empty,
-        mag_esc=torch.cat(mag_esc) if mag_esc else empty,
-    )
+    gaps, mags = (torch.cat(esc) if esc else empty for esc in (gap_esc, mag_esc))
+    return Planes.of(layout, buf, counts, gaps, mags)
 
 
 def planes_to_host(planes: Planes, host: HostCopy) -> Planes:

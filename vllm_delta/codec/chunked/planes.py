@@ -127,6 +127,13 @@ class Planes:
     mag_esc: torch.Tensor
     first: torch.Tensor | None = None  # int64 [chunks]: the position (in its tensor) of each chunk's first element
 
+    @classmethod
+    def of(
+        cls, layout: PlaneLayout, buf: torch.Tensor, counts: torch.Tensor, gap_esc: torch.Tensor, mag_esc: torch.Tensor
+    ) -> Planes:
+        """Planes from the encoders' per-chunk counts: rows big, gap escapes, magnitude escapes ([3, chunks])."""
+        return cls(layout, buf, counts[0], counts[1], counts[2], gap_esc, mag_esc)
+
     @property
     def device(self) -> torch.device:
         return self.buf.device

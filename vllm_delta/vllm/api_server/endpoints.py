@@ -31,13 +31,21 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from ...errors import BadRequestError, DeltaError, RequestTooLargeError, UnsupportedMediaTypeError, http_status, short
+from ...errors import (
+    BadRequestError,
+    DeltaError,
+    RequestTooLargeError,
+    UnsupportedMediaTypeError,
+    error_type,
+    http_status,
+    short,
+)
 from ...server_api import (
     FAULTS_ENV,
     MIN_VERSION_QUERY,
-    CommitSwitch,
+    PatchSwitch,
+    PrefetchRequest,
     Readiness,
-    StageRequest,
     Timeline,
     UpdateRequest,
     from_wire,
@@ -69,7 +77,7 @@ def _error(exc: BaseException) -> JSONResponse:
         log.warning("vllm-delta: %s", exc)
     elif status >= 500:
         log.error("vllm-delta: %s", exc, exc_info=exc)
-    return JSONResponse(status_code=status, content={"error": {"type": type(exc).__name__, "message": str(exc)}})
+    return JSONResponse(status_code=status, content={"error": {"type": error_type(exc), "message": str(exc)}})
 
 
 def route(handler: Callable[[Request], Awaitable[object]]) -> Callable[[Request], Awaitable[JSONResponse]]:
@@ -156,9 +164,9 @@ class DeltaEndpointPlugin:
 
         @app.post(f"{PREFIX}/stage")
         @route
-        async def stage(request: Request) -> object:
+        async def prefetch(request: Request) -> object:
             service = _service(request)
-            return await service.stage(from_wire(StageRequest, await read_json(request)))
+            return await service.prefetch(from_wire(PrefetchRequest, await read_json(request)))
 
         @app.get(f"{PREFIX}/status")
         @route
@@ -305,7 +313,7 @@ async def _timeline(request: Request) -> Timeline:
     spans = getattr(request.app.state, SPANS_KEY, None)
     ids, choices = spans_for_response(spans, response_id) if spans is not None else ([], [])
     commits = [
-        CommitSwitch(
+        PatchSwitch(
             version=h.version,
             label=h.label,
             engine_step=h.engine_step,
@@ -321,5 +329,5 @@ async def _timeline(request: Request) -> Timeline:
 
 
 def _switches(switch: dict[str, int], ids: list[str]) -> dict[str, int]:
-    """The entries of a commit's switch map that belong to these generate() ids (n > 1: "<k>_<id>")."""
+    """The entries of a patch's switch map that belong to these generate() ids (n > 1: "<k>_<id>")."""
     return {rid: idx for rid, idx in switch.items() if rid in ids or rid.split("_", 1)[-1] in ids}

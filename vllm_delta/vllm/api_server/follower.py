@@ -57,6 +57,7 @@ from ...errors import (
     MissingBaseError,
     VersionBoundConflictError,
     VersionNotFoundError,
+    error_type,
     http_status,
 )
 from ...server_api import FollowStatus, LeftMarked, Readiness
@@ -330,7 +331,7 @@ class Follower:
 
     def _error(self, version: int | None, exc: BaseException) -> None:
         st = self.state
-        st.last_error = f"{type(exc).__name__}: {exc}"[:500]
+        st.last_error = f"{error_type(exc)}: {exc}"[:500]
         st.last_error_version = version
         st.last_error_time = time.time()
         log.warning("vllm-delta: following %s: %s", self.store.uri, st.last_error)

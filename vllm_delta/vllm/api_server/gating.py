@@ -48,7 +48,7 @@ import json
 from collections import Counter
 from typing import Any
 
-from ...errors import BadRequestError, DeltaError, VersionBoundConflictError, WeightVersionBehindError
+from ...errors import BadRequestError, DeltaError, VersionBoundConflictError, WeightVersionBehindError, error_type
 from ...server_api import MIN_VERSION_FIELD, MIN_VERSION_HEADER, min_version_of
 from .asgi import App, Message, Receive, Scope, Send
 from .metrics import GateOutcome, metrics
@@ -166,7 +166,7 @@ def error_body(exc: DeltaError, status: int) -> bytes:
     served and required versions of a WeightVersionBehindError."""
     error: dict[str, Any] = {
         "message": str(exc),
-        "type": type(exc).__name__,
+        "type": error_type(exc),
         "param": MIN_VERSION_FIELD,
         "code": status,
     }

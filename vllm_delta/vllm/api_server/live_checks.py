@@ -1,7 +1,10 @@
-"""When the API process recomputes the live checksum, and what it does with a recomputation.
+"""The checks of the live sums: when the API process recomputes them, and what it does with a recomputation.
 
-The live sums (live.py) are kept current at every update, so a status never calls a worker. They are
-recomputed from every rank's parameters (a full pass, `Ranks.live_state`):
+The live sums (the value: live_sums.py) are kept current at every update, so a status never calls a
+worker. `LiveChecks` is their one writer: it makes them (`LiveSums`), adds an update's partials to them
+(`applied`), forgets them on an outside change (the ranks found a version no update of this process
+made: `Ranks.on_outside_change`), and recomputes them from every rank's parameters (a full pass,
+`Ranks.live_state`):
 
     at start-up             before the first request (the service's `startup`)
     on request              GET /v1/delta/status?verify=true (under the update lock: waits up to
@@ -31,10 +34,10 @@ from ...checksums import Sums
 from ...errors import ServerBusyError
 from ...server_api import Verification, VerifyTrigger
 from ..shared.messages import WorkerStatus
-from .live import LiveChecksum, LiveCopy
+from .live_sums import LiveCopy, LiveSums, live_copies
 from .metrics import metrics
 from .operations import Operations
-from .ranks import Ranks, live_copies
+from .ranks import Ranks
 
 log = logging.getLogger(__name__)
 
@@ -44,9 +47,10 @@ VERIFY_WAIT_S = 60.0  # ?verify=true waits this long for a running update to end
 class LiveChecks:
     """Recomputes the live sums when they must be, keeps the last `verification`."""
 
-    def __init__(self, live: LiveChecksum, ranks: Ranks, operations: Operations) -> None:
-        self.live = live
+    def __init__(self, ranks: Ranks, operations: Operations) -> None:
+        self.live = LiveSums()  # written here only (read it, never set it, elsewhere)
         self.ranks = ranks
+        ranks.on_outside_change = self._outside_change
         self.operations = operations
         self.verification: Verification | None = None  # the last recomputation of the live sums
         self._learning = asyncio.Lock()  # recomputations outside the update lock, one at a time
@@ -121,6 +125,16 @@ class LiveChecks:
         if copies is not None:
             self.recomputed(served, copies, "startup", (time.perf_counter() - t0) * 1e3)
         return served
+
+    def _outside_change(self) -> None:
+        """The ranks serve a version no update of this process made: the live sums are unknown until
+        recomputed (a status or a ledger report learns them again)."""
+        self.live.forget()
+
+    def applied(self, served: int | None, target: int, partials: list[Sums], target_sums: Sums) -> None:
+        """An update from `served` to `target` was patched with these partials (one world's, every copy's
+        the same: two_phase.worlds): the sums kept current move with it (LiveSums.applied)."""
+        self.live.applied(served, target, partials, target_sums)
 
     def off_version_sums(self, served: WorkerStatus) -> Sums | None:
         """The live sums when the last verification found the weights are not the served version's any

@@ -14,7 +14,7 @@ import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
 
-from ...errors import WorkerError, http_status
+from ...errors import WorkerError, error_type, http_status
 from ...server_api import Failure, InProgress, Operation
 from .deadline import Deadline
 from .metrics import metrics, vllm_operation
@@ -51,7 +51,7 @@ class Operations:
                         self.refuse(name)
                     yield
             except Exception as exc:
-                type_name = exc.type_name if isinstance(exc, WorkerError) else type(exc).__name__
+                type_name = exc.type_name if isinstance(exc, WorkerError) else error_type(exc)
                 self.last_failure = Failure(name, version, type_name, http_status(exc), str(exc)[:2000], time.time())
                 if m is not None:
                     m.failed(name, type_name, http_status(exc))

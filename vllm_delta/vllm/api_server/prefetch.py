@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...server_api import Method, StageResult
+from ...server_api import Method, PrefetchResult
 from ..shared import rpc
 from ..shared.messages import WorkerStatus
 from ..shared.plan import UpdatePlan
@@ -28,8 +28,8 @@ class Prefetched:
     def ticket(self) -> str:
         return self.staged.update.ticket
 
-    def result(self) -> StageResult:
-        return StageResult(
+    def result(self) -> PrefetchResult:
+        return PrefetchResult(
             version=self.served,
             staged=self.plan.versions,
             target=self.plan.target,

@@ -10,13 +10,14 @@ weight-transfer backend keeps too).
 
 Every served version learnt here is told to the version gate (gating.py: it wakes requests waiting
 for it) and to the metrics. A read that finds a version no update of this process wrote (one past
-the plugin) forgets the live sums (live.py): they are unknown until recomputed.
+the plugin) is an outside change (`on_outside_change`: LiveChecks forgets the live sums then, which
+are unknown until recomputed; it is their one writer).
 
 Data parallelism: every read asks every rank of every engine core. The engines must serve the same
 version; if they ever do not (a rollback that failed, a write past the plugin), the read is loud: an
 error log, `engines_disagree` in status, the gauge `vllm_delta_engines_disagree`, the served version
 taken as the lowest any engine serves (the version gate never admits a request on weights older
-than its bound), the live sums forgotten, and EnginesDisagreeError for the update that read it.
+than its bound), an outside change (the live sums forgotten), and EnginesDisagreeError for the update that read it.
 Live sums are per world (two_phase.worlds: the ranks that hold one copy of the weights).
 """
 
@@ -37,10 +38,10 @@ from ..shared.cache_keep import PRUNE_FAILED, CacheKeeper
 from ..shared.messages import WorkerStatus
 from ..shared.plan import UpdatePlan
 from ..shared.two_phase import worlds
+from .api_process import ApiProcess
 from .gating import VersionGate
-from .live import LiveChecksum, LiveCopy
+from .live_sums import LiveCopy, live_copies
 from .metrics import metrics
-from .worker_update import ApiProcess
 
 if TYPE_CHECKING:
     from ...store import DeltaStore
@@ -48,6 +49,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SEEN_S = 30.0  # the follower's polls reuse the served version read from the workers this recently
+
+
+def _nothing() -> None:
+    pass
 
 
 @dataclass(frozen=True)
@@ -68,14 +73,15 @@ class Ranks:
         api: ApiProcess,
         store: Callable[[], DeltaStore],
         gate: VersionGate,
-        live: LiveChecksum,
         cache: Callable[[], CacheKeeper],
     ) -> None:
         self.api = api
         self._store = store
         self._cache = cache
         self.gate = gate
-        self.live = live
+        # Told when the weights changed in a way no update of this process made (LiveChecks: the live
+        # sums are unknown then). Set by whoever keeps state that such a change invalidates.
+        self.on_outside_change: Callable[[], None] = _nothing
         self.served = Served()
         self.view: WorkerStatus | None = None  # rank 0's last status: coverage, tensors through vLLM's path
         self.engines: list[EngineServed] = []  # every engine's served version at the last read ([]: one engine)
@@ -113,7 +119,7 @@ class Ranks:
         ranks = [r for engine in per_engine for r in engine]
         known = self.served
         if known.seen > float("-inf") and (known.version, known.checksum) != (rank0.version, rank0.checksum):
-            # Not an update of this process (one past the plugin): the live sums are unknown now.
+            # Not an update of this process (one past the plugin): an outside change.
             log.warning(
                 "vllm-delta: the workers serve version %s (%s), not %s (%s) as last known",
                 rank0.version,
@@ -121,7 +127,7 @@ class Ranks:
                 known.version,
                 known.checksum,
             )
-            self.live.forget()
+            self.on_outside_change()
         self.view = rank0
         self.note_served(rank0.version, rank0.checksum)
         return rank0, ranks
@@ -133,7 +139,7 @@ class Ranks:
         )
         log.error("vllm-delta: %s; updates are refused: restart the server", self.disagreement)
         self._gauge(1)
-        self.live.forget()
+        self.on_outside_change()
         known = [e.version for e in engines if e.version is not None]
         lowest = min(known) if len(known) == len(engines) else None
         self.note_served(lowest, None)
@@ -174,7 +180,7 @@ class Ranks:
             await in_thread(functools.partial(self._cache().prune, served, staged))
             m = metrics()
             if m is not None:
-                m.cache_bytes.set(await in_thread(self._store().cache_bytes))
+                m.cache_bytes.set(await in_thread(self._store().cache.total_bytes))
         except Exception as exc:  # noqa: BLE001
             log.warning(PRUNE_FAILED, exc)
 
@@ -218,18 +224,3 @@ class Ranks:
             target = await api.deadline.in_thread(functools.partial(self._store().resolve, "latest"), until)
         (await api.workers.probe(api.spec, target)).all()
         return True
-
-
-def live_copies(ranks: list[WorkerStatus], engines: int) -> list[LiveCopy] | None:
-    """The live sums of every world in `ranks` (every rank's status in (engine, rank) order), each with the
-    engines it spans; None if a rank did not report its share."""
-    if any(r.live_sums is None for r in ranks):
-        return None
-    per_engine = len(ranks) // max(engines, 1)
-    return [
-        LiveCopy(
-            engines=sorted({i // per_engine for i in world}) if engines > 1 else [0],
-            sums=add_sums(ranks[i].live_sums or {} for i in world),
-        )
-        for world in worlds(ranks)
-    ]

@@ -37,10 +37,10 @@ from ...format import VersionHeader
 from ...server_api import (
     AppliedUpdate,
     Method,
+    PrefetchRequest,
+    PrefetchResult,
     Readiness,
     ServerStatus,
-    StageRequest,
-    StageResult,
     UpdateMode,
     UpdateRequest,
     UpdateResult,
@@ -50,17 +50,17 @@ from ..shared.eplb import refuse_eplb, refuse_operation
 from ..shared.messages import WorkerStatus
 from ..shared.options import FollowOptions, ServiceOptions, StoreSpec
 from ..shared.plan import UpdatePlan, plan_update
-from ..shared.two_phase import Update, WriteOptions
+from ..shared.two_phase import PatchOptions, Update
+from .api_process import ApiProcess
 from .follower import Follower, readiness
 from .following import FollowUpdates
 from .gating import VersionGate
-from .live import LiveChecksum
 from .live_checks import LiveChecks
 from .metrics import metrics
 from .operations import Operations
 from .prefetch import Prefetched, PrefetchSlot
 from .ranks import Ranks
-from .worker_update import ApiProcess, WorkerUpdate, unchanged_result, update_result
+from .worker_update import WorkerUpdate, unchanged_result, update_result
 
 if TYPE_CHECKING:
     from ...store import DeltaStore
@@ -76,7 +76,7 @@ class DeltaService:
         operations: Operations,
         ranks: Ranks,
         checks: LiveChecks,
-        prefetch: PrefetchSlot,
+        prefetched: PrefetchSlot,
     ) -> None:
         self.api = api
         self.spec = api.spec
@@ -86,7 +86,7 @@ class DeltaService:
         self.ranks = ranks
         self.gate = ranks.gate
         self.checks = checks
-        self.prefetch = prefetch
+        self.prefetched = prefetched
         self.last_update: AppliedUpdate | None = None
         self.follower: Follower | None = None
         self.following = FollowUpdates(operations, ranks, ranks.gate, self._update)  # the follower's updates
@@ -107,30 +107,29 @@ class DeltaService:
         gate.wait_s = options.min_version_wait_s
         api = ApiProcess.of(engine_client, spec)
         opened = functools.cache(lambda: store or spec.open())
-        live = LiveChecksum()  # the live sums over all ranks, kept current at every update
-        ranks = Ranks(api, opened, gate, live, functools.cache(lambda: CacheKeeper(opened(), spec.cache_max_bytes)))
+        ranks = Ranks(api, opened, gate, functools.cache(lambda: CacheKeeper(opened(), spec.cache_max_bytes)))
         operations = Operations(api.deadline, functools.partial(refuse_operation, api.vllm_config))
-        return cls(api, opened, operations, ranks, LiveChecks(live, ranks, operations), PrefetchSlot(api.workers))
+        return cls(api, opened, operations, ranks, LiveChecks(ranks, operations), PrefetchSlot(api.workers))
 
     @property
     def store(self) -> DeltaStore:
         return self._store()
 
     # -- updates and prefetch -------------------------------------------------------------------
-    async def stage(self, request: StageRequest) -> StageResult:
+    async def prefetch(self, request: PrefetchRequest) -> PrefetchResult:
         async with self.operations.run("stage", request.version):
             served, _ = await self.ranks.read()
             plan = await self._plan(served, request)
             if not plan.versions:
-                return StageResult(version=served.version, staged=[])
-            held = self.prefetch.take(served, plan, request.method)
+                return PrefetchResult(version=served.version, staged=[])
+            held = self.prefetched.take(served, plan, request.method)
             if held is None:
-                await self.prefetch.drop()
+                await self.prefetched.drop()
                 steps = self._steps(served, plan)
                 staged = await steps.stage(self._new_update(plan, request.method, None))
                 held = Prefetched(served.version, plan, staged, steps)
-            self.prefetch.held = held
-            await self.ranks.prune_cache(served.version, self.prefetch.versions)
+            self.prefetched.held = held
+            await self.ranks.prune_cache(served.version, self.prefetched.versions)
             return held.result()
 
     async def update(self, request: UpdateRequest) -> UpdateResult:
@@ -149,23 +148,23 @@ class DeltaService:
             return await self._unchanged(served, request)
         self.gate.begin_update(plan.target)  # 409 if running requests need a newer version than the target
         try:
-            out = await self._write_plan(served, plan, request)
+            out = await self._apply_plan(served, plan, request)
         finally:
             self.gate.end_update()
         if not served.probed:  # the layout was probed by this update: learn the coverage once
             with contextlib.suppress(Exception):
                 await self.ranks.read()
-        await self.ranks.prune_cache(out.version, self.prefetch.versions)
+        await self.ranks.prune_cache(out.version, self.prefetched.versions)
         return out
 
-    async def _write_plan(self, served: WorkerStatus, plan: UpdatePlan, request: UpdateRequest) -> UpdateResult:
-        options = WriteOptions(request.mode, request.fault)
-        prefetched = self.prefetch.take(served, plan, request.method)
+    async def _apply_plan(self, served: WorkerStatus, plan: UpdatePlan, request: UpdateRequest) -> UpdateResult:
+        options = PatchOptions(request.mode, request.fault)
+        prefetched = self.prefetched.take(served, plan, request.method)
         if prefetched is not None:
             steps = prefetched.steps
-            applied = await steps.write(prefetched.staged, options)
+            applied = await steps.patch(prefetched.staged, options)
         else:
-            await self.prefetch.drop()
+            await self.prefetched.drop()
             steps = self._steps(served, plan)
             applied = await steps.apply(self._new_update(plan, request.method, request.fault), options)
         out = update_result(plan, served.version, request, applied, prefetched is not None)
@@ -174,7 +173,7 @@ class DeltaService:
         self._note_applied(plan, out, steps.target_header, [s.partials for s in applied.staged.one_world()])
         return out
 
-    async def _plan(self, served: WorkerStatus, request: StageRequest | UpdateRequest) -> UpdatePlan:
+    async def _plan(self, served: WorkerStatus, request: PrefetchRequest | UpdateRequest) -> UpdatePlan:
         args = (self.store, served.version, served.checksum, request.version, request.allow_reanchor, self.api.trust)
         return await self.api.deadline.in_thread(functools.partial(plan_update, *args))
 
@@ -196,7 +195,7 @@ class DeltaService:
         sums (plus the ranks' partials), the metrics."""
         self.last_update = AppliedUpdate.of(out, time.time())
         recorded = self.ranks.written(plan, header)
-        self.checks.live.applied(out.previous_version, out.version, partials, recorded)
+        self.checks.applied(out.previous_version, out.version, partials, recorded)
         if (m := metrics()) is not None:
             m.applied(out)
 
@@ -250,7 +249,7 @@ class DeltaService:
             store=self.spec.uri,
             checksum=checksum,
             version_checksum=served.checksum,
-            staged=self.prefetch.versions,
+            staged=self.prefetched.versions,
             last_update=self.last_update,
             tensors_via_vllm_path=view.fallback if view is not None else [],
             coverage=view.coverage if view is not None else None,

@@ -13,7 +13,7 @@ One update, from the plan on (the service reads what the ranks serve and plans f
     verify    the ranks' checksum partials added to the served version's sums (`Ranks.served_sums`)
               must give the target header's sums, per tensor (422 on mismatch: nothing has been written)
     pause     pause scheduling (mode keep | wait | abort)
-    write     ONE engine-core call (rpc.WRITE_ALL, engine_core/calls.py): every rank writes in place;
+    write     ONE engine-core call (rpc.PATCH_ALL, engine_core/calls.py): every rank writes in place;
               if any rank fails, every rank rolls back; the weight-version label := the new version
     reset     the prefix cache (its KV was computed with the old weights), only after the writes
     resume    always (finally), unless a rollback failed: then the engine core stopped scheduling
@@ -31,7 +31,6 @@ import contextlib
 import dataclasses
 import functools
 import logging
-import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -39,22 +38,18 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from ...checksums import Sums
 from ...errors import (
-    CommitFailedError,
     DeltaError,
-    EngineSleepingError,
-    EplbRefusedError,
-    InflightRefusedError,
+    PatchFailedError,
     RollbackFailedError,
+    error_type,
 )
 from ...format import VersionHeader
 from ...server_api import PAUSE_MODES, UpdateRequest, UpdateResult
 from ..shared import rpc
-from ..shared.messages import StageSummary, WorkerStatus, WrittenAll
-from ..shared.options import StoreSpec
+from ..shared.messages import PatchedAll, StageSummary, WorkerStatus
 from ..shared.plan import UpdatePlan
-from ..shared.trust import TrustPolicy
-from ..shared.two_phase import AllRolledBack, AllWritten, Staged, TwoPhaseUpdate, Update, WriteOptions, write_all
-from .deadline import Deadline
+from ..shared.two_phase import AllPatched, AllRolledBack, PatchOptions, Staged, TwoPhaseUpdate, Update, patch_all
+from .api_process import RPC_TIMEOUT_S, ApiProcess
 
 if TYPE_CHECKING:
     from ...store import DeltaStore, VersionRecord
@@ -63,41 +58,6 @@ log = logging.getLogger(__name__)
 
 POLL_S = 0.005  # first staging poll interval (each poll is one cheap RPC between forward passes) ...
 POLL_MAX_S = 0.04  # ... growing to this: a long staging is not polled 200 times a second
-RPC_TIMEOUT_S = float(os.environ.get("VLLM_DELTA_RPC_TIMEOUT_S", "600"))
-
-
-@dataclass(frozen=True)
-class ApiProcess:
-    """What the steps use in the API process."""
-
-    engine: Any  # vLLM's EngineClient: pause, resume, prefix-cache reset
-    workers: rpc.Workers
-    engine_core: rpc.EngineCore
-    spec: StoreSpec
-    deadline: Deadline
-    trust: TrustPolicy | None = None  # delta_trusted_keys: every plan checked (shared/trust.py)
-
-    @property
-    def vllm_config(self) -> Any:
-        """vLLM's config of the engine (None for a stand-in engine without one)."""
-        return getattr(self.engine, "vllm_config", None)
-
-    @property
-    def engines(self) -> int:
-        """The engine cores this API process fronts (vLLM's data-parallel engines; 1 without)."""
-        return len(getattr(getattr(self.engine, "engine_core", None), "core_engines", None) or [None])
-
-    @classmethod
-    def of(cls, engine_client: Any, spec: StoreSpec) -> ApiProcess:
-        transport = rpc.engine_client_transport(engine_client, RPC_TIMEOUT_S)
-        return cls(
-            engine_client,
-            rpc.Workers(transport),
-            rpc.EngineCore(transport),
-            spec,
-            Deadline(spec.update_timeout_s, spec.uri),
-            TrustPolicy.of(spec.trust()),
-        )
 
 
 @dataclass(frozen=True)
@@ -107,7 +67,7 @@ class Applied:
     staged: Staged
     pause_ms: float  # pause to resume; in flight: the engine loop's stall
     apply_ms: float  # the in-place writes, slowest rank
-    inflight: WrittenAll | None = None  # mode "inflight": what the engine core did
+    inflight: PatchedAll | None = None  # mode "inflight": what the engine core did
 
 
 class WorkerUpdate(TwoPhaseUpdate[Applied]):
@@ -171,8 +131,8 @@ class WorkerUpdate(TwoPhaseUpdate[Applied]):
         assert self.target_header is not None
         return await self._served_sums(self.served), self.target_header
 
-    async def write_ranks(self, staged: Staged, options: WriteOptions) -> Applied:
-        return await write_through_engine_core(self.api, staged, options)
+    async def patch_ranks(self, staged: Staged, options: PatchOptions) -> Applied:
+        return await patch_through_engine_core(self.api, staged, options)
 
     async def release(self, ticket: str) -> None:
         if ticket in self._sent:  # best effort: errors are the workers' to log
@@ -180,7 +140,7 @@ class WorkerUpdate(TwoPhaseUpdate[Applied]):
             await self.api.workers.release(ticket)
 
     async def drop_cached(self, versions: list[int]) -> None:
-        await self.api.deadline.in_thread(functools.partial(self.store.prune_cache, versions=versions))
+        await self.api.deadline.in_thread(functools.partial(self.store.cache.prune, versions=versions))
 
 
 def _header_of(store: DeltaStore, rec: VersionRecord) -> VersionHeader:
@@ -192,18 +152,18 @@ def _header_of(store: DeltaStore, rec: VersionRecord) -> VersionHeader:
         vf.close()
 
 
-async def write_through_engine_core(api: ApiProcess, staged: Staged, options: WriteOptions) -> Applied:
+async def patch_through_engine_core(api: ApiProcess, staged: Staged, options: PatchOptions) -> Applied:
     """Write a staged, verified update on every rank of every engine core: one engine-core call per engine
-    (rpc.WRITE_ALL), inside a pause (mode keep | wait | abort: every engine paused), or between two engine
+    (rpc.PATCH_ALL), inside a pause (mode keep | wait | abort: every engine paused), or between two engine
     steps with no pause (mode "inflight"; InflightRefusedError, 409, where an engine cannot take it
     safely). An engine with EPLB refuses in every mode (EplbRefusedError, 409: shared/eplb.py). A rank
     that fails rolls back every rank of its engine, and then every other engine is rolled back too
-    (rpc.ROLLBACK_ALL; CommitFailedError, 500): nothing has changed anywhere then."""
+    (rpc.ROLLBACK_ALL; PatchFailedError, 500): nothing has changed anywhere then."""
     api.deadline.clear()  # the pause is not cut short: the writes and a rollback run to the end
     update = staged.update
-    args = rpc.WriteAllArgs(update.ticket, update.target, update.method, options.fault, options.mode)
+    args = rpc.PatchAllArgs(update.ticket, update.target, update.method, options.fault, options.mode)
     if options.mode not in PAUSE_MODES:
-        engines = await _write_every_engine(api, args)
+        engines = await _patch_every_engine(api, args)
         inflight = inflight_of(engines)
         return Applied(staged, inflight.engine_ms, inflight.apply_ms, inflight)
     t0 = time.perf_counter()
@@ -211,7 +171,7 @@ async def write_through_engine_core(api: ApiProcess, staged: Staged, options: Wr
     await api.engine.pause_generation(mode=options.mode, clear_cache=False)  # every engine (vLLM's client)
     resume = True
     try:
-        engines = await _write_every_engine(api, args)
+        engines = await _patch_every_engine(api, args)
         await _reset_prefix_cache(api.engine)
     except RollbackFailedError:
         resume = False  # an engine core stopped scheduling: the ranks may disagree
@@ -222,29 +182,23 @@ async def write_through_engine_core(api: ApiProcess, staged: Staged, options: Wr
     return Applied(staged, (time.perf_counter() - t0) * 1e3, max(e.apply_ms for e in engines))
 
 
-# What an engine core refuses before writing anything (409): the update is refused, not failed
-REFUSALS: dict[str, type[DeltaError]] = {
-    cls.__name__: cls for cls in (InflightRefusedError, EplbRefusedError, EngineSleepingError)
-}
-
-
-async def _write_every_engine(api: ApiProcess, args: rpc.WriteAllArgs) -> list[WrittenAll]:
-    """two_phase.write_all over the engine cores: every engine writes all its ranks; if one failed, every
-    engine is rolled back. Raises what the first failure was (a refusal, REFUSALS: nothing written, 409),
-    CommitFailedError (500) or RollbackFailedError (500: every engine stops scheduling)."""
-    engines = rpc.EngineWrites(api.engine_core, args)
-    outcome = await write_all(engines, args.ticket, method=args.method, fault=args.fault, after_writes=list)
-    if isinstance(outcome, AllWritten):
+async def _patch_every_engine(api: ApiProcess, args: rpc.PatchAllArgs) -> list[PatchedAll]:
+    """two_phase.patch_all over the engine cores: every engine writes all its ranks; if one failed, every
+    engine is rolled back. Raises what the first failure was (a refusal, rpc.REFUSALS: nothing written, 409),
+    PatchFailedError (500) or RollbackFailedError (500: every engine stops scheduling)."""
+    engines = rpc.EnginePatches(api.engine_core, args)
+    outcome = await patch_all(engines, args.ticket, method=args.method, fault=args.fault, after_patch=list)
+    if isinstance(outcome, AllPatched):
         return outcome.after
     many = " on every engine" if api.engines > 1 else ""
     if isinstance(outcome, AllRolledBack):
         first = outcome.error
-        refusal = REFUSALS.get(first.type) if first is not None else None
-        if not many and first is not None and (refusal is not None or first.type == CommitFailedError.__name__):
-            raise (refusal or CommitFailedError)(first.message)  # one engine: as it was
+        refusal = rpc.REFUSALS.get(first.type) if first is not None else None
+        if not many and first is not None and (refusal is not None or first.type == error_type(PatchFailedError)):
+            raise (refusal or PatchFailedError)(first.message)  # one engine: as it was
         if refusal is not None:  # 409 (in flight, the follower falls back to keep): what another engine wrote is undone
             raise refusal(f"{outcome.failure} (no engine keeps any writes of this update)")
-        raise CommitFailedError(f"update to version {args.version} failed and was rolled back{many}: {outcome.failure}")
+        raise PatchFailedError(f"update to version {args.version} failed and was rolled back{many}: {outcome.failure}")
     if args.mode not in PAUSE_MODES:  # the engines not stopped by their own failure keep stepping: stop them
         with contextlib.suppress(Exception):
             await api.engine.pause_generation(mode="keep", clear_cache=False)
@@ -258,16 +212,16 @@ R = TypeVar("R")
 
 
 def refused(replies: rpc.Replies[R]) -> rpc.Replies[R]:
-    """`replies`, unless a callee refused the call before doing anything (REFUSALS: the engine sleeps, ...):
+    """`replies`, unless a callee refused the call before doing anything (rpc.REFUSALS: the engine sleeps, ...):
     then that refusal, with its class (409 naming it)."""
     for _, error in replies.errors:
-        refusal = REFUSALS.get(error.type)
+        refusal = rpc.REFUSALS.get(error.type)
         if refusal is not None:
             raise refusal(error.message)
     return replies
 
 
-def inflight_of(engines: list[WrittenAll]) -> WrittenAll:
+def inflight_of(engines: list[PatchedAll]) -> PatchedAll:
     """One in-flight answer for every engine: engine 0's label and step, the slowest engine's times,
     the counts summed over engines (each engine switched between two of its own steps)."""
     first = engines[0]

@@ -1,18 +1,18 @@
 """The engine-core calls: the in-place writes of every update, in a pause or in flight (`"mode": "inflight"`),
 the weight-version label and its history, the prefix-cache state.
 
-The writes are ONE call on the engine-core thread (rpc.WRITE_ALL), so it runs strictly between two
+The writes are ONE call on the engine-core thread (rpc.PATCH_ALL), so it runs strictly between two
 engine steps (vLLM dispatches utilities from its busy loop between `step_fn()` calls). The API
 process reaches it through the public `EngineClient.collective_rpc`: the plugin wraps
 `EngineCore.collective_rpc` and answers the reserved names (rpc.ENGINE_CORE_CALLS) itself instead of
-forwarding them to the workers. In that one call (`write_between_steps`, around two_phase.write_all):
+forwarding them to the workers. In that one call (`write_between_steps`, around two_phase.patch_all):
 
     refuse      every mode: no write on a server with EPLB (shared/eplb.py), none while the engine sleeps
                 (sleep.py), none after a failed rollback
     preflight   mode "inflight" only: refuse what cannot be made safe (409 + reason): KV /
                 encoder-cache / aux-output connectors, multimodal encoder caches, data parallelism,
                 an unknown scheduler
-    write       rpc.WRITE on every worker rank (one broadcast: every rank writes after the same
+    write       rpc.PATCH on every worker rank (one broadcast: every rank writes after the same
                 forward step; worker methods never raise)
     rollback    if any rank failed: rpc.ROLLBACK on every rank in the same call, so no forward ever
                 sees mixed weights; if the rollback fails too, scheduling stops (PAUSED_ALL) and
@@ -51,12 +51,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...attribution import parse_label, version_label
-from ...errors import CommitFailedError, InflightRefusedError, RollbackFailedError
+from ...errors import InflightRefusedError, PatchFailedError, RollbackFailedError
 from ...server_api import PAUSE_MODES, HistoryEntry, Timeline
 from ..shared import rpc
 from ..shared.eplb import refuse_eplb
-from ..shared.messages import LabelSet, PrefixCleared, PrefixState, RolledBackAll, Written, WrittenAll
-from ..shared.two_phase import AllRolledBack, AllWritten, run_sync, write_all
+from ..shared.messages import LabelSet, Patched, PatchedAll, PrefixCleared, PrefixState, RolledBackAll
+from ..shared.two_phase import AllPatched, AllRolledBack, patch_all, run_sync
 from . import provenance, sleep
 from .provenance import external_id
 
@@ -78,12 +78,12 @@ class EngineState:
     # pipeline parallelism), oldest first: they ran on the weights before it and keep that label.
     held: deque[str] = field(default_factory=deque)
     inconsistent: str | None = None  # set when a rollback failed: the ranks may disagree
-    landed: Landed | None = None  # the last WRITE_ALL whose writes landed (ROLLBACK_ALL may undo them)
+    landed: Landed | None = None  # the last PATCH_ALL whose writes landed (ROLLBACK_ALL may undo them)
 
 
 @dataclass(frozen=True)
 class Landed:
-    """A WRITE_ALL whose writes landed: what ROLLBACK_ALL needs to undo it (the label before it)."""
+    """A PATCH_ALL whose writes landed: what ROLLBACK_ALL needs to undo it (the label before it)."""
 
     ticket: str
     previous_label: str
@@ -202,30 +202,30 @@ def _stop_scheduling(core: Any, st: EngineState, why: str) -> None:
         log.error("vllm-delta: %s; scheduling stopped (PAUSED_ALL): restart the server", why)
 
 
-def _write_all(core: Any, args: rpc.WriteAllArgs) -> WrittenAll:
-    """The reserved call WRITE_ALL (engine-core thread, between two steps): two_phase.write_all over the
+def _patch_all(core: Any, args: rpc.PatchAllArgs) -> PatchedAll:
+    """The reserved call PATCH_ALL (engine-core thread, between two steps): two_phase.patch_all over the
     workers, then, as its after-writes step, the prefix-cache invalidation (mode "inflight") and the
     label. In a pause mode the API process paused first and resets the prefix cache itself.
-    Raises InflightRefusedError or EplbRefusedError (409: nothing was written), CommitFailedError (500:
+    Raises InflightRefusedError or EplbRefusedError (409: nothing was written), PatchFailedError (500:
     every rank rolled back) or RollbackFailedError (500: scheduling stopped, later writes refused)."""
     t0 = time.perf_counter()
     st = state_of(core)
     inflight = args.mode not in PAUSE_MODES
     _refuse_unsafe(core, st, inflight)
     outcome = run_sync(
-        write_all(
+        patch_all(
             rpc.Workers(rpc.executor_transport(core.model_executor)),
             args.ticket,
             method=args.method,
             fault=args.fault,
-            after_writes=_after_writes(core, st, args, inflight, t0),
+            after_patch=_after_patch(core, st, args, inflight, t0),
         )
     )
-    if isinstance(outcome, AllWritten):
+    if isinstance(outcome, AllPatched):
         return outcome.after
     when = " before the next forward step" if inflight else ""
     if isinstance(outcome, AllRolledBack):
-        raise CommitFailedError(
+        raise PatchFailedError(
             f"update to version {args.version} failed and was rolled back on every rank{when}: {outcome.failure}"
         )
     why = f"({outcome.failure}) and its rollback failed ({outcome.rollback_failure})"
@@ -278,18 +278,18 @@ class _Switch:
         return dropped
 
 
-def _after_writes(
-    core: Any, st: EngineState, args: rpc.WriteAllArgs, inflight: bool, t0: float
-) -> Callable[[list[Written]], WrittenAll]:
+def _after_patch(
+    core: Any, st: EngineState, args: rpc.PatchAllArgs, inflight: bool, t0: float
+) -> Callable[[list[Patched]], PatchedAll]:
     """The after-writes step. Everything that can fail is computed here, before the writes."""
     change = _Switch.of(core, inflight)
     previous = core._weight_version
     label = version_label(args.version)
 
-    def invalidate_and_label(written_ranks: list[Written]) -> WrittenAll:
+    def invalidate_and_label(written_ranks: list[Patched]) -> PatchedAll:
         apply_ms = max((w.apply_ms for w in written_ranks), default=0.0)
         dropped = change.apply(core, st, label, inflight)
-        written = WrittenAll(
+        written = PatchedAll(
             version=args.version,
             label=label,
             previous_label=previous,
@@ -312,10 +312,10 @@ def _after_writes(
 
 def _rollback_all(core: Any, args: rpc.RollbackAllArgs) -> RolledBackAll:
     """The reserved call ROLLBACK_ALL (engine-core thread, between two steps): another engine failed its
-    writes. If this engine's WRITE_ALL of the ticket landed, roll back every rank and put the label back
+    writes. If this engine's PATCH_ALL of the ticket landed, roll back every rank and put the label back
     to the one before (in flight: the engine may have stepped on the new weights since, so prefix hashes
     are dropped and requests holding KV tainted, as at the writes). If it did not land, there is nothing
-    to undo: its own WRITE_ALL refused before writing or already rolled its ranks back (or, having failed
+    to undo: its own PATCH_ALL refused before writing or already rolled its ranks back (or, having failed
     to, stopped this engine: then this call refuses too). Raises RollbackFailedError (scheduling stopped)."""
     t0 = time.perf_counter()
     st = state_of(core)
@@ -362,7 +362,7 @@ def _version_of(label: str) -> int | None:
     return version if isinstance(version, int) else None
 
 
-def _history_entry(args: rpc.WriteAllArgs, c: WrittenAll) -> HistoryEntry:
+def _history_entry(args: rpc.PatchAllArgs, c: PatchedAll) -> HistoryEntry:
     """An update in a pause as a label change (as at start-up); an in-flight update with what it did."""
     entry = HistoryEntry(
         mode=args.mode,
@@ -440,7 +440,7 @@ def _prefix_state(core: Any, args: rpc.NoArgs) -> PrefixState:
 
 # The reserved names, served from their declarations: each answers the reply's plain form (or an
 # error reply with the exception's HTTP status) and never raises across the utility boundary.
-write_between_steps = rpc.serve(rpc.WRITE_ALL, _write_all)
+write_between_steps = rpc.serve(rpc.PATCH_ALL, _patch_all)
 rollback_between_steps = rpc.serve(rpc.ROLLBACK_ALL, _rollback_all)
 set_label = rpc.serve(rpc.SET_LABEL, _set_label_by_hand)
 engine_timeline = rpc.serve(rpc.ENGINE_TIMELINE, _timeline)

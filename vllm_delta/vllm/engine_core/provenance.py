@@ -20,7 +20,7 @@ over the positions it holds KV for, kept by events only (nothing runs per engine
                 counted its positions when it handed it out, so the boundary holds there too
     insertion   a full block entering the prefix cache (`BlockPool.cache_full_blocks`, wrapped for the
                 taint rule) is stamped with its request's segments over the block's positions; a
-                tainted request never inserts, so no mixed block of an in-flight commit is ever hit
+                tainted request never inserts, so no mixed block of an in-flight patch is ever hit
 
 A request's segments are kept (bounded, by the id the API process knows) from its lookup on and
 answered by the reserved call PROMPT_VERSIONS, clipped to the prompt (api_server/spans.py). Costs:

@@ -10,7 +10,7 @@ memory change) is not sleep here.
 
 So the engine core refuses, with EngineSleepingError (409), every call of ours that reads or writes the
 weights while its executor sleeps, before it reaches a worker: staging, writes, rollbacks, the probe,
-the live sums (rpc.py names them); and the reserved WRITE_ALL (engine_core/calls.py). The engine core
+the live sums (rpc.py names them); and the reserved PATCH_ALL (engine_core/calls.py). The engine core
 runs those calls and vLLM's `sleep` one at a time between engine steps, so the check and the call
 cannot be split by a sleep. A `/sleep` sent while a staging runs on a worker's background thread is not
 refused (that is vLLM's route); the update's next call (its poll, its write) is.
@@ -25,7 +25,7 @@ from ..shared import rpc
 
 # Worker calls that read or write the weights (STATUS only with its live sums)
 GUARDED = frozenset(
-    c.name for c in (rpc.PROBE, rpc.LIVE_SUMS, rpc.STAGE_START, rpc.WRITE, rpc.ROLLBACK, rpc.TEST_WRITE)
+    c.name for c in (rpc.PROBE, rpc.LIVE_SUMS, rpc.STAGE_START, rpc.PATCH, rpc.ROLLBACK, rpc.TEST_PATCH)
 )
 
 

@@ -55,4 +55,4 @@ class CacheKeeper:
         if self._chain is None or self._chain[-1] != served:
             self._chain = [r.version for r in self.store.chain(served)]
         keep = set(self._chain) | set(staged)
-        self.store.prune_cache(keep, max_bytes=self.max_bytes, protect=set(staged), newer_than=served)
+        self.store.cache.prune(keep, max_bytes=self.max_bytes, protect=set(staged), newer_than=served)

@@ -10,7 +10,7 @@ apply exists, a server with EPLB takes no store version at all:
     start-up        --load-format delta refuses to load (worker/loader.py)
     push, follow    the API process refuses before staging (api_server/operations.py; the follower
                     at its start, api_server/service.py), 409
-    every write     every engine core refuses WRITE_ALL, in a pause or in flight (engine_core/calls.py)
+    every write     every engine core refuses PATCH_ALL, in a pause or in flight (engine_core/calls.py)
     native backend  the weight-transfer backend "delta" refuses init_transfer_engine and update_weights
                     (worker/backend.py)
 """

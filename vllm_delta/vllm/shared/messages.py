@@ -1,7 +1,7 @@
 """The typed messages between the API process, the engine core and the workers (rpc.py declares the calls).
 
 What a worker rank answers (`WorkerStatus`, `StageSummary`, ...) and what the engine core answers
-(`WrittenAll`, `LabelSet`, the timeline). They cross vLLM's msgpack boundary in their plain form,
+(`PatchedAll`, `LabelSet`, the timeline). They cross vLLM's msgpack boundary in their plain form,
 through the same two functions as the HTTP bodies (`vllm_delta.server_api.to_wire` / `from_wire`,
 over the generic codec of wire.py), so nothing outside the codec reads a payload by key. 64-bit
 checksum sums are ints in Python and 16 hex digits on the wire (`HexSums`). A failing rank answers
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ...errors import WorkerError, http_status
+from ...errors import WorkerError, error_type, http_status
 from ...server_api import Coverage, InflightAnswer, WeightSpan
 from ...wire import HexSums
 
@@ -30,7 +30,7 @@ class ErrorPayload:
 
     @classmethod
     def from_exception(cls, exc: BaseException) -> ErrorPayload:
-        return cls(type(exc).__name__, http_status(exc), str(exc))
+        return cls(error_type(exc), http_status(exc), str(exc))
 
     def to_error(self, rank: int | str | None) -> WorkerError:
         """`rank`: the failed rank's number, or who failed in words ("engine 1 rank 0"; rpc.Where)."""
@@ -117,8 +117,8 @@ class StagePoll:
 
 
 @dataclass(frozen=True)
-class Written:
-    """rpc.WRITE: the rank's in-place writes took `apply_ms`."""
+class Patched:
+    """rpc.PATCH: the rank's in-place writes took `apply_ms`."""
 
     apply_ms: float
 
@@ -131,8 +131,8 @@ class RolledBack:
 
 
 @dataclass(frozen=True)
-class TestWritten:
-    """rpc.TEST_WRITE (test hook): the element a rank changed behind the plugin's back (None: none)."""
+class TestPatched:
+    """rpc.TEST_PATCH (test hook): the element a rank changed behind the plugin's back (None: none)."""
 
     rank: int
     tensor: str | None
@@ -176,8 +176,8 @@ class Released:
 
 # -- engine-core replies (engine_core/calls.py: reserved collective_rpc names) ------------------------------
 @dataclass(frozen=True, kw_only=True)
-class WrittenAll:
-    """rpc.WRITE_ALL: every rank wrote in place, in a pause or (mode "inflight") between two engine steps,
+class PatchedAll:
+    """rpc.PATCH_ALL: every rank wrote in place, in a pause or (mode "inflight") between two engine steps,
     and the label changed. The prefix-cache and request numbers are those of an in-flight update (0 in
     a pause: the API process resets the prefix cache itself)."""
 

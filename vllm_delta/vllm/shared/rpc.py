@@ -5,13 +5,13 @@ else spells its name:
 
     worker calls (vLLM Worker methods, every rank answers)      engine-core calls (reserved names the
                                                                 engine core answers itself, engine_core/)
-    STATUS       what the rank serves (+ live sums)             WRITE_ALL       write every rank, roll
+    STATUS       what the rank serves (+ live sums)             PATCH_ALL       write every rank, roll
     PROBE        probe the layout (collective)                                  every rank back if one
     LIVE_SUMS    this rank's share of the live sums                             failed, label (inside a
     SERVED_SUMS  the served version's recorded sums                             pause or between steps)
-    STAGE_START  stage on the rank's background thread          ROLLBACK_ALL    undo a WRITE_ALL that
+    STAGE_START  stage on the rank's background thread          ROLLBACK_ALL    undo a PATCH_ALL that
     STAGE_POLL   the staging summary once done                                  landed (another engine
-    WRITE        write in place                                                 failed), label back
+    PATCH        write in place                                                 failed), label back
     ROLLBACK     undo the writes                                SET_LABEL       the weight-version label
     RELEASE      drop a staged update                           ENGINE_TIMELINE the label history
                                                                 PREFIX_STATE    prefix-cache counts
@@ -44,12 +44,13 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Generic, Protocol, TypeVar
 
 from ...errors import (
-    CommitFailedError,
     DeltaError,
     EngineSleepingError,
     EplbRefusedError,
     InflightRefusedError,
+    PatchFailedError,
     RollbackFailedError,
+    error_type,
 )
 from ...server_api import LabelCause, Method, Timeline, UpdateMode, WeightSpan, from_wire, to_wire
 from .heap import HeapAction
@@ -58,6 +59,8 @@ from .messages import (
     ErrorReply,
     HeapReport,
     LabelSet,
+    Patched,
+    PatchedAll,
     PrefixState,
     Probed,
     PromptVersions,
@@ -67,10 +70,8 @@ from .messages import (
     RolledBackAll,
     StagePoll,
     StageStarted,
-    TestWritten,
+    TestPatched,
     WorkerStatus,
-    Written,
-    WrittenAll,
 )
 from .options import StoreSpec
 
@@ -130,14 +131,14 @@ class TicketArgs(Args):
 
 
 @dataclass(frozen=True)
-class WriteArgs(Args):
+class PatchArgs(Args):
     ticket: str
     method: Method = "delta"
     fault: str | None = None  # test hook (messages.FAULTS_ENV)
 
 
 @dataclass(frozen=True)
-class WriteAllArgs(Args):
+class PatchAllArgs(Args):
     ticket: str
     version: int
     method: Method = "delta"
@@ -157,7 +158,7 @@ class PromptIdsArgs(Args):
 
 
 @dataclass(frozen=True)
-class TestWriteArgs(Args):
+class TestPatchArgs(Args):
     engine: int = 0  # the data-parallel engine whose rank 0 changes a weight
 
 
@@ -184,11 +185,11 @@ LIVE_SUMS = Call("delta_live_sums", NoArgs, RankSums)
 SERVED_SUMS = Call("delta_served_sums", NoArgs, RankSums)
 STAGE_START = Call("delta_stage_start", StageArgs, StageStarted)
 STAGE_POLL = Call("delta_stage_poll", TicketArgs, StagePoll)
-WRITE = Call("delta_write", WriteArgs, Written)
+PATCH = Call("delta_patch", PatchArgs, Patched)
 ROLLBACK = Call("delta_rollback", TicketArgs, RolledBack)
 RELEASE = Call("delta_release", TicketArgs, Released)
 
-WRITE_ALL = Call("delta_write_all", WriteAllArgs, WrittenAll)
+PATCH_ALL = Call("delta_patch_all", PatchAllArgs, PatchedAll)
 ROLLBACK_ALL = Call("delta_rollback_all", RollbackAllArgs, RolledBackAll)
 SET_LABEL = Call("delta_set_label", LabelArgs, LabelSet)
 ENGINE_TIMELINE = Call("delta_engine_timeline", NoArgs, Timeline)
@@ -202,12 +203,12 @@ WORKER_CALLS: tuple[Call[Any, Any], ...] = (
     SERVED_SUMS,
     STAGE_START,
     STAGE_POLL,
-    WRITE,
+    PATCH,
     ROLLBACK,
     RELEASE,
 )
 ENGINE_CORE_CALLS: tuple[Call[Any, Any], ...] = (
-    WRITE_ALL,
+    PATCH_ALL,
     ROLLBACK_ALL,
     SET_LABEL,
     ENGINE_TIMELINE,
@@ -218,7 +219,7 @@ ENGINE_CORE_CALLS: tuple[Call[Any, Any], ...] = (
 # Test hook, a worker method only with VLLM_DELTA_TEST_FAULTS=1 (reached through vLLM's dev-mode
 # /collective_rpc, past the plugin's API process): flip one live bit, to prove that a verification
 # of the live checksum catches a weight changed behind the plugin's back.
-TEST_WRITE = Call("delta_test_write", TestWriteArgs, TestWritten)
+TEST_PATCH = Call("delta_test_patch", TestPatchArgs, TestPatched)
 
 
 @dataclass(frozen=True)
@@ -325,9 +326,9 @@ class Replies(Generic[R]):
     def failures(self) -> str:
         return "; ".join(e.describe(self.describe(i)) for i, e in self.errors)
 
-    def failed_with(self, error_type: type[BaseException]) -> bool:
+    def failed_with(self, error: type[BaseException]) -> bool:
         """Some callee failed with this exception class (by name: errors cross processes as text)."""
-        return any(e.type == error_type.__name__ for _, e in self.errors)
+        return any(e.type == error_type(error) for _, e in self.errors)
 
 
 # -- transports ------------------------------------------------------------------------------------
@@ -393,8 +394,8 @@ class Workers:
     async def stage_poll(self, ticket: str) -> Replies[StagePoll]:
         return await self.call(STAGE_POLL, TicketArgs(ticket))
 
-    async def write(self, ticket: str, method: Method = "delta", fault: str | None = None) -> Replies[Written]:
-        return await self.call(WRITE, WriteArgs(ticket, method, fault))
+    async def patch(self, ticket: str, method: Method = "delta", fault: str | None = None) -> Replies[Patched]:
+        return await self.call(PATCH, PatchArgs(ticket, method, fault))
 
     async def rollback(self, ticket: str) -> Replies[RolledBack]:
         return await self.call(ROLLBACK, TicketArgs(ticket))
@@ -403,10 +404,14 @@ class Workers:
         return await self.call(RELEASE, TicketArgs(ticket))
 
 
+# What a callee refuses before doing anything (409: nothing written), by the name its reply carries.
+REFUSALS: dict[str, type[DeltaError]] = {
+    error_type(cls): cls for cls in (InflightRefusedError, EplbRefusedError, EngineSleepingError)
+}
 # Errors of the engine core's calls that keep their class in the API process (their HTTP answer names it).
 _ENGINE_ERRORS: dict[str, type[DeltaError]] = {
-    cls.__name__: cls
-    for cls in (InflightRefusedError, EplbRefusedError, EngineSleepingError, CommitFailedError, RollbackFailedError)
+    **REFUSALS,
+    **{error_type(cls): cls for cls in (PatchFailedError, RollbackFailedError)},
 }
 
 
@@ -432,8 +437,8 @@ class EngineCore:
             raise error.to_error(who)
         return replies.all()
 
-    async def write_all(self, args: WriteAllArgs) -> Replies[WrittenAll]:
-        return await self.every(WRITE_ALL, args)
+    async def patch_all(self, args: PatchAllArgs) -> Replies[PatchedAll]:
+        return await self.every(PATCH_ALL, args)
 
     async def rollback_all(self, args: RollbackAllArgs) -> Replies[RolledBackAll]:
         return await self.every(ROLLBACK_ALL, args)
@@ -454,18 +459,18 @@ class EngineCore:
         return found
 
 
-class EngineWrites:
-    """Every engine core as the ranks of two_phase.write_all (the API process): writing is one WRITE_ALL per
+class EnginePatches:
+    """Every engine core as the ranks of two_phase.patch_all (the API process): writing is one PATCH_ALL per
     engine (each writes all its ranks, rolled back there if one failed); rolling back is ROLLBACK_ALL on
-    every engine, which undoes the writes of an engine whose WRITE_ALL landed (and its label)."""
+    every engine, which undoes the writes of an engine whose PATCH_ALL landed (and its label)."""
 
-    def __init__(self, engine_core: EngineCore, args: WriteAllArgs):
+    def __init__(self, engine_core: EngineCore, args: PatchAllArgs):
         self.engine_core = engine_core
         self.args = args
 
-    async def write(self, ticket: str, method: Method = "delta", fault: str | None = None) -> Replies[WrittenAll]:
+    async def patch(self, ticket: str, method: Method = "delta", fault: str | None = None) -> Replies[PatchedAll]:
         assert (ticket, method, fault) == (self.args.ticket, self.args.method, self.args.fault)
-        return await self.engine_core.write_all(self.args)
+        return await self.engine_core.patch_all(self.args)
 
     async def rollback(self, ticket: str) -> Replies[RolledBackAll]:
         return await self.engine_core.rollback_all(RollbackAllArgs(ticket, self.args.version))

@@ -1,24 +1,25 @@
-"""The update protocol, written once: stage every rank -> verify -> write every rank in place -> roll
-every rank back if one failed -> release. (Words: "write" is the in-place writes of a staged update;
-"commit" is reserved for the store's commit protocol, vllm_delta/store/.)
+"""The update protocol, written once: stage every rank -> verify -> patch every rank (its in-place writes)
+-> roll every rank back if one failed -> release. (Words, docs/VLLM.md: "apply" is the whole update,
+"patch" its in-place writes of the weights, "write" is a file's, "commit" the store's commit protocol,
+vllm_delta/store/.)
 
     TwoPhaseUpdate.apply(update, options)   the whole order (this class owns it; subclasses fill in the
                                             steps for the process they run in, like vLLM's
                                             BaseModelLoader.load_model)
       .stage(update)                        stage + verify: nothing is written; on failure nothing is
                                             held and a 422 drops the versions' cached copies
-      .write(staged, options)               write every rank (rolled back everywhere if one failed),
+      .patch(staged, options)               patch every rank (rolled back everywhere if one failed),
                                             then release
-    write_all(ranks, ...)                   write every rank; if any failed, roll every rank back
+    patch_all(ranks, ...)                   patch every rank; if any failed, roll every rank back
 
 Who runs what (the transport differs, never the order; rpc.py):
 
     API process    TwoPhaseUpdate (api_server/worker_update.py): staging on the workers' background
-                   threads, polled over RPC; its write step is write_all over the engine cores, ONE
-                   engine-core call each (rpc.WRITE_ALL; rpc.ROLLBACK_ALL undoes an engine's writes
+                   threads, polled over RPC; its patch step is patch_all over the engine cores, ONE
+                   engine-core call each (rpc.PATCH_ALL; rpc.ROLLBACK_ALL undoes an engine's writes
                    when another engine failed)
-    engine core    write_all over model_executor.collective_rpc, inside the API's pause or between
-                   two engine steps (engine_core/calls.py), with the label change as its after-writes step
+    engine core    patch_all over model_executor.collective_rpc, inside the API's pause or between
+                   two engine steps (engine_core/calls.py), with the label change as its after-patch step
     worker ranks   TwoPhaseUpdate (the weight-transfer backend): every rank runs the whole protocol,
                    exchanging its replies with the other ranks (the same replies, in rank order;
                    worker/backend.py)
@@ -31,8 +32,8 @@ Data parallelism: every engine core holds the weights with its own ranks, so an 
 rank of every engine. Staging and verification: every rank of every engine stages; the partials are
 verified per world (`worlds`: the ranks that together hold one copy of the weights) against the same
 served sums and target header, so no engine writes unless every engine's copy would come out right.
-Writing: write_all at two levels, one protocol: each engine core writes its ranks and rolls them
-back if one failed; the API process writes every engine and rolls every engine back if one failed.
+Patching: patch_all at two levels, one protocol: each engine core patches its ranks and rolls them
+back if one failed; the API process patches every engine and rolls every engine back if one failed.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar, cast
 
 from ...checksums import Sums, verify_partials
-from ...errors import DeltaError, http_status
+from ...errors import DeltaError, error_type, http_status
 from ...format import VersionHeader
 from ...server_api import Method, UpdateMode
 from .messages import ErrorPayload, StageSummary
@@ -116,12 +117,12 @@ def worlds(ranks: Sequence[RankOfWorld]) -> list[range]:
 
 
 @dataclass(frozen=True)
-class WriteOptions:
+class PatchOptions:
     mode: UpdateMode = "keep"  # how requests ride through it (the API process pauses, or not)
     fault: str | None = None  # test hook (messages.FAULTS_ENV)
 
 
-# -- write every rank, roll every rank back --------------------------------------------------------
+# -- patch every rank, roll every rank back --------------------------------------------------------
 class Timed(Protocol):
     @property
     def apply_ms(self) -> float: ...
@@ -130,24 +131,24 @@ class Timed(Protocol):
 W = TypeVar("W", bound=Timed)
 
 
-class WritingRanks(Protocol[W]):
+class PatchingRanks(Protocol[W]):
     """Every rank at once (replies in order): rpc.Workers, a worker rank and its peers, or every engine
     core of the API process (each writing all its ranks)."""
 
-    async def write(self, ticket: str, method: Method = "delta", fault: str | None = None) -> Replies[W]: ...
+    async def patch(self, ticket: str, method: Method = "delta", fault: str | None = None) -> Replies[W]: ...
 
     async def rollback(self, ticket: str) -> Replies[Any]: ...
 
 
 @dataclass(frozen=True)
-class AllWritten(Generic[T]):
+class AllPatched(Generic[T]):
     apply_ms: float  # the in-place writes, slowest rank
-    after: T  # what the after-writes step returned
+    after: T  # what the after-patch step returned
 
 
 @dataclass(frozen=True)
 class AllRolledBack:
-    """A rank failed (it restored itself) or the after-writes step did; every rank was rolled back."""
+    """A rank failed (it restored itself) or the after-patch step did; every rank was rolled back."""
 
     failure: str  # "rank R: Type: message" of the first failure
     error: ErrorPayload | None = None  # the first failure itself (its class name, HTTP status, message)
@@ -162,24 +163,24 @@ class RollbackFailed:
     error: ErrorPayload | None = None
 
 
-WriteOutcome = AllWritten[T] | AllRolledBack | RollbackFailed
+PatchOutcome = AllPatched[T] | AllRolledBack | RollbackFailed
 
 
-async def write_all(
-    ranks: WritingRanks[W],
+async def patch_all(
+    ranks: PatchingRanks[W],
     ticket: str,
     *,
     method: Method = "delta",
     fault: str | None = None,
-    after_writes: Callable[[list[W]], T],
-) -> WriteOutcome[T]:
+    after_patch: Callable[[list[W]], T],
+) -> PatchOutcome[T]:
     """Write `ticket` in place on every rank. If a rank failed (or the transport did: a worker died), or then
-    `after_writes(every rank's reply)` failed, roll every rank back before anything else runs on the ranks."""
+    `after_patch(every rank's reply)` failed, roll every rank back before anything else runs on the ranks."""
     error: ErrorPayload | None
     try:
-        replies = await ranks.write(ticket, method, fault)
+        replies = await ranks.patch(ticket, method, fault)
     except Exception as exc:  # noqa: BLE001 - e.g. a worker died: roll back what can be
-        failure, error = f"{type(exc).__name__}: {exc}", ErrorPayload.from_exception(exc)
+        failure, error = f"{error_type(exc)}: {exc}", ErrorPayload.from_exception(exc)
     else:
         failure = replies.failure() or ""
         error = replies.errors[0][1] if replies.errors else None
@@ -187,14 +188,14 @@ async def write_all(
             written = replies.all()
             apply_ms = max((r.apply_ms for r in written), default=0.0)
             try:
-                return AllWritten(apply_ms, after_writes(written))
+                return AllPatched(apply_ms, after_patch(written))
             except Exception as exc:  # noqa: BLE001 - after the writes: undo them, the caller sees the failure
-                failure, error = f"after the writes: {type(exc).__name__}: {exc}", ErrorPayload.from_exception(exc)
+                failure, error = f"after the writes: {error_type(exc)}: {exc}", ErrorPayload.from_exception(exc)
     try:
         rolled = await ranks.rollback(ticket)
         rollback_failure = None if rolled.ok else rolled.failures()
     except Exception as exc:  # noqa: BLE001 - becomes the inconsistent outcome
-        rollback_failure = f"{type(exc).__name__}: {exc}"
+        rollback_failure = f"{error_type(exc)}: {exc}"
     if rollback_failure is not None:
         return RollbackFailed(failure, rollback_failure, error)
     return AllRolledBack(failure, error)
@@ -205,8 +206,8 @@ class TwoPhaseUpdate(ABC, Generic[Out]):
     """Owns the order of an update; subclasses fill in the steps where they run. `Out`: what a write
     returns there (the API process: its timings; the weight-transfer backend: nothing)."""
 
-    async def apply(self, update: Update, options: WriteOptions) -> Out:
-        return await self.write(await self.stage(update), options)
+    async def apply(self, update: Update, options: PatchOptions) -> Out:
+        return await self.patch(await self.stage(update), options)
 
     async def stage(self, update: Update) -> Staged:
         """Stage on every rank, then verify the ranks' partials against the target's header before
@@ -230,10 +231,10 @@ class TwoPhaseUpdate(ABC, Generic[Out]):
             raise
         return Staged(update, summaries, (time.perf_counter() - t0) * 1e3)
 
-    async def write(self, staged: Staged, options: WriteOptions) -> Out:
+    async def patch(self, staged: Staged, options: PatchOptions) -> Out:
         """Write every rank in place (every rank rolled back if one failed), then release the ticket."""
         try:
-            return await self.write_ranks(staged, options)
+            return await self.patch_ranks(staged, options)
         finally:
             await self.release(staged.update.ticket)
 
@@ -247,8 +248,8 @@ class TwoPhaseUpdate(ABC, Generic[Out]):
         """(the served per-tensor sums the partials add to, the header of the target version)."""
 
     @abstractmethod
-    async def write_ranks(self, staged: Staged, options: WriteOptions) -> Out:
-        """write_all, here or in the engine core; raises unless every rank wrote."""
+    async def patch_ranks(self, staged: Staged, options: PatchOptions) -> Out:
+        """patch_all, here or in the engine core; raises unless every rank wrote."""
 
     @abstractmethod
     async def release(self, ticket: str) -> None:

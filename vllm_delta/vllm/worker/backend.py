@@ -28,25 +28,25 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from ...checksums import Sums
-from ...errors import CommitFailedError, RollbackFailedError
+from ...errors import PatchFailedError, RollbackFailedError
 from ...format import VersionHeader, VersionLike
 from ...server_api import Method
 from ..shared import rpc
 from ..shared.cache_keep import PRUNE_FAILED, CacheKeeper
 from ..shared.eplb import refuse_eplb
-from ..shared.messages import RolledBack, StageSummary, Written
+from ..shared.messages import Patched, RolledBack, StageSummary
 from ..shared.options import StoreSpec, server_store, trusted_keys_from_environment
 from ..shared.plan import UpdatePlan, plan_update
 from ..shared.trust import TrustPolicy
 from ..shared.two_phase import (
+    AllPatched,
     AllRolledBack,
-    AllWritten,
+    PatchOptions,
     Staged,
     TwoPhaseUpdate,
     Update,
-    WriteOptions,
+    patch_all,
     run_sync,
-    write_all,
 )
 from . import dist
 from .methods import open_store
@@ -114,7 +114,7 @@ class DeltaWeightTransferEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateI
         if not plan.versions:
             return
         steps = RankUpdate(replica, store, plan)
-        run_sync(steps.apply(Update(uuid.uuid4().hex, plan.versions, plan.target), WriteOptions()))
+        run_sync(steps.apply(Update(uuid.uuid4().hex, plan.versions, plan.target), PatchOptions()))
         if replica.rank == 0:  # the ranks of a host share the cache (shared/cache_keep.py)
             try:
                 CacheKeeper(store, self.spec.cache_max_bytes).prune(plan.target)
@@ -129,11 +129,11 @@ class GatheredRanks:
     def __init__(self, replica: DeltaReplica):
         self.replica = replica
 
-    async def write(self, ticket: str, method: Method = "delta", fault: str | None = None) -> rpc.Replies[Written]:
-        def write() -> Written:
-            return Written(self.replica.write(ticket, fault=fault, method=method))
+    async def patch(self, ticket: str, method: Method = "delta", fault: str | None = None) -> rpc.Replies[Patched]:
+        def patch() -> Patched:
+            return Patched(self.replica.patch(ticket, fault=fault, method=method))
 
-        return rpc.Replies.decode(Written, dist.all_gather_object(rpc.answer(rpc.WRITE.name, write)))
+        return rpc.Replies.decode(Patched, dist.all_gather_object(rpc.answer(rpc.PATCH.name, patch)))
 
     async def rollback(self, ticket: str) -> rpc.Replies[RolledBack]:
         def rollback() -> RolledBack:
@@ -166,15 +166,15 @@ class RankUpdate(TwoPhaseUpdate[None]):
         current = served.sums if served.version is not None else self.replica.live_sums_all_ranks()
         return current, self.files[-1].header
 
-    async def write_ranks(self, staged: Staged, options: WriteOptions) -> None:
-        outcome = await write_all(
-            GatheredRanks(self.replica), staged.update.ticket, method=staged.update.method, after_writes=_nothing
+    async def patch_ranks(self, staged: Staged, options: PatchOptions) -> None:
+        outcome = await patch_all(
+            GatheredRanks(self.replica), staged.update.ticket, method=staged.update.method, after_patch=_nothing
         )
-        if isinstance(outcome, AllWritten):
+        if isinstance(outcome, AllPatched):
             return
         version = staged.update.target
         if isinstance(outcome, AllRolledBack):
-            raise CommitFailedError(
+            raise PatchFailedError(
                 f"update to version {version} failed and was rolled back on every rank: {outcome.failure}"
             )
         raise RollbackFailedError(
@@ -186,8 +186,8 @@ class RankUpdate(TwoPhaseUpdate[None]):
         self.replica.release(ticket)
 
     async def drop_cached(self, versions: list[int]) -> None:
-        self.store.prune_cache(versions=versions)
+        self.store.cache.prune(versions=versions)
 
 
-def _nothing(written: list[Written]) -> None:
+def _nothing(written: list[Patched]) -> None:
     return None

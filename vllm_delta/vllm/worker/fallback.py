@@ -115,7 +115,7 @@ class FallbackApplier:
                 decoded += piece.nnz
         return image, decoded
 
-    def write(self, staged: FallbackStage) -> None:
+    def patch(self, staged: FallbackStage) -> None:
         self._patch(staged, new=True)
 
     def rollback(self, staged: FallbackStage) -> None:

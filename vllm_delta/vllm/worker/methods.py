@@ -22,15 +22,15 @@ from ...store import VersionRecord
 from ..shared import heap, rpc
 from ..shared.messages import (
     HeapReport,
+    Patched,
     Probed,
     RankSums,
     Released,
     RolledBack,
     StagePoll,
     StageStarted,
-    TestWritten,
+    TestPatched,
     WorkerStatus,
-    Written,
 )
 from ..shared.options import StoreSpec
 from .replica import DeltaReplica, replica_of
@@ -127,8 +127,8 @@ def stage_poll(r: DeltaReplica, args: rpc.TicketArgs) -> StagePoll:
     return StagePoll.of(r.poll(args.ticket))
 
 
-def write(r: DeltaReplica, args: rpc.WriteArgs) -> Written:
-    return Written(r.write(args.ticket, fault=args.fault, method=args.method))
+def patch(r: DeltaReplica, args: rpc.PatchArgs) -> Patched:
+    return Patched(r.patch(args.ticket, fault=args.fault, method=args.method))
 
 
 def rollback(r: DeltaReplica, args: rpc.TicketArgs) -> RolledBack:
@@ -140,13 +140,13 @@ def release(r: DeltaReplica, args: rpc.TicketArgs) -> Released:
     return Released(args.ticket)
 
 
-def test_write(r: DeltaReplica, args: rpc.TestWriteArgs) -> TestWritten:
+def test_patch(r: DeltaReplica, args: rpc.TestPatchArgs) -> TestPatched:
     """Test hook: flip one live bit on rank 0 of engine `args.engine`, telling nobody (refused without
     VLLM_DELTA_TEST_FAULTS=1)."""
     if os.environ.get(FAULTS_ENV) != "1":
-        raise PermissionError(f"{rpc.TEST_WRITE.name} is a test hook, enabled only with {FAULTS_ENV}=1")
-    written = r.write_behind_our_back() if r.rank == 0 and r.engine_index == args.engine else None
-    return TestWritten(r.rank, *(written or (None, None)))
+        raise PermissionError(f"{rpc.TEST_PATCH.name} is a test hook, enabled only with {FAULTS_ENV}=1")
+    written = r.patch_behind_our_back() if r.rank == 0 and r.engine_index == args.engine else None
+    return TestPatched(r.rank, *(written or (None, None)))
 
 
 def test_heap(r: DeltaReplica, args: rpc.HeapArgs) -> HeapReport:
@@ -187,7 +187,7 @@ WORKER_METHODS: dict[str, Callable[..., Any]] = {
         rpc.serve(rpc.SERVED_SUMS, _on_worker(served_sums)),
         rpc.serve(rpc.STAGE_START, _on_worker(stage_start)),
         rpc.serve(rpc.STAGE_POLL, _on_worker(stage_poll)),
-        rpc.serve(rpc.WRITE, _on_worker(write)),
+        rpc.serve(rpc.PATCH, _on_worker(patch)),
         rpc.serve(rpc.ROLLBACK, _on_worker(rollback)),
         rpc.serve(rpc.RELEASE, _on_worker(release)),
     )
@@ -197,7 +197,7 @@ assert set(WORKER_METHODS) == {c.name for c in rpc.WORKER_CALLS}, "every worker 
 
 TEST_METHODS: dict[str, Callable[..., Any]] = {
     m.__name__: m
-    for m in (rpc.serve(rpc.TEST_WRITE, _on_worker(test_write)), rpc.serve(rpc.TEST_HEAP, _on_worker(test_heap)))
+    for m in (rpc.serve(rpc.TEST_PATCH, _on_worker(test_patch)), rpc.serve(rpc.TEST_HEAP, _on_worker(test_heap)))
 }
 
 

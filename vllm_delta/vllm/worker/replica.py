@@ -240,8 +240,8 @@ class DeltaReplica:
         """Per HF tensor: the live positional sum over every rank (collective)."""
         return add_sums(dist.all_gather_object(self.live_sums()))
 
-    def write_behind_our_back(self) -> tuple[str, int] | None:
-        """Test hook (methods.test_write): flip the lowest bit of the first element this rank owns of the
+    def patch_behind_our_back(self) -> tuple[str, int] | None:
+        """Test hook (methods.test_patch): flip the lowest bit of the first element this rank owns of the
         first in-place tensor (by name), bypassing every record. (HF name, flat index), None if none."""
         engine = self._require()
         layout = engine.layout
@@ -336,7 +336,7 @@ class DeltaReplica:
         )
 
     # -- the pause ------------------------------------------------------------------------------
-    def write(self, ticket: str, fault: str | None = None, method: Method = "delta") -> float:
+    def patch(self, ticket: str, fault: str | None = None, method: Method = "delta") -> float:
         """Write a staged update in place; returns the time taken (ms). On failure this rank is restored
         before the error propagates. `method` "vllm" writes through vLLM's sparse path instead (the
         ticket must have been staged for it)."""
@@ -344,17 +344,17 @@ class DeltaReplica:
         if t.staged is None:
             raise ValueError(f"ticket {ticket} is not staged")
         if method == "vllm":
-            return self._write_through_vllm(ticket, t)
+            return self._patch_through_vllm(ticket, t)
         if method != "delta":
             raise ValueError(f"unknown apply method {method!r}")
         engine = self._require()
         assert self.fallback is not None and t.fallback is not None
         t0 = time.perf_counter()
-        engine.write(t.staged)
+        engine.patch(t.staged)
         try:
-            self.fallback.write(t.fallback)
+            self.fallback.patch(t.fallback)
             self.recompute_derived()
-            if fault_hits(fault, "commit", self.engine_index, self.rank):
+            if fault_hits(fault, "patch", self.engine_index, self.rank):
                 raise InjectedFaultError(f"injected fault after the writes on {self._who}")
         except BaseException:
             self.fallback.rollback(t.fallback)
@@ -364,21 +364,21 @@ class DeltaReplica:
         t.previous, self.served = self.served, Served.from_header(t.staged.header)
         return (time.perf_counter() - t0) * 1e3
 
-    def _write_through_vllm(self, ticket: str, t: Ticket) -> float:
+    def _patch_through_vllm(self, ticket: str, t: Ticket) -> float:
         if t.vllm_patches is None:
             raise ValueError(f"ticket {ticket} was not staged for vLLM's sparse path")
         engine = self._require()
         assert t.staged is not None and t.fallback is not None and self.fallback is not None
         patches, fallback, fallback_stage = t.vllm_patches, self.fallback, t.fallback
 
-        def write() -> None:
+        def patch() -> None:
             vllm_path.load_patches(self.model, patches)
-            fallback.write(fallback_stage)
+            fallback.patch(fallback_stage)
             self.recompute_derived()  # handlers' derived tensors (handlers.py)
 
         # The same elements as our plan: on failure the engine's rollback buffer restores them.
         try:
-            apply_ms = engine.write_with(t.staged, write)
+            apply_ms = engine.patch_with(t.staged, patch)
         except BaseException:
             self.recompute_derived()
             raise

@@ -1,14 +1,16 @@
-"""The live checksum the API process keeps current, so that GET /v1/delta/status never calls a worker.
+"""The live sums: the value (the checksum the API process keeps current, so that GET /v1/delta/status never
+calls a worker). When they are recomputed and what is done with a recomputation is live_checks.py's
+(`LiveChecks`, their one writer).
 
 The live per-tensor sums over all ranks (checksums.py: Σ w(p)(bits + 1) per Hugging Face tensor) are
 
     recomputed   a full pass over every rank's live parameters: at start-up, on
                  GET /v1/delta/status?verify=true, by the background audit (`delta_audit_s`)
-    committed    at every commit, by adding the ranks' staged partials Σ w(p)(new − old) over the
+    patched      at every patch, by adding the ranks' staged partials Σ w(p)(new − old) over the
                  changed elements (computed by the workers while staging, O(changed elements); O(tensors
                  touched) here). When the sums were the served version's recorded ones, the result is
-                 exactly the target header's: that is what the verification before the commit checked
-    forgotten    when the workers report a version no commit of this process made (an update past the
+                 exactly the target header's: that is what the verification before the patch checked
+    forgotten    when the workers report a version no patch of this process made (an update past the
                  plugin): unknown until the next recomputation
 
 A recomputation is compared with what was kept current: a tensor whose sums differ was written behind
@@ -30,6 +32,8 @@ from dataclasses import dataclass
 
 from ...checksums import Sums, add_sums, combine, to_hex
 from ...server_api import MISMATCHED_NAMES, EngineChecksum, Verification, VerifyTrigger
+from ..shared.messages import WorkerStatus
+from ..shared.two_phase import worlds
 
 
 @dataclass(frozen=True)
@@ -45,12 +49,12 @@ class LiveCopy:
 
 
 @dataclass
-class LiveChecksum:
+class LiveSums:
     """The live sums over all ranks as last recomputed or kept current, and the version they are of."""
 
     version: int | None = None
     sums: Sums | None = None
-    as_of: float | None = None  # unix time of the recomputation or commit that established them
+    as_of: float | None = None  # unix time of the recomputation or patch that established them
     _checksum: str | None = None
 
     def known_for(self, version: int | None) -> bool:
@@ -68,8 +72,8 @@ class LiveChecksum:
         self.as_of = time.time() if sums is not None else None
 
     def applied(self, served: int | None, target: int, partials: list[Sums], target_sums: Sums) -> None:
-        """A commit from `served` to `target` whose ranks staged `partials`: the sums kept current plus the
-        partials when they were known for `served`, else the target's recorded sums (what the commit's
+        """A patch from `served` to `target` whose ranks staged `partials`: the sums kept current plus the
+        partials when they were known for `served`, else the target's recorded sums (what the patch's
         verification established, given the served version's recorded sums)."""
         if self.known_for(served):
             assert self.sums is not None
@@ -121,3 +125,18 @@ class LiveChecksum:
                 else None
             ),
         )
+
+
+def live_copies(ranks: list[WorkerStatus], engines: int) -> list[LiveCopy] | None:
+    """The live sums of every world in `ranks` (every rank's status in (engine, rank) order), each with the
+    engines it spans; None if a rank did not report its share."""
+    if any(r.live_sums is None for r in ranks):
+        return None
+    per_engine = len(ranks) // max(engines, 1)
+    return [
+        LiveCopy(
+            engines=sorted({i // per_engine for i in world}) if engines > 1 else [0],
+            sums=add_sums(ranks[i].live_sums or {} for i in world),
+        )
+        for world in worlds(ranks)
+    ]
