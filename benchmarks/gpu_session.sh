@@ -35,9 +35,10 @@
 #   issue35   steady syncs, old tree beside new, and the publish's device-wide memory (issue 35): publish_gpu.py
 #             chunked:gpu over SYNCS (20) steady syncs at W=1,2,4 (a W that needs more GPUs than the host has
 #             prints a line and is skipped) for Qwen3-8B and Qwen3-30B-A3B (12 layers), each also from the tree
-#             in $OLD_TREE when there is one; Qwen3-8B again with UploadOptions(gpu_encode_frames=ENCODE_FRAMES,
-#             512); with 2 GPUs stage_tp.py at TP=1 and 2; with 4, the whole 30B-A3B at W=2 (engine on a third
-#             card), old beside new. Ends with benchmarks/issue35_summary.py: one short table of every run
+#             in $OLD_TREE when there is one (OLD_SYNCS, 10); the 8B run's memory syncs also at
+#             UploadOptions(gpu_encode_frames) = each of ENCODE_FRAMES (1024,256); with 2 GPUs stage_tp.py at TP=1
+#             and 2; with 4, the whole 30B-A3B at W=2 (engine on a third card), old beside new. Ends with
+#             benchmarks/issue35_summary.py: one short table of every run
 # Wheels missing on the machine (zstandard; nvCOMP: nvidia-nvcomp-cu13 and nvidia-libnvcomp-cu13, 6.0.0.12)
 # travel in .whl (gitignored; carry it).
 set -u
@@ -88,16 +89,16 @@ issue35() {  # the issue-35 stage (header above); every run's JSON under $OUT, t
   local n; n=$(python3 -c "import torch; print(torch.cuda.device_count())")
   local syncs="--codecs chunked:gpu --steps ${SYNCS:-20} --warmup 1" moe="--model qwen3-30b-a3b --layers 12"
   local old=; [ -d "${OLD_TREE:-.old}/vllm_delta" ] && old=1
-  run syncs_8b ${SYNCS_LIMIT:-$(( n >= 2 ? 360 : 150 ))} python3 benchmarks/publish_gpu.py $syncs --world 1,2,4 --out "$OUT" --name syncs_8b
-  [ -n "$old" ] && run syncs_8b_old ${SYNCS_LIMIT:-150} bash -c 'old_tree "$@"' old python3 benchmarks/publish_gpu.py $syncs --out "$OUT/old/8b"
+  local old_syncs="--codecs chunked:gpu --steps ${OLD_SYNCS:-10} --warmup 1"  # the old tree's medians, beside
+  run syncs_8b ${SYNCS_LIMIT:-$(( n >= 2 ? 360 : 150 ))} python3 benchmarks/publish_gpu.py $syncs --world 1,2,4 --encode-frames ${ENCODE_FRAMES:-1024,256} --out "$OUT" --name syncs_8b
+  [ -n "$old" ] && run syncs_8b_old ${SYNCS_LIMIT:-150} bash -c 'old_tree "$@"' old python3 benchmarks/publish_gpu.py $old_syncs --out "$OUT/old/8b"
   run syncs_moe12 ${SYNCS_LIMIT:-150} python3 benchmarks/publish_gpu.py $syncs $moe --out "$OUT" --name syncs_moe12
-  [ -n "$old" ] && run syncs_moe12_old ${SYNCS_LIMIT:-150} bash -c 'old_tree "$@"' old python3 benchmarks/publish_gpu.py $syncs $moe --out "$OUT/old/moe12"
-  run mem_8b ${SYNCS_LIMIT:-150} python3 benchmarks/publish_gpu.py --codecs chunked:gpu --steps 4 --warmup 1 --encode-frames ${ENCODE_FRAMES:-512} --out "$OUT" --name mem_8b_f${ENCODE_FRAMES:-512}
+  [ -n "$old" ] && run syncs_moe12_old ${SYNCS_LIMIT:-150} bash -c 'old_tree "$@"' old python3 benchmarks/publish_gpu.py $old_syncs $moe --out "$OUT/old/moe12"
   if [ "$n" -ge 2 ]; then run stage_tp ${TP_LIMIT:-420} python3 benchmarks/stage_tp.py --models qwen3-8b,qwen3-30b-a3b --tp 1,2 --out "$OUT"
   else echo "== stage_tp (TP=2 on two GPUs): skipped: this host has $n GPU"; fi
   if [ "$n" -ge 4 ]; then
     run syncs_moe48 ${MOE48_LIMIT:-420} python3 benchmarks/publish_gpu.py $syncs --model qwen3-30b-a3b --world 2 --engine-gpu 2 --out "$OUT" --name syncs_moe48
-    [ -n "$old" ] && run syncs_moe48_old ${MOE48_LIMIT:-420} bash -c 'old_tree "$@"' old python3 benchmarks/publish_gpu.py $syncs --model qwen3-30b-a3b --world 2 --engine-gpu 2 --out "$OUT/old/moe48"
+    [ -n "$old" ] && run syncs_moe48_old ${MOE48_LIMIT:-420} bash -c 'old_tree "$@"' old python3 benchmarks/publish_gpu.py $old_syncs --model qwen3-30b-a3b --world 2 --engine-gpu 2 --out "$OUT/old/moe48"
   else echo "== syncs_moe48 (the whole 30B-A3B at W=2, engine on a third card): skipped: this host has $n GPU"; fi
   python3 benchmarks/issue35_summary.py "$OUT" | tee "$OUT/issue35_summary.log"
 }

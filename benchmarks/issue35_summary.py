@@ -44,6 +44,10 @@ def lines_of(path: str) -> list[str]:
             named = s.get("named_p50", float("nan"))
             dev = s.get("publish_device_mb", float("nan"))
             ok = "equal" if s.get("checksum_ok") else "DIFFER"
+            for frames, (mb, _, wall) in sorted((s.get("memory") or {}).items()):
+                if int(frames):
+                    label = f"gpu_encode_frames={frames}"
+                    out.append(f"{'':>4} {label:>28} {'':>3} {'':>12} {'':>5} {wall:>8.1f} {'':>24} {mb:>7.0f}")
             out.append(
                 f"{tree:>4} {name[-28:]:>28} {s.get('world', 1):>3} {s['codec']:>12} {len(live):>5} {p50:>8.1f} "
                 f"{p95:>8.1f} {named:>6.1%} {s.get('publish_peak_mb', float('nan')):>8.0f} {dev:>7.0f} {ok:>9}"

@@ -38,7 +38,6 @@ Prints a short table last; writes DIR/publish_gpu[_w<W>].json and .log.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import datetime
 import json
@@ -56,22 +55,18 @@ sys.path.insert(0, HERE)
 
 import torch  # noqa: E402
 from publish_report import by_world, final_table, report  # noqa: E402
-from publish_syncs import DeviceMemory, sync_row  # noqa: E402
+from publish_syncs import Live  # noqa: E402
 from torch import nn  # noqa: E402
 
 from vllm_delta import mapped_writes  # noqa: E402
 from vllm_delta.apply.engine import ApplyEngine  # noqa: E402
-from vllm_delta.checksums import add_sums, combine, to_hex, verify_partials  # noqa: E402
+from vllm_delta.checksums import combine, to_hex  # noqa: E402
 from vllm_delta.codec import chunked  # noqa: E402
 from vllm_delta.codec.chunked import gpu  # noqa: E402
-from vllm_delta.errors import ChecksumMismatchError  # noqa: E402
 from vllm_delta.store import DeltaStore  # noqa: E402
 from vllm_delta.testing.apply_fixtures import QWEN3, QWEN3_MOE, model_layout  # noqa: E402
 from vllm_delta.trainer import DetectOptions, Publisher, PublisherOptions, ShardingOptions, UploadOptions  # noqa: E402
 from vllm_delta.trainer.detect import STREAM_PASS_ELEMS  # noqa: E402
-
-LINK_BYTES_PER_S = 10e9 / 8  # 10 Gbit/s
-
 
 # -- the model: parameters of the HF shapes in nested modules (one per decoder layer) -------------------
 
@@ -170,7 +165,8 @@ class Config:
     header_format: int = 5  # chunked deltas' header: 5 (arrays), 4 (columns) or 3 (an object per tensor), for A/B
     stream_pass_elems: int = STREAM_PASS_ELEMS  # detection's pass when the codec encodes pass by pass
     mem_syncs: int = 2  # syncs after the timed ones with the device's free memory sampled (DeviceMemory)
-    encode_frames: int | None = None  # UploadOptions(gpu_encode_frames): the publish's GPU memory bound
+    # UploadOptions(gpu_encode_frames) values whose device memory the mem syncs measure too (beside the default)
+    encode_frames: tuple[int, ...] = ()
 
 
 def _sync(dev: torch.device) -> None:
@@ -307,7 +303,8 @@ def run_rank(rank: int, world: int, cfg: Config) -> dict:
 def _publish_run(cfg: Config, codec_name: str, store_dir: str, r: Rank) -> dict:
     """One codec configuration: a fresh store, an anchor of the current weights (the engine starts
     from them), a first delta (untimed: kernels, pinned buffers, nvCOMP), then the steady syncs (each
-    one's live checksum checked), then `cfg.mem_syncs` more with the device's memory sampled."""
+    one's live checksum checked), then `cfg.mem_syncs` more with the device's memory sampled, at the
+    default and at each of `cfg.encode_frames` (UploadOptions(gpu_encode_frames))."""
     pub = Publisher(
         store_dir,
         anchor_every=10**9,
@@ -321,7 +318,6 @@ def _publish_run(cfg: Config, codec_name: str, store_dir: str, r: Rank) -> dict:
                 queue_size=2,
                 pack_threads=cfg.threads,
                 header_format=cfg.header_format,
-                gpu_encode_frames=cfg.encode_frames,
             ),
             sharding=ShardingOptions(timeout_s=600),
         ),
@@ -341,94 +337,38 @@ def _publish_run(cfg: Config, codec_name: str, store_dir: str, r: Rank) -> dict:
     live = Live(r.engine)
     r.step()
     live.sync(pub, store, r.module, 1)  # the first delta, untimed
-    rows, mem = [], []
-    for i in range(cfg.warmup + cfg.steps + cfg.mem_syncs):
+    v = 2 + cfg.warmup + cfg.steps
+    rows = _syncs(r, live, pub, store, range(2, v))[cfg.warmup :]
+    mem = []
+    for frames in (None, *cfg.encode_frames):  # the publish's device memory, at each bound asked for
+        if hasattr(pub.codec, "encode_frames"):  # the chunked codec: this Publisher's own copy (_own_codec)
+            pub.codec.encode_frames = frames
+        mem += [
+            {**row, "encode_frames": frames or 0}
+            for row in _syncs(r, live, pub, store, range(v, v + cfg.mem_syncs), True)
+        ]
+        v += cfg.mem_syncs
+    pub.close()
+    out: dict = {"rows": rows, "mem_rows": mem, "anchor_s": anchor_s, "anchor_checksum": info0.checksum}
+    if r.engine is not None:
+        whole = to_hex(combine(r.engine.live_sums().items()))  # once, over every weight: what the engine holds
+        out["checksum_ok"] = whole == live.checksum and all(row["checksum_ok"] for row in rows + mem)
+        out["live_checksum"], out["publisher_checksum"] = whole, live.checksum
+    return out
+
+
+def _syncs(r: Rank, live: Live, pub: Publisher, store: DeltaStore, versions: range, memory: bool = False) -> list[dict]:
+    """One sync per version (every rank: a step, then its publish; rank 0 also stages and writes it)."""
+    rows = []
+    for v in versions:
         _barrier(r.world)
         _sync(r.dev)
         t0 = time.perf_counter()
         r.step()
         _sync(r.dev)
-        row = live.sync(pub, store, r.module, i + 2, t_step0=t0, memory=i >= cfg.warmup + cfg.steps)
-        if i >= cfg.warmup + cfg.steps:
-            mem.append(row)
-        elif i >= cfg.warmup:
-            rows.append(row)
+        rows.append(live.sync(pub, store, r.module, v, t_step0=t0, memory=memory))
         _barrier(r.world)
-    pub.close()
-    out: dict = {"rows": rows, "mem_rows": mem, "anchor_s": anchor_s, "anchor_checksum": info0.checksum}
-    if r.engine is not None:
-        whole = to_hex(combine(r.engine.live_sums().items()))  # once, over every weight: what the engine holds
-        out["checksum_ok"] = whole == live.checksum and all(r["checksum_ok"] for r in rows + mem)
-        out["live_checksum"], out["publisher_checksum"] = whole, live.checksum
-    return out
-
-
-class Live:
-    """Rank 0's view of the syncs: the engine's per-tensor sums kept up to date from each staging's
-    partials, checked against the version's header and the publisher's checksum at every sync."""
-
-    def __init__(self, engine: ApplyEngine | None):
-        self.engine = engine
-        self.sums = engine.live_sums() if engine is not None else {}
-        self.checksum = ""
-
-    def sync(self, pub, store, module, v: int, *, t_step0: float | None = None, memory: bool = False) -> dict:
-        """Publish version `v` (the step just ran), wait until it is visible, and (rank 0) open, stage and
-        write it: the sync's row (publish_syncs.sync_row), with the device-wide memory when asked."""
-        dev = next(module.parameters()).device
-        times = {"step": time.perf_counter()}
-        mem0 = 0
-        if dev.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(dev)
-            mem0 = torch.cuda.memory_allocated(dev)
-        sampler = DeviceMemory(dev) if memory and dev.type == "cuda" else contextlib.nullcontext()
-        with sampler:
-            info = pub.publish(module, version=v)
-            times["pub"] = time.perf_counter()
-            rec = info.uploaded.result()
-            times["vis"] = time.perf_counter()
-        peak = (torch.cuda.max_memory_allocated(dev) - mem0) if dev.type == "cuda" else 0
-        self.checksum = info.checksum
-        stage: dict[str, float] = {}
-        extra: dict = {}
-        if self.engine is not None:
-            with store.open(v) as vf:
-                times["open"] = time.perf_counter()
-                staged = self.engine.stage([vf])
-                times["staged"] = time.perf_counter()
-                self.engine.patch(staged)
-                times["live"] = time.perf_counter()
-                stage = staged.timings
-                extra = {"decoded": staged.decoded, "checksum_ok": self._check(staged.partials, vf.header)}
-        else:
-            times.update(open=times["vis"], staged=times["vis"], live=times["vis"])
-        row = sync_row(times, info.timings, pub.upload_timings.get(v, {}), stage)
-        row.update(extra, version=v, nnz=info.nnz, density=info.density, bytes=rec.bytes, publish_peak_mb=peak / 1e6)
-        row.update({f"{k}_ms": x for k, x in row.items() if k.startswith(("pub_", "up_", "st_"))})
-        row.update(  # the names of the earlier tables
-            publish_ms=row["detect/encode"],
-            upload_ms=row["upload"],
-            open_ms=row["fetch"],
-            stage_ms=row["stage"],
-            commit_ms=row["apply"],
-            live_ms=row["wall"],
-            link_10g_ms=2 * rec.bytes / LINK_BYTES_PER_S * 1e3,
-        )
-        if isinstance(sampler, DeviceMemory):
-            row["publish_device_mb"] = sampler.used_mb
-        if t_step0 is not None:
-            row["step_publish_ms"] = (times["pub"] - t_step0) * 1e3
-        return row
-
-    def _check(self, partials: dict[str, int], header) -> bool:
-        """The engine's sums plus the staged partials give the header's per-tensor checksums (what a
-        server verifies before it writes) and the publisher's whole-model checksum."""
-        self.sums = add_sums([self.sums, partials])
-        try:
-            verify_partials(self.sums, [], header)
-        except ChecksumMismatchError:
-            return False
-        return to_hex(combine(self.sums.items())) == header.checksum == self.checksum
+    return rows
 
 
 def _rank_entry(rank: int, world: int, cfg: Config) -> dict:
@@ -481,9 +421,9 @@ def parse_args() -> argparse.Namespace:
     )
     ap.add_argument(
         "--encode-frames",
-        type=int,
-        default=None,
-        help="UploadOptions(gpu_encode_frames): frames per nvCOMP compression call (bounds the publish's GPU memory)",
+        default="",
+        help="UploadOptions(gpu_encode_frames) values (comma-separated): the mem syncs run at each too, their "
+        "device-wide peak and time beside the default's",
     )
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU, W=1 then W=2 (gloo); checks only")
     return ap.parse_args()
@@ -508,7 +448,7 @@ def config_for(args: argparse.Namespace, world: int, root: str) -> Config:
         header_format=args.header_format,
         stream_pass_elems=args.stream_pass_elems,
         mem_syncs=args.mem_syncs if not args.smoke else 0,
-        encode_frames=args.encode_frames,
+        encode_frames=tuple(int(x) for x in args.encode_frames.split(",") if x),
     )
 
 

