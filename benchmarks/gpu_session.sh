@@ -94,7 +94,9 @@ issue35() {  # the issue-35 stage (header above); every run's JSON under $OUT, t
   [ -n "$old" ] && run syncs_8b_old ${SYNCS_LIMIT:-150} bash -c 'old_tree "$@"' old python3 benchmarks/publish_gpu.py $old_syncs --out "$OUT/old/8b"
   run syncs_moe12 ${SYNCS_LIMIT:-150} python3 benchmarks/publish_gpu.py $syncs $moe --out "$OUT" --name syncs_moe12
   [ -n "$old" ] && run syncs_moe12_old ${SYNCS_LIMIT:-150} bash -c 'old_tree "$@"' old python3 benchmarks/publish_gpu.py $old_syncs $moe --out "$OUT/old/moe12"
-  if [ "$n" -ge 2 ]; then run stage_tp ${TP_LIMIT:-420} python3 benchmarks/stage_tp.py --models qwen3-8b,qwen3-30b-a3b --tp 1,2 --out "$OUT"
+  if [ "$n" -ge 2 ]; then
+    run stage_tp ${TP_LIMIT:-420} python3 benchmarks/stage_tp.py --models qwen3-8b,qwen3-30b-a3b --tp 1,2 --out "$OUT"
+    run stage_tp_plain ${TP_LIMIT:-420} python3 benchmarks/stage_tp.py --models qwen3-8b,qwen3-30b-a3b --tp 1,2 --layout plain --out "$OUT"
   else echo "== stage_tp (TP=2 on two GPUs): skipped: this host has $n GPU"; fi
   if [ "$n" -ge 4 ]; then
     run syncs_moe48 ${MOE48_LIMIT:-420} python3 benchmarks/publish_gpu.py $syncs --model qwen3-30b-a3b --world 2 --engine-gpu 2 --out "$OUT" --name syncs_moe48

@@ -50,6 +50,7 @@ from vllm_delta.testing.apply_fixtures import (  # noqa: E402
     random_positions,
     realistic_diffs,
     write_delta,
+    write_delta_blocks,
     write_delta_parts,
 )
 
@@ -71,9 +72,13 @@ def changes_of(spec, density: float, device, seed: int = 1) -> dict:
     return out
 
 
-def write_version(spec, changes: dict, parts: int, tmp: str, chunk_elems: int | None) -> list[str]:
+def write_version(
+    spec, changes: dict, parts: int, tmp: str, chunk_elems: int | None, blocks: bool = False
+) -> list[str]:
+    """The version's file (or `parts` part files): by rank blocks (what a Publisher writes since issue 35)
+    or one stream, every tensor whole (`blocks` False: what it wrote before)."""
     _, layout = model_layout(spec)
-    if parts == 1:
+    if parts == 1 and not blocks:
         path = os.path.join(tmp, "v1.safetensors")
         write_delta(
             path,
@@ -92,7 +97,12 @@ def write_version(spec, changes: dict, parts: int, tmp: str, chunk_elems: int | 
         flat[pos] = nb
         new[name] = flat.view(torch.bfloat16).reshape(shape)
     paths = [os.path.join(tmp, f"v1-part{k}.safetensors") for k in range(parts)]
-    write_delta_parts(paths, version=1, base=0, new=new, changes=changes, chunk_elems=chunk_elems)
+    if blocks:
+        write_delta_blocks(
+            paths, version=1, base=0, new=new, changes=changes, chunk_elems=chunk_elems or 65536, passes=1
+        )
+    else:
+        write_delta_parts(paths, version=1, base=0, new=new, changes=changes, chunk_elems=chunk_elems)
     return paths
 
 
@@ -202,6 +212,9 @@ def main() -> int:
     ap.add_argument("--parts", type=int, default=1, help="part files of the version (sharded publishers)")
     ap.add_argument("--chunk-elems", type=int, default=None, help="elements per chunk (default: the writer's)")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument(
+        "--layout", choices=("blocks", "plain"), default="blocks", help="rank blocks (issue 35) or one stream (before)"
+    )
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU, checks only")
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
     args = ap.parse_args()
@@ -241,7 +254,7 @@ def main() -> int:
     say("all checks passed" if not failures else f"FAILED: {len(failures)} checks")
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-        tag = "_smoke" if args.smoke else ""
+        tag = ("_smoke" if args.smoke else "") + ("" if args.layout == "blocks" else f"_{args.layout}")
         with open(os.path.join(args.out, f"stage_tp{tag}.json"), "w") as f:
             json.dump({"command": " ".join(sys.argv), "log": log, "results": results}, f, indent=1, default=str)
         with open(os.path.join(args.out, f"stage_tp{tag}.log"), "w") as f:
@@ -258,11 +271,11 @@ def run_model(name: str, args, tps: list[int], ranks: Ranks, gen_dev: torch.devi
         t0 = time.perf_counter()
         changes = changes_of(spec, args.density, gen_dev)
         nnz = sum(int(c[0].numel()) for c in changes.values())
-        paths = write_version(spec, changes, args.parts, tmp, args.chunk_elems)
+        paths = write_version(spec, changes, args.parts, tmp, args.chunk_elems, args.layout == "blocks")
         size = sum(os.path.getsize(p) for p in paths)
         say(
-            f"## {name} at {args.density:.2%}: {nnz / 1e6:.2f}M changed elements, {args.parts} file(s) of "
-            f"{size / 1e6:.1f} MB, written in {time.perf_counter() - t0:.1f} s"
+            f"## {name} at {args.density:.2%}, {args.layout} layout: {nnz / 1e6:.2f}M changed elements, "
+            f"{args.parts} file(s) of {size / 1e6:.1f} MB, written in {time.perf_counter() - t0:.1f} s"
         )
         # each rank's held count is checked where the changes are small enough to hand every rank
         check = {n: tuple(t.cpu() for t in c) for n, c in changes.items()} if nnz < 20_000_000 else None

@@ -115,7 +115,7 @@ class FilePieces:
     need_c0: np.ndarray | None = None
     need_c1: np.ndarray | None = None
     # a piece of a column block: its positions are written in the block's own coordinates
-    # (blocks.to_block_positions): the block's first column and width (0: positions as they are)
+    # (blocks.regions_of): the block's first column and width (0: positions as they are)
     block_c0: np.ndarray | None = None
     block_width: np.ndarray | None = None
     # bool per piece: all its positions lie in what the layout needs of its tensor (Runs.held)

@@ -55,6 +55,7 @@ from .encode import VersionEncoder
 from .group import Agreement, Proposal, PublishGroup, SingleProcess, UploadsFailed
 from .job import UploadJob
 from .options import PublisherOptions, UploadOptions
+from .shard import Ownership
 from .sources import SourceCache
 from .staleness import StalenessGate
 from .uploader import Uploader
@@ -199,6 +200,7 @@ class Publisher:
         )
         self._assets_done = False
         self._closed = False
+        self._rows_of: tuple[Ownership, list[tuple[str, tuple[int, ...], int, int]], list[int]] | None = None
 
     @property
     def rank(self) -> int:
@@ -360,8 +362,8 @@ class Publisher:
                 return _Detected(partials, [o.count for o in owned], host=image.host)
             # A codec that encodes detection's passes as they come (chunked, issue 17) keeps one pass's
             # changes on the device at a time; "detect" then includes that encoding.
-            tensors = [(o.name, o.shape, o.row0, o.row1) for o in owned]  # rank blocks (a codec that lays them out)
-            stream = codecs.stream_encoder(self.codec, [o.start for o in owned], tensors)
+            tensors, starts = self._owned_rows(agreed.ownership)  # rank blocks (a codec that lays them out)
+            stream = codecs.stream_encoder(self.codec, starts, tensors)
             found = self.snapshot.changes(owned, consume=stream.add if stream is not None else None)
             timings["detect"] = _ms(t0)
             t0 = time.perf_counter()
@@ -386,6 +388,18 @@ class Publisher:
             return _Detected(partials, found.counts, sections=sections)
         except Exception as exc:  # noqa: BLE001 - raised by whole_sums, on every rank
             return _Detected(error=exc)
+
+    def _owned_rows(self, own: Ownership) -> tuple[list[tuple[str, tuple[int, ...], int, int]], list[int]]:
+        """Each owned tensor's (name, shape, row0, row1), and each one's first position: made once per
+        resolution of the model (the same lists every version: the codec keeps what it derives from them)."""
+        cached = self._rows_of
+        if cached is None or cached[0] is not own:
+            cached = self._rows_of = (
+                own,
+                [(o.name, o.shape, o.row0, o.row1) for o in own.owned],
+                [o.start for o in own.owned],
+            )
+        return cached[1], cached[2]
 
     def _job(self, agreed: Agreement, detected: _Detected, sums: dict[str, int], nnz: int) -> UploadJob:
         own, chain = agreed.ownership, self._chain

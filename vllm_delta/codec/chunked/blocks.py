@@ -18,8 +18,9 @@ the file records each tensor's split, and a reader decodes the blocks its own la
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -64,41 +65,28 @@ def regions_of(
     rows: torch.Tensor,
     row_size: torch.Tensor,
     blocks: int,
-) -> torch.Tensor:
-    """Each element's region (int64): 0 for a WHOLE tensor's, 1 + its block for a split tensor's. `seg`
-    indexes the per-tensor device columns `kind`, `rows` (dim 0) and `row_size`."""
-    k, n, c = kind[seg], rows[seg], row_size[seg]
-    r = torch.div(positions, c.clamp(min=1), rounding_mode="floor")
-    by_rows = torch.div(r * blocks, n.clamp(min=1), rounding_mode="floor")
-    by_cols = torch.div((positions - r * c) * blocks, c.clamp(min=1), rounding_mode="floor")
-    block = torch.where(k == ROWS, by_rows, by_cols)
-    return torch.where(k == WHOLE, torch.zeros_like(block), block.clamp_(0, blocks - 1) + 1)
-
-
-def to_block_positions(
-    positions: torch.Tensor,
-    seg: torch.Tensor,
-    region: torch.Tensor,
-    kind: torch.Tensor,
-    row_size: torch.Tensor,
-    blocks: int,
-) -> torch.Tensor:
-    """Positions as a file with rank blocks writes them: a column block's in its own coordinates, q = r·w +
-    (c - c0) for its first column c0 and width w (so that its gaps do not span the other blocks' columns);
-    every other position as it is."""
-    c = row_size[seg].clamp(min=1)
-    b = (region - 1).clamp(min=0)
-    c0 = torch.div(b * c + blocks - 1, blocks, rounding_mode="floor")  # ceil(b·C/8)
-    c1 = torch.div((b + 1) * c + blocks - 1, blocks, rounding_mode="floor")
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each element's region (int64: 0 for a WHOLE tensor's, 1 + its block for a split tensor's) and its
+    position as the file writes it: a column block's in the block's own coordinates, q = r·w + (c - c0)
+    for the block's first column c0 and width w (its gaps then skip no other block's columns); every
+    other position as it is. `seg` indexes the per-tensor device columns `kind`, `rows` (dim 0) and
+    `row_size`."""
+    k, n, c = kind[seg], rows[seg].clamp(min=1), row_size[seg].clamp(min=1)
     r = torch.div(positions, c, rounding_mode="floor")
-    q = r * (c1 - c0) + (positions - r * c - c0)
-    return torch.where(kind[seg] == COLS, q, positions)
+    col = positions - r * c
+    block = torch.where(
+        k == ROWS, torch.div(r * blocks, n, rounding_mode="floor"), torch.div(col * blocks, c, rounding_mode="floor")
+    ).clamp_(0, blocks - 1)
+    region = torch.where(k == WHOLE, torch.zeros_like(block), block + 1)
+    c0 = torch.div(block * c + blocks - 1, blocks, rounding_mode="floor")  # ceil(b·C/8)
+    width = torch.div((block + 1) * c + blocks - 1, blocks, rounding_mode="floor") - c0
+    return region, torch.where(k == COLS, r * width + (col - c0), positions)
 
 
 def from_block_positions(
     q: torch.Tensor, c0: torch.Tensor, width: torch.Tensor, row_size: torch.Tensor
 ) -> torch.Tensor:
-    """`to_block_positions` undone for column-block elements (`width` > 0: the block's; 0: positions as they
+    """`regions_of`'s positions undone for column-block elements (`width` > 0: the block's; 0: positions as they
     are), elementwise: p = (q // w)·C + c0 + q % w."""
     w = width.clamp(min=1)
     r = torch.div(q, w, rounding_mode="floor")
@@ -116,7 +104,7 @@ def span_bounds(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Where block `block` of each tensor's rows [r0, r1) (a part's, or all) lies, as positions
     [start, stop): its first position (where its gap chain starts) and one past its last; a column
-    block's in its own coordinates (`to_block_positions`). A WHOLE tensor's (block ignored): [r0·C, r1·C).
+    block's in its own coordinates (`regions_of`). A WHOLE tensor's (block ignored): [r0·C, r1·C).
     Empty (start = stop) where the rows hold none of the block."""
     c = row_size
     whole = (r0 * c, r1 * c)
@@ -124,7 +112,7 @@ def span_bounds(
     lo, hi = np.maximum(b0, r0), np.minimum(b1, r1)
     by_rows = (lo * c, np.maximum(hi, lo) * c)
     width = edge(block + 1, c, blocks) - edge(block, c, blocks)
-    by_cols = (r0 * width, np.maximum(r1, r0) * width)  # in the block's own coordinates (to_block_positions)
+    by_cols = (r0 * width, np.maximum(r1, r0) * width)  # in the block's own coordinates (regions_of)
     start = np.select([kind == ROWS, kind == COLS], [by_rows[0], by_cols[0]], whole[0])
     stop = np.select([kind == ROWS, kind == COLS], [by_rows[1], by_cols[1]], whole[1])
     return start.astype(np.int64), stop.astype(np.int64)
@@ -140,10 +128,11 @@ def cols_meet(
     return out
 
 
-@dataclass(frozen=True)
+@dataclass
 class BlockLayout:
     """A writer's tensors (in its batch's order) by split: their kinds, shapes as rows x row size,
-    and the rows [row0, row1) it owns of each (a part's, or all)."""
+    and the rows [row0, row1) it owns of each (a part's, or all). Made once per tensor set and share
+    (the codec keeps it: `ChunkedCodec.stream`), with its per-piece starts and device columns."""
 
     blocks: int
     kinds: np.ndarray
@@ -151,6 +140,8 @@ class BlockLayout:
     row_size: np.ndarray
     row0: np.ndarray
     row1: np.ndarray
+    _starts: tuple[np.ndarray, np.ndarray] | None = None  # (starts given, piece starts), the last asked for
+    _columns: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     @classmethod
     def of(
@@ -161,7 +152,7 @@ class BlockLayout:
         if not (kinds != WHOLE).any():
             return None
         rows = np.array([int(s[0]) if len(s) else 1 for _, s, _, _ in tensors], dtype=np.int64)
-        size = np.array([int(np.prod(s[1:], dtype=np.int64)) if len(s) > 1 else 1 for _, s, _, _ in tensors])
+        size = np.array([math.prod(s[1:]) if len(s) > 1 else 1 for _, s, _, _ in tensors], dtype=np.int64)
         r0 = np.array([a for _, _, a, _ in tensors], dtype=np.int64)
         r1 = np.array([b for _, _, _, b in tensors], dtype=np.int64)
         return cls(blocks, kinds, rows, size.astype(np.int64), r0, r1)
@@ -173,18 +164,24 @@ class BlockLayout:
     def piece_starts(self, starts: np.ndarray) -> np.ndarray:
         """Where each piece's gap chain starts ([(blocks + 1) x tensors], region-major): region 0 the
         tensors' own `starts`, region 1 + b each split tensor's block b in its rows."""
+        if self._starts is not None and np.array_equal(self._starts[0], starts):
+            return self._starts[1]
         out = [starts.astype(np.int64)]
         for b in range(self.blocks):
             block = np.full(self.tensors, b, dtype=np.int64)
             first, _ = span_bounds(self.kinds, block, self.rows, self.row_size, self.row0, self.row1, self.blocks)
             out.append(np.where(self.kinds == WHOLE, 0, first))
-        return np.concatenate(out)
+        self._starts = (starts.copy(), np.concatenate(out))
+        return self._starts[1]
 
     def device_columns(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(kind, rows, row size) per tensor on `device` (what `regions_of` reads)."""
-        host = torch.from_numpy(np.stack([self.kinds, self.rows, self.row_size]))
-        kind, rows, size = host.to(device, non_blocking=device.type == "cuda")
-        return kind, rows, size
+        key = str(device)
+        if key not in self._columns:
+            host = torch.from_numpy(np.stack([self.kinds, self.rows, self.row_size]))
+            kind, rows, size = host.to(device)
+            self._columns[key] = (kind, rows, size)
+        return self._columns[key]
 
     def enc(self, counts: np.ndarray) -> dict[str, Any]:
         """The file-level metadata of rank blocks: the blocks, and each region's elements."""
@@ -211,5 +208,4 @@ __all__ = [
     "regions_of",
     "span_bounds",
     "split_kind",
-    "to_block_positions",
 ]
