@@ -8,10 +8,12 @@ importing vLLM and torch at a time (API server, then engine core); the tests tha
 single-threaded. On more than 2 cores one core would mostly idle while either runs alone.
 
 * `--lanes 1` (auto on 2 cores): first the tests that start no vLLM engine, alone, one xdist worker per
-  core (one OpenMP thread each); then the vLLM tests in one pytest, and beside them lint and the
-  benchmarks' smoke runs (single-threaded: the vLLM tests keep about one core busy). Servers beside
-  the other tests (LANES=2) were measured no faster on 2 cores (45 min either way, 2026-11-27) and
-  their contention failed timing-bound tests.
+  core (one OpenMP thread each); then the vLLM tests in one pytest, and beside them lint, the
+  benchmarks' smoke runs and the README's programs (tests/test_examples.py: each starts its own server
+  as a user's does, and checks its output). The vLLM tests mostly wait (polls, streams, store
+  timeouts): they used under half a core over a whole run (2026-11-29). Servers beside the other tests
+  (LANES=2) were measured no faster on 2 cores (45 min either way, 2026-11-27, when a start-up cost
+  30-50 s of imports) and their contention failed timing-bound tests.
 * `--lanes 2` (auto on 3-4 cores): the tests marked `vllm` in one lane, streamed live; in the other,
   with one OpenMP thread (so torch there never spins against a server's OpenMP threads): lint, the
   tests without a server, then the benchmarks' smoke runs.
@@ -63,6 +65,7 @@ SECOND_VLLM_LANE = (
     "tests/vllm/test_regions.py",
     "tests/vllm/test_vllm_sharded.py",
 )
+EXAMPLES = "tests/test_examples.py"  # `make demo`, `make example`, `make example-trl`, as a user runs them
 STARTUPS_FILE_ENV = "VLLM_DELTA_STARTUPS_FILE"  # where a pytest session writes its count of server start-ups
 
 
@@ -149,9 +152,17 @@ def plan(
         # one core busy (CPU 70% of one core over a run, 2026-11-29), the checks take the other.
         workers = ["-n", str(os.cpu_count() or 1), "--dist", "loadfile"]
         rest, rest_junit = pytest_step("rest", "not vllm and not gpu", paths, [*workers, *extra], tmp)
-        vllm, vllm_junit = pytest_step("vllm", "vllm and not gpu", paths, extra, tmp)
         first = Lane("rest", [({**interpret, **quiet}, rest)], live=True, junit=[rest_junit])
-        return first, [Lane("vllm", [(interpret, vllm)], live=True, junit=[vllm_junit]), Lane("checks", checks)]
+        # The programs the README runs (EXAMPLES: each starts its own server, as a user's does) run in the
+        # checks' lane, after them: their servers are not the session's, and their checks are their output.
+        examples = [p for p in (EXAMPLES,) if within(p, paths)]
+        vllm, vllm_junit = pytest_step("vllm", "vllm and not gpu", paths, [f"--deselect={EXAMPLES}", *extra], tmp)
+        lanes = [Lane("vllm", [(interpret, vllm)], live=True, junit=[vllm_junit]), Lane("checks", checks)]
+        if examples:
+            cmd, junit = pytest_step("examples", "vllm and not gpu", examples, extra, tmp)
+            lanes[1].steps.append(({}, cmd))
+            lanes[1].junit.append(junit)
+        return first, lanes
     lanes: list[Lane] = []
     vllm_paths = list(paths)
     if lanes_n == 3:
