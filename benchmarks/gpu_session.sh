@@ -36,7 +36,8 @@
 #             chunked:gpu over SYNCS (20) steady syncs at W=1,2,4 (a W that needs more GPUs than the host has
 #             prints a line and is skipped) for Qwen3-8B and Qwen3-30B-A3B (12 layers), each also from the tree
 #             in $OLD_TREE when there is one (OLD_SYNCS, 10); the 8B run's memory syncs also at
-#             UploadOptions(gpu_encode_frames) = each of ENCODE_FRAMES (1024,256); with 2 GPUs stage_tp.py at TP=1
+#             UploadOptions(gpu_encode_frames) = each of ENCODE_FRAMES (1024,256), and once more with rank blocks
+#             (UploadOptions(rank_blocks=8), OLD_SYNCS syncs: the layout's cost); with 2 GPUs stage_tp.py at TP=1
 #             and 2; with 4, the whole 30B-A3B at W=2 (engine on a third card), old beside new. Ends with
 #             benchmarks/issue35_summary.py: one short table of every run
 # Wheels missing on the machine (zstandard; nvCOMP: nvidia-nvcomp-cu13 and nvidia-libnvcomp-cu13, 6.0.0.12)
@@ -91,6 +92,7 @@ issue35() {  # the issue-35 stage (header above); every run's JSON under $OUT, t
   local old=; [ -d "${OLD_TREE:-.old}/vllm_delta" ] && old=1
   local old_syncs="--codecs chunked:gpu --steps ${OLD_SYNCS:-10} --warmup 1"  # the old tree's medians, beside
   run syncs_8b ${SYNCS_LIMIT:-$(( n >= 2 ? 360 : 150 ))} python3 benchmarks/publish_gpu.py $syncs --world 1,2,4 --encode-frames ${ENCODE_FRAMES:-1024,256} --out "$OUT" --name syncs_8b
+  run syncs_8b_rb8 ${SYNCS_LIMIT:-150} python3 benchmarks/publish_gpu.py $old_syncs --mem-syncs 2 --rank-blocks 8 --out "$OUT/rb8/8b"
   [ -n "$old" ] && run syncs_8b_old ${SYNCS_LIMIT:-150} bash -c 'old_tree "$@"' old python3 benchmarks/publish_gpu.py $old_syncs --out "$OUT/old/8b"
   run syncs_moe12 ${SYNCS_LIMIT:-150} python3 benchmarks/publish_gpu.py $syncs $moe --out "$OUT" --name syncs_moe12
   [ -n "$old" ] && run syncs_moe12_old ${SYNCS_LIMIT:-150} bash -c 'old_tree "$@"' old python3 benchmarks/publish_gpu.py $old_syncs $moe --out "$OUT/old/moe12"

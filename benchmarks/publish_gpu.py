@@ -63,6 +63,7 @@ from vllm_delta.apply.engine import ApplyEngine  # noqa: E402
 from vllm_delta.checksums import combine, to_hex  # noqa: E402
 from vllm_delta.codec import chunked  # noqa: E402
 from vllm_delta.codec.chunked import gpu  # noqa: E402
+from vllm_delta.codec.chunked.blocks import RANK_BLOCKS  # noqa: E402
 from vllm_delta.store import DeltaStore  # noqa: E402
 from vllm_delta.testing.apply_fixtures import QWEN3, QWEN3_MOE, model_layout  # noqa: E402
 from vllm_delta.trainer import DetectOptions, Publisher, PublisherOptions, ShardingOptions, UploadOptions  # noqa: E402
@@ -167,6 +168,7 @@ class Config:
     mem_syncs: int = 2  # syncs after the timed ones with the device's free memory sampled (DeviceMemory)
     # UploadOptions(gpu_encode_frames) values whose device memory the mem syncs measure too (beside the default)
     encode_frames: tuple[int, ...] = ()
+    rank_blocks: int = 0  # UploadOptions(rank_blocks): 0 (its default) one stream, RANK_BLOCKS the TP layout
 
 
 def _sync(dev: torch.device) -> None:
@@ -318,6 +320,7 @@ def _publish_run(cfg: Config, codec_name: str, store_dir: str, r: Rank) -> dict:
                 queue_size=2,
                 pack_threads=cfg.threads,
                 header_format=cfg.header_format,
+                rank_blocks=cfg.rank_blocks,
             ),
             sharding=ShardingOptions(timeout_s=600),
         ),
@@ -425,6 +428,13 @@ def parse_args() -> argparse.Namespace:
         help="UploadOptions(gpu_encode_frames) values (comma-separated): the mem syncs run at each too, their "
         "device-wide peak and time beside the default's",
     )
+    ap.add_argument(
+        "--rank-blocks",
+        type=int,
+        choices=(0, RANK_BLOCKS),
+        default=0,
+        help="UploadOptions(rank_blocks): 0 (the default) every tensor whole in one stream, 8 rank blocks (A/B)",
+    )
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU, W=1 then W=2 (gloo); checks only")
     return ap.parse_args()
 
@@ -449,6 +459,7 @@ def config_for(args: argparse.Namespace, world: int, root: str) -> Config:
         stream_pass_elems=args.stream_pass_elems,
         mem_syncs=args.mem_syncs if not args.smoke else 0,
         encode_frames=tuple(int(x) for x in args.encode_frames.split(",") if x),
+        rank_blocks=args.rank_blocks,
     )
 
 

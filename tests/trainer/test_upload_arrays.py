@@ -10,6 +10,8 @@ from safetensors import safe_open
 import vllm_delta
 from vllm_delta import Publisher, replay
 from vllm_delta.codec import base as codec_base
+from vllm_delta.codec.chunked.blocks import RANK_BLOCKS
+from vllm_delta.codec.chunked.regions import has_blocks
 from vllm_delta.format import ARRAYS_FORMAT_VERSION, COLUMNS_FORMAT_VERSION
 from vllm_delta.store import DeltaStore
 from vllm_delta.trainer.options import PublisherOptions, UploadOptions
@@ -38,7 +40,7 @@ def _publish(root: str, header_format: int, steps: int = 3, **upload) -> tuple[D
 
 
 def test_format_5_writes_the_version_format_4_does(tmp_path):
-    """Without rank blocks, byte for byte in the payload (with them: tests/trainer/test_rank_blocks.py)."""
+    """Without rank blocks, byte for byte in the payload (with them: the next test)."""
     five, versions = _publish(str(tmp_path / "f5"), 5, rank_blocks=0)
     four, _ = _publish(str(tmp_path / "f4"), 4)
     for v in versions[1:]:
@@ -53,6 +55,20 @@ def test_format_5_writes_the_version_format_4_does(tmp_path):
     _, got = replay(five, versions[-1])
     _, want = replay(four, versions[-1])
     assert vllm_delta.checksum(got) == vllm_delta.checksum(want) == five.record(versions[-1]).checksum
+
+
+def test_rank_blocks_are_opt_in_and_replay_to_the_same_weights(tmp_path):
+    """`UploadOptions(rank_blocks=8)` lays each version out by rank blocks (the file says so); the default
+    writes one stream. Both replay to the publisher's checksum at every version."""
+    plain, versions = _publish(str(tmp_path / "plain"), 5)
+    blocks, _ = _publish(str(tmp_path / "blocks"), 5, rank_blocks=RANK_BLOCKS)
+    for v in versions[1:]:
+        with plain.open(v) as a, blocks.open(v) as b:
+            assert not has_blocks(a.header.enc) and has_blocks(b.header.enc), (a.header.enc, b.header.enc)
+            assert a.header.checksum == b.header.checksum
+        for store in (plain, blocks):
+            _, got = replay(store, v)
+            assert vllm_delta.checksum(got) == store.record(v).checksum == plain.record(v).checksum
 
 
 def test_a_format_5_upload_makes_no_object_per_tensor(tmp_path, monkeypatch):

@@ -25,13 +25,14 @@ import pytest
 
 from vllm_delta import Publisher, checksum
 from vllm_delta import codec as codecs
+from vllm_delta.codec.chunked.blocks import RANK_BLOCKS
 from vllm_delta.store import DeltaStore
 from vllm_delta.testing.models import PROMPTS, TinyModelSpec, save_tiny_model
 from vllm_delta.testing.proxy import S3Proxy
 from vllm_delta.testing.s3 import S3Server
 from vllm_delta.testing.server import VllmServer
 from vllm_delta.testing.training import bf16_image, build_master_model, train_steps
-from vllm_delta.trainer.options import PublisherOptions, StoreOptions
+from vllm_delta.trainer.options import PublisherOptions, StoreOptions, UploadOptions
 
 pytestmark = pytest.mark.vllm
 
@@ -77,7 +78,12 @@ def run(s3, tmp_path_factory) -> Iterator[Run]:
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(codecs.get_codec("chunked"), "chunk_elems", CHUNK)
         with Publisher(
-            out.uri, anchor_every=100, options=PublisherOptions(store=StoreOptions(storage_options=s3.storage_options))
+            out.uri,
+            anchor_every=100,
+            options=PublisherOptions(
+                store=StoreOptions(storage_options=s3.storage_options),
+                upload=UploadOptions(rank_blocks=RANK_BLOCKS),  # opt-in (off by default: its cost at W=1)
+            ),
         ) as pub:
             for v in range(VERSIONS + 1):
                 if v:

@@ -68,11 +68,15 @@ class UploadOptions:
     # parts of a version are compressed one after the other), at the cost of more calls
     # (docs/PERFORMANCE.md, issue 35: the memory and time measured side by side)
     gpu_encode_frames: int | None = None
-    # `chunked` deltas (format 5) laid out by rank blocks: the elements of each tensor that TP 2, 4 and 8
-    # split (by its name: q/k/v, gate/up, embeddings by rows; o_proj, down_proj by columns) ordered so that
-    # a tensor-parallel server rank decodes only its share's chunks (codec/chunked/blocks.py); 0: one
-    # stream, every tensor whole (what formats 3 and 4 write)
-    rank_blocks: int = RANK_BLOCKS
+    # `chunked` deltas (format 5) laid out by rank blocks (RANK_BLOCKS = 8): the elements of each tensor
+    # that TP 2, 4 and 8 split (by its name: q/k/v, gate/up, embeddings by rows; o_proj, down_proj by
+    # columns) ordered so that a tensor-parallel server rank decodes only its share's chunks
+    # (codec/chunked/blocks.py). Off by default (0: one stream, every tensor whole, as formats 3 and 4):
+    # measured on an H200 at W=1 (2026-11-29, docs/PERFORMANCE.md) the layout added 93 ms to Qwen3-8B's
+    # step end -> live (116 -> 209 ms p50) and 123 ms to 30B-A3B's (12 layers), and ~550 MB to the
+    # publish's peak, while its gain (a TP=2 rank decodes ~0.5 of a version, not all) is measured on
+    # CPUs only: turn it on for servers at TP >= 2 once that gain is measured on two GPUs
+    rank_blocks: int = 0
 
     @property
     def chunked_format(self) -> int:
