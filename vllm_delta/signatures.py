@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import dataclasses
 import hashlib
 import json
 import logging
@@ -90,18 +91,8 @@ class VersionClaim:
     files: tuple[FileDigest, ...]
 
     def message(self) -> bytes:
-        doc = {
-            "run": self.run,
-            "version": self.version,
-            "kind": self.kind,
-            "base": self.base,
-            "base_checksum": self.base_checksum,
-            "checksum": self.checksum,
-            "codec": self.codec,
-            "nnz": self.nnz,
-            "numel": self.numel,
-            "files": [[f.file, f.bytes, f.sha256, f.checksum] for f in self.files],
-        }
+        doc: dict[str, object] = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        doc["files"] = [[f.file, f.bytes, f.sha256, f.checksum] for f in self.files]
         return MESSAGE_PREFIX + json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
 
 

@@ -151,6 +151,30 @@ class DeltaOf:
     # a file-level codec's header as columns (format 4); False: format 3, for readers from before format 4
     columns: bool = True
 
+    def header(
+        self,
+        table: TensorTable,
+        codec: str,
+        checksum: str,
+        format_version: int,
+        enc: dict[str, Any],
+        part: PartInfo | None,
+    ) -> VersionHeader:
+        """This delta's header, given its table, its whole checksum, its file-level `enc` and its part."""
+        return VersionHeader(
+            version=self.version,
+            kind="delta",
+            tensors=table,
+            checksum=checksum,
+            base=self.base,
+            base_checksum=self.base_checksum,
+            codec=codec,
+            created=self.created,
+            format_version=format_version,
+            part=part,
+            enc=enc,
+        )
+
 
 def _delta_header(
     of: DeltaOf,
@@ -169,19 +193,8 @@ def _delta_header(
         [t.nnz for t in values],
         [tensor_enc.get(name) or {} for name in names],
     )
-    return VersionHeader(
-        version=of.version,
-        kind="delta",
-        tensors=table,
-        checksum=of.checksum or to_hex(combine((n, t.checksum) for n, t in tensors.items())),
-        base=of.base,
-        base_checksum=of.base_checksum,
-        codec=codec.name,
-        created=of.created,
-        format_version=format_version,
-        part=of.part,
-        enc=file_enc,
-    )
+    checksum = of.checksum or to_hex(combine((n, t.checksum) for n, t in tensors.items()))
+    return of.header(table, codec.name, checksum, format_version, file_enc, of.part)
 
 
 def write_delta(
@@ -222,12 +235,27 @@ def write_delta(
         plan = codec.plan_file([(n, _sections(tensors[n])) for n in changed])
         format_version = COLUMNS_FORMAT_VERSION if of.columns else STREAMS_FORMAT_VERSION
         header = _delta_header(of, codec, tensors, plan.tensor_enc, plan.enc, format_version)
-        parts = [(payload_key(FILE_PAYLOAD, key), dtype, ndim) for key, dtype, ndim in plan.parts]
-        with PayloadWriter(path, header, parts, pool, size_hint=plan.size_hint) as out:
-            plan.write_to(_FileParts(out), pool, busy_ms)
-            t1 = time.perf_counter()
-    t2 = time.perf_counter()
-    times["pack"], times["write"] = (t1 - t0) * 1e3, (t2 - t1) * 1e3
+        return _stream_file(path, header, plan, pool, busy_ms, times, t0)
+    times["pack"], times["write"] = (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3
+    return header
+
+
+def _stream_file(
+    path: str,
+    header: VersionHeader,
+    plan: codecs.FileWrite,
+    pool: Executor | None,
+    busy_ms: list[float] | None,
+    times: dict[str, float],
+    t0: float,
+) -> VersionHeader:
+    """A file-level codec's `plan` streamed into `path` under `header` (format.PayloadWriter); `times`
+    gets "pack" (from `t0` until the plan's writes were handed on) and "write" (the rest)."""
+    parts = [(payload_key(FILE_PAYLOAD, key), dtype, ndim) for key, dtype, ndim in plan.parts]
+    with PayloadWriter(path, header, parts, pool, size_hint=plan.size_hint) as out:
+        plan.write_to(_FileParts(out), pool, busy_ms)
+        t1 = time.perf_counter()
+    times["pack"], times["write"] = (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3
     return header
 
 
@@ -326,26 +354,8 @@ def write_delta_arrays(
     part = of.part
     if part is not None:
         part = dataclasses.replace(part, rows=RowMap(template.text, template.rows, template.names))
-    header = VersionHeader(
-        version=of.version,
-        kind="delta",
-        tensors=table,
-        checksum=of.checksum,
-        base=of.base,
-        base_checksum=of.base_checksum,
-        codec=codec.name,
-        created=of.created,
-        format_version=ARRAYS_FORMAT_VERSION,
-        part=part,
-        enc=plan.enc,
-    )
-    parts = [(payload_key(FILE_PAYLOAD, key), dtype, ndim) for key, dtype, ndim in plan.parts]
-    with PayloadWriter(path, header, parts, pool, size_hint=plan.size_hint) as out:
-        plan.write_to(_FileParts(out), pool, busy_ms)
-        t1 = time.perf_counter()
-    t2 = time.perf_counter()
-    times["pack"], times["write"] = (t1 - t0) * 1e3, (t2 - t1) * 1e3
-    return header
+    header = of.header(table, codec.name, of.checksum, ARRAYS_FORMAT_VERSION, plan.enc, part)
+    return _stream_file(path, header, plan, pool, busy_ms, times, t0)
 
 
 class _FileParts:

@@ -132,13 +132,8 @@ class VersionHeader(Closed):
     def _from_arrays(cls, raw: dict[str, Any], where: str) -> VersionHeader:
         """A format-5 header: the arrays made a table and a part's rows a RowMap, the rest through the
         wire codec."""
-        raw = dict(raw)
-        arrays = TableArrays.from_doc(raw.pop("tensors", None), where or "header")
-        raw["tensors"] = {}
-        packed = None
-        if isinstance(raw.get("part"), dict):
-            raw["part"] = dict(raw["part"])
-            packed = raw["part"].pop("rows", None)
+        raw, tensors, packed = _split_table(raw)
+        arrays = TableArrays.from_doc(tensors, where or "header")
         header = wire.decode(cls, raw)
         header.tensors = TensorTable.from_arrays(arrays)
         if header.part is not None:
@@ -150,15 +145,10 @@ class VersionHeader(Closed):
     def _from_columns(cls, raw: dict[str, Any], where: str) -> VersionHeader:
         """A format-4 header: the columns made a table and a part's rows a mapping again, the rest
         through the wire codec."""
-        raw = dict(raw)
-        table = TensorTable.from_columns(raw.pop("tensors", None), where or "header")
-        raw["tensors"] = {}
-        column = None
-        if isinstance(raw.get("part"), dict):
-            raw["part"] = dict(raw["part"])
-            column = raw["part"].pop("rows", None)
-            if type(column) is not list or len(column) != len(table.names):
-                raise FormatError(f"a part's rows in {where or 'header'}: one entry (a range or null) per tensor")
+        raw, tensors, column = _split_table(raw)
+        table = TensorTable.from_columns(tensors, where or "header")
+        if isinstance(raw.get("part"), dict) and (type(column) is not list or len(column) != len(table.names)):
+            raise FormatError(f"a part's rows in {where or 'header'}: one entry (a range or null) per tensor")
         header = wire.decode(cls, raw)
         header.tensors = table
         if header.part is not None and column is not None:
@@ -303,3 +293,16 @@ def _row_array_fits(table: TensorTable, rows: RowMap, anchor: bool) -> bool:
     own = (r1 - r0) * (numel // np.maximum(dim0, 1))
     mine, theirs = nnz[held], own[held]
     return bool((mine == theirs).all() if anchor else (mine <= theirs).all()) and not nnz[~held].any()
+
+
+def _split_table(raw: dict[str, Any]) -> tuple[dict[str, Any], Any, Any]:
+    """A columnar header (formats 4 and 5) as the wire codec decodes it: a copy without its table and
+    without its part's rows, and those two as they were written (their readers check them)."""
+    raw = dict(raw)
+    tensors = raw.pop("tensors", None)
+    raw["tensors"] = {}
+    rows = None
+    if isinstance(raw.get("part"), dict):
+        raw["part"] = dict(raw["part"])
+        rows = raw["part"].pop("rows", None)
+    return raw, tensors, rows

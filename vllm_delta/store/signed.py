@@ -38,18 +38,9 @@ def claim_of(rec: VersionRecord) -> VersionClaim:
         if data.sha256 is None:
             raise SignatureError(f"data file {data.file} has no sha256 in the record, which a signature binds")
         files.append(FileDigest(data.file, data.bytes, data.sha256, checksum))
-    return VersionClaim(
-        run=rec.run,
-        version=rec.version,
-        kind=rec.kind,
-        base=rec.base,
-        base_checksum=rec.base_checksum,
-        checksum=rec.checksum,
-        codec=rec.codec,
-        nnz=rec.nnz,
-        numel=rec.numel,
-        files=tuple(files),
-    )
+    # every field of the claim but its files is the record's field of the same name
+    same = {f.name: getattr(rec, f.name) for f in dataclasses.fields(VersionClaim) if f.name != "files"}
+    return VersionClaim(**same, files=tuple(files))
 
 
 @dataclass(frozen=True)
