@@ -13,6 +13,8 @@ from vllm_delta.attribution import parse_spans
 from vllm_delta.integrations.rollout_sync import LiveMismatchError, RolloutSync, RolloutSyncError, RolloutSyncOptions
 from vllm_delta.integrations.trl import AttributionError, DeltaGRPOTrainer
 from vllm_delta.integrations.trl_async import rollout_version
+from vllm_delta.signatures import TrustedKeys, keygen
+from vllm_delta.store.signed import signature_state
 from vllm_delta.testing.training import bf16_image, build_master_model, train_steps
 
 
@@ -115,6 +117,27 @@ def test_versions_are_published_once_and_a_store_ahead_is_refused(tmp_path):
     with pytest.raises(LiveMismatchError, match="published by another run"):
         RolloutSync(RolloutSyncOptions(store=other), servers=[]).sync(model, 0)
     assert DeltaStore(other).versions() == [0]
+
+
+def test_a_signing_key_signs_every_version_the_sync_publishes(tmp_path):
+    """RolloutSyncOptions(signing_key=...) hands the key to its Publisher: the anchor and the delta are
+    signed by that key (a server with `delta_trusted_keys` takes them); without it they are unsigned."""
+    key = keygen(str(tmp_path / "trainer.key"))
+    trusted = TrustedKeys.load([f"{key.path}.pub"])
+    model = build_master_model(W.SPEC, seed=1)
+    states = {}
+    for name, signing_key in (("signed", str(tmp_path / "trainer.key")), ("plain", None)):
+        store = str(tmp_path / name)
+        sync = RolloutSync(RolloutSyncOptions(store=store, signing_key=signing_key), servers=[])
+        sync.sync(model, 0)
+        for _ in train_steps(model, 1, lr=1e-3, seed=3):
+            pass
+        sync.sync(model, 1)
+        sync.close()
+        states[name] = [signature_state(DeltaStore(store).record(v), trusted) for v in (0, 1)]
+    assert [s.status for s in states["signed"]] == ["signed", "signed"], states
+    assert {s.key for s in states["signed"]} == {key.fingerprint}
+    assert [s.status for s in states["plain"]] == ["unsigned", "unsigned"], states
 
 
 def test_trainer_arguments_are_checked(tmp_path):

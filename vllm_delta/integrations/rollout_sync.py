@@ -92,7 +92,9 @@ class RolloutSyncOptions:
     the trainer generates from. `anchor_every`, `codec`: the Publisher's. `max_staleness`,
     `min_replicas`, `staleness_timeout_s`: the Publisher's ledger gate (asynchronous trainers).
     `wait_live`: in mode "follow", False publishes and returns without waiting for the servers
-    (asynchronous trainers whose rollouts carry the version that produced them)."""
+    (asynchronous trainers whose rollouts carry the version that produced them). `signing_key`: the
+    Publisher's (a private key file from `vllm-delta keygen`): every version signed, for servers started
+    with `delta_trusted_keys` (docs/SECURITY.md)."""
 
     store: str
     storage_options: dict[str, Any] | None = None
@@ -110,6 +112,7 @@ class RolloutSyncOptions:
     min_replicas: int = 1
     staleness_timeout_s: float = 600.0
     wait_live: bool = True
+    signing_key: str | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in SYNC_MODES:
@@ -269,6 +272,7 @@ class RolloutSync:
             anchor_every=o.anchor_every,
             codec=o.codec,
             group=self.group,
+            signing_key=o.signing_key,
             options=PublisherOptions(
                 staleness=None
                 if o.max_staleness is None
