@@ -449,3 +449,23 @@ def signed_publish(rank, world, root, key_path):
         os.path.join(root, "signed"), group=dist.group.WORLD, anchor_every=3, options=options, signing_key=key
     ) as pub:
         return [pub.publish(_mapping(rank, world, v), version=v).checksum for v in range(4)]
+
+
+def late_reader(rank, world, root):
+    """Versions 0..2 where rank 1 reads every answer of the upload channel a second late (it uploads as
+    fast as rank 0): rank 0 reaches its close while rank 1 is still to read the last commit decision.
+    Returns each version's checksum as this rank's publish saw it."""
+    from vllm_delta.trainer.rendezvous import RankChannel
+
+    if rank == 1:
+        wait_get = RankChannel._wait_get
+
+        def late(self, keys, what, n):
+            if "commit" in what:
+                time.sleep(1.0)
+            return wait_get(self, keys, what, n)
+
+        RankChannel._wait_get = late
+    options = PublisherOptions(sharding=ShardingOptions(timeout_s=60))
+    with Publisher(os.path.join(root, "store"), group=dist.group.WORLD, anchor_every=3, options=options) as pub:
+        return [pub.publish(_mapping(rank, world, v), version=v).checksum for v in range(3)]

@@ -248,6 +248,15 @@ def test_rank_0_signs_the_record_that_binds_every_part(tmp_path):
         check_signed(swapped, trusted)
 
 
+def test_rank_0_leaves_only_after_every_rank_read_the_last_decision(tmp_path):
+    """Rank 1 reads each commit decision a second after rank 0 wrote it: rank 0's Publisher closes first,
+    and waits at its close until rank 1 says it read every answer (before, it deleted the last decision
+    and took the store down with its process: rank 1 failed a version that was committed)."""
+    results = run_ranks(W.late_reader, 2, (str(tmp_path),), timeout=120)
+    assert results[0] == results[1]
+    assert DeltaStore(str(tmp_path / "store")).versions() == [0, 1, 2]
+
+
 def test_disagreements_and_upload_failures_three_ranks(tmp_path):
     seen = run_ranks(W.disagreements, 3, (str(tmp_path),))
     assert seen[0] == seen[1] == seen[2]  # the same message on every rank

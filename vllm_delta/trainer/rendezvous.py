@@ -33,6 +33,7 @@ import contextlib
 import datetime
 import hashlib
 import itertools
+import logging
 import pickle
 import threading
 import time
@@ -48,7 +49,10 @@ if TYPE_CHECKING:
 M = TypeVar("M")
 R = TypeVar("R")
 
+log = logging.getLogger(__name__)
+
 KEY_ROOT = "vllm_delta/publisher"
+CLOSE_WAIT_S = 60.0  # rank 0's wait at close for the other ranks to leave (they have nothing left to do)
 
 _instances: dict[str, itertools.count[int]] = {}
 _instances_lock = threading.Lock()
@@ -162,7 +166,24 @@ class RankChannel:
             self.timeout_s = saved
 
     def close(self) -> None:
-        """Delete what this rank wrote and nobody needs any more (best effort)."""
+        """Leave the channel, then delete what this rank wrote (best effort: logged, never raised).
+
+        A rank's exchanges run in order, so by its close it has read every answer; it says so under
+        `closed/<rank>`. Rank 0 waits for that from every rank (at most CLOSE_WAIT_S, and not at all once
+        the channel broke) before it deletes its answers: otherwise a rank still to read the last answer
+        (a commit decision) could find it deleted, or the store gone with rank 0's process, and fail a
+        version that was committed."""
+        try:
+            if self.world > 1 and self._n > 0:
+                closed = [f"{self._prefix}/closed/{r}" for r in range(1, self.world)]
+                if self.rank != 0:
+                    self._store.set(closed[self.rank - 1], _blob(True))
+                elif self.broken is None:
+                    self._wait(closed, min(self.timeout_s, CLOSE_WAIT_S))
+                    for key in closed:
+                        self._delete(key)
+        except Exception as exc:  # noqa: BLE001 - a peer gone at close changes nothing already committed
+            log.warning("rank %d: the other ranks did not all leave the %s channel: %s", self.rank, self.name, exc)
         for key in self._unread_answers:
             self._delete(key)
         self._unread_answers = []
@@ -231,11 +252,12 @@ class RankChannel:
                 out.append(r)
         return out or [0]
 
-    def _wait(self, keys: list[str]) -> None:
-        deadline = time.monotonic() + self.timeout_s
+    def _wait(self, keys: list[str], timeout_s: float | None = None) -> None:
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
         if self._blocking_wait:
             try:
-                self._store.wait(keys, datetime.timedelta(seconds=self.timeout_s))
+                self._store.wait(keys, datetime.timedelta(seconds=timeout_s))
             except Exception as exc:
                 if time.monotonic() >= deadline - 0.05 or "timeout" in str(exc).lower():
                     raise _Timeout() from exc
