@@ -85,8 +85,11 @@ def test_keys_are_deleted_once_read(kv):
         assert on_every_rank(chans, lambda c, i=i: c.all_gather(i, what="x")) == [[i, i]] * 2
     # what remains: rank 0's last answer (nobody has yet been seen past it)
     assert server.num_keys() - base <= 1
-    for c in chans:
-        c.close()
+    # every rank closes, rank 1 a moment after rank 0: rank 0 waits for it (it may still have to read the
+    # last answer), then deletes what is left
+    t0 = time.monotonic()
+    closed_at = on_every_rank(chans, lambda c: (c.close(), time.monotonic() - t0)[1], delays={1: 0.3})
+    assert closed_at[0] >= 0.3, closed_at  # rank 0 left after rank 1 said it had read everything
     assert server.num_keys() == base
 
 
