@@ -30,6 +30,8 @@
 #             `git archive <commit> | tar -x -C .old`, carried): today's path beside the old one in one call
 #   profile   benchmarks/profile_stage.py (PROFILE_MODEL, default qwen3-8b): staging under cProfile and torch.profiler,
 #             the device's busy share of the staging's wall time and the host's waits
+#   profsync  benchmarks/profile_sync.py (PROFILE_MODEL, default qwen3-8b): one steady sync under cProfile (training
+#             thread, upload thread, staging), torch.profiler and torch's memory history: where its time and memory go
 #   trainer   benchmarks/trainer_gpu.py (detection + prepare alone)
 #   detect    benchmarks/detect_gpu.py (FlatSnapshot.changes: bitmask path vs chunked paths, 2^28/2^30)
 #   issue35   steady syncs, old tree beside new, and the publish's device-wide memory (issue 35): publish_gpu.py
@@ -128,6 +130,7 @@ for stage in ${STAGES:-tests publish apply world2}; do
     old)     run publish_w1_old ${OLD_LIMIT:-240} bash -c 'old_tree "$@"' old python3 benchmarks/publish_gpu.py --codecs chunked:gpu --out "$OUT/old" ${PUBLISH_ARGS:-} ;;
     oldmoe)  run publish_moe_old ${MOE_LIMIT:-300} bash -c 'old_tree "$@"' old python3 benchmarks/publish_gpu.py --model qwen3-30b-a3b --layers 12 --steps 4 --codecs chunked:gpu --out "$OUT/moe_old" ${MOE_ARGS:-} ;;
     profile) run profile_stage ${PROFILE_LIMIT:-300} python3 benchmarks/profile_stage.py --model ${PROFILE_MODEL:-qwen3-8b} ${PROFILE_ARGS:-} ;;
+    profsync) run profile_sync ${PROFILE_LIMIT:-300} python3 benchmarks/profile_sync.py --model ${PROFILE_MODEL:-qwen3-8b} ${PROFILE_ARGS:-} ;;
     trainer) run trainer_gpu 120 python3 benchmarks/trainer_gpu.py --out "$OUT" ;;
     detect)  run detect_gpu 300 python3 benchmarks/detect_gpu.py --out "$OUT" ${DETECT_ARGS:-} ;;
     issue35) issue35 ;;

@@ -1,0 +1,227 @@
+#!/usr/bin/env python
+"""Where one steady sync's time and device memory go (issue 35): publish_gpu.py's W=1 set-up (Qwen3 shapes,
+real SGD steps, rank 0's engine), a few syncs to warm up, then one sync each way:
+
+1. cProfile of the training thread's `publish`, of the upload thread's file write (`VersionEncoder._write_delta`,
+   profiled on its own thread) and of `ApplyEngine.stage`: the Python functions by cumulative and own time;
+2. torch.profiler over the publish-to-visible span and over the staging: the device's busy share of each span
+   and its kernels by device time;
+3. torch's memory history over the publish-to-visible span: the allocations alive at torch's peak, grouped by
+   the innermost frame of this package that made them, beside the peak in torch's counters (allocated and
+   reserved) and device-wide (mem_get_info).
+
+    python benchmarks/profile_sync.py [--model qwen3-8b] [--density 0.01] [--rows 25]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import os
+import pstats
+import sys
+import tempfile
+import time
+from collections import defaultdict
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+
+import torch  # noqa: E402
+from profile_stage import device_summary  # noqa: E402
+from publish_gpu import Config, build_rank, fill_targets  # noqa: E402
+from publish_syncs import DeviceMemory, Live  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
+
+from vllm_delta.store import DeltaStore  # noqa: E402
+from vllm_delta.trainer import DetectOptions, Publisher, PublisherOptions, UploadOptions  # noqa: E402
+from vllm_delta.trainer import encode as encode_mod  # noqa: E402
+
+
+def stats_text(pr: cProfile.Profile, sort: str, rows: int) -> str:
+    buf = io.StringIO()
+    pstats.Stats(pr, stream=buf).sort_stats(sort).print_stats(rows)
+    return "\n".join(line for line in buf.getvalue().splitlines() if line.strip())[-6000:]
+
+
+def profile_upload_thread(rows: int) -> tuple[dict[str, str], dict[str, bool]]:
+    """Patch `VersionEncoder._write_delta` to run under cProfile on the upload thread for the next write
+    once armed (`arm["on"] = True`): (the profile's text once written, the arm)."""
+    out: dict[str, str] = {}
+    orig = encode_mod.VersionEncoder._write_delta
+    armed = {"on": False}
+
+    def wrapped(self, job, path):
+        if not armed["on"]:
+            return orig(self, job, path)
+        pr = cProfile.Profile()
+        try:
+            return pr.runcall(orig, self, job, path)
+        finally:
+            out["cum"] = stats_text(pr, "cumulative", rows)
+            out["tot"] = stats_text(pr, "tottime", rows)
+            armed["on"] = False
+
+    encode_mod.VersionEncoder._write_delta = wrapped
+    return out, armed
+
+
+def peak_groups(snapshot: dict, top: int = 20) -> list[str]:
+    """Allocations alive at torch's peak (from the memory history), grouped by innermost vllm_delta frame."""
+    events = [e for trace in snapshot.get("device_traces", []) for e in trace]
+    live: dict[int, tuple[int, str]] = {}
+    cur = peak = 0
+    peak_live: dict[int, tuple[int, str]] = {}
+
+    def where(e) -> str:
+        frames = e.get("frames") or []
+        ours = [f for f in frames if "vllm_delta" in f.get("filename", "") or "benchmarks" in f.get("filename", "")]
+        f = ours[0] if ours else (frames[0] if frames else {"filename": "?", "line": 0, "name": "?"})
+        return f"{os.path.basename(f['filename'])}:{f['line']} {f['name']}"
+
+    for e in events:
+        if e["action"] == "alloc":
+            live[e["addr"]] = (e["size"], where(e))
+            cur += e["size"]
+            if cur > peak:
+                peak, peak_live = cur, dict(live)
+        elif e["action"] in ("free_completed",):
+            got = live.pop(e["addr"], None)
+            if got:
+                cur -= got[0]
+    groups: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    for size, w in peak_live.values():
+        groups[w][0] += size
+        groups[w][1] += 1
+    lines = [f"peak of the history's allocations: {peak / 1e6:.0f} MB in {len(peak_live)} blocks"]
+    for w, (size, n) in sorted(groups.items(), key=lambda kv: -kv[1][0])[:top]:
+        lines.append(f"  {size / 1e6:9.1f} MB  {n:5d} blocks  {w}")
+    return lines
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="qwen3-8b")
+    ap.add_argument("--layers", type=int, default=None)
+    ap.add_argument("--density", type=float, default=0.01)
+    ap.add_argument("--rows", type=int, default=25)
+    ap.add_argument("--warm", type=int, default=3)
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: the script's own checks")
+    args = ap.parse_args()
+    if args.smoke:
+        args.model, args.density = "qwen3-tiny", 0.05
+    root = tempfile.mkdtemp(prefix="profile-sync-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    tempfile.tempdir = root
+    cfg = Config(
+        model=args.model, layers=args.layers, codecs=["chunked"], density=args.density, steps=0, warmup=0,
+        world=1, store=os.path.join(root, "store"), threads=min(16, os.cpu_count() or 1), chunk_elems=1 << 28,
+        backend=None, smoke=args.smoke,
+    )  # fmt: skip
+    r = build_rank(0, 1, cfg)
+    dev = r.dev
+    cuda = dev.type == "cuda"
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize(dev)
+
+    pub = Publisher(
+        cfg.store, anchor_every=10**9, codec="chunked",
+        options=PublisherOptions(detect=DetectOptions(), upload=UploadOptions(queue_size=2, pack_threads=cfg.threads)),
+    )  # fmt: skip
+    store = DeltaStore(cfg.store)
+    pub.publish(r.module, version=0)
+    pub.flush()
+    for name, p in r.module.named_parameters():
+        fill_targets(r.layout, r.targets, name, p.detach().to(torch.bfloat16))
+    sync()
+    live = Live(r.engine)
+    v = 1
+    for _ in range(args.warm):
+        r.step()
+        sync()
+        row = live.sync(pub, store, r.module, v)
+        print(f"warm sync v{v}: {row['wall']:.1f} ms, checksum ok {row['checksum_ok']}", flush=True)
+        v += 1
+    print(f"# {torch.cuda.get_device_name(dev) if cuda else 'cpu'}, {args.model}, {r.n_params / 1e9:.2f}B params, {args.density:.0%}")
+
+    # 1. cProfile: the training thread's publish, the upload thread's write, the staging
+    up, arm = profile_upload_thread(args.rows)
+    r.step()
+    sync()
+    arm["on"] = True
+    pr = cProfile.Profile()
+    t0 = time.perf_counter()
+    info = pr.runcall(pub.publish, r.module, version=v)
+    t1 = time.perf_counter()
+    info.uploaded.result()
+    t2 = time.perf_counter()
+    print(f"\n## cProfile, publish ({(t1 - t0) * 1e3:.1f} ms; visible after {(t2 - t0) * 1e3:.1f} ms)")
+    print(stats_text(pr, "cumulative", args.rows))
+    print("\n## cProfile, upload thread's _write_delta, cumulative")
+    print(up.get("cum", "(not profiled)"))
+    print("\n## cProfile, upload thread's _write_delta, own time")
+    print(up.get("tot", "(not profiled)"))
+    with store.open(v) as vf:
+        pr = cProfile.Profile()
+        staged = pr.runcall(r.engine.stage, [vf])
+        print(f"\n## cProfile, stage: { {k: round(x, 1) for k, x in staged.timings.items()} }")
+        print(stats_text(pr, "cumulative", args.rows))
+        print("\n## cProfile, stage, own time")
+        print(stats_text(pr, "tottime", args.rows))
+        r.engine.patch(staged)
+    live.checksum = info.checksum
+    v += 1
+
+    if not cuda:
+        pub.close()
+        return 0
+    # 2. torch.profiler: publish -> visible, then the staging
+    r.step()
+    sync()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        info = pub.publish(r.module, version=v)
+        info.uploaded.result()
+        sync()
+        wall = (time.perf_counter() - t0) * 1e3
+    print(f"\n## torch.profiler, publish -> visible ({wall:.1f} ms)")
+    print(device_summary(prof, wall))
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=args.rows, max_name_column_width=70))
+    with store.open(v) as vf:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            staged = r.engine.stage([vf])
+        print(f"\n## torch.profiler, stage ({staged.timings['total']:.1f} ms)")
+        print(device_summary(prof, staged.timings["total"]))
+        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=args.rows, max_name_column_width=70))
+        r.engine.patch(staged)
+    v += 1
+
+    # 3. memory: torch's history, counters and the device-wide view of one publish -> visible
+    r.step()
+    sync()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(dev)
+    alloc0, res0 = torch.cuda.memory_allocated(dev), torch.cuda.memory_reserved(dev)
+    torch.cuda.memory._record_memory_history(max_entries=200_000)
+    with DeviceMemory(dev) as mem:
+        info = pub.publish(r.module, version=v)
+        info.uploaded.result()
+    snap = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    print("\n## memory, publish -> visible, beyond what was in use before")
+    print(
+        f"torch allocated peak {(torch.cuda.max_memory_allocated(dev) - alloc0) / 1e6:.0f} MB, "
+        f"reserved peak {(torch.cuda.max_memory_reserved(dev) - res0) / 1e6:.0f} MB, device-wide {mem.used_mb:.0f} MB"
+    )
+    print("\n".join(peak_groups(snap)))
+    with store.open(v) as vf:
+        r.engine.patch(r.engine.stage([vf]))
+    pub.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
