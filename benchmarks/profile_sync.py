@@ -108,6 +108,7 @@ def main() -> int:
     ap.add_argument("--density", type=float, default=0.01)
     ap.add_argument("--rows", type=int, default=25)
     ap.add_argument("--warm", type=int, default=3)
+    ap.add_argument("--trace", default=os.environ.get("OUT", ""), help="chrome traces of part 2 into this folder")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: the script's own checks")
     args = ap.parse_args()
     if args.smoke:
@@ -187,12 +188,16 @@ def main() -> int:
         info.uploaded.result()
         sync()
         wall = (time.perf_counter() - t0) * 1e3
+    if args.trace:
+        prof.export_chrome_trace(os.path.join(args.trace, "trace_publish.json"))
     print(f"\n## torch.profiler, publish -> visible ({wall:.1f} ms)")
     print(device_summary(prof, wall))
     print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=args.rows, max_name_column_width=70))
     with store.open(v) as vf:
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             staged = r.engine.stage([vf])
+        if args.trace:
+            prof.export_chrome_trace(os.path.join(args.trace, "trace_stage.json"))
         print(f"\n## torch.profiler, stage ({staged.timings['total']:.1f} ms)")
         print(device_summary(prof, staged.timings["total"]))
         print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=args.rows, max_name_column_width=70))

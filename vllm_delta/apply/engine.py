@@ -530,7 +530,11 @@ class ApplyEngine:
             torch.cuda.current_stream(self.device).synchronize()
 
     def _mem(self) -> int:
-        return torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
+        # the nested dict as the allocator gives it: `memory_allocated` flattens every counter in Python
+        # first (~0.5 ms a call, 7 calls a staging)
+        if self.device.type != "cuda":
+            return 0
+        return int(torch.cuda.memory_stats_as_nested_dict(self.device)["allocated_bytes"]["all"]["current"])
 
     def close(self) -> None:
         """Stop the staging thread pool (the engine stays usable: it restarts on the next stage)."""
