@@ -146,7 +146,8 @@ def main() -> int:
         row = live.sync(pub, store, r.module, v)
         print(f"warm sync v{v}: {row['wall']:.1f} ms, checksum ok {row['checksum_ok']}", flush=True)
         v += 1
-    print(f"# {torch.cuda.get_device_name(dev) if cuda else 'cpu'}, {args.model}, {r.n_params / 1e9:.2f}B params, {args.density:.0%}")
+    card = torch.cuda.get_device_name(dev) if cuda else "cpu"
+    print(f"# {card}, {args.model}, {r.n_params / 1e9:.2f}B params, {args.density:.0%}")
 
     # 1. cProfile: the training thread's publish, the upload thread's write, the staging
     up, arm = profile_upload_thread(args.rows)

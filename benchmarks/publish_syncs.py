@@ -38,7 +38,7 @@ from vllm_delta.errors import ChecksumMismatchError
 PEER_PHASES = ("detect/encode", "upload", "fetch", "stage", "pause", "apply", "resume")
 # sub-phases each phase's named time is the sum of (contained waits are shown, not added again)
 PUBLISH_PARTS = ("agree", "detect", "prepare", "sums", "job", "queue")
-UPLOAD_PARTS = ("queued", "d2h", "split", "pack", "write", "put_part", "commit", "after_commit")
+UPLOAD_PARTS = ("queued", "d2h", "launch", "split", "pack", "write", "put_part", "commit", "after_commit")
 WAITS = ("pub_agree_wait", "pub_sums_wait", "up_queued", "up_commit_wait", "st_read", "st_check")
 
 

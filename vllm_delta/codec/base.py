@@ -96,6 +96,10 @@ class BatchSections:
     def wait(self) -> None:
         self._wait()
 
+    def begin(self) -> None:
+        """Start what the file's encode does on the device now, before the host lays out the file (a
+        codec may: the chunked codec's GPU compression; by default nothing)."""
+
     def split(self) -> list[Sections | None]:
         self._wait()
         return self._split()

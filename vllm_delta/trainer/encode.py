@@ -2,7 +2,8 @@
 
 `VersionEncoder.written(job)` is everything between the training thread's hand-off and the store:
 
-* a delta: wait for the device work the codec queued at `publish` (phase `d2h`), split it per
+* a delta: wait for the device work the codec queued at `publish` (phase `d2h`), start the codec's
+  device work on the file (`launch`: the chunked codec's GPU compression), split it per
   tensor (`split`), then encode and write the file (`pack`: the codec's packing, and for the
   chunked codec the file's writes too, which overlap it; `pack_busy`: the sum of the packing
   times, tensor by tensor for per-tensor codecs), and finish the file (`write`: the header and the
@@ -106,6 +107,8 @@ class VersionEncoder:
         assert job.sections is not None and job.base is not None
         with job.timed("d2h"):
             job.sections.wait()  # the device work queued before the copies, and the copies
+        with job.timed("launch"):
+            job.sections.begin()  # the GPU compression runs while the header is laid out below
         of = DeltaOf(
             version=job.version,
             base=job.base,

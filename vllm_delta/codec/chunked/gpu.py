@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -289,6 +290,50 @@ def hashes(blob: torch.Tensor, chunk_bytes: np.ndarray) -> torch.Tensor:
     if kernels.available(blob.device):
         return kernels.chunk_hashes(blob, chunk_bytes)
     return chunk_hashes(blob, torch.from_numpy(np.asarray(chunk_bytes, dtype=np.int64)))
+
+
+@dataclass
+class LaunchedChunks:
+    """Runs of chunks of several planes buffers whose frames nvCOMP compresses (C API, launched, not
+    waited for): `finish` packs them end to end once they are done. The buffers stay referenced."""
+
+    bufs: list[torch.Tensor]
+    slots: torch.Tensor
+    cap: int
+    batches: list[nvcomp_c.Batch]
+    used: np.ndarray  # bool [chunks, planes]: the frames compressed (size > 0)
+
+    def finish(self) -> tuple[torch.Tensor, np.ndarray, torch.Tensor]:
+        """(compressed bytes end to end, sizes [chunks, planes], the chunks' hashes): compress_chunks's."""
+        got = _host_sizes(*self.batches)
+        if (got <= 0).any() or (got > self.cap).any():
+            raise RuntimeError(f"nvCOMP returned compressed sizes outside (0, {self.cap}] or an error status")
+        blob = compact(self.slots, self.cap, got)
+        self.slots = self.slots[:0]  # freed (stream-ordered) once compacted
+        comp = np.zeros(self.used.shape, dtype=np.int64)
+        comp[self.used] = got
+        chunk_bytes = (-(-comp // FRAME_ALIGN) * FRAME_ALIGN).sum(axis=1)
+        return blob, comp, hashes(blob, chunk_bytes)
+
+
+def launch_chunks(
+    c_api: nvcomp_c.ZstdC, bufs: list[torch.Tensor], offsets: list[np.ndarray], sizes: list[np.ndarray]
+) -> LaunchedChunks:
+    """Every frame of several planes buffers (each with its frames' `offsets` and raw `sizes`, [chunks,
+    planes]) in one batch on the current stream, without copying the buffers into one: the frames'
+    addresses are taken relative to the lowest-addressed buffer (nvCOMP reads by address)."""
+    base = min(bufs, key=lambda b: b.data_ptr())
+    flat_off = np.concatenate([o.reshape(-1) + (b.data_ptr() - base.data_ptr()) for b, o in zip(bufs, offsets)])
+    size_all = np.concatenate([s.reshape(-1, s.shape[-1]) for s in sizes])
+    used = size_all > 0
+    off, size = flat_off[used.reshape(-1)], size_all[used]
+    cap = -(-c_api.max_compressed_bytes(int(size.max())) // FRAME_ALIGN) * FRAME_ALIGN
+    nf = len(size)
+    slots = torch.empty(nf * cap, dtype=torch.uint8, device=base.device)
+    frames = np.stack([off, size, np.arange(nf, dtype=np.int64) * cap, np.zeros(nf, dtype=np.int64)], axis=1)
+    frames = frames.astype(np.int64, copy=False)
+    batches = [c_api.compress(base, slots, frames[i : i + C_FRAMES_PER_LAUNCH]) for i in _launches(frames)]
+    return LaunchedChunks(list(bufs), slots, cap, batches, used)
 
 
 def compress_chunks(
