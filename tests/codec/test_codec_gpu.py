@@ -221,6 +221,7 @@ def test_nvcomp_failure_falls_back_to_the_cpu_path(nvcomp, monkeypatch, caplog):
     for i, (name, _, pos, _, _) in enumerate(changes):
         assert torch.equal(got[i][0], pos), name
     monkeypatch.setattr(gpu.GpuZstd, "compress", boom)
+    monkeypatch.setattr(gpu, "launch_chunks", boom)  # the C API's batch of every part's frames (write.py)
     with caplog.at_level(logging.WARNING):
         again = _file(changes, "gpu")
     assert any("encoding on the CPU instead" in r.getMessage() for r in caplog.records)
