@@ -30,6 +30,8 @@
 #             `git archive <commit> | tar -x -C .old`, carried): today's path beside the old one in one call
 #   profile   benchmarks/profile_stage.py (PROFILE_MODEL, default qwen3-8b): staging under cProfile and torch.profiler,
 #             the device's busy share of the staging's wall time and the host's waits
+#   memory35  benchmarks/nvcomp_temp.py (nvCOMP zstd's compression space by batch), then publish_gpu.py at 8B with
+#             the memory bounds (gpu_encode_frames=ENCODE_FRAMES, default 256; stream_pass_elems=2^30)  [issue 35 item 6]
 #   profsync  benchmarks/profile_sync.py (PROFILE_MODEL, default qwen3-8b): one steady sync under cProfile (training
 #             thread, upload thread, staging), torch.profiler and torch's memory history: where its time and memory go
 #   trainer   benchmarks/trainer_gpu.py (detection + prepare alone)
@@ -94,7 +96,9 @@ issue35() {  # the issue-35 stage (header above); every run's JSON under $OUT, t
   local old=; [ -d "${OLD_TREE:-.old}/vllm_delta" ] && old=1
   local old_syncs="--codecs chunked:gpu --steps ${OLD_SYNCS:-10} --warmup 1"  # the old tree's medians, beside
   run syncs_8b ${SYNCS_LIMIT:-$(( n >= 2 ? 360 : 150 ))} python3 benchmarks/publish_gpu.py $syncs --world 1,2,4 --encode-frames ${ENCODE_FRAMES:-1024,256} --out "$OUT" --name syncs_8b
-  run syncs_8b_rb8 ${SYNCS_LIMIT:-150} python3 benchmarks/publish_gpu.py $old_syncs --mem-syncs 2 --rank-blocks 8 --out "$OUT/rb8/8b"
+  [ "${RB8:-1}" = 1 ] && run syncs_8b_rb8 ${SYNCS_LIMIT:-150} python3 benchmarks/publish_gpu.py $old_syncs --mem-syncs 2 --rank-blocks 8 --out "$OUT/rb8/8b"
+  # staging without the fused unit kernel (apply/stage_unit.py), beside: the kernel's share of the sync
+  [ "${NOUNIT:-1}" = 1 ] && run syncs_8b_nounit ${SYNCS_LIMIT:-150} env VLLM_DELTA_STAGE_UNIT=0 python3 benchmarks/publish_gpu.py $old_syncs --mem-syncs 0 --out "$OUT/nounit/8b"
   [ -n "$old" ] && run syncs_8b_old ${SYNCS_LIMIT:-150} bash -c 'old_tree "$@"' old python3 benchmarks/publish_gpu.py $old_syncs --out "$OUT/old/8b"
   run syncs_moe12 ${SYNCS_LIMIT:-150} python3 benchmarks/publish_gpu.py $syncs $moe --out "$OUT" --name syncs_moe12
   [ -n "$old" ] && run syncs_moe12_old ${SYNCS_LIMIT:-150} bash -c 'old_tree "$@"' old python3 benchmarks/publish_gpu.py $old_syncs $moe --out "$OUT/old/moe12"
@@ -107,6 +111,11 @@ issue35() {  # the issue-35 stage (header above); every run's JSON under $OUT, t
     [ -n "$old" ] && run syncs_moe48_old ${MOE48_LIMIT:-420} bash -c 'old_tree "$@"' old python3 benchmarks/publish_gpu.py $old_syncs --model qwen3-30b-a3b --world 2 --engine-gpu 2 --out "$OUT/old/moe48"
   else echo "== syncs_moe48 (the whole 30B-A3B at W=2, engine on a third card): skipped: this host has $n GPU"; fi
   python3 benchmarks/issue35_summary.py "$OUT" | tee "$OUT/issue35_summary.log"
+}
+memory35() {  # the publish's device memory (issue 35 item 6): nvCOMP's compression space by batch, then the
+  # bounded options (UploadOptions(gpu_encode_frames), DetectOptions(stream_pass_elems=2^30)) at 8B, a few syncs
+  run nvcomp_temp 120 python3 benchmarks/nvcomp_temp.py
+  run mem_8b_bounded ${SYNCS_LIMIT:-150} python3 benchmarks/publish_gpu.py --codecs chunked:gpu --steps 3 --warmup 1 --mem-syncs 2 --encode-frames ${ENCODE_FRAMES:-256} --stream-pass-elems 1073741824 --out "$OUT/mem" --name mem_8b_bounded
 }
 for stage in ${STAGES:-tests publish apply world2}; do
   case $stage in
@@ -134,6 +143,7 @@ for stage in ${STAGES:-tests publish apply world2}; do
     trainer) run trainer_gpu 120 python3 benchmarks/trainer_gpu.py --out "$OUT" ;;
     detect)  run detect_gpu 300 python3 benchmarks/detect_gpu.py --out "$OUT" ${DETECT_ARGS:-} ;;
     issue35) issue35 ;;
+    memory35) memory35 ;;
     *) echo "unknown stage $stage" ;;
   esac
 done
