@@ -22,7 +22,10 @@ compiled/loaded during `stage` (a no-op write of one block), never inside `patch
 The engine orchestrates; the pieces live beside it: `layout.DeviceLayout` (HF positions -> local
 targets, vectorized), `staging.Decoder` (file -> changes on the device), `chain.merge_chain`
 (several versions -> one set of final bits), `scatter` (plans and kernels), and the checksum
-arithmetic in `vllm_delta.checksums`.
+arithmetic in `vllm_delta.checksums`. A fused engine stages the common chunk (whole tensors, one
+owner: `DeviceLayout.whole_runs`) in one kernel launch (`stage_unit`: translation, live and new bits,
+plan, arranged bits, partials; the same bits as the general path). `unit_kernel=` turns it on or off
+(None: on where Triton runs on the engine's device, unless VLLM_DELTA_STAGE_UNIT=0: A/B measurements).
 
 Staging (everything but the patch) runs on the engine's one side CUDA stream while the server keeps
 generating (callers must not wrap it in a stream of their own):
@@ -57,6 +60,7 @@ from ..errors import NotSuccessorError, ShapeMismatchError, UnsupportedModelErro
 from ..format import TensorEntry, VersionHeader, VersionLike
 from ..format import TensorTable as HeaderTable
 from . import scatter as scatter_ops
+from . import stage_unit
 from .chain import check_undo, merge_chain, step_bits
 from .layout import DeviceLayout, Layout, Segment, Selection
 from .staging import Chunk, Decoder, changed_items, item_indices
@@ -114,6 +118,9 @@ class _Run:
         self.mem0 = engine._mem()
         self.peak = self.mem0
 
+    def out(self, width: int) -> _Outputs:
+        return self.outs.setdefault(width, _Outputs())
+
     def note_mem(self) -> None:
         self.peak = max(self.peak, self.engine._mem())
 
@@ -134,6 +141,7 @@ class ApplyEngine:
         chunk_elems: int | None = None,
         threads: int | None = None,
         block: int = scatter_ops.BLOCK,
+        unit_kernel: bool | None = None,
     ):
         self.layout = layout
         self.target_names = list(layout.targets)
@@ -156,6 +164,7 @@ class ApplyEngine:
                 f"(available: {scatter_ops.available_backends(self.device)})"
             )
         self.fused = self.backend != "torch"
+        self.unit_kernel = self.fused and stage_unit.enabled(unit_kernel, self.device)
         self.block = block
         layout.check([f.numel() for f in self.flats])
         self.dlayout = DeviceLayout(layout, self.device)
@@ -359,6 +368,8 @@ class ApplyEngine:
         """`source`: a decoded Chunk (new bits from its values or diffs) or a tensor of new bits."""
         t0 = time.perf_counter()
         runs = runs.nonempty()
+        if self.unit_kernel and isinstance(source, Chunk) and self._emit_unit(run, width, p, runs, source, t0):
+            return
         sels = self.dlayout.translate(t_idx, p, runs.tensors, runs.counts, runs.held)
         t0 = run.span("translate", t0)
         if not sels:
@@ -380,6 +391,21 @@ class ApplyEngine:
         t0 = run.span("partials", t0)
         self._plan(run, width, sels, new, live)
         run.span("plan", t0)
+
+    def _emit_unit(self, run: _Run, width: int, p: torch.Tensor, runs: Runs, chunk: Chunk, t0: float) -> bool:
+        """The common case in one launch (stage_unit.py); False where it does not apply."""
+        args = (self.dlayout, self._addressing.get(width), p, runs, chunk, run.sums)
+        unit = stage_unit.stage_chunk(*args, undo=run.undo, block=self.block)
+        if unit is None:
+            return False
+        out = run.out(width)
+        out.plans.append(unit[0])
+        out.new.append(unit[1])
+        out.old.append(unit[2])
+        for key in ("translate", "gather", "partials"):  # inside the one launch, timed as "plan"
+            run.timings.setdefault(key, 0.0)
+        run.span("plan", t0)
+        return True
 
     def _add_partials(
         self,
@@ -413,7 +439,7 @@ class ApplyEngine:
 
     def _plan(self, run: _Run, width: int, sels: list[Selection], new: torch.Tensor, live: torch.Tensor) -> None:
         """Every segment holding an element gets it; rollback bits are read through that segment."""
-        out = run.outs.setdefault(width, _Outputs())
+        out = run.out(width)
         for k, s in enumerate(sels):
             if s.mask is None:
                 tid, local, nb = s.target, s.offset, new

@@ -212,6 +212,7 @@ class SegmentTable:
             f: torch.tensor(v, dtype=torch.int64).to(device) for f, v in columns.items()
         }  # name -> int64 per tensor
         self.target_h = np.array(columns["target"], dtype=np.int64)  # the target column, on the host
+        self.shift_h = np.array(columns["shift"], dtype=np.int64)  # ... and the row runs' shift
         self.valid_t = torch.tensor(self.valid, dtype=torch.bool, device=device)
         self.owner_t = torch.tensor(self.owner, dtype=torch.bool, device=device)
         # the flags as arrays: a chunk's tensors are looked up at once (thousands in a MoE chunk)
@@ -279,6 +280,41 @@ class DeviceLayout:
         uniq, counts = torch.unique_consecutive(t_idx, return_counts=True)
         return t_idx, ids - self.starts_t[t_idx], Runs(uniq.cpu().numpy(), counts.cpu().numpy())
 
+    def _runs(
+        self, tab: SegmentTable, ts: np.ndarray, counts: np.ndarray | None, held: np.ndarray | None
+    ) -> tuple[TargetRuns | None, bool]:
+        """A slot's target runs of a chunk (with `counts`), and whether the decoder says every element
+        lies in the one segment that holds its tensor (`translate`)."""
+        runs = None if counts is None else TargetRuns.merged(tab.target_h[ts], np.asarray(counts))
+        valid = tab.flags[0, ts]
+        all_held = held is not None and runs is not None and bool((valid & self.single[ts] & held).all())
+        return runs, all_held
+
+    @staticmethod
+    def _shifted(tab: SegmentTable, ts: np.ndarray, all_held: bool) -> bool:
+        """Every element of the chunk goes to target offset p + shift of its tensor, no mask (`translate`)."""
+        valid, full, row_run = tab.flags[:3, ts]
+        return bool((valid & full).all() or (all_held and (valid & row_run).all()))
+
+    def whole_runs(
+        self, tensors: np.ndarray, counts: np.ndarray, held: np.ndarray | None = None
+    ) -> tuple[SegmentTable, TargetRuns, bool] | None:
+        """Where `translate` returns exactly one Selection, of every element, at offsets p + shift, with
+        its target runs and one owner for the whole chunk: (its segment table, the runs, the owner),
+        decided on the host from the same flags; else None."""
+        ts = np.asarray(tensors, dtype=np.int64)
+        used = [tab for tab in self.tables if tab.flags[0, ts].any()]
+        if len(used) != 1:
+            return None
+        tab = used[0]
+        runs, all_held = self._runs(tab, ts, counts, held)
+        if runs is None or not self._shifted(tab, ts, all_held):
+            return None
+        mine = tab.flags[3, ts][tab.flags[0, ts]]
+        if not (mine == mine[0]).all():
+            return None
+        return tab, runs, bool(mine[0])
+
     def translate(
         self,
         t_idx: torch.Tensor,
@@ -302,9 +338,8 @@ class DeviceLayout:
             target = a["target"][t_idx]
             mine = owners[valid]
             owner: torch.Tensor | bool = bool(mine[0]) if (mine == mine[0]).all() else tab.owner_t[t_idx]
-            runs = None if counts is None else TargetRuns.merged(tab.target_h[ts], np.asarray(counts))
-            all_held = held is not None and runs is not None and bool((valid & self.single[ts] & held).all())
-            if (valid & full).all() or (all_held and (valid & row_run).all()):
+            runs, all_held = self._runs(tab, ts, counts, held)
+            if self._shifted(tab, ts, all_held):
                 out.append(Selection(None, target, p + a["shift"][t_idx], owner, runs))
             elif all_held:  # every element in its (one) box: the box's offsets, no mask
                 cols = self.cols_t[t_idx]
