@@ -101,6 +101,133 @@ def peak_groups(snapshot: dict, top: int = 20) -> list[str]:
     return lines
 
 
+class Session:
+    """publish_gpu.py's W=1 rank, its Publisher and store, warmed up: one sync at a time."""
+
+    def __init__(self, args: argparse.Namespace):
+        root = tempfile.mkdtemp(prefix="profile-sync-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+        tempfile.tempdir = root
+        self.cfg = Config(
+            model=args.model, layers=args.layers, codecs=["chunked"], density=args.density, steps=0, warmup=0,
+            world=1, store=os.path.join(root, "store"), threads=min(16, os.cpu_count() or 1), chunk_elems=1 << 28,
+            backend=None, smoke=args.smoke,
+        )  # fmt: skip
+        self.r = build_rank(0, 1, self.cfg)
+        self.dev = self.r.dev
+        self.cuda = self.dev.type == "cuda"
+        self.pub = Publisher(
+            self.cfg.store, anchor_every=10**9, codec="chunked",
+            options=PublisherOptions(
+                detect=DetectOptions(), upload=UploadOptions(queue_size=2, pack_threads=self.cfg.threads)
+            ),
+        )  # fmt: skip
+        self.store = DeltaStore(self.cfg.store)
+        self.pub.publish(self.r.module, version=0)
+        self.pub.flush()
+        for name, p in self.r.module.named_parameters():
+            fill_targets(self.r.layout, self.r.targets, name, p.detach().to(torch.bfloat16))
+        self.sync()
+        self.live = Live(self.r.engine)
+        self.v = 1
+        for _ in range(args.warm):
+            row = self.live.sync(self.pub, self.store, self.r.module, self.step())
+            print(f"warm sync v{self.v - 1}: {row['wall']:.1f} ms, checksum ok {row['checksum_ok']}", flush=True)
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.dev)
+
+    def step(self) -> int:
+        """An optimizer step; the version its publish gets."""
+        self.r.step()
+        self.sync()
+        self.v += 1
+        return self.v - 1
+
+    def stage_and_patch(self, v: int, stage=None):
+        with self.store.open(v) as vf:
+            staged = (stage or self.r.engine.stage)([vf])
+            self.r.engine.patch(staged)
+        return staged
+
+
+def part_cprofile(s: Session, rows: int) -> None:
+    """1. cProfile: the training thread's publish, the upload thread's write, the staging."""
+    up, arm = profile_upload_thread(rows)
+    v = s.step()
+    arm["on"] = True
+    pr = cProfile.Profile()
+    t0 = time.perf_counter()
+    info = pr.runcall(s.pub.publish, s.r.module, version=v)
+    t1 = time.perf_counter()
+    info.uploaded.result()
+    t2 = time.perf_counter()
+    print(f"\n## cProfile, publish ({(t1 - t0) * 1e3:.1f} ms; visible after {(t2 - t0) * 1e3:.1f} ms)")
+    print(stats_text(pr, "cumulative", rows))
+    print("\n## cProfile, upload thread's _write_delta, cumulative")
+    print(up.get("cum", "(not profiled)"))
+    print("\n## cProfile, upload thread's _write_delta, own time")
+    print(up.get("tot", "(not profiled)"))
+    pr = cProfile.Profile()
+    staged = s.stage_and_patch(v, lambda files: pr.runcall(s.r.engine.stage, files))
+    print(f"\n## cProfile, stage: { {k: round(x, 1) for k, x in staged.timings.items()} }")
+    print(stats_text(pr, "cumulative", rows))
+    print("\n## cProfile, stage, own time")
+    print(stats_text(pr, "tottime", rows))
+    s.live.checksum = info.checksum
+
+
+def part_profiler(s: Session, rows: int, trace: str) -> None:
+    """2. torch.profiler: publish -> visible, then the staging (chrome traces into `trace`)."""
+    v = s.step()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        s.pub.publish(s.r.module, version=v).uploaded.result()
+        s.sync()
+        wall = (time.perf_counter() - t0) * 1e3
+    if trace:
+        prof.export_chrome_trace(os.path.join(trace, "trace_publish.json"))
+    print(f"\n## torch.profiler, publish -> visible ({wall:.1f} ms)")
+    print(device_summary(prof, wall))
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=rows, max_name_column_width=70))
+    holder = {}
+
+    def stage(files):
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+            staged = s.r.engine.stage(files)
+        holder["prof"] = p
+        return staged
+
+    staged = s.stage_and_patch(v, stage)
+    prof = holder["prof"]
+    if trace:
+        prof.export_chrome_trace(os.path.join(trace, "trace_stage.json"))
+    print(f"\n## torch.profiler, stage ({staged.timings['total']:.1f} ms)")
+    print(device_summary(prof, staged.timings["total"]))
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=rows, max_name_column_width=70))
+
+
+def part_memory(s: Session) -> None:
+    """3. memory: torch's history, counters and the device-wide view of one publish -> visible."""
+    v = s.step()
+    dev = s.dev
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(dev)
+    alloc0, res0 = torch.cuda.memory_allocated(dev), torch.cuda.memory_reserved(dev)
+    torch.cuda.memory._record_memory_history(max_entries=200_000)
+    with DeviceMemory(dev) as mem:
+        s.pub.publish(s.r.module, version=v).uploaded.result()
+    snap = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    print("\n## memory, publish -> visible, beyond what was in use before")
+    print(
+        f"torch allocated peak {(torch.cuda.max_memory_allocated(dev) - alloc0) / 1e6:.0f} MB, "
+        f"reserved peak {(torch.cuda.max_memory_reserved(dev) - res0) / 1e6:.0f} MB, device-wide {mem.used_mb:.0f} MB"
+    )
+    print("\n".join(peak_groups(snap)))
+    s.stage_and_patch(v)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="qwen3-8b")
@@ -113,119 +240,14 @@ def main() -> int:
     args = ap.parse_args()
     if args.smoke:
         args.model, args.density = "qwen3-tiny", 0.05
-    root = tempfile.mkdtemp(prefix="profile-sync-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-    tempfile.tempdir = root
-    cfg = Config(
-        model=args.model, layers=args.layers, codecs=["chunked"], density=args.density, steps=0, warmup=0,
-        world=1, store=os.path.join(root, "store"), threads=min(16, os.cpu_count() or 1), chunk_elems=1 << 28,
-        backend=None, smoke=args.smoke,
-    )  # fmt: skip
-    r = build_rank(0, 1, cfg)
-    dev = r.dev
-    cuda = dev.type == "cuda"
-
-    def sync() -> None:
-        if cuda:
-            torch.cuda.synchronize(dev)
-
-    pub = Publisher(
-        cfg.store, anchor_every=10**9, codec="chunked",
-        options=PublisherOptions(detect=DetectOptions(), upload=UploadOptions(queue_size=2, pack_threads=cfg.threads)),
-    )  # fmt: skip
-    store = DeltaStore(cfg.store)
-    pub.publish(r.module, version=0)
-    pub.flush()
-    for name, p in r.module.named_parameters():
-        fill_targets(r.layout, r.targets, name, p.detach().to(torch.bfloat16))
-    sync()
-    live = Live(r.engine)
-    v = 1
-    for _ in range(args.warm):
-        r.step()
-        sync()
-        row = live.sync(pub, store, r.module, v)
-        print(f"warm sync v{v}: {row['wall']:.1f} ms, checksum ok {row['checksum_ok']}", flush=True)
-        v += 1
-    card = torch.cuda.get_device_name(dev) if cuda else "cpu"
-    print(f"# {card}, {args.model}, {r.n_params / 1e9:.2f}B params, {args.density:.0%}")
-
-    # 1. cProfile: the training thread's publish, the upload thread's write, the staging
-    up, arm = profile_upload_thread(args.rows)
-    r.step()
-    sync()
-    arm["on"] = True
-    pr = cProfile.Profile()
-    t0 = time.perf_counter()
-    info = pr.runcall(pub.publish, r.module, version=v)
-    t1 = time.perf_counter()
-    info.uploaded.result()
-    t2 = time.perf_counter()
-    print(f"\n## cProfile, publish ({(t1 - t0) * 1e3:.1f} ms; visible after {(t2 - t0) * 1e3:.1f} ms)")
-    print(stats_text(pr, "cumulative", args.rows))
-    print("\n## cProfile, upload thread's _write_delta, cumulative")
-    print(up.get("cum", "(not profiled)"))
-    print("\n## cProfile, upload thread's _write_delta, own time")
-    print(up.get("tot", "(not profiled)"))
-    with store.open(v) as vf:
-        pr = cProfile.Profile()
-        staged = pr.runcall(r.engine.stage, [vf])
-        print(f"\n## cProfile, stage: { {k: round(x, 1) for k, x in staged.timings.items()} }")
-        print(stats_text(pr, "cumulative", args.rows))
-        print("\n## cProfile, stage, own time")
-        print(stats_text(pr, "tottime", args.rows))
-        r.engine.patch(staged)
-    live.checksum = info.checksum
-    v += 1
-
-    if not cuda:
-        pub.close()
-        return 0
-    # 2. torch.profiler: publish -> visible, then the staging
-    r.step()
-    sync()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        t0 = time.perf_counter()
-        info = pub.publish(r.module, version=v)
-        info.uploaded.result()
-        sync()
-        wall = (time.perf_counter() - t0) * 1e3
-    if args.trace:
-        prof.export_chrome_trace(os.path.join(args.trace, "trace_publish.json"))
-    print(f"\n## torch.profiler, publish -> visible ({wall:.1f} ms)")
-    print(device_summary(prof, wall))
-    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=args.rows, max_name_column_width=70))
-    with store.open(v) as vf:
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            staged = r.engine.stage([vf])
-        if args.trace:
-            prof.export_chrome_trace(os.path.join(args.trace, "trace_stage.json"))
-        print(f"\n## torch.profiler, stage ({staged.timings['total']:.1f} ms)")
-        print(device_summary(prof, staged.timings["total"]))
-        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=args.rows, max_name_column_width=70))
-        r.engine.patch(staged)
-    v += 1
-
-    # 3. memory: torch's history, counters and the device-wide view of one publish -> visible
-    r.step()
-    sync()
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats(dev)
-    alloc0, res0 = torch.cuda.memory_allocated(dev), torch.cuda.memory_reserved(dev)
-    torch.cuda.memory._record_memory_history(max_entries=200_000)
-    with DeviceMemory(dev) as mem:
-        info = pub.publish(r.module, version=v)
-        info.uploaded.result()
-    snap = torch.cuda.memory._snapshot()
-    torch.cuda.memory._record_memory_history(enabled=None)
-    print("\n## memory, publish -> visible, beyond what was in use before")
-    print(
-        f"torch allocated peak {(torch.cuda.max_memory_allocated(dev) - alloc0) / 1e6:.0f} MB, "
-        f"reserved peak {(torch.cuda.max_memory_reserved(dev) - res0) / 1e6:.0f} MB, device-wide {mem.used_mb:.0f} MB"
-    )
-    print("\n".join(peak_groups(snap)))
-    with store.open(v) as vf:
-        r.engine.patch(r.engine.stage([vf]))
-    pub.close()
+    s = Session(args)
+    card = torch.cuda.get_device_name(s.dev) if s.cuda else "cpu"
+    print(f"# {card}, {args.model}, {s.r.n_params / 1e9:.2f}B params, {args.density:.0%}")
+    part_cprofile(s, args.rows)
+    if s.cuda:
+        part_profiler(s, args.rows, args.trace)
+        part_memory(s)
+    s.pub.close()
     return 0
 
 
