@@ -20,6 +20,7 @@ through the codec registry by the header's codec name) owns what is its own:
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -39,6 +40,7 @@ from ..format import (
     VersionFile,
     VersionHeader,
     VersionLike,
+    mapped_files,
     row_size,
 )
 from ..format import TensorTable as HeaderTable
@@ -188,15 +190,22 @@ class _Host:
 
     def read(self, ranges: Sequence[tuple[np.ndarray, int, int]]) -> Fetch:
         """Bytes src[a:b] of each range (files' memory maps) end to end in one pinned buffer, in pieces
-        on the pool's threads (the read: page cache or disk; numpy copies without the GIL, so the
-        pieces run in parallel)."""
+        on the pool's threads (the read: page cache or disk; preadv and numpy copies run without the
+        GIL, so the pieces run in parallel). Bytes of an open version file are read from the file
+        itself (`format.mapped_files`: half the time of copying them out of the mapping on tmpfs)."""
         buf = self.buffer(sum(b - a for _, a, b in ranges), torch.uint8)
         dst = buf.numpy()
         pool = self._decoder.pool
-        futures, at = [], 0
+        futures: list[Future[None]] = []
+        at = 0
         for src, a, b in ranges:
-            for s in range(a, b, READ_PIECE_BYTES):
-                futures.append(pool.submit(_copy_into, dst, src, at + s - a, s, min(b, s + READ_PIECE_BYTES)))
+            span = mapped_files.span_of(src.ctypes.data + a, b - a) if b > a else None
+            fd = mapped_files.open_span(span) if span is not None else None
+            if fd is None or span is None:
+                for s in range(a, b, READ_PIECE_BYTES):
+                    futures.append(pool.submit(_copy_into, dst, src, at + s - a, s, min(b, s + READ_PIECE_BYTES)))
+            else:
+                futures += _pread_pieces(pool, dst, at, fd, span.offset, b - a)
             at += b - a
         return Fetch(futures, buf)
 
@@ -380,3 +389,31 @@ _WIDTH = {name: dtype.itemsize for name, dtype in DTYPES.items()}
 
 def _copy_into(dst: np.ndarray, src: np.ndarray, at: int, a: int, b: int) -> None:
     dst[at : at + b - a] = src[a:b]
+
+
+def _pread_pieces(
+    pool: ThreadPoolExecutor, dst: np.ndarray, at: int, fd: int, offset: int, n: int
+) -> list[Future[None]]:
+    """dst[at : at + n] = the file's n bytes at `offset`, in pieces on the pool; `fd` is closed by the
+    last piece to finish, or (when pieces are cancelled before they run) by the last cancellation."""
+    starts = range(0, n, READ_PIECE_BYTES)
+    left = [len(starts)]
+    lock = threading.Lock()
+
+    def one_done() -> None:
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            os.close(fd)
+
+    def piece(s: int) -> None:
+        try:
+            mapped_files.pread_into(dst, at + s, fd, offset + s, min(n, s + READ_PIECE_BYTES) - s)
+        finally:
+            one_done()
+
+    futures = [pool.submit(piece, s) for s in starts]
+    for f in futures:
+        f.add_done_callback(lambda f: one_done() if f.cancelled() else None)
+    return futures

@@ -28,6 +28,7 @@ count, the rows of dim 0 it owns of each tensor, and the additive checksum of wh
     header.py          VersionHeader, PartInfo    the header: read by format version, checked, written
     payload_writer.py  write, serialize, PayloadWriter   a file at once, or while its payload is made
     version_file.py    VersionFile, Piece         an opened file, memory-mapped, checked on open
+    mapped_files.py    span_of, pread_into        which open file mapped bytes are in (read them by preadv)
     parts.py           Version, VersionLike       the parts of one version merged and read as one
 
 `from vllm_delta.format import X` is the public import of every name below.

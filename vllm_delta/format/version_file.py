@@ -7,6 +7,7 @@ import json
 import mmap
 import os
 import struct
+import weakref
 from typing import Any, NamedTuple
 
 import torch
@@ -14,6 +15,7 @@ from safetensors import SafetensorError, safe_open
 
 from .. import gc_pause
 from ..errors import FormatError, ShapeMismatchError
+from . import mapped_files
 from .header import VersionHeader
 from .layout import FILE_PAYLOAD, FORMAT_NAME, SEP, ST_DTYPES, STREAMS_FORMAT_VERSIONS, num_rows, row_size
 
@@ -56,10 +58,11 @@ class VersionFile:
     Validates the container and header on open.
 
     The file is opened once, here, and mapped whole (no page is read until a tensor is); every later
-    read goes through the mappings, never the path. A path that goes away after the open (a download
-    cache shared by two servers, pruned by one while the other stages) takes nothing away from this
-    object. A path missing at the open raises FileNotFoundError (not a FormatError: the file is
-    absent, not malformed; `DeltaStore.open` fetches it again)."""
+    read goes through the mappings, or (staging's bulk reads, `mapped_files`) through the path while it
+    still names the very file mapped here. A path that goes away after the open (a download cache
+    shared by two servers, pruned by one while the other stages) takes nothing away from this object.
+    A path missing at the open raises FileNotFoundError (not a FormatError: the file is absent, not
+    malformed; `DeltaStore.open` fetches it again)."""
 
     def __init__(self, path: str | os.PathLike[str], *, expect_version: int | None = None):
         self.path = os.fspath(path)
@@ -75,6 +78,9 @@ class VersionFile:
             keys = list(self._f.keys())
             # our own private (copy-on-write) mapping of the payload (see `_tensor`)
             self._map: mmap.mmap | None = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
+            # readers of the mapped bytes may read them from the file instead while it is open (mapped_files)
+            self._mapped_at = mapped_files.register(self._map, os.path.abspath(self.path), os.fstat(fd))
+            weakref.finalize(self, mapped_files.unregister, self._mapped_at)
         except (SafetensorError, OSError, ValueError) as exc:
             raise FormatError(f"not a readable safetensors file {self.path}: {exc}", version=expect_version) from None
         finally:
@@ -209,6 +215,7 @@ class VersionFile:
 
     def close(self) -> None:
         # The memory maps go with the last reference (tensors handed out keep theirs alive).
+        mapped_files.unregister(self._mapped_at)
         self._f = None  # type: ignore[assignment]
         self._map = None
         self._file_payload = None
