@@ -27,14 +27,14 @@ pytestmark = pytest.mark.skipif(
 SPEC = Qwen3Spec("unit", 32, 2, 4, 2, 8, 48, 80, False)  # fused qkv and gate_up, an untied head
 
 
-def _qwen3_engine(block: int) -> ApplyEngine:
+def _qwen3_engine(block: int, device: str = "cpu") -> ApplyEngine:
     shapes, layout = qwen3_layout(SPEC)
     gen = torch.Generator().manual_seed(0)
-    targets = {n: torch.randn(s, generator=gen).to(torch.bfloat16) for n, s in shapes.items()}
-    return ApplyEngine(targets, layout, "cpu", backend="triton", block=block)
+    targets = {n: torch.randn(s, generator=gen).to(device=device, dtype=torch.bfloat16) for n, s in shapes.items()}
+    return ApplyEngine(targets, layout, device, backend="triton", block=block)
 
 
-def _reordered_engine(block: int) -> ApplyEngine:
+def _reordered_engine(block: int, device: str = "cpu") -> ApplyEngine:
     """A fused target whose HF tensors come in another order than its rows (k, v, q -> q k v), beside
     fp32 tensors, and a replica this rank does not own."""
     targets = {
@@ -52,7 +52,8 @@ def _reordered_engine(block: int) -> ApplyEngine:
         "g": [Segment(2, 0, 7, 0, 1, 0, 1)],
         "r": [Segment(3, 0, 30, 0, 1, 0, 1, owner=False)],
     }
-    return ApplyEngine(targets, Layout(list(targets), hf, segs), "cpu", backend="triton", block=block)
+    targets = {k: t.to(device) for k, t in targets.items()}
+    return ApplyEngine(targets, Layout(list(targets), hf, segs), device, backend="triton", block=block)
 
 
 def _chunk(engine: ApplyEngine, names: list[str], seed: int, kind: str, mid: bool = False, held=None) -> Chunk:
