@@ -372,6 +372,9 @@ class Publisher:
             with self.snapshot.side_stream(self.snapshot.compute_device(owned)):
                 if stream is not None:
                     sections = stream.finish(found.counts)
+                    # the GPU compression starts here, not after the hand-off to the upload thread
+                    # (~0.5 ms of this thread: the launch; the version is live ~2-4 ms sooner)
+                    sections.begin()
                 else:
                     batch = codecs.Batch(
                         positions=found.positions,
