@@ -82,7 +82,7 @@ def open_span(span: FileSpan) -> int | None:
 
 def pread_into(dst: np.ndarray, at: int, fd: int, offset: int, nbytes: int) -> None:
     """dst[at : at + nbytes] = the file's bytes at `offset` (OSError if the file ends before them)."""
-    view = memoryview(dst)[at : at + nbytes]
+    view = dst.data[at : at + nbytes]  # numpy's buffer, as a memoryview
     done = 0
     while done < nbytes:
         got = os.preadv(fd, [view[done:]], offset + done)
