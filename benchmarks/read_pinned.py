@@ -24,19 +24,14 @@ import torch
 PIECE = 4 << 20
 
 
-def by_map(path: str, dst: np.ndarray, pool: ThreadPoolExecutor) -> None:
+def _mapped(path: str) -> np.ndarray:
+    """The file's bytes through a private mapping (as version_file.VersionFile maps it)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         m = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
     finally:
         os.close(fd)
-    src = np.frombuffer(m, dtype=np.uint8)
-
-    def copy(a: int) -> None:
-        b = min(src.size, a + PIECE)
-        dst[a:b] = src[a:b]
-
-    list(pool.map(copy, range(0, src.size, PIECE)))
+    return np.frombuffer(m, dtype=np.uint8)
 
 
 _LIBC = ctypes.CDLL(None, use_errno=True)
@@ -45,29 +40,28 @@ MADV_POPULATE_READ = 22  # Linux 5.14: the range's page tables filled in one cal
 PAGE = mmap.PAGESIZE
 
 
-def populate(src: np.ndarray, a: int, b: int) -> int:
-    """madvise(MADV_POPULATE_READ) over src[a:b] (page-aligned outward): 0, or the errno."""
+def populate(src: np.ndarray, a: int, b: int) -> None:
+    """madvise(MADV_POPULATE_READ) over src[a:b] (page-aligned outward)."""
     addr = src.ctypes.data + a
     start = addr - addr % PAGE
-    return 0 if _LIBC.madvise(start, addr + (b - a) - start, MADV_POPULATE_READ) == 0 else ctypes.get_errno()
+    if _LIBC.madvise(start, addr + (b - a) - start, MADV_POPULATE_READ) != 0:
+        raise OSError(ctypes.get_errno(), "madvise(MADV_POPULATE_READ)")
 
 
-def by_map_populated(path: str, dst: np.ndarray, pool: ThreadPoolExecutor) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        m = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
-    finally:
-        os.close(fd)
-    src = np.frombuffer(m, dtype=np.uint8)
+def by_map(path: str, dst: np.ndarray, pool: ThreadPoolExecutor, populated: bool = False) -> None:
+    src = _mapped(path)
 
     def copy(a: int) -> None:
         b = min(src.size, a + PIECE)
-        err = populate(src, a, b)
-        if err:
-            raise OSError(err, "madvise(MADV_POPULATE_READ)")
+        if populated:
+            populate(src, a, b)
         dst[a:b] = src[a:b]
 
     list(pool.map(copy, range(0, src.size, PIECE)))
+
+
+def by_map_populated(path: str, dst: np.ndarray, pool: ThreadPoolExecutor) -> None:
+    by_map(path, dst, pool, populated=True)
 
 
 def by_pread(path: str, dst: np.ndarray, pool: ThreadPoolExecutor) -> None:
