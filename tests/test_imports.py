@@ -23,7 +23,8 @@ ROOT = Path(__file__).resolve().parent.parent / PACKAGE
 
 # Lowest first. A module may import modules of its own layer (if that makes no cycle) or lower ones.
 LAYERS: list[tuple[str, ...]] = [
-    ("errors", "bits", "gc_pause", "mapped_writes", "signatures"),  # leaves (signatures: Ed25519, what is signed)
+    # leaves (signatures: Ed25519, what is signed; format.mapped_files: which open file mapped bytes are in)
+    ("errors", "bits", "gc_pause", "mapped_writes", "signatures", "format.mapped_files"),
     ("checksums",),  # the checksum definition
     ("wire",),  # the generic dataclass <-> plain values codec, and the store's JSON documents
     ("server_api", "attribution"),  # the HTTP contract of a server: bodies (clients and plugin); attribution
