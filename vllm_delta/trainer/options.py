@@ -64,9 +64,9 @@ class UploadOptions:
     header_columns: bool = True  # False: format 3 whatever `header_format` says (the option before it)
     # The chunked codec's GPU encode: frames per nvCOMP compression call. None: as many as a call takes
     # (fastest; nvCOMP's temporary space for a whole Qwen3-8B version at 1% is ~1.8 GB). A number bounds
-    # the publish's device memory beyond the snapshot (each call's space is reused by the next, and the
-    # parts of a version are compressed one after the other), at the cost of more calls
-    # (docs/PERFORMANCE.md, issue 35: the memory and time measured side by side)
+    # what torch's allocator holds for the calls (each call's space is reused by the next), not the
+    # device-wide peak: nvCOMP's zstd asks ~1.1 GB of space for any batch of 64 KiB frames, and a call
+    # costs ~10 ms however small (docs/PERFORMANCE.md, issue 35: memory and time side by side)
     gpu_encode_frames: int | None = None
     # `chunked` deltas (format 5) laid out by rank blocks (RANK_BLOCKS = 8): the elements of each tensor
     # that TP 2, 4 and 8 split (by its name: q/k/v, gate/up, embeddings by rows; o_proj, down_proj by
