@@ -112,3 +112,21 @@ def test_pieces_cancelled_before_they_run_still_close_the_file(tmp_path, monkeyp
     futures[0].result()
     pool.shutdown(wait=True)
     assert len(os.listdir("/proc/self/fd")) == fds
+
+
+def test_a_closed_file_leaves_no_registration_behind(tmp_path):
+    """close() unregisters at once and for good: the file's finalizer is spent, so collecting the object
+    later cannot remove the registration of another file mapped at the same address by then."""
+    import gc
+
+    a = VersionFile(_version(tmp_path))
+    blob_a = a.file_payload()["blob"].numpy()
+    a.close()
+    assert not a._unregister.alive and mapped_files.span_of(blob_a.ctypes.data, 1) is None
+    b_path = str(tmp_path / "b")
+    os.makedirs(b_path)
+    with VersionFile(_version(tmp_path / "b", seed=1)) as b:
+        blob_b = b.file_payload()["blob"].numpy()
+        del a
+        gc.collect()
+        assert mapped_files.span_of(blob_b.ctypes.data, blob_b.size) is not None

@@ -79,8 +79,10 @@ class VersionFile:
             # our own private (copy-on-write) mapping of the payload (see `_tensor`)
             self._map: mmap.mmap | None = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
             # readers of the mapped bytes may read them from the file instead while it is open (mapped_files)
-            self._mapped_at = mapped_files.register(self._map, os.path.abspath(self.path), os.fstat(fd))
-            weakref.finalize(self, mapped_files.unregister, self._mapped_at)
+            base = mapped_files.register(self._map, os.path.abspath(self.path), os.fstat(fd))
+            # once, at close or when this object goes (whichever first): a finalizer left to run later could
+            # remove the registration of another file mapped at the same address by then
+            self._unregister = weakref.finalize(self, mapped_files.unregister, base)
         except (SafetensorError, OSError, ValueError) as exc:
             raise FormatError(f"not a readable safetensors file {self.path}: {exc}", version=expect_version) from None
         finally:
@@ -215,7 +217,7 @@ class VersionFile:
 
     def close(self) -> None:
         # The memory maps go with the last reference (tensors handed out keep theirs alive).
-        mapped_files.unregister(self._mapped_at)
+        self._unregister()
         self._f = None  # type: ignore[assignment]
         self._map = None
         self._file_payload = None
