@@ -263,6 +263,10 @@ def test_dp_inflight_updates_while_both_engines_stream(server, store):
     clients = stream_on_each_engine(server)
     try:
         for v in (7, 8):
+            # staged first (on every engine), so the update call is the write alone: decoded during the
+            # call on a loaded 2-core machine, the streams' requests could end before the write
+            staged = server.post("/v1/delta/stage", {"version": v})
+            assert staged.status_code == 200, staged.text
             streaming(clients)
             res = server.update(v, mode="inflight")
             after = [c.in_progress() for _, c in clients]  # tokens of each stream's request now (None: between)
