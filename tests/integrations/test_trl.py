@@ -71,7 +71,16 @@ def trl_start(tmp_path_factory) -> tuple[str, str, str, torch.nn.Module]:
 
 def trl_server_plan(tmp_path_factory):
     _, model_dir, store, _ = trl_start(tmp_path_factory)
-    follow = {"delta_follow": True, "delta_poll_s": 0.5, "delta_report": True, "delta_replica_id": "trl-rollout"}
+    # The follower updates in flight too: a pushed version (the async trainer's, update_mode="inflight") may be
+    # applied by the follower's poll before the push arrives (the push then finds it served), and either way the
+    # server's last update must be the in-flight one the test asserts.
+    follow = {
+        "delta_follow": True,
+        "delta_follow_mode": "inflight",
+        "delta_poll_s": 0.5,
+        "delta_report": True,
+        "delta_replica_id": "trl-rollout",
+    }
     spec = ServerSpec.of(
         model_dir,
         store=store,
