@@ -8,6 +8,7 @@ import torch
 from apply_cases import cases, need
 
 from vllm_delta.apply import engine as engine_mod
+from vllm_delta.apply import plans
 from vllm_delta.apply import scatter as scatter_ops
 from vllm_delta.apply.engine import ApplyEngine
 from vllm_delta.apply.layout import Layout, Segment, hf_2d
@@ -304,7 +305,7 @@ def test_rollback_after_another_writer(tmp_path, device, backend):
     for plan, new in zip(staged.plans, staged.new_bits):
         n = 0
         for t, offs, slots in plan.local_elements():
-            assert torch.equal(scatter_ops.flat_bits(w.targets[t])[offs], new[slots])
+            assert torch.equal(plans.flat_bits(w.targets[t])[offs], new[slots])
             n += offs.numel()
         assert n == plan.nnz
     eng.rollback(staged)
@@ -381,8 +382,8 @@ def test_stage_phases_wait_for_the_device_only_when_asked(tmp_path, device, back
         eng = w.engine(backend, block=32, chunk_elems=200)
         assert eng.phase_waits == (mode == "sync")
         calls: list[int] = []
-        real = eng._sync_stream
-        monkeypatch.setattr(eng, "_sync_stream", lambda calls=calls, real=real: (calls.append(1), real())[1])
+        real = eng.sync_stream
+        monkeypatch.setattr(eng, "sync_stream", lambda calls=calls, real=real: (calls.append(1), real())[1])
         staged = eng.stage([VersionFile(tmp_path / "v1.safetensors")])
         assert {"decode", "translate", "gather", "partials", "plan", "total"} <= set(staged.timings)
         out[mode] = (len(calls), staged.partials, [b.clone() for b in staged.new_bits])

@@ -6,6 +6,7 @@ import pytest
 import torch
 from apply_cases import cases, need
 
+from vllm_delta.apply import plans as P
 from vllm_delta.apply import scatter as S
 
 
@@ -34,7 +35,7 @@ def _pairs(sizes, k, seed, device, interleave=False):
 
 
 def _bits(t):
-    return S.flat_bits(t).clone()
+    return P.flat_bits(t).clone()
 
 
 @pytest.mark.parametrize("device,backend", cases())
@@ -48,17 +49,17 @@ def test_fused_scatter_gather_match_reference(device, backend, block, interleave
     got = [t.clone() for t in ref]
     ids, offs = _pairs(sizes, 300, seed=block, device=device, interleave=interleave)
     gen = torch.Generator().manual_seed(1)
-    new = torch.randint(-(2**15), 2**15, (ids.numel(),), generator=gen).to(S.flat_bits(ref[0]).dtype).to(device)
+    new = torch.randint(-(2**15), 2**15, (ids.numel(),), generator=gen).to(P.flat_bits(ref[0]).dtype).to(device)
 
     want_old = torch.empty_like(new)
     for t in range(len(sizes)):
         m = ids == t
-        want_old[m] = S.flat_bits(ref[t])[offs[m]]
-    grouped = S.build_plan(ref, ids, offs)
+        want_old[m] = P.flat_bits(ref[t])[offs[m]]
+    grouped = P.build_plan(ref, ids, offs)
     assert torch.equal(S.gather(grouped), grouped.arrange(want_old))
     S.scatter_(grouped, grouped.arrange(new))
 
-    plan = S.build_fused_plan(got, ids, offs, block=block)
+    plan = P.build_fused_plan(got, ids, offs, block=block)
     assert plan.nnz == ids.numel() and plan.size % block == 0
     assert plan.rel.dtype == torch.int32
     old = S.gather(plan, backend)
@@ -83,8 +84,8 @@ def test_int64_offsets_path(device, backend):
     got = [t.clone() for t in ref]
     ids, offs = _pairs(sizes, 150, seed=3, device=device)
     new = torch.arange(ids.numel(), dtype=torch.int16, device=device)
-    S.scatter_(g := S.build_plan(ref, ids, offs), g.arrange(new))
-    plan = S.build_fused_plan(got, ids, offs, block=32, rel_dtype=torch.int64)
+    S.scatter_(g := P.build_plan(ref, ids, offs), g.arrange(new))
+    plan = P.build_fused_plan(got, ids, offs, block=32, rel_dtype=torch.int64)
     assert plan.rel.dtype == torch.int64
     S.scatter_(plan, plan.arrange(new), backend)
     for a, b in zip(ref, got):
@@ -99,11 +100,11 @@ def test_concatenated_plans(device, backend):
     got = [t.clone() for t in ref]
     ids, offs = _pairs(sizes, 80, seed=5, device=device)
     new = torch.randint(-100, 100, (ids.numel(),), dtype=torch.int16).to(device)
-    S.scatter_(g := S.build_plan(ref, ids, offs), g.arrange(new))
+    S.scatter_(g := P.build_plan(ref, ids, offs), g.arrange(new))
     base = min(range(3), key=lambda i: got[i].data_ptr())
     cut = [0, 70, 71, ids.numel()]
-    parts = [S.build_fused_plan(got, ids[a:b], offs[a:b], block=16, base_index=base) for a, b in zip(cut, cut[1:])]
-    plan = S.cat_plans(parts)
+    parts = [P.build_fused_plan(got, ids[a:b], offs[a:b], block=16, base_index=base) for a, b in zip(cut, cut[1:])]
+    plan = P.cat_plans(parts)
     bits = torch.cat([p.arrange(new[a:b]) for p, a, b in zip(parts, cut, cut[1:])])
     S.scatter_(plan, bits, backend)
     for a, b in zip(ref, got):
@@ -113,19 +114,19 @@ def test_concatenated_plans(device, backend):
 def test_out_of_range_and_bad_args():
     t = [torch.zeros(10, dtype=torch.bfloat16)]
     with pytest.raises(IndexError):
-        S.build_fused_plan(t, torch.tensor([0]), torch.tensor([10]))
+        P.build_fused_plan(t, torch.tensor([0]), torch.tensor([10]))
     with pytest.raises(IndexError):
-        S.build_fused_plan(t, torch.tensor([1]), torch.tensor([0]))
+        P.build_fused_plan(t, torch.tensor([1]), torch.tensor([0]))
     with pytest.raises(ValueError):
-        S.build_fused_plan(t, torch.tensor([0]), torch.tensor([0]), block=12)
-    plan = S.build_fused_plan(t, torch.tensor([0]), torch.tensor([3]), block=16)
+        P.build_fused_plan(t, torch.tensor([0]), torch.tensor([0]), block=12)
+    plan = P.build_fused_plan(t, torch.tensor([0]), torch.tensor([3]), block=16)
     with pytest.raises(ValueError):
         S.scatter_(plan, torch.zeros(3, dtype=torch.int16), "torch")
     with pytest.raises(ValueError):
-        S.build_fused_plan(
+        P.build_fused_plan(
             [torch.zeros(4), torch.zeros(4, dtype=torch.bfloat16)], torch.tensor([0, 1]), torch.tensor([0, 0])
         )
-    empty = S.build_fused_plan(t, torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64))
+    empty = P.build_fused_plan(t, torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64))
     assert empty.size == 0 and empty.nnz == 0
     S.scatter_(empty, torch.zeros(0, dtype=torch.int16), "torch")
 
@@ -134,12 +135,12 @@ def test_out_of_range_and_bad_args():
 def test_gather_at(device, backend):
     need(device, backend)
     ts = _targets(device, [100, 300, 7])
-    b, deltas = S.address_base([S.flat_bits(t) for t in ts])
+    b, deltas = P.address_base([P.flat_bits(t) for t in ts])
     ids = torch.tensor([2, 0, 1, 1, 2, 0])
     offs = torch.tensor([6, 99, 0, 299, 0, 5])
     addr = (torch.tensor(deltas)[ids] + offs).to(device)
-    got = S.gather_at(S.flat_bits(ts[b]), addr, backend)
-    want = torch.stack([S.flat_bits(ts[i])[o] for i, o in zip(ids.tolist(), offs.tolist())])
+    got = S.gather_at(P.flat_bits(ts[b]), addr, backend)
+    want = torch.stack([P.flat_bits(ts[i])[o] for i, o in zip(ids.tolist(), offs.tolist())])
     assert torch.equal(got, want)
 
 
@@ -157,7 +158,7 @@ def test_targets_over_2_31_elements(device, backend):
     need(device, backend)
     big = _huge(device)
     small = torch.zeros(64, dtype=torch.bfloat16, device=device)
-    flat = S.flat_bits(big)
+    flat = P.flat_bits(big)
     n = flat.numel()
     # block 1: offsets clustered above 2^31 (int32 relative offsets, int64 block base);
     # block 2: one block spanning more than 2^31 elements (int64 relative offsets).
@@ -166,13 +167,13 @@ def test_targets_over_2_31_elements(device, backend):
     for offs, wide in ((clustered, False), (spread, True)):
         ids = torch.cat([torch.zeros(offs.numel(), dtype=torch.int64), torch.ones(2, dtype=torch.int64)])
         offs_all = torch.cat([offs, torch.tensor([0, 63])])
-        plan = S.build_fused_plan([big, small], ids.to(device), offs_all.to(device), block=16)
+        plan = P.build_fused_plan([big, small], ids.to(device), offs_all.to(device), block=16)
         assert (plan.rel.dtype == torch.int64) == wide
         neighbours = torch.stack([flat[o - 1] for o in offs.tolist()] + [flat[offs[0] + 1]]).clone()
         new = torch.arange(1, ids.numel() + 1, dtype=torch.int16, device=device) * 7
         old = S.gather(plan, backend)
         S.scatter_(plan, plan.arrange(new), backend)
-        got = torch.stack([flat[o] for o in offs.tolist()] + [S.flat_bits(small)[0], S.flat_bits(small)[63]])
+        got = torch.stack([flat[o] for o in offs.tolist()] + [P.flat_bits(small)[0], P.flat_bits(small)[63]])
         assert torch.equal(got, new)
         after = torch.stack([flat[o - 1] for o in offs.tolist()] + [flat[offs[0] + 1]])
         assert torch.equal(after, neighbours)
@@ -195,22 +196,22 @@ def test_fused_plan_from_host_runs_is_the_plan_found_on_the_device(interleave):
     if not interleave:  # sorted by target, as a decoded chunk's elements are: long runs
         order = torch.argsort(ids, stable=True)
         ids, offs = ids[order], offs[order]
-    found = S.build_fused_plan(got, ids, offs, block=16)
+    found = P.build_fused_plan(got, ids, offs, block=16)
     change = np.flatnonzero(np.r_[True, ids.numpy()[1:] != ids.numpy()[:-1]])
     lengths = np.diff(np.r_[change, ids.numel()])
     split = np.repeat(lengths, 2) // 2  # each run cut in two: the host's runs are merged again
     split[1::2] = lengths - split[0::2]
     runs = TargetRuns.merged(np.repeat(ids.numpy()[change], 2), split)
-    flats = [S.flat_bits(t) for t in got]
-    b, tbase = S.address_base(flats)
-    given = S.fused_plan(flats, flats[b], tbase, torch.tensor(tbase), ids, offs, block=16, runs=runs)
-    device = S.fused_plan(flats, flats[b], tbase, torch.tensor(tbase), ids, offs, block=16)
+    flats = [P.flat_bits(t) for t in got]
+    b, tbase = P.address_base(flats)
+    given = P.fused_plan(flats, flats[b], tbase, torch.tensor(tbase), ids, offs, block=16, runs=runs)
+    device = P.fused_plan(flats, flats[b], tbase, torch.tensor(tbase), ids, offs, block=16)
     assert np.array_equal(given.bounds, device.bounds)
     for field in ("block_base", "rel", "slots"):
         assert torch.equal(getattr(given, field), getattr(device, field)), field
     assert given.count == device.count == ids.numel()
     with pytest.raises(ValueError, match="runs given hold"):
-        S.fused_plan(
+        P.fused_plan(
             flats,
             flats[b],
             tbase,

@@ -13,7 +13,8 @@ import torch
 from test_engine import World
 
 from vllm_delta.apply import stage_unit
-from vllm_delta.apply.engine import ApplyEngine, StagedUpdate, _Run
+from vllm_delta.apply.emit import StageRun
+from vllm_delta.apply.engine import ApplyEngine, StagedUpdate
 from vllm_delta.apply.layout import Layout, Segment
 from vllm_delta.bits import INT_DTYPE, bit_view
 from vllm_delta.codec.decoding import Chunk, Runs
@@ -81,19 +82,19 @@ def _chunk(engine: ApplyEngine, names: list[str], seed: int, kind: str, mid: boo
     return Chunk(t_idx, p, bits if kind != "values" else None, bits if kind == "values" else None, runs)
 
 
-def _emit(engine: ApplyEngine, chunk: Chunk, fast: bool, undo: bool) -> tuple[_Run, int]:
-    run = _Run(engine, StagedUpdate(versions=[1], header=None, undo=undo))  # type: ignore[arg-type]
+def _emit(engine: ApplyEngine, chunk: Chunk, fast: bool, undo: bool) -> tuple[StageRun, int]:
+    run = StageRun(engine, StagedUpdate(versions=[1], header=None, undo=undo))  # type: ignore[arg-type]
     width = chunk.values.element_size() if chunk.values is not None else chunk.diffs.element_size()
     if fast:
         engine.unit_kernel = True
-        assert engine._emit_unit(run, width, chunk.p, chunk.runs.nonempty(), chunk, 0.0)
+        assert run._emit_unit(width, chunk.p, chunk.runs.nonempty(), chunk, 0.0)
     else:
         engine.unit_kernel = False
-        engine._emit(run, width, chunk.t_idx, chunk.p, chunk.runs, chunk)
+        run.emit(width, chunk.t_idx, chunk.p, chunk.runs, chunk)
     return run, width
 
 
-def _assert_same_outputs(a: _Run, b: _Run, width: int) -> None:
+def _assert_same_outputs(a: StageRun, b: StageRun, width: int) -> None:
     oa, ob = a.outs[width], b.outs[width]
     assert len(oa.plans) == len(ob.plans) == 1
     pa, pb = oa.plans[0], ob.plans[0]
@@ -172,14 +173,14 @@ def test_a_tp2_rank_takes_the_unit_kernel_only_where_it_needs_no_mask(held):
         runs = chunk.runs.nonempty()
         assert (engine.dlayout.whole_runs(runs.tensors, runs.counts, runs.held) is not None) == fast, names
         slow, width = _emit(engine, chunk, False, False)
-        run = _Run(engine, StagedUpdate(versions=[1], header=None))  # type: ignore[arg-type]
-        assert engine._emit_unit(run, width, chunk.p, runs, chunk, 0.0) == fast
+        run = StageRun(engine, StagedUpdate(versions=[1], header=None))  # type: ignore[arg-type]
+        assert run._emit_unit(width, chunk.p, runs, chunk, 0.0) == fast
         if fast:
             _assert_same_outputs(run, slow, width)
         elif held is None:  # positions anywhere: the rank's elements only, whichever path
             engine.unit_kernel = True
-            again = _Run(engine, StagedUpdate(versions=[1], header=None))  # type: ignore[arg-type]
-            engine._emit(again, width, chunk.t_idx, chunk.p, chunk.runs, chunk)
+            again = StageRun(engine, StagedUpdate(versions=[1], header=None))  # type: ignore[arg-type]
+            again.emit(width, chunk.t_idx, chunk.p, chunk.runs, chunk)
             _assert_same_outputs(again, slow, width)
 
 

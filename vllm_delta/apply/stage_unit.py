@@ -1,7 +1,7 @@
 """One decoded unit staged in one kernel launch: translate, live bits, new bits, fused plan, arranged
 bits and checksum partials.
 
-The common case of staging (`ApplyEngine._emit`): a decoded chunk (differences or values) of whole
+The common case of staging (`emit.StageRun.emit`): a decoded chunk (differences or values) of whole
 tensors whose elements go, each, to target offset p + shift of its tensor, with one owner for the chunk
 (`DeviceLayout.whole_runs`: TP=1 dense tensors, or a rank's row runs it is known to hold). The host
 knows the chunk's runs: HF tensor runs r (elements [s_r, e_r) of the chunk, tensor t_r) and target runs
@@ -17,8 +17,8 @@ element i of HF run r in target run j, with the plan's runs padded to whole bloc
     rel[slot_i]   = addr_i - block_base[b]  (int32; -1 in padding slots)
     sums[t_r]    += Σ (p_i + 1) · WEIGHT · (u(new_i) - u(old_i))  mod 2^64   (when the chunk is owned)
 
-with u() the unsigned value of a bit pattern. Exactly what `translate` + `_gather` + `step_bits` +
-`_add_partials` + `scatter.fused_plan` + `FusedPlan.arrange` compute (the plan, the arranged new and old
+with u() the unsigned value of a bit pattern. Exactly what `translate` + `LiveBits.gather` + `step_bits` +
+`_add_partials` + `plans.fused_plan` + `FusedPlan.arrange` compute (the plan, the arranged new and old
 bits with 0 in padding slots, the sums), in one launch: one program per plan block, reading the
 block's elements once. The host sends the block and run tables in one pinned copy; nothing is read
 back. Per changed bf16 element the kernel reads p (8 B), the difference (2 B) and the live bits (2 B),
@@ -42,7 +42,8 @@ from ..bits import UNSIGNED_MASK
 from ..checksums import WEIGHT_INT64
 from ..codec.decoding import Runs
 from .layout import TargetRuns
-from .scatter import _INT32_MAX, FusedAddressing, FusedPlan
+from .plans import INT32_MAX, FusedPlan
+from .scatter import FusedAddressing
 
 if TYPE_CHECKING:
     from ..codec.decoding import Chunk
@@ -320,7 +321,7 @@ def stage_chunk(
         return None
     tab, truns, owner = whole
     used = [addressing.flats[t] for t in np.unique(truns.targets).tolist()]
-    if any(f is None for f in used) or max(f.numel() for f in used if f is not None) - 1 > _INT32_MAX:
+    if any(f is None for f in used) or max(f.numel() for f in used if f is not None) - 1 > INT32_MAX:
         return None  # int64 offsets (the general path decides)
     tensors = np.asarray(runs.tensors, dtype=np.int64)
     shifts = np.asarray(addressing.offsets, dtype=np.int64)[tab.target_h[tensors]] + tab.shift_h[tensors]
