@@ -31,7 +31,8 @@ from typing import Any
 
 import torch
 
-from ...apply.engine import ApplyEngine, StagedUpdate
+from ...apply.emit import StagedUpdate
+from ...apply.engine import ApplyEngine
 from ...apply.layout import hf_2d
 from ...checksums import Sums, add_sums, to_hex
 from ...errors import ChecksumMismatchError, InjectedFaultError, UnsupportedModelError

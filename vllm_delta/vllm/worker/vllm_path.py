@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ...apply.engine import StagedUpdate
+from ...apply.emit import StagedUpdate
 from ...apply.layout import Layout
 
 
