@@ -108,7 +108,7 @@ class VersionEncoder:
         with job.timed("d2h"):
             job.sections.wait()  # the device work queued before the copies, and the copies
         with job.timed("launch"):
-            job.sections.begin()  # the GPU compression runs while the header is laid out below
+            job.sections.begin()  # started by the Publisher already, else now: runs while the header is laid out
         of = DeltaOf(
             version=job.version,
             base=job.base,

@@ -126,9 +126,11 @@ class ChunkedBatch(BatchSections):
         return list(PAYLOAD_LAYOUT) + ([SPANS_LAYOUT] if self.blocks is not None else [])
 
     def begin(self) -> None:
-        """Start the GPU compression now, on the encode stream (the upload thread calls this first, so
-        nvCOMP runs while the host lays out the file's header: ~3 ms at Qwen3-8B). Only where nvCOMP's
-        C API runs and calls are not bounded (`encode_frames`); anything that fails here is left to
+        """Start the GPU compression now, on the encode stream, so that nvCOMP runs while the host hands
+        the version over and lays out the file's header (~3 ms at Qwen3-8B). Idempotent: the Publisher
+        calls it on the training thread right after detection, the upload thread again before it lays
+        out the file (a no-op then; the start for sections made elsewhere). Only where nvCOMP's C API
+        runs and calls are not bounded (`encode_frames`); anything that fails here is left to
         `write_to`, which compresses (or falls back to the CPU) as it always did."""
         if self._launched is not None or not self.parts or self.device.type != "cuda":
             return
