@@ -152,6 +152,17 @@ def combine(partials: Iterable[tuple[str, int]]) -> int:
     return total
 
 
+def name_keys(names: Iterable[str]) -> np.ndarray:
+    """key(name) of each name, as a uint64 array (what `combine_arrays` weighs sums with)."""
+    return np.fromiter(map(name_key, names), dtype=np.uint64)
+
+
+def combine_arrays(keys: np.ndarray, sums: np.ndarray) -> int:
+    """`combine(zip(names, sums))` for aligned uint64 arrays (`keys = name_keys(names)`): Σ key · sum mod
+    2^64, in numpy's uint64 arithmetic, which wraps (no Python int per tensor)."""
+    return int(np.multiply(keys, sums, dtype=np.uint64).sum(dtype=np.uint64))
+
+
 def to_hex(value: int) -> str:
     return f"{value & MASK64:016x}"
 
@@ -234,9 +245,11 @@ __all__ = [
     "chunk_hashes",
     "checksum",
     "combine",
+    "combine_arrays",
     "from_hex",
     "is_hex",
     "name_key",
+    "name_keys",
     "partial_terms",
     "positional_sum",
     "positional_sum_tensor",

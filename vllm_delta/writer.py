@@ -308,13 +308,21 @@ class TableTemplate:
             rows=rows,
         )
 
-    def table(self, sums: Mapping[str, int], counts: Sequence[int], at: np.ndarray, start: np.ndarray) -> TensorTable:
-        """One version's table: whole-tensor checksums `sums` (every tensor, in the source order), and
-        per owned tensor its changed elements and place in the streams (`at`, `start`: -1 for none)."""
+    def table(
+        self, sums: Mapping[str, int] | np.ndarray, counts: Sequence[int], at: np.ndarray, start: np.ndarray
+    ) -> TensorTable:
+        """One version's table: whole-tensor checksums `sums` (every tensor, in the source order: a
+        mapping by name, or a uint64 array), and per owned tensor its changed elements and place in the
+        streams (`at`, `start`: -1 for none)."""
         n = len(self.names)
-        if len(sums) != n or list(sums) != self.source:  # list compare: the same str objects, in C
-            raise ValueError("the version's checksums do not list the table's tensors in its order")
-        by_source = np.fromiter(sums.values(), dtype=np.uint64, count=n)
+        if isinstance(sums, np.ndarray):
+            if sums.shape != (n,):
+                raise ValueError(f"the version's checksums are {sums.shape[0]} values, not one per tensor ({n})")
+            by_source = sums.astype(np.uint64, copy=False)
+        else:
+            if len(sums) != n or list(sums) != self.source:  # list compare: the same str objects, in C
+                raise ValueError("the version's checksums do not list the table's tensors in its order")
+            by_source = np.fromiter(sums.values(), dtype=np.uint64, count=n)
         nnz = np.zeros(n, dtype=np.int64)
         at_col = np.full(n, -1, dtype=np.int64)
         start_col = np.full(n, -1, dtype=np.int64)
@@ -333,7 +341,7 @@ def write_delta_arrays(
     codec: codecs.FileCodec,
     batch: codecs.BatchSections,
     template: TableTemplate,
-    sums: Mapping[str, int],
+    sums: Mapping[str, int] | np.ndarray,
     counts: Sequence[int],
     *,
     pool: Executor | None = None,

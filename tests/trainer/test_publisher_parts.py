@@ -7,6 +7,7 @@ from __future__ import annotations
 import inspect
 import threading
 
+import numpy as np
 import pytest
 import torch
 
@@ -196,7 +197,7 @@ def job(version: int, *, base: int | None = None) -> UploadJob:
         checksum=to_hex(combine(sums.items())),
         codec=None if base is None else "compact",
         shapes={"w": (4, 3)},
-        sums=sums,
+        sums=np.array(list(sums.values()), dtype=np.uint64),
         owned=[Owned("w", t.reshape(-1), (4, 3), 0, 4)],
         nnz=12,
         numel=12,

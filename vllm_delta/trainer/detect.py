@@ -30,11 +30,12 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
 from ..bits import INT_DTYPE, bit_view
-from ..checksums import MASK64, partial_terms, positional_sum_tensor
+from ..checksums import partial_terms, positional_sum_tensor
 from . import kernels
 from .names import checkpoint_tensors
 from .shard import Owned, ShardedTensor, local_tensor
@@ -291,9 +292,9 @@ class FlatSnapshot:
             sums = [
                 positional_sum_tensor(self.bits[off : off + o.count], o.start) for off, o in zip(self._offsets, owned)
             ]
-            values = torch.stack([s.cpu() for s in sums]).tolist() if sums else []
+            values = _unsigned(torch.stack(sums)) if sums else []
         images = [host[off : off + o.count].view(o.slice_shape) for off, o in zip(self._offsets, owned)]
-        return AnchorImage(host=images, sums=[v & MASK64 for v in values])
+        return AnchorImage(host=images, sums=values)
 
     # -- deltas ----------------------------------------------------------------------------------
     @torch.no_grad()
@@ -361,14 +362,9 @@ class FlatSnapshot:
             counts = torch.bincount(seg, minlength=t)
             terms = partial_terms(positions.clone(), new, old)
             sums = torch.zeros(t, dtype=torch.int64, device=dev).index_add_(0, seg, terms)
-            host = torch.cat([counts, sums]).cpu().tolist()  # the final host wait
+            host = torch.cat([counts, sums]).cpu()  # the final host wait
         return Detected(
-            positions=positions,
-            new=new,
-            old=old,
-            seg=seg,
-            counts=host[:t],
-            sums=[v & MASK64 for v in host[t:]],
+            positions=positions, new=new, old=old, seg=seg, counts=host[:t].tolist(), sums=_unsigned(host[t:])
         )
 
     def _changes_bitmask(
@@ -418,15 +414,15 @@ class FlatSnapshot:
         torch.cumsum(counts, 0, dtype=torch.int64, out=acc[0, 1:])
         torch.cumsum(bsums, 0, out=acc[1, 1:])
         ends = acc[:, table.first]
-        host = (ends[:, 1:] - ends[:, :-1]).cpu().tolist()  # the final host wait
+        host = (ends[:, 1:] - ends[:, :-1]).cpu()  # the final host wait
         return Detected(
-            positions=positions,
-            new=new,
-            old=old,
-            seg=seg,
-            counts=host[0][:t],
-            sums=[v & MASK64 for v in host[1][:t]],
+            positions=positions, new=new, old=old, seg=seg, counts=host[0, :t].tolist(), sums=_unsigned(host[1, :t])
         )
+
+
+def _unsigned(sums: torch.Tensor) -> list[int]:
+    """int64 sums (wrapped) as the unsigned values mod 2^64 they stand for, without a Python op per tensor."""
+    return sums.cpu().numpy().view(np.uint64).tolist()
 
 
 __all__ = [

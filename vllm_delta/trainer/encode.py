@@ -93,10 +93,17 @@ class VersionEncoder:
         assert job.host is not None
         slices = {o.name: h for o, h in zip(job.owned, job.host)}
         if job.part is None:
-            header, payload = encode_anchor(job.version, slices, job.sums, created=job.created)
+            header, payload = encode_anchor(job.version, slices, job.sums_by_name(), created=job.created)
         else:
             header, payload = encode_anchor_part(
-                job.version, job.shapes, self.dtype, job.sums, job.checksum, slices, job.part, created=job.created
+                job.version,
+                job.shapes,
+                self.dtype,
+                job.sums_by_name(),
+                job.checksum,
+                slices,
+                job.part,
+                created=job.created,
             )
         with job.timed("write"):
             write(path, header, payload)
@@ -144,8 +151,9 @@ class VersionEncoder:
             with job.timed("split"):
                 sections = job.sections.split()  # per tensor, on the host
             owned = {o.name: (n, s) for o, n, s in zip(job.owned, job.counts, sections)}
+            sums = job.sums_by_name()
             prepared = {
-                name: PreparedTensor(shape, self.dtype, job.sums[name], *owned.get(name, (0, None)))
+                name: PreparedTensor(shape, self.dtype, sums[name], *owned.get(name, (0, None)))
                 for name, shape in job.shapes.items()
             }
             try:

@@ -21,6 +21,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
+
 from ..errors import PublishError
 from ..format import PartInfo
 from ..store import DeltaStore
@@ -81,13 +83,14 @@ class PublishGroup(Protocol):
         ...
 
     def whole_sums(
-        self, names: list[str], partials: dict[str, int], nnz: int, error: Exception | None
-    ) -> tuple[dict[str, int], int]:
-        """Whole-tensor checksums and the version's nnz from every rank's partials; `error`: this
-        rank's detection failed (raised on every rank)."""
+        self, own: Ownership, partials: np.ndarray, nnz: int, error: Exception | None
+    ) -> tuple[np.ndarray, int]:
+        """Whole-tensor checksums (uint64, per tensor of `own.names`) and the version's nnz from every
+        rank's partials (uint64, per tensor of `own.owned`); `error`: this rank's detection failed
+        (raised on every rank)."""
         ...
 
-    def part_of(self, own: Ownership, partials: dict[str, int]) -> PartInfo | None: ...
+    def part_of(self, own: Ownership, partials: np.ndarray) -> PartInfo | None: ...
 
     def commit(self, job: UploadJob, write: WriteFile, *, base_missing: bool) -> CommitOutcome: ...
 
@@ -114,13 +117,13 @@ class SingleProcess:
         return gate.released_by
 
     def whole_sums(
-        self, names: list[str], partials: dict[str, int], nnz: int, error: Exception | None
-    ) -> tuple[dict[str, int], int]:
+        self, own: Ownership, partials: np.ndarray, nnz: int, error: Exception | None
+    ) -> tuple[np.ndarray, int]:
         if error is not None:
             raise error
-        return {n: partials.get(n, 0) for n in names}, nnz
+        return own.spread(partials), nnz
 
-    def part_of(self, own: Ownership, partials: dict[str, int]) -> PartInfo | None:
+    def part_of(self, own: Ownership, partials: np.ndarray) -> PartInfo | None:
         return None
 
     def commit(self, job: UploadJob, write: WriteFile, *, base_missing: bool) -> CommitOutcome:

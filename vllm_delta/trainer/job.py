@@ -9,6 +9,7 @@ from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from ..codec import BatchSections
@@ -28,7 +29,7 @@ class UploadJob:
     checksum: str  # whole-model checksum
     codec: str | None  # what the version's record names: deltas only
     shapes: dict[str, tuple[int, ...]]  # every tensor of the version, in order
-    sums: dict[str, int]  # whole-tensor checksums
+    sums: np.ndarray  # whole-tensor checksums, uint64, in `shapes` order
     owned: list[Owned]  # what this rank publishes
     nnz: int  # whole version
     numel: int
@@ -49,6 +50,10 @@ class UploadJob:
             yield
         finally:
             self.timings[phase] = (time.perf_counter() - t0) * 1e3
+
+    def sums_by_name(self) -> dict[str, int]:
+        """`sums` by tensor name (the anchor writers and headers before format 5 take them so)."""
+        return dict(zip(self.shapes, self.sums.tolist()))
 
     def release(self) -> None:
         """Drop the payload (host copies, codec sections) once the upload is over, whatever its end."""

@@ -39,11 +39,12 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, NoReturn
 
+import numpy as np
 import torch
 
 from .. import codec as codecs
 from .. import gc_pause
-from ..checksums import MASK64, combine, to_hex
+from ..checksums import combine_arrays, to_hex
 from ..errors import PublishError
 from ..format import DTYPE_NAMES, VersionKind
 from ..signatures import SigningKey
@@ -86,6 +87,10 @@ class PublishInfo:
         return self.nnz / self.numel if self.numel else 0.0
 
 
+def _no_sums() -> np.ndarray:
+    return np.zeros(0, dtype=np.uint64)
+
+
 @dataclass
 class _Chain:
     """What the next version builds on, as this rank published it."""
@@ -95,7 +100,7 @@ class _Chain:
     needs_anchor: bool = True  # nothing to diff against (yet, or after a failure)
     fingerprint: str | None = None  # of the last version's tensor set
     checksum: str | None = None  # the last version's whole-model checksum
-    partials: dict[str, int] = field(default_factory=dict)  # per owned tensor: the sum over its owned elements
+    partials: np.ndarray = field(default_factory=_no_sums)  # per owned tensor, uint64: its owned elements' sum
 
     def builds_on_any(self, versions: Iterable[int]) -> bool:
         """Whether the next delta would build on one of `versions` (it lies on the current chain)."""
@@ -111,7 +116,7 @@ class _Chain:
             raise ValueError(f"version {version} is not after the last published version {self.last}")
         return version
 
-    def advance(self, job: UploadJob, partials: dict[str, int]) -> None:
+    def advance(self, job: UploadJob, partials: np.ndarray) -> None:
         self.last, self.checksum, self.partials = job.version, job.checksum, partials
         if job.kind == "anchor":
             self.last_anchor = job.version
@@ -122,7 +127,7 @@ class _Chain:
 class _Detected:
     """This rank's share of a version after detection, on the training thread."""
 
-    partials: dict[str, int] = field(default_factory=dict)
+    partials: np.ndarray = field(default_factory=_no_sums)  # per owned tensor, uint64
     counts: list[int] = field(default_factory=list)
     sections: codecs.BatchSections | None = None  # deltas
     host: list[torch.Tensor] | None = None  # anchors
@@ -231,8 +236,8 @@ class Publisher:
             # the collector would walk again and again, as on the upload thread (gc_pause.py).
             with gc_pause.paused():
                 t1 = time.perf_counter()
-                names = agreed.ownership.names
-                sums, nnz = self._group.whole_sums(names, detected.partials, sum(detected.counts), detected.error)
+                own = agreed.ownership
+                sums, nnz = self._group.whole_sums(own, detected.partials, sum(detected.counts), detected.error)
                 timings["sums"] = _ms(t1)
                 t1 = time.perf_counter()
                 job = self._job(agreed, detected, sums, nnz)
@@ -358,7 +363,7 @@ class Publisher:
             if agreed.anchor:
                 image = self.snapshot.anchor(owned)
                 timings["detect"] = _ms(t0)
-                partials = {o.name: s for o, s in zip(owned, image.sums)}
+                partials = np.array(image.sums, dtype=np.uint64)
                 return _Detected(partials, [o.count for o in owned], host=image.host)
             # A codec that encodes detection's passes as they come (chunked, issue 17) keeps one pass's
             # changes on the device at a time; "detect" then includes that encoding.
@@ -367,8 +372,11 @@ class Publisher:
             found = self.snapshot.changes(owned, consume=stream.add if stream is not None else None)
             timings["detect"] = _ms(t0)
             t0 = time.perf_counter()
-            old = self._chain.partials
-            partials = {o.name: (old.get(o.name, 0) + s) & MASK64 for o, s in zip(owned, found.sums)}
+            # the chain's partials are of the same owned tensors (a delta needs snapshot.matches(owned))
+            moved = np.array(found.sums, dtype=np.uint64)
+            if self._chain.partials.shape != moved.shape:
+                raise PublishError(f"{moved.size} owned tensors, {self._chain.partials.size} in the last version")
+            partials = self._chain.partials + moved  # uint64 arithmetic: mod 2^64
             with self.snapshot.side_stream(self.snapshot.compute_device(owned)):
                 if stream is not None:
                     sections = stream.finish(found.counts)
@@ -404,7 +412,7 @@ class Publisher:
             )
         return cached[1], cached[2]
 
-    def _job(self, agreed: Agreement, detected: _Detected, sums: dict[str, int], nnz: int) -> UploadJob:
+    def _job(self, agreed: Agreement, detected: _Detected, sums: np.ndarray, nnz: int) -> UploadJob:
         own, chain = agreed.ownership, self._chain
         shapes, numel = own.shapes, own.numel
         return UploadJob(
@@ -412,7 +420,7 @@ class Publisher:
             kind="anchor" if agreed.anchor else "delta",
             base=None if agreed.anchor else chain.last,
             base_checksum=None if agreed.anchor else chain.checksum,
-            checksum=to_hex(combine(sums.items())),
+            checksum=to_hex(combine_arrays(own.keys, sums)),
             codec=None if agreed.anchor else self.codec.name,
             shapes=shapes,
             sums=sums,

@@ -25,8 +25,10 @@ import json
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from ..checksums import name_keys
 from ..errors import ShardingError
 
 
@@ -100,6 +102,24 @@ class Ownership:
     @functools.cached_property
     def numel(self) -> int:
         return sum(math.prod(shape) for _, shape, _ in self.spec)
+
+    @functools.cached_property
+    def owned_at(self) -> np.ndarray:
+        """Each owned tensor's index in `names` (intp): where its sums go in a whole-set array."""
+        at = {name: i for i, name in enumerate(self.names)}
+        return np.fromiter((at[o.name] for o in self.owned), dtype=np.intp, count=len(self.owned))
+
+    def spread(self, owned_values: np.ndarray) -> np.ndarray:
+        """Per-owned-tensor uint64 values as a whole-set array (`names` order; 0 where this rank owns
+        nothing)."""
+        out = np.zeros(len(self.names), dtype=np.uint64)
+        out[self.owned_at] = owned_values
+        return out
+
+    @functools.cached_property
+    def keys(self) -> np.ndarray:
+        """checksums.name_keys(names): a whole-set sums array's weights in its checksum."""
+        return name_keys(self.names)
 
     @functools.cached_property
     def part_rows(self) -> dict[str, list[int]]:

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..checksums import combine, to_hex
+from ..checksums import combine_arrays, to_hex
 from ..errors import PublishError, ShardingError, StalenessTimeoutError
 from ..format import PartInfo
 from ..store import DeltaStore, PartRecord
@@ -79,9 +79,12 @@ class GateOutcome:
     released_by: frozenset[int]  # marked versions that released the wait (StalenessGate.released_by)
 
 
+_NO_SUMS = np.zeros(0, dtype=np.uint64)
+
+
 @dataclass(frozen=True)
 class PartialSums:
-    values: list[int]  # per tensor, in the tensor set's order: the sum over this rank's elements
+    values: np.ndarray  # uint64 per tensor, in the tensor set's order: the sum over this rank's elements
     nnz: int  # changed elements this rank owns
     error: str | None = None  # this rank's detection failed (`values` empty)
 
@@ -225,12 +228,10 @@ class ShardGroup:
         return agreed.released_by
 
     def whole_sums(
-        self, names: list[str], partials: dict[str, int], nnz: int, error: Exception | None
-    ) -> tuple[dict[str, int], int]:
+        self, own: Ownership, partials: np.ndarray, nnz: int, error: Exception | None
+    ) -> tuple[np.ndarray, int]:
         mine = (
-            PartialSums([], 0, _describe(error))
-            if error is not None
-            else PartialSums([partials.get(n, 0) for n in names], nnz)
+            PartialSums(_NO_SUMS, 0, _describe(error)) if error is not None else PartialSums(own.spread(partials), nnz)
         )
         total = self._control.exchange(mine, add_partials, what="the checksum partials")
         self.waits["sums"] = self._control.last_wait_ms
@@ -238,13 +239,13 @@ class ShardGroup:
             if error is not None:
                 raise error
             raise ShardingError(total.error)
-        return dict(zip(names, total.values)), total.nnz
+        return total.values, total.nnz
 
-    def part_of(self, own: Ownership, partials: dict[str, int]) -> PartInfo | None:
+    def part_of(self, own: Ownership, partials: np.ndarray) -> PartInfo | None:
         return PartInfo(
             index=self.rank,
             count=self.world,
-            checksum=to_hex(combine((o.name, partials[o.name]) for o in own.owned)),
+            checksum=to_hex(combine_arrays(own.keys[own.owned_at], partials)),
             rows=dict(own.part_rows),  # the ranges are shared; the mapping is the part's own
         )
 
@@ -321,10 +322,10 @@ def add_partials(msgs: Sequence[PartialSums]) -> PartialSums:
     """Rank 0: every rank's partials added up, per tensor (or the first rank's detection error)."""
     for r, m in enumerate(msgs):
         if m.error is not None:
-            return PartialSums([], 0, f"rank {r} failed to detect its changes: {m.error}")
+            return PartialSums(_NO_SUMS, 0, f"rank {r} failed to detect its changes: {m.error}")
     # uint64 addition wraps mod 2^64, as checksums.add_sums does; one array op instead of world x tensors
-    table = np.array([m.values for m in msgs], dtype=np.uint64).reshape(len(msgs), -1)
-    return PartialSums([int(v) for v in table.sum(axis=0, dtype=np.uint64)], sum(m.nnz for m in msgs))
+    table = np.stack([np.asarray(m.values, dtype=np.uint64) for m in msgs])
+    return PartialSums(table.sum(axis=0, dtype=np.uint64), sum(m.nnz for m in msgs))
 
 
 __all__ = [
