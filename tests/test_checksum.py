@@ -120,3 +120,15 @@ def test_stored_checksums_are_16_lower_case_hex_digits():
     assert checksum_mod.is_hex("0123456789abcdef")
     for bad in ["0123456789ABCDEF", "0123456789abcde", "0123456789abcdef0", "0x23456789abcdef", 12, None]:
         assert not checksum_mod.is_hex(bad), bad
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.integers(min_value=0, max_value=(1 << 64) - 1), min_size=0, max_size=40))
+def test_combine_arrays_is_combine(values):
+    """The publisher's uint64-array combine (no Python int per tensor) equals the definition, values at
+    and above 2^63 included (where int64 would be negative)."""
+    import numpy as np
+
+    names = [f"model.layers.{i}.mlp.experts.{i % 7}.up_proj.weight" for i in range(len(values))]
+    got = checksum_mod.combine_arrays(checksum_mod.name_keys(names), np.array(values, dtype=np.uint64))
+    assert got == combine(zip(names, values))

@@ -148,3 +148,24 @@ def test_gpu_encode_frames_is_this_publisher_s_own(tmp_path):
     assert not (tmp_path / "b").exists()  # refused before anything is created
     with pytest.raises(ValueError, match="gpu_encode_frames"):
         UploadOptions(gpu_encode_frames=0)
+
+
+def test_a_table_from_an_array_of_sums_equals_the_one_from_a_mapping():
+    """The Publisher hands the format-5 table its whole-tensor checksums as a uint64 array in the tensor
+    set's order (no dict per version); a mapping gives the same table, and an array of another length is
+    refused."""
+    import numpy as np
+    import pytest
+
+    from vllm_delta.writer import TableTemplate
+
+    shapes = {"a": (4, 3), "b": (5,), "c": (2, 2)}
+    template = TableTemplate.of(shapes, torch.bfloat16, [("a", 0, 4), ("c", 0, 2)])
+    sums = {"a": (1 << 64) - 3, "b": 7, "c": 1 << 63}
+    at, start = np.array([0, 1], dtype=np.int64), np.array([0, 12], dtype=np.int64)
+    from_map = template.table(sums, [3, 1], at, start)
+    from_array = template.table(np.array(list(sums.values()), dtype=np.uint64), [3, 1], at, start)
+    assert from_map.checksums == from_array.checksums and from_map.nnz == from_array.nnz
+    assert from_map.checksums[0] == f"{(1 << 64) - 3:016x}"
+    with pytest.raises(ValueError, match="not one per tensor"):
+        template.table(np.zeros(2, dtype=np.uint64), [3, 1], at, start)
